@@ -1,0 +1,38 @@
+"""perturbkit: activation gradients, gradient hooks and interleaved training for Flax Linen."""
+from perturbkit import _filters as filters
+from perturbkit._errors import NonDifferentiableOutputError
+from perturbkit._errors import NonScalarLossError
+from perturbkit._errors import NoPerturbationPointsError
+from perturbkit._errors import OptimizerStateError
+from perturbkit._errors import PerturbationsNotAppliedError
+from perturbkit._errors import PerturbationStructureError
+from perturbkit._errors import PerturbkitError
+from perturbkit._errors import SegmentationError
+from perturbkit._errors import SharedSegmentError
+from perturbkit._errors import UnperturbedCallsWarning
+from perturbkit._driver import grad
+from perturbkit._driver import value_and_grad
+from perturbkit._hooks import Hook
+from perturbkit._hooks import backward_hook
+from perturbkit._hooks import with_hooks
+from perturbkit._wrap import wrap
+
+__all__ = [
+    'backward_hook',
+    'grad',
+    'Hook',
+    'value_and_grad',
+    'with_hooks',
+    'filters',
+    'NonDifferentiableOutputError',
+    'NonScalarLossError',
+    'NoPerturbationPointsError',
+    'OptimizerStateError',
+    'PerturbationsNotAppliedError',
+    'PerturbationStructureError',
+    'PerturbkitError',
+    'SegmentationError',
+    'SharedSegmentError',
+    'UnperturbedCallsWarning',
+    'wrap',
+]

@@ -1,0 +1,271 @@
+"""Activation gradients: gradients with respect to zero perturbations.
+
+``value_and_grad(loss_fn)`` runs the user's ordinary loss, which calls
+``model.apply(variables, ...)`` on the unmodified model, twice while tracing:
+
+1. ``discover``: an abstract run (``jax.eval_shape``) in which each top-level
+   ``apply`` is replayed with the ``'perturbations'`` collection mutable, so
+   Flax itself creates the zero perturbations of every selected call (lifted
+   transforms included, exactly as ``wrap(model).init`` would).
+2. The differentiated run: zeros of those shapes, made inside the trace so XLA
+   folds the additions away, are handed to ``loss_fn`` as the
+   ``'perturbations'`` collection, and one backward pass gives the parameter
+   gradients and every activation gradient.
+"""
+import functools
+import warnings
+from typing import Any, Callable, Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from perturbkit import _filters
+from perturbkit._errors import (NonScalarLossError, NoPerturbationPointsError,
+                                PerturbationsNotAppliedError, UnperturbedCallsWarning)
+from perturbkit._hooks import Hook, apply_hooks
+from perturbkit._interceptor import Call, intercept, suspended
+from perturbkit._points import (COLLECTION, add_perturbation, differentiable_part,
+                               has_differentiable_leaf, zeros_like_points)
+from perturbkit._types import CallFilter, PyTree, Variables
+
+
+def _with_collection(mutable: Any) -> Any:
+  """``mutable`` with the perturbation collection made mutable as well."""
+  if mutable is True:
+    return True
+  if mutable is False or mutable is None:
+    return [COLLECTION]
+  if isinstance(mutable, str):
+    return [mutable, COLLECTION]
+  if isinstance(mutable, flax.core.DenyList):
+    deny = mutable.deny
+    deny = [deny] if isinstance(deny, str) else list(deny)
+    return flax.core.DenyList([d for d in deny if d != COLLECTION])
+  return [*mutable, COLLECTION]
+
+
+def _set_in(tree: dict, path: tuple, value: Any):
+  for name in path[:-1]:
+    tree = tree.setdefault(name, {})
+  tree[path[-1]] = value
+
+
+def _nested(flat: dict[tuple, Any]) -> dict:
+  tree: dict = {}
+  for path, value in flat.items():
+    _set_in(tree, path, value)
+  return tree
+
+
+def _flat(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+  if isinstance(tree, (dict, flax.core.FrozenDict)):
+    out = {}
+    for k, v in tree.items():
+      out.update(_flat(v, prefix + (k,)))
+    return out
+  return {prefix: tree}
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda l: jax.ShapeDtypeStruct(jnp.shape(l), jnp.result_type(l)), tree)
+
+
+def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
+                   on_point: Callable[[Call, Any, bool], None]):
+  """The per-call handler: run the call, insert hooks, add its perturbation."""
+  def handler(call: Call, run: Callable[[], Any]) -> Any:
+    output = run()
+    if hooks:
+      output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
+    if points(call.module, call.method_name):
+      before = output
+      output, applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
+      on_point(call, before, applied)
+    return output
+  return handler
+
+
+def _interception(points, hooks):
+  return _filters.any_of(points, *(h.filter for h in hooks)) if hooks else points
+
+
+def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
+             filter: CallFilter, strict: bool = False,
+             hooks: Sequence[Hook] = ()) -> tuple[PyTree, list[str]]:
+  """The perturbation points ``loss_fn`` reaches, found by an abstract run.
+
+  Returns:
+    ``(shapes, seen)``: a tree of ``jax.ShapeDtypeStruct`` shaped like the
+    ``'perturbations'`` collection, and the names of every call seen.
+  """
+  found: dict[tuple, Any] = {}
+  seen: list[str] = []
+
+  unreachable: list[str] = []
+
+  def on_point(call, output, applied):
+    if not applied and has_differentiable_leaf(output):
+      unreachable.append(call.name)
+
+  def on_root(module, method, run, a, kw):
+    unbound, own = module.unbind()
+    own = {c: t for c, t in own.items() if c != COLLECTION}
+    _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
+                           mutable=_with_collection(module.scope.mutable), **kw)
+    found.update(_flat(_abstract(new.get(COLLECTION, {}))))
+    with suspended():
+      return run()
+
+  handler = _point_handler(filter, hooks, strict, on_point)
+
+  def recording(call, run):
+    seen.append(call.name)
+    return handler(call, run)
+
+  def traced(variables, *args):
+    with intercept(_filters.all_calls, recording, on_root):
+      return loss_fn(variables, *args, **kwargs)
+
+  plain = {c: t for c, t in variables.items() if c != COLLECTION}
+  jax.eval_shape(traced, plain, *args)
+  if unreachable:
+    warnings.warn(UnperturbedCallsWarning(sorted(set(unreachable))), stacklevel=3)
+  return _nested(found), seen
+
+
+def _check_loss(out: Any, has_aux: bool) -> jax.Array:
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError('With has_aux=True the loss function must return (loss, aux).')
+    out = out[0]
+  shape, dtype = jnp.shape(out), jnp.result_type(out)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise NonScalarLossError(shape, dtype)
+  return out
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                   has_aux: bool = False, hooks: Sequence[Hook] = (),
+                   return_activations: bool = False, strict: bool | None = None
+                   ) -> Callable[..., Any]:
+  """Parameter gradients and every activation gradient, from one backward pass.
+
+  ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss: it calls
+  ``model.apply(variables, ...)`` on the unmodified model. The returned function
+  takes the same arguments and returns ``(loss, grads)`` (``((loss, aux),
+  grads)`` with ``has_aux``), where ``grads['params']`` is the usual gradient
+  and ``grads['perturbations']`` holds dL/d(output) of every selected submodule
+  call, at the module's path under its point key (``'__call__'``, then
+  ``'__call__#1'`` for a second call). The zero perturbations are made inside
+  the trace, so under ``jax.jit`` XLA removes them; the function works under
+  ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``, and with a
+  ``loss_fn`` that contains its own inner gradient step (the points inside the
+  inner step get the derivative of the outer loss through that step).
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+    filter: Which calls get a point (default: all; see ``perturbkit.filters``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
+    hooks: Backward hooks (:func:`backward_hook`) to insert; the activation
+      gradient reported for a hooked call is the one arriving at it, before the
+      hook transforms it for the layers below.
+    return_activations: Also return the outputs of the selected calls, in a
+      tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
+    strict: Whether a selected call without floating-point output is an error
+      (default: only when a filter is given).
+
+  Returns:
+    A function ``(variables, *args, **kwargs) -> (value, grads)``.
+
+  Raises:
+    NonScalarLossError: the loss is not a real scalar.
+    NoPerturbationPointsError: the filter selects no call.
+    PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+    >>> loss, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
+    >>> grads['perturbations']['layers_2']['__call__'].shape
+    (2, 1)
+  """
+  points = _filters.as_filter(filter)
+  if strict is None:
+    strict = filter is not None and filter is not True
+  hooks = tuple(hooks)
+  selected = _interception(points, hooks)
+
+  @functools.wraps(loss_fn)
+  def run(variables: Variables, *args, **kwargs):
+    if 'params' not in variables:
+      raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+    shapes, seen = discover(loss_fn, variables, args, kwargs, filter=points,
+                            strict=strict, hooks=hooks)
+    expected = set(_flat(shapes))
+    if not expected:
+      raise NoPerturbationPointsError(seen)
+
+    def differentiable(params, perturbations):
+      applied: set[tuple] = set()
+      activations: dict[tuple, Any] = {}
+
+      def on_point(call, output, was_applied):
+        if was_applied:
+          path = call.path + (call.key,)
+          applied.add(path)
+          if return_activations:
+            activations[path] = differentiable_part(output)
+
+      handler = _point_handler(points, hooks, strict, on_point)
+      full = {**variables, 'params': params, COLLECTION: perturbations}
+      with intercept(selected, handler):
+        out = loss_fn(full, *args, **kwargs)
+      missing = sorted('/'.join(p) for p in expected - {p for p in applied})
+      if missing:
+        raise PerturbationsNotAppliedError(missing)
+      loss = _check_loss(out, has_aux)
+      aux = out[1] if has_aux else None
+      return loss, (aux, _nested(activations))
+
+    (loss, (aux, activations)), (g_params, g_points) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(variables['params'],
+                                                      zeros_like_points(shapes))
+    value = (loss, aux) if has_aux else loss
+    grads = {'params': g_params, COLLECTION: g_points}
+    if return_activations:
+      return value, grads, activations
+    return value, grads
+
+  return run
+
+
+def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+         has_aux: bool = False, hooks: Sequence[Hook] = (),
+         strict: bool | None = None) -> Callable[..., Any]:
+  """Like :func:`value_and_grad` but returns only ``grads`` (``(grads, aux)`` with aux).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Dense(2)
+    >>> wrapped = nn.Sequential([nn.Dense(3), nn.Dense(1)])
+    >>> x = jnp.ones((1, 2))
+    >>> v = wrapped.init(jax.random.key(0), x)
+    >>> g = perturbkit.grad(lambda v: wrapped.apply(v, x).sum())(v)
+    >>> g['perturbations']['layers_1']['__call__'].tolist()
+    [[1.0]]
+  """
+  vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
+
+  @functools.wraps(loss_fn)
+  def run(variables: Variables, *args, **kwargs):
+    value, grads = vg(variables, *args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return run

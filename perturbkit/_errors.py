@@ -1,0 +1,97 @@
+"""The named errors perturbkit raises. Each message says what was wrong and how to fix it."""
+
+
+class PerturbkitError(Exception):
+  """Base class of every error perturbkit raises."""
+
+
+class NonScalarLossError(PerturbkitError, TypeError):
+  """The loss function returned something other than a real scalar."""
+
+  def __init__(self, shape, dtype):
+    super().__init__(
+        f'The loss function must return a real scalar, but it returned an array of '
+        f'shape {tuple(shape)} and dtype {dtype}. Reduce it first, e.g. with '
+        '`jnp.mean(...)`, or return `(loss, aux)` and pass `has_aux=True`.')
+
+
+class NoPerturbationPointsError(PerturbkitError, ValueError):
+  """The filter selected no submodule call."""
+
+  def __init__(self, seen):
+    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
+    super().__init__(
+        'The filter selected no submodule call, so there is no activation gradient to '
+        f'compute. Calls seen: [{listed or "none"}]. Check the filter, or make sure the '
+        'loss function calls `model.apply(variables, ...)` with the variables it is given.')
+
+
+class PerturbationStructureError(PerturbkitError, ValueError):
+  """A 'perturbations' tree does not match the perturbation points of the model call."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'The perturbations do not match the model call: {detail}. Create them with '
+        '`wrapped.init(...)["perturbations"]` (or `perturbkit.zero_perturbations`) for the '
+        'same inputs, shapes and filter as the call that uses them.')
+
+
+class NonDifferentiableOutputError(PerturbkitError, TypeError):
+  """A selected submodule call returned no inexact (floating or complex) array."""
+
+  def __init__(self, where, dtypes):
+    super().__init__(
+        f'The call {where} was selected for a perturbation, but its output has no '
+        f'floating-point leaf (leaf dtypes: {dtypes}), so it has no activation gradient. '
+        'Exclude it with the filter, e.g. `perturbkit.filters.negate(perturbkit.filters.'
+        'by_path(...))`.')
+
+
+class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
+  """The loss function did not pass the perturbations on to `model.apply`."""
+
+  def __init__(self, missing):
+    listed = ', '.join(missing[:8]) + (' ...' if len(missing) > 8 else '')
+    super().__init__(
+        f'{len(missing)} perturbation point(s) were never reached: [{listed}]. The loss '
+        'function must hand the `variables` it receives to `model.apply` unchanged (extra '
+        "collections included), e.g. `model.apply(variables, x)` or "
+        "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
+        'same inputs every time it is traced.')
+
+
+class SegmentationError(PerturbkitError, ValueError):
+  """The model call cannot be split into segments as asked."""
+
+
+class SharedSegmentError(SegmentationError):
+  """A segment module is called more than once in one step."""
+
+  def __init__(self, path):
+    super().__init__(
+        f'The segment {path!r} is called more than once in one step (shared weights). '
+        'Interleaved updates need one call per segment, because the weights would change '
+        'between the calls. Choose segments that contain every call of the shared module, '
+        'e.g. `segments=perturbkit.filters.by_path(...)` on the parent, or exclude it.')
+
+
+class OptimizerStateError(PerturbkitError, ValueError):
+  """An optimizer state does not match the parameters it is used with."""
+
+
+class TracingRequiredError(PerturbkitError, RuntimeError):
+  """A function that must run inside a traced model call was used outside one."""
+
+
+class UnperturbedCallsWarning(UserWarning):
+  """Selected calls inside a lifted transform that cannot carry perturbations."""
+
+  def __init__(self, names):
+    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
+    super().__init__(
+        f'{len(names)} selected call(s) run inside a lifted transform (nn.scan, nn.vmap, '
+        f'...) that does not map the "perturbations" collection, so they get no '
+        f'perturbation point and no activation gradient: [{listed}]. For per-iteration '
+        'gradients add `"perturbations": <axis>` to the transform\'s `variable_axes` '
+        '(e.g. `nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
+        'to silence this, exclude the calls with the filter.')

@@ -1,0 +1,165 @@
+"""Ready-made call filters.
+
+A call filter has the shape Flax uses for ``capture_intermediates``: a function
+``(module, method_name) -> bool`` that says whether a submodule call gets a
+perturbation point (or is a segment, or gets a hook). The root module's own call
+is never a point: its output is the model's output.
+
+Example:
+  >>> import flax.linen as nn
+  >>> from perturbkit import filters
+  >>> dense_only = filters.by_type(nn.Dense)
+  >>> shallow = filters.all_of(filters.by_depth(max_depth=2), filters.by_method('__call__'))
+"""
+import fnmatch
+from typing import Sequence
+
+import flax.linen as nn
+
+from perturbkit._types import CallFilter
+
+
+def all_calls(module: nn.Module, method_name: str) -> bool:
+  """Selects every submodule call, at every depth.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> filters.all_calls(None, '__call__')
+    True
+  """
+  del module, method_name
+  return True
+
+
+def by_type(*types: type) -> CallFilter:
+  """Selects calls on modules that are instances of any of ``types``.
+
+  Args:
+    *types: Module classes, e.g. ``nn.Dense, nn.Conv``.
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> filters.by_type(nn.Dense)(nn.Dense(3), '__call__')
+    True
+  """
+  if not types or not all(isinstance(t, type) for t in types):
+    raise TypeError(f'by_type takes module classes, got {types!r}.')
+  return lambda module, method_name: isinstance(module, types)
+
+
+def path_string(module: nn.Module) -> str:
+  """The module's path as ``'Block_0/Dense_1'`` (the key path of its params)."""
+  return '/'.join(module.path)
+
+
+def by_path(*patterns: str) -> CallFilter:
+  """Selects calls on modules whose path matches any shell-style pattern.
+
+  The path is joined with ``/`` like the params tree, e.g. ``'Block_0/Dense_1'``;
+  ``*`` matches across ``/`` too, as in ``fnmatch``.
+
+  Args:
+    *patterns: ``fnmatch`` patterns, e.g. ``'Block_*'`` or ``'*/Dense_0'``.
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> f = filters.by_path('encoder/*')
+  """
+  if not patterns or not all(isinstance(p, str) for p in patterns):
+    raise TypeError(f'by_path takes string patterns, got {patterns!r}.')
+  return lambda module, method_name: any(
+      fnmatch.fnmatchcase(path_string(module), p) for p in patterns)
+
+
+def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
+  """Selects calls on modules nested ``min_depth`` to ``max_depth`` levels deep.
+
+  Direct children of the root are at depth 1.
+
+  Args:
+    max_depth: The deepest level selected.
+    min_depth: The shallowest level selected (default 1).
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> two_levels = filters.by_depth(2)
+  """
+  if min_depth < 1 or max_depth < min_depth:
+    raise ValueError(f'Need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}.')
+  return lambda module, method_name: min_depth <= len(module.path) <= max_depth
+
+
+top_level: CallFilter = by_depth(1)
+top_level.__doc__ = 'Selects calls on direct children of the root module.'
+
+
+def by_method(*names: str) -> CallFilter:
+  """Selects calls of the named methods, e.g. ``'__call__'``.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> filters.by_method('__call__')(None, 'encode')
+    False
+  """
+  return lambda module, method_name: method_name in names
+
+
+def all_of(*filters: CallFilter) -> CallFilter:
+  """Selects the calls that every filter selects.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> f = filters.all_of(filters.top_level, filters.by_method('__call__'))
+  """
+  return lambda module, method_name: all(f(module, method_name) for f in filters)
+
+
+def any_of(*filters: CallFilter) -> CallFilter:
+  """Selects the calls that any filter selects.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> f = filters.any_of(filters.by_type(nn.Dense), filters.by_type(nn.Conv))
+  """
+  return lambda module, method_name: any(f(module, method_name) for f in filters)
+
+
+def negate(filter: CallFilter) -> CallFilter:
+  """Selects the calls that ``filter`` does not select.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> not_dropout = filters.negate(filters.by_type(nn.Dropout))
+  """
+  return lambda module, method_name: not filter(module, method_name)
+
+
+def as_filter(filter: CallFilter | bool | Sequence[str] | None) -> CallFilter:
+  """Turns the accepted spellings of a filter into a call filter.
+
+  ``None`` or ``True`` select every call; a callable is used as it is; a list of
+  strings is a list of path patterns (see :func:`by_path`).
+  """
+  if filter is None or filter is True:
+    return all_calls
+  if filter is False:
+    raise ValueError('filter=False selects nothing; pass None or True to select every call.')
+  if callable(filter):
+    return filter
+  if isinstance(filter, (list, tuple)) and all(isinstance(p, str) for p in filter):
+    return by_path(*filter)
+  raise TypeError(
+      f'A filter is a callable (module, method_name) -> bool, True, or a list of path '
+      f'patterns; got {filter!r}.')

@@ -1,0 +1,156 @@
+"""The one place that talks to ``nn.intercept_methods``.
+
+``intercept(filter, on_call)`` runs a block in which every submodule method call
+selected by ``filter`` is handed to ``on_call(call, run)``, where ``run()``
+executes the original call and ``call`` names it. Handlers decide what to do
+around the call (add a perturbation, insert a hook, replace it by a segment).
+
+Each selected call gets a stable name within its module's scope, the *point key*:
+``'__call__'`` for the first call of ``__call__``, ``'__call__#1'`` for the second,
+and so on. Calls are counted per module scope, so lifted transforms that trace a
+body more than once name its calls the same way each time; the counts of one
+``apply`` are carried over to the next ``apply`` inside the same block, so a loss
+that runs the model twice gets distinct points for the two runs.
+"""
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import flax.linen as nn
+
+from perturbkit._types import CallFilter, Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One submodule method call, as handlers see it.
+
+  Attributes:
+    module: The bound module whose method is called.
+    method_name: The method's name, e.g. ``'__call__'``.
+    key: The point key of this call within the module's scope.
+  """
+  module: nn.Module
+  method_name: str
+  key: str
+
+  @property
+  def path(self) -> Path:
+    """The module's path, the same as its params' key path."""
+    return tuple(self.module.path)
+
+  @property
+  def name(self) -> str:
+    """``'Block_0/Dense_1/__call__'``: the module path and the point key."""
+    return '/'.join(self.path + (self.key,))
+
+
+Handler = Callable[[Call, Callable[[], Any]], Any]
+RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple, dict], Any]
+
+
+def point_key(method_name: str, index: int) -> str:
+  """The point key of the ``index``-th call of ``method_name`` (0-based)."""
+  return method_name if index == 0 else f'{method_name}#{index}'
+
+
+class _State:
+  """Counters and flags of one ``intercept`` block; dropped when the block ends."""
+
+  def __init__(self):
+    self.offsets: dict[tuple[Path, str], int] = {}
+    self.apply_counts: dict[tuple[Path, str], int] = {}
+    self.scope_counts: dict[Any, dict[str, int]] = {}
+    self.roots_active = 0
+    self.suspended = 0
+
+  def start_apply(self):
+    for k, n in self.apply_counts.items():
+      self.offsets[k] = self.offsets.get(k, 0) + n
+    self.apply_counts.clear()
+    self.scope_counts.clear()
+
+  def next_key(self, module: nn.Module, method_name: str) -> str:
+    counts = self.scope_counts.setdefault(module.scope, {})
+    n = counts.get(method_name, 0)
+    counts[method_name] = n + 1
+    k = (tuple(module.path), method_name)
+    self.apply_counts[k] = max(self.apply_counts.get(k, 0), n + 1)
+    return point_key(method_name, self.offsets.get(k, 0) + n)
+
+
+def _is_method_call(module: nn.Module, method_name: str) -> bool:
+  # Flax also routes `setup` through interceptors, and, for submodules, internal
+  # helpers named like lambdas; neither is a call of the model. A root call may
+  # be any function passed as `apply(..., method=fn)`.
+  if module.scope is None or method_name == 'setup':
+    return False
+  return not module.path or method_name.isidentifier()
+
+
+_SUSPEND: list[_State] = []
+
+
+@contextlib.contextmanager
+def intercept(filter: CallFilter, on_call: Handler,
+              on_root: RootHandler | None = None) -> Iterator[None]:
+  """Hands every selected submodule call inside the block to ``on_call``.
+
+  Args:
+    filter: Selects the calls, ``(module, method_name) -> bool``.
+    on_call: ``(call, run) -> output``; ``run()`` executes the original call.
+    on_root: Optional ``(module, method, run, args, kwargs) -> output``,
+      called for the root call of each top-level ``apply``/``init``;
+      ``method`` is the called function (a method name where it is one).
+
+  Yields:
+    Nothing; the interception ends with the block.
+  """
+  state = _State()
+
+  def interceptor(next_fun, args, kwargs, context):
+    module, method_name = context.module, context.method_name
+    if state.suspended or not _is_method_call(module, method_name):
+      return next_fun(*args, **kwargs)
+    run = lambda: next_fun(*args, **kwargs)
+    if not module.path:
+      if state.roots_active:
+        return run()
+      state.start_apply()
+      state.roots_active += 1
+      try:
+        if on_root is None:
+          return run()
+        method = method_name if hasattr(type(module), method_name) else getattr(
+            context.orig_method, 'func', context.orig_method)
+        return on_root(module, method, run, args, kwargs)
+      finally:
+        state.roots_active -= 1
+    key = state.next_key(module, method_name)
+    if not filter(module, method_name):
+      return run()
+    return on_call(Call(module, method_name, key), run)
+
+  _SUSPEND.append(state)
+  try:
+    with nn.intercept_methods(interceptor):
+      yield
+  finally:
+    _SUSPEND.pop()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """Calls made inside this block pass through every active ``intercept``.
+
+  Handlers use it when they run a call their own way (a replay of a segment),
+  so that the calls inside are not intercepted a second time.
+  """
+  states = list(_SUSPEND)
+  for s in states:
+    s.suspended += 1
+  try:
+    yield
+  finally:
+    for s in states:
+      s.suspended -= 1

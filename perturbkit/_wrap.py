@@ -1,0 +1,107 @@
+"""``wrap``: the same model with a perturbation point after every selected call."""
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from perturbkit import _filters
+from perturbkit._interceptor import intercept
+from perturbkit._points import COLLECTION, add_perturbation
+from perturbkit._types import CallFilter
+
+
+def perturbing(filter: CallFilter, *, strict: bool):
+  """An ``intercept`` block that adds perturbations at the selected calls."""
+  return intercept(filter, lambda call, run: add_perturbation(
+      call.module, call.key, run(), call.name, strict=strict)[0])
+
+
+class Perturbed(nn.Module):
+  """An unmodified module with perturbation points; build it with :func:`wrap`.
+
+  Attributes:
+    module: The wrapped module. Its variables live at the same paths as if it
+      were used alone: it is bound to this module's own scope.
+    filter: Selects the calls that get a point.
+    strict: Whether a selected call with no floating-point output is an error.
+  """
+  module: nn.Module
+  filter: CallFilter = _filters.all_calls
+  strict: bool = False
+
+  def __call__(self, *args, **kwargs):
+    return self._run('__call__', *args, **kwargs)
+
+  def _run(self, method: str | Callable[..., Any], *args, **kwargs):
+    # Bound to this very scope (not as a child), the module sees the same paths
+    # and rng streams as when it is the root, so params and dropout masks match.
+    inner = self.module.clone(parent=self.scope, _deep_clone=True)
+    with perturbing(self.filter, strict=self.strict):
+      if callable(method):
+        return method(inner, *args, **kwargs)
+      return getattr(inner, method)(*args, **kwargs)
+
+  @nn.nowrap
+  def _forwarding(self, method):
+    if method is None:
+      return None
+    return lambda wrapper, *args, **kwargs: wrapper._run(method, *args, **kwargs)
+
+  @nn.nowrap
+  def init_with_output(self, rngs, *args, method=None, **kwargs):
+    return super().init_with_output(rngs, *args, method=self._forwarding(method), **kwargs)
+
+  @nn.nowrap
+  def init(self, rngs, *args, method=None, **kwargs):
+    return super().init(rngs, *args, method=self._forwarding(method), **kwargs)
+
+  @nn.nowrap
+  def apply(self, variables, *args, method=None, **kwargs):
+    return super().apply(variables, *args, method=self._forwarding(method), **kwargs)
+
+
+def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
+         strict: bool | None = None) -> nn.Module:
+  """Wraps an unmodified Linen module so that every submodule call is perturbed.
+
+  The wrapped model has exactly the params tree of ``module`` (same paths,
+  shapes and values for the same rng), so checkpoints load unchanged. Its
+  ``init`` also returns a ``'perturbations'`` collection, one entry per selected
+  call at the module's path (``'__call__'``, then ``'__call__#1'`` for a second
+  call of the same module); ``apply`` with that collection adds the entries to
+  the call outputs exactly as a hand-written ``self.perturb`` would, and without
+  it ``apply`` is the unwrapped model. ``method=``, ``mutable=`` and ``rngs=``
+  work as for ``module``, with ``method`` naming a method of ``module``.
+
+  Args:
+    module: Any Linen module, unbound.
+    filter: Which calls get a point: ``None``/``True`` for all (default), a
+      ``(module, method_name) -> bool`` callable (see ``perturbkit.filters``),
+      or a list of path patterns.
+    strict: If true, a selected call whose output has no floating-point leaf
+      raises :class:`NonDifferentiableOutputError`; by default such calls are
+      skipped when ``filter`` is ``None`` and rejected when a filter is given.
+
+  Returns:
+    The wrapped module.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+    >>> wrapped = perturbkit.wrap(model)
+    >>> variables = wrapped.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> sorted(variables['perturbations'])
+    ['layers_0', 'layers_2']
+    >>> variables['perturbations']['layers_0']['__call__'].shape
+    (1, 4)
+  """
+  if not isinstance(module, nn.Module):
+    raise TypeError(f'wrap takes a flax.linen.Module, got {type(module).__name__}.')
+  if module.scope is not None:
+    raise ValueError('wrap takes an unbound module; call `module.unbind()` first.')
+  if strict is None:
+    strict = filter is not None and filter is not True
+  return Perturbed(module, _filters.as_filter(filter), strict)
+
+
+__all__ = ['wrap', 'Perturbed', 'COLLECTION']
