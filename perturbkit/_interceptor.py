@@ -29,10 +29,14 @@ class Call:
     module: The bound module whose method is called.
     method_name: The method's name, e.g. ``'__call__'``.
     key: The point key of this call within the module's scope.
+    args: The call's positional arguments.
+    kwargs: The call's keyword arguments.
   """
   module: nn.Module
   method_name: str
   key: str
+  args: tuple = ()
+  kwargs: dict = dataclasses.field(default_factory=dict)
 
   @property
   def path(self) -> Path:
@@ -129,7 +133,7 @@ def intercept(filter: CallFilter, on_call: Handler,
     key = state.next_key(module, method_name)
     if not filter(module, method_name):
       return run()
-    return on_call(Call(module, method_name, key), run)
+    return on_call(Call(module, method_name, key, args, kwargs), run)
 
   _SUSPEND.append(state)
   try:
