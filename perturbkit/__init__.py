@@ -15,11 +15,19 @@ from perturbkit._driver import value_and_grad
 from perturbkit._hooks import Hook
 from perturbkit._hooks import backward_hook
 from perturbkit._hooks import with_hooks
+from perturbkit._schedule import REST
+from perturbkit._schedule import Interleaved
+from perturbkit._schedule import InterleavedState
+from perturbkit._schedule import interleaved
 from perturbkit._wrap import wrap
 
 __all__ = [
     'backward_hook',
     'grad',
+    'interleaved',
+    'Interleaved',
+    'InterleavedState',
+    'REST',
     'Hook',
     'value_and_grad',
     'with_hooks',

@@ -1,0 +1,338 @@
+"""``interleaved``: update-then-propagate training, segment by segment.
+
+Walking backward through the model, each segment (a submodule call) gets its
+gradient, averaged over devices, and its optimizer step at once; the gradient
+for everything the segment consumed is then computed with the UPDATED weights.
+The segments are custom-VJP replays (``_segments``); activation gradients at
+their outputs come from zero perturbations (``_driver``/``_points``).
+"""
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from perturbkit import _filters
+from perturbkit._driver import _check_loss, _flat, _nested, discover
+from perturbkit._errors import OptimizerStateError, SegmentationError, SharedSegmentError
+from perturbkit._interceptor import intercept
+from perturbkit._points import COLLECTION, add_perturbation, zeros_like_points
+from perturbkit._segments import run_segment
+from perturbkit._types import CallFilter, Path, PyTree, Variables
+
+REST = '<rest>'
+"""The group of params owned by no segment (e.g. created directly in the root)."""
+
+Optimizer = optax.GradientTransformation | Callable[[str], optax.GradientTransformation]
+
+
+class InterleavedState(NamedTuple):
+  """The training state: a pytree, so it passes through ``jax.jit`` and sharding.
+
+  Attributes:
+    step: Number of steps taken.
+    variables: All model collections (``params``, ``batch_stats``, ...).
+    opt_state: One optimizer state per segment name, and one for ``REST``.
+    grad_norm: The previous step's global gradient norm (for clipping).
+  """
+  step: jax.Array
+  variables: dict
+  opt_state: dict
+  grad_norm: jax.Array
+
+  @property
+  def params(self) -> PyTree:
+    """The current parameters."""
+    return self.variables['params']
+
+
+class Interleaved(NamedTuple):
+  """A pair of pure functions, like ``optax.GradientTransformation``.
+
+  Attributes:
+    init: ``(variables, *example_args) -> InterleavedState``.
+    step: ``(state, *args) -> (state, metrics)``; jittable.
+    segments: ``(variables, *example_args) -> list of segment names``.
+  """
+  init: Callable[..., InterleavedState]
+  step: Callable[..., tuple[InterleavedState, dict]]
+  segments: Callable[..., list[str]]
+
+
+def _name(path: Path) -> str:
+  return '/'.join(path)
+
+
+def _subtree(tree: Mapping, path: Path) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _without(tree: Mapping, paths: Sequence[Path]) -> dict:
+  """``tree`` with the subtrees at ``paths`` removed (empty dicts pruned)."""
+  out = {}
+  for k, v in tree.items():
+    inner = [p[1:] for p in paths if p[0] == k]
+    if () in inner:
+      continue
+    if inner and isinstance(v, Mapping):
+      v = _without(v, inner)
+      if not v:
+        continue
+    out[k] = v
+  return out
+
+
+def _with(tree: Mapping, path: Path, value: Any) -> dict:
+  out = dict(tree)
+  if len(path) == 1:
+    out[path[0]] = value
+  else:
+    out[path[0]] = _with(tree.get(path[0], {}), path[1:], value)
+  return out
+
+
+def _module_paths(params: Mapping, depth: int, prefix: Path = ()) -> list[Path]:
+  """Paths of the module scopes ``depth`` levels down the params tree."""
+  found = []
+  for k, v in params.items():
+    if isinstance(v, Mapping):
+      if len(prefix) + 1 == depth:
+        found.append(prefix + (k,))
+      else:
+        found.extend(_module_paths(v, depth, prefix + (k,)))
+  return found
+
+
+def _optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformation:
+  if isinstance(optimizer, optax.GradientTransformation):
+    return optimizer
+  tx = optimizer(name)
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f'The optimizer function returned {tx!r} for segment {name!r}; it must '
+                    'return an optax.GradientTransformation.')
+  return tx
+
+
+def _clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:
+  if max_norm is None:
+    return jnp.ones(())
+  return jnp.where(previous_norm > max_norm, max_norm / jnp.maximum(previous_norm, 1e-30), 1.0)
+
+
+def _tree_where(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
+                segments: int | CallFilter | None = None, propagate: str = 'updated',
+                axis_name: str | None = None, has_aux: bool = False,
+                clip_global_norm: float | None = None,
+                skip_nonfinite: bool = True) -> Interleaved:
+  """Interleaved update-then-propagate training for an unmodified Linen model.
+
+  Segments are submodule calls, processed in reverse order of execution. For
+  segment k, its output cotangent is the sum of what every later consumer sent
+  back (each computed with that consumer's already-updated weights) plus the
+  loss's direct contribution; ``dw_k`` is taken at the old ``w_k`` (then
+  ``pmean``-ed over ``axis_name``), ``w_k`` takes its optimizer step, and the
+  cotangents for everything segment k consumed are computed at the new ``w_k``.
+  Glue code, skip connections and outputs used several times are exact.
+  Params owned by no segment get their ordinary gradient and are updated at the
+  end. Mutable collections (``batch_stats``) are updated as the model's own
+  ``apply(..., mutable=...)`` would; rng users see the same random numbers in
+  the weight-gradient and input-gradient replays of a segment.
+
+  Each segment has its own optimizer state, so transformations that look at
+  the whole gradient (``optax.clip_by_global_norm``) act per segment. For a
+  global norm, ``clip_global_norm=c`` scales every gradient of a step by
+  ``min(1, c / n)`` where ``n`` is the PREVIOUS step's global norm (no second
+  backward pass; the first step is not clipped).
+
+  Args:
+    loss_fn: ``(variables, *args) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), calling ``model.apply(variables, ...)``.
+    optimizer: An ``optax.GradientTransformation`` used for every segment, or a
+      function ``segment_name -> GradientTransformation`` (per-segment learning
+      rates; the unsegmented params are named ``perturbkit.REST``).
+    segments: ``None`` for the top-level submodule calls, an ``int`` depth, or a
+      call filter (then ``init`` needs example arguments).
+    propagate: ``'updated'`` (propagate with the new weights) or ``'original'``
+      (old weights: the result equals ``jax.grad`` + ``optimizer.update``).
+    axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.
+    clip_global_norm: Optional global-norm clip using the previous step's norm.
+    skip_nonfinite: If a step's loss or gradient is not finite, keep the old
+      state and report ``metrics['skipped']`` (default); else apply it.
+
+  Returns:
+    An :class:`Interleaved` with pure ``init`` and ``step``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(1)])
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+    >>> tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+    >>> state = tx.init(model.init(jax.random.key(0), x))
+    >>> state, metrics = jax.jit(tx.step)(state, x, y)
+    >>> sorted(metrics['grad_norm'])
+    ['layers_0', 'layers_2']
+  """
+  if propagate not in ('updated', 'original'):
+    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+  if segments is not None and not isinstance(segments, int) and not callable(segments):
+    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+
+  def segment_paths(variables: Variables, *args) -> list[Path]:
+    params = variables['params']
+    if segments is None or isinstance(segments, int):
+      return _module_paths(params, 1 if segments is None else segments)
+    if not args:
+      raise SegmentationError(
+          'A segment filter selects calls, which are only known by tracing the model: '
+          'pass example arguments, `init(variables, *args)`.')
+    shapes, _ = discover(loss_fn, variables, args, {}, filter=segments)
+    owned = {p[:-1] for p in _flat(shapes)}
+    return sorted(p for p in owned if _has_params(params, p))
+
+  def init(variables: Variables, *args) -> InterleavedState:
+    if 'params' not in variables:
+      raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+    variables = {c: v for c, v in dict(variables).items() if c != COLLECTION}
+    paths = segment_paths(variables, *args)
+    if not paths:
+      raise SegmentationError('No segment owns any params; check `segments`.')
+    params = variables['params']
+    opt_state = {_name(p): _optimizer_for(optimizer, _name(p)).init(_subtree(params, p))
+                 for p in paths}
+    opt_state[REST] = _optimizer_for(optimizer, REST).init(_without(params, paths))
+    return InterleavedState(jnp.zeros((), jnp.int32), variables, opt_state,
+                            jnp.zeros((), jnp.float32))
+
+  def paths_of(state: InterleavedState) -> list[Path]:
+    names = [n for n in state.opt_state if n != REST]
+    params = state.params
+    paths = [tuple(n.split('/')) for n in names]
+    for p in paths:
+      if not _has_params(params, p):
+        raise OptimizerStateError(
+            f'The optimizer state has a segment {_name(p)!r} that the params do not have; '
+            'build the state with `init` on these variables.')
+    return paths
+
+  def check_opt_state(state: InterleavedState, paths: list[Path]):
+    params = state.params
+    groups = {_name(p): _subtree(params, p) for p in paths}
+    groups[REST] = _without(params, paths)
+    for name, w in groups.items():
+      want = jax.tree.structure(jax.eval_shape(_optimizer_for(optimizer, name).init, w))
+      got = jax.tree.structure(state.opt_state[name])
+      if want != got:
+        raise OptimizerStateError(
+            f'The optimizer state of {name!r} does not match its params ({got} vs {want}); '
+            'build the state with `init` for the same params and optimizer.')
+
+  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    paths = paths_of(state)
+    check_opt_state(state, paths)
+    by_path = {p: _name(p) for p in paths}
+    variables = state.variables
+    params = variables['params']
+    is_segment = lambda module, method_name: tuple(module.path) in by_path
+    shapes, seen = discover(loss_fn, variables, args, {}, filter=is_segment)
+    for name in seen:
+      path, key = tuple(name.split('/')[:-1]), name.split('/')[-1]
+      if path in by_path and key != '__call__' and '#' in key:
+        raise SharedSegmentError(_name(path))
+    scale = _clip_scale(clip_global_norm, state.grad_norm)
+
+    def update_for(name: str) -> Callable[[Any, Any], Any]:
+      tx = _optimizer_for(optimizer, name)
+
+      def update(dw, w):
+        updates, _ = tx.update(jax.tree.map(lambda g: g * scale, dw), state.opt_state[name], w)
+        return optax.apply_updates(w, updates)
+      return update
+
+    def differentiable(params, perturbations):
+      mutated: dict = {}
+
+      def on_call(call, run):
+        inside_transform = not isinstance(call.module.parent, type(call.module)) and (
+            call.module.parent is not None and not hasattr(call.module.parent, 'path'))
+        w = call.module.variables.get('params', {})
+        expected = _subtree(params, call.path)
+        if inside_transform or jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, expected):
+          raise SegmentationError(
+              f'The segment {call.name!r} runs inside a lifted transform (nn.scan, nn.vmap) '
+              'whose params are sliced; make the whole transformed module one segment '
+              '(its parent), or choose other segments.')
+        name = by_path[call.path]
+        update = update_for(name) if propagate == 'updated' else None
+        out = run_segment(call, update, axis_name)
+        out, _ = add_perturbation(call.module, call.key, out, call.name, strict=False)
+        return out
+
+      def on_root(module, method, run, a, kw):
+        out = run()
+        current = module.variables
+        mutated.update({c: current[c] for c in current
+                        if c not in ('params', COLLECTION) and module.is_mutable_collection(c)})
+        return out
+
+      full = {**variables, 'params': params, COLLECTION: perturbations}
+      with intercept(is_segment, on_call, on_root):
+        out = loss_fn(full, *args)
+      loss = _check_loss(out, has_aux)
+      return loss, (out[1] if has_aux else None, mutated)
+
+    (loss, (aux, mutated)), (grads, act_grads) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(params, zeros_like_points(shapes))
+
+    rest_grads = _without(grads, paths)
+    if axis_name is not None:
+      rest_grads = jax.lax.pmean(rest_grads, axis_name)
+      loss = jax.lax.pmean(loss, axis_name)
+    groups = {by_path[p]: (_subtree(grads, p), _subtree(params, p)) for p in paths}
+    groups[REST] = (rest_grads, _without(params, paths))
+    new_params, new_opt_state, grad_norms = params, {}, {}
+    for name, (g, w) in groups.items():
+      grad_norms[name] = optax.global_norm(g)
+      updates, new_opt_state[name] = _optimizer_for(optimizer, name).update(
+          jax.tree.map(lambda x: x * scale, g), state.opt_state[name], w)
+      new_w = optax.apply_updates(w, updates)
+      if name == REST:
+        for p, v in _flat(new_w).items():
+          new_params = _with(new_params, p, v)
+      else:
+        new_params = _with(new_params, tuple(name.split('/')), new_w)
+    global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
+    new_variables = {**variables, **mutated, 'params': new_params}
+    new_state = InterleavedState(state.step + 1, new_variables, new_opt_state, global_norm)
+    skipped = jnp.logical_not(jnp.isfinite(global_norm) & jnp.isfinite(loss))
+    if skip_nonfinite:
+      new_state = _tree_where(skipped, state._replace(step=state.step + 1), new_state)
+    act_norms = {by_path[p]: optax.global_norm(_subtree(act_grads, p)) for p in paths
+                 if _has_params(act_grads, p)}
+    metrics = {'loss': loss, 'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
+               'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
+               'skipped': skipped}
+    if has_aux:
+      metrics['aux'] = aux
+    return new_state, metrics
+
+  def segment_names(variables: Variables, *args) -> list[str]:
+    return [_name(p) for p in segment_paths(dict(variables), *args)]
+
+  return Interleaved(init, step, segment_names)
+
+
+def _has_params(tree: Mapping, path: Path) -> bool:
+  for k in path:
+    if not isinstance(tree, Mapping) or k not in tree:
+      return False
+    tree = tree[k]
+  return bool(jax.tree.leaves(tree))
