@@ -93,8 +93,13 @@ def _interception(points, hooks):
 
 def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
              filter: CallFilter, strict: bool = False,
-             hooks: Sequence[Hook] = ()) -> tuple[PyTree, list[str]]:
+             hooks: Sequence[Hook] = (),
+             unreachable: list[str] | None = None) -> tuple[PyTree, list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
+
+  Selected calls that cannot carry a perturbation (inside a lifted transform
+  that does not map the collection) are appended to ``unreachable`` if given,
+  else reported with an :class:`UnperturbedCallsWarning`.
 
   Returns:
     ``(shapes, seen)``: a tree of ``jax.ShapeDtypeStruct`` shaped like the
@@ -103,11 +108,11 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   found: dict[tuple, Any] = {}
   seen: list[str] = []
 
-  unreachable: list[str] = []
+  missed: list[str] = []
 
   def on_point(call, output, applied):
     if not applied and has_differentiable_leaf(output):
-      unreachable.append(call.name)
+      missed.append(call.name)
 
   def on_root(module, method, run, a, kw):
     unbound, own = module.unbind()
@@ -130,8 +135,10 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
 
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
   jax.eval_shape(traced, plain, *args)
-  if unreachable:
-    warnings.warn(UnperturbedCallsWarning(sorted(set(unreachable))), stacklevel=3)
+  if unreachable is not None:
+    unreachable.extend(sorted(set(missed)))
+  elif missed:
+    warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=3)
   return _nested(found), seen
 
 

@@ -242,7 +242,13 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     variables = state.variables
     params = variables['params']
     is_segment = lambda module, method_name: tuple(module.path) in by_path
-    shapes, seen = discover(loss_fn, variables, args, {}, filter=is_segment)
+    lifted: list[str] = []
+    shapes, seen = discover(loss_fn, variables, args, {}, filter=is_segment, unreachable=lifted)
+    if lifted:
+      raise SegmentationError(
+          f'The segments {lifted} run inside a lifted transform (nn.scan, nn.vmap) whose '
+          'params are sliced per iteration; make the whole transformed module part of one '
+          'segment (e.g. segments at its parent\'s depth), or choose other segments.')
     for name in seen:
       path, key = tuple(name.split('/')[:-1]), name.split('/')[-1]
       if path in by_path and key != '__call__' and '#' in key:
@@ -261,11 +267,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       mutated: dict = {}
 
       def on_call(call, run):
-        inside_transform = not isinstance(call.module.parent, type(call.module)) and (
-            call.module.parent is not None and not hasattr(call.module.parent, 'path'))
         w = call.module.variables.get('params', {})
         expected = _subtree(params, call.path)
-        if inside_transform or jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, expected):
+        if jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, expected):
           raise SegmentationError(
               f'The segment {call.name!r} runs inside a lifted transform (nn.scan, nn.vmap) '
               'whose params are sliced; make the whole transformed module one segment '
@@ -300,7 +304,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     groups[REST] = (rest_grads, _without(params, paths))
     new_params, new_opt_state, grad_norms = params, {}, {}
     for name, (g, w) in groups.items():
-      grad_norms[name] = optax.global_norm(g)
+      grad_norms[name] = optax.tree.norm(g)
       updates, new_opt_state[name] = _optimizer_for(optimizer, name).update(
           jax.tree.map(lambda x: x * scale, g), state.opt_state[name], w)
       new_w = optax.apply_updates(w, updates)
@@ -315,7 +319,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     skipped = jnp.logical_not(jnp.isfinite(global_norm) & jnp.isfinite(loss))
     if skip_nonfinite:
       new_state = _tree_where(skipped, state._replace(step=state.step + 1), new_state)
-    act_norms = {by_path[p]: optax.global_norm(_subtree(act_grads, p)) for p in paths
+    act_norms = {by_path[p]: optax.tree.norm(_subtree(act_grads, p)) for p in paths
                  if _has_params(act_grads, p)}
     metrics = {'loss': loss, 'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
                'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,

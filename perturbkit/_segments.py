@@ -68,7 +68,10 @@ def run_segment(call: Call, update: Update | None, axis_name: str | None) -> Any
   """
   module = call.module
   unbound, variables = module.unbind()
-  others = {c: v for c, v in variables.items() if c not in ('params', COLLECTION)}
+  # A copy: the write-back below mutates the scope's own dicts, and the backward
+  # replay must see the collections as they were when the segment ran.
+  others = jax.tree.map(lambda leaf: leaf, {
+      c: flax.core.unfreeze(v) for c, v in variables.items() if c not in ('params', COLLECTION)})
   mutable = [c for c in others if module.is_mutable_collection(c)]
   rngs = dict(module.scope.rngs)
   dynamic, rebuild = _split((call.args, call.kwargs))

@@ -1,0 +1,382 @@
+"""interleaved() against a hand-coded layer-wise backward and against jax.grad + optax."""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import perturbkit
+from flax.core.scope import LazyRng
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def dense(p, x):
+  return x @ p['kernel'] + p['bias'].reshape((1,) * (x.ndim - 1) + (-1,))
+
+
+class SkipMLP(nn.Module):
+  """Three Dense segments; the second one's input also skips past it."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(8)(x))
+    h2 = nn.relu(nn.Dense(8)(h)) + h
+    return nn.Dense(1)(h2)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3))(x))
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2)(x))
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class Block(nn.Module):
+  """A residual Transformer-style block (pre-norm MLP); its glue is inside it."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16)(nn.LayerNorm()(x))
+    return x + nn.Dense(x.shape[-1])(nn.gelu(h))
+
+
+class Blocks(nn.Module):
+  depth: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.depth):
+      x = Block()(x)
+    return nn.Dense(2)(x)
+
+
+def mse(model):
+  return lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+
+
+def sgd_step(w, g, lr):
+  return jax.tree.map(lambda a, b: a - lr * b, w, g)
+
+
+def hand_chain(layers, glues, weights, x, dloss, lr):
+  """Layer-wise backward written out with jax.vjp: update, then propagate.
+
+  layers[k](w, a) -> z_k; glues[k](z_k) -> a_{k+1}; dloss(out) -> cotangent.
+  """
+  acts, outs = [x], []
+  for f, glue, w in zip(layers, glues, weights):
+    outs.append(f(w, acts[-1]))
+    acts.append(glue(outs[-1]))
+  g = dloss(acts[-1])
+  new = [None] * len(layers)
+  for k in reversed(range(len(layers))):
+    _, glue_vjp = jax.vjp(glues[k], outs[k])
+    (g,) = glue_vjp(g)
+    _, vjp_old = jax.vjp(layers[k], weights[k], acts[k])
+    dw, _ = vjp_old(g)
+    new[k] = sgd_step(weights[k], dw, lr)
+    _, vjp_new = jax.vjp(lambda a: layers[k](new[k], a), acts[k])
+    (g,) = vjp_new(g)
+  return new
+
+
+def test_skip_mlp_matches_hand_coded_backward():
+  model, lr = SkipMLP(), 0.1
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.sin(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  p = v['params']
+  # Forward at the old weights.
+  z0 = dense(p['Dense_0'], x)
+  h = jax.nn.relu(z0)
+  z1 = dense(p['Dense_1'], h)
+  h2 = jax.nn.relu(z1) + h
+  out = dense(p['Dense_2'], h2)
+  g_out = 2 * (out - y) / out.size
+  # Dense_2: gradient at old weights, update, propagate with the new weights.
+  dw2 = jax.vjp(dense, p['Dense_2'], h2)[1](g_out)[0]
+  w2 = sgd_step(p['Dense_2'], dw2, lr)
+  g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
+  # Dense_1 sees the cotangent through its relu; h gets the skip part directly.
+  g_z1 = g_h2 * (z1 > 0)
+  dw1 = jax.vjp(dense, p['Dense_1'], h)[1](g_z1)[0]
+  w1 = sgd_step(p['Dense_1'], dw1, lr)
+  g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
+  g_z0 = g_h * (z0 > 0)
+  dw0 = jax.vjp(dense, p['Dense_0'], x)[1](g_z0)[0]
+  w0 = sgd_step(p['Dense_0'], dw0, lr)
+
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  state, metrics = jax.jit(tx.step)(tx.init(v), x, y)
+  chex.assert_trees_all_close(state.params, {'Dense_0': w0, 'Dense_1': w1, 'Dense_2': w2}, **TOL)
+  for name, g in [('Dense_2', g_out), ('Dense_1', g_z1), ('Dense_0', g_z0)]:
+    np.testing.assert_allclose(metrics['activation_grad_norm'][name], jnp.linalg.norm(g), **TOL)
+  for name, g in [('Dense_2', dw2), ('Dense_1', dw1), ('Dense_0', dw0)]:
+    np.testing.assert_allclose(metrics['grad_norm'][name], optax.tree.norm(g), **TOL)
+
+
+def test_cnn_matches_hand_coded_backward():
+  model, lr = CNN(), 0.05
+  x = jax.random.normal(jax.random.key(2), (4, 8, 8, 2))
+  y = jax.random.normal(jax.random.key(3), (4, 3))
+  v = model.init(jax.random.key(0), x)
+  p = v['params']
+  conv = lambda strides: (lambda w, a: nn.Conv(4, (3, 3), strides=strides).apply({'params': w}, a))
+  layers = [conv(1), conv(2), dense]
+  glues = [jax.nn.relu, lambda z: jax.nn.relu(z).reshape(z.shape[0], -1), lambda z: z]
+  dloss = lambda out: 2 * (out - y) / out.size
+  new = hand_chain(layers, glues, [p['Conv_0'], p['Conv_1'], p['Dense_0']], x, dloss, lr)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  chex.assert_trees_all_close(
+      state.params, {'Conv_0': new[0], 'Conv_1': new[1], 'Dense_0': new[2]}, **TOL)
+
+
+def test_residual_blocks_match_hand_coded_backward():
+  model, lr = Blocks(depth=3), 0.1
+  x = jax.random.normal(jax.random.key(4), (2, 5, 6))
+  y = jax.random.normal(jax.random.key(5), (2, 5, 2))
+  v = model.init(jax.random.key(0), x)
+  p = v['params']
+  block = lambda w, a: Block().apply({'params': w}, a)
+  names = ['Block_0', 'Block_1', 'Block_2', 'Dense_0']
+  layers = [block, block, block, dense]
+  glues = [lambda z: z] * 4
+  dloss = lambda out: 2 * (out - y) / out.size
+  new = hand_chain(layers, glues, [p[n] for n in names], x, dloss, lr)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  chex.assert_trees_all_close(state.params, dict(zip(names, new)), **TOL)
+
+
+def standard_step(loss_fn, optimizer, params, opt_state, *args):
+  grads = jax.grad(loss_fn)(params, *args)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+@pytest.mark.parametrize('optimizer', [
+    optax.sgd(0.1), optax.adam(1e-2), optax.chain(optax.clip(0.01), optax.adamw(1e-2)),
+    optax.sgd(0.05, momentum=0.9, nesterov=True)], ids=['sgd', 'adam', 'clip-adamw', 'nesterov'])
+def test_original_propagation_equals_standard_step(optimizer):
+  model = SkipMLP()
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.cos(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  loss_fn = mse(model)
+  tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original')
+  state = tx.init(v)
+  params, opt_state = v['params'], optimizer.init(v['params'])
+  step = jax.jit(tx.step)
+  for _ in range(3):
+    state, _ = step(state, x, y)
+    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
+                                      params, opt_state, x, y)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+
+
+class BNNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+    x = nn.Dropout(0.3, deterministic=not train)(x)
+    return nn.Dense(2)(x)
+
+
+def bn_loss(model):
+  def loss_fn(v, x, y, rng):
+    out, updates = model.apply(v, x, True, mutable=['batch_stats'], rngs={'dropout': rng})
+    return jnp.mean((out - y) ** 2), updates
+  return loss_fn
+
+
+def test_batchnorm_and_dropout_original_equals_standard_step():
+  model, optimizer = BNNet(), optax.sgd(0.1)
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jax.random.normal(jax.random.key(2), (16, 2))
+  v = model.init(jax.random.key(0), x, False)
+  loss_fn = bn_loss(model)
+  tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original', has_aux=True)
+  state = tx.init(v)
+  params, stats, opt_state = v['params'], v['batch_stats'], optimizer.init(v['params'])
+  for i in range(2):
+    rng = jax.random.key(10 + i)
+    state, _ = jax.jit(tx.step)(state, x, y, rng)
+    grads, updates = jax.grad(
+        lambda p: loss_fn({'params': p, 'batch_stats': stats}, x, y, rng), has_aux=True)(params)
+    upd, opt_state = optimizer.update(grads, opt_state, params)
+    params, stats = optax.apply_updates(params, upd), updates['batch_stats']
+  chex.assert_trees_all_close(state.params, params, **TOL)
+  chex.assert_trees_all_close(state.variables['batch_stats'], stats, **TOL)
+
+
+class DropBlock(nn.Module):
+  """A segment with dropout inside: its replays must reuse the forward's mask."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(8)(x)))
+    return nn.Dense(x.shape[-1])(h)
+
+
+class DropNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(3)(x)
+    x = DropBlock()(x)  # its input gradient (to Dense_0) needs the mask again
+    return nn.Dense(2)(x)
+
+
+def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
+  model, lr = DropNet(), 0.1
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jax.random.normal(jax.random.key(2), (16, 2))
+  v = model.init(jax.random.key(0), x)
+  rng = jax.random.key(7)
+  loss_fn = lambda v, x, y, rng: jnp.mean((model.apply(v, x, rngs={'dropout': rng}) - y) ** 2)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr))
+  s1, m1 = jax.jit(tx.step)(tx.init(v), x, y, rng)
+  s2, m2 = jax.jit(tx.step)(tx.init(v), x, y, rng)
+  chex.assert_trees_all_equal((s1, m1), (s2, m2))  # deterministic, bitwise
+
+  # Hand-coded: the block as a function of (w, a) with the rng stream Flax gives
+  # the block inside the model (checked against the model's own output first).
+  block_rngs = {'dropout': LazyRng.create(rng, 'DropBlock_0')}
+  block = lambda w, a: DropBlock().apply({'params': w}, a, rngs=block_rngs)
+  p = v['params']
+  forward = dense(p['Dense_1'], block(p['DropBlock_0'], dense(p['Dense_0'], x)))
+  chex.assert_trees_all_close(forward, model.apply(v, x, rngs={'dropout': rng}), **TOL)
+  dloss = lambda out: 2 * (out - y) / out.size
+  names = ['Dense_0', 'DropBlock_0', 'Dense_1']
+  new = hand_chain([dense, block, dense], [lambda z: z] * 3, [p[n] for n in names], x, dloss, lr)
+  chex.assert_trees_all_close(s1.params, dict(zip(names, new)), **TOL)
+
+
+def test_clip_global_norm_uses_previous_step_norm():
+  model, lr, c = SkipMLP(), 0.1, 0.05
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.cos(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  loss_fn = mse(model)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr), propagate='original', clip_global_norm=c)
+  state = tx.init(v)
+  for _ in range(2):
+    state, metrics = jax.jit(tx.step)(state, x, y)
+  grad = jax.grad(lambda p: loss_fn({'params': p}, x, y))
+  g1 = grad(v['params'])
+  p1 = sgd_step(v['params'], g1, lr)  # first step: no previous norm, no clipping
+  g2 = grad(p1)
+  n1 = optax.tree.norm(g1)
+  assert n1 > c  # so the clip is active on the second step
+  p2 = sgd_step(p1, jax.tree.map(lambda g: g * c / n1, g2), lr)
+  chex.assert_trees_all_close(state.params, p2, **TOL)
+  np.testing.assert_allclose(metrics['global_grad_norm'], optax.tree.norm(g2), **TOL)
+
+
+def test_root_params_are_updated_with_their_ordinary_gradient():
+  class Scaled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      s = self.param('scale', nn.initializers.ones, ())
+      h = nn.relu(nn.Dense(4)(x))
+      return s * nn.Dense(1)(h)
+
+  model, lr = Scaled(), 0.1
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.ones((8, 1))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  p = v['params']
+  h = jax.nn.relu(dense(p['Dense_0'], x))
+  out_inner = dense(p['Dense_1'], h)
+  g_scale = jnp.sum(2 * (p['scale'] * out_inner - y) / y.size * out_inner)
+  np.testing.assert_allclose(state.params['scale'], p['scale'] - lr * g_scale, **TOL)
+
+
+def test_nonfinite_gradient_skips_the_step():
+  model = SkipMLP()
+  x = jnp.ones((4, 3))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
+  state = tx.init(v)
+  new, metrics = jax.jit(tx.step)(state, x, jnp.full((4, 1), jnp.nan))
+  assert bool(metrics['skipped'])
+  chex.assert_trees_all_equal(new.params, state.params)
+  assert int(new.step) == 1
+
+
+def test_shared_segment_is_rejected():
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      d = nn.Dense(3)
+      return nn.Dense(1)(d(nn.relu(d(x))))
+
+  model = Twice()
+  x = jnp.ones((2, 3))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
+  with pytest.raises(perturbkit.SharedSegmentError, match='more than once'):
+    tx.step(tx.init(v), x, jnp.ones((2, 1)))
+
+
+def test_scan_segment_is_rejected():
+  class Body(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+      return nn.tanh(nn.Dense(3)(c)), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x, _ = nn.scan(Body, variable_axes={'params': 0}, split_rngs={'params': True},
+                     length=2)()(x, None)
+      return x
+
+  model = Scanned()
+  x = jnp.ones((2, 3))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
+  with pytest.raises(perturbkit.SegmentationError, match='lifted transform'):
+    tx.step(tx.init(v), x, jnp.ones((2, 3)))
+
+
+def test_mismatched_optimizer_state_is_rejected():
+  model = SkipMLP()
+  x = jnp.ones((2, 3))
+  v = model.init(jax.random.key(0), x)
+  state = perturbkit.interleaved(mse(model), optax.sgd(0.1)).init(v)
+  tx = perturbkit.interleaved(mse(model), optax.adam(0.1))
+  with pytest.raises(perturbkit.OptimizerStateError, match='does not match'):
+    tx.step(state, x, jnp.ones((2, 1)))
+
+
+def test_per_segment_learning_rates():
+  model = SkipMLP()
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.ones((8, 1))
+  v = model.init(jax.random.key(0), x)
+  rates = {'Dense_0': 0.0, 'Dense_1': 0.1, 'Dense_2': 0.2, perturbkit.REST: 0.0}
+  tx = perturbkit.interleaved(mse(model), lambda name: optax.sgd(rates[name]),
+                              propagate='original')
+  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  want = {n: sgd_step(v['params'][n], g[n], rates[n]) for n in ('Dense_0', 'Dense_1', 'Dense_2')}
+  chex.assert_trees_all_close(state.params, want, **TOL)
+
+
+def test_step_compiles_once():
+  model = SkipMLP()
+  x = jnp.ones((4, 3))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.adam(1e-3))
+  step = jax.jit(chex.assert_max_traces(tx.step, n=1))
+  state = tx.init(v)
+  for _ in range(3):
+    state, _ = step(state, x, jnp.ones((4, 1)))
