@@ -17,7 +17,7 @@ from perturbkit._driver import _check_loss, _flat, _nested, discover
 from perturbkit._errors import OptimizerStateError, SegmentationError, SharedSegmentError
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION, add_perturbation, zeros_like_points
-from perturbkit._segments import run_segment
+from perturbkit._segments import _split, run_segment
 from perturbkit._types import CallFilter, Path, PyTree, Variables
 
 REST = '<rest>'
@@ -259,11 +259,20 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       tx = _optimizer_for(optimizer, name)
 
       def update(dw, w):
-        updates, _ = tx.update(jax.tree.map(lambda g: g * scale, dw), state.opt_state[name], w)
-        return optax.apply_updates(w, updates)
+        updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, dw),
+                                     state.opt_state[name], w)
+        return optax.apply_updates(w, updates), _split(new_opt)[0]
       return update
 
-    def differentiable(params, perturbations):
+    carriers = {}
+    if propagate == 'updated':
+      for p in paths:
+        w = _subtree(params, p)
+        carriers[by_path[p]] = (jax.tree.map(jnp.zeros_like, w), [
+            jnp.zeros_like(leaf) for leaf in _split(state.opt_state[by_path[p]])[0]])
+    updated_in_sweep: set[str] = set()
+
+    def differentiable(params, perturbations, carriers):
       mutated: dict = {}
 
       def on_call(call, run):
@@ -275,8 +284,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
               'whose params are sliced; make the whole transformed module one segment '
               '(its parent), or choose other segments.')
         name = by_path[call.path]
-        update = update_for(name) if propagate == 'updated' else None
-        out = run_segment(call, update, axis_name)
+        if propagate == 'updated':
+          out = run_segment(call, update_for(name), axis_name, carriers[name],
+                            lambda: updated_in_sweep.add(name))
+        else:
+          out = run_segment(call, None, axis_name)
         out, _ = add_perturbation(call.module, call.key, out, call.name, strict=False)
         return out
 
@@ -293,8 +305,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       loss = _check_loss(out, has_aux)
       return loss, (out[1] if has_aux else None, mutated)
 
-    (loss, (aux, mutated)), (grads, act_grads) = jax.value_and_grad(
-        differentiable, argnums=(0, 1), has_aux=True)(params, zeros_like_points(shapes))
+    (loss, (aux, mutated)), (grads, act_grads, carried) = jax.value_and_grad(
+        differentiable, argnums=(0, 1, 2), has_aux=True)(params, zeros_like_points(shapes),
+                                                         carriers)
 
     rest_grads = _without(grads, paths)
     if axis_name is not None:
@@ -308,6 +321,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       updates, new_opt_state[name] = _optimizer_for(optimizer, name).update(
           jax.tree.map(lambda x: x * scale, g), state.opt_state[name], w)
       new_w = optax.apply_updates(w, updates)
+      if name in updated_in_sweep:
+        # The sweep already took this step: reuse it (XLA drops the copy above,
+        # except the optimizer's integer leaves such as its step count).
+        new_w, floats = carried[name]
+        new_opt_state[name] = _split(new_opt_state[name])[1](floats)
       if name == REST:
         for p, v in _flat(new_w).items():
           new_params = _with(new_params, p, v)

@@ -13,7 +13,9 @@ Its backward pass, given the cotangent ``g`` of ``y``:
 The cotangent returned for ``w`` is the true ``dw`` of step 1, so an ordinary
 ``jax.grad`` of the loss gives every segment's gradient under the interleaved
 schedule, and glue code, skip connections and multiple consumers between
-segments are differentiated by JAX itself.
+segments are differentiated by JAX itself. The result of step 2 (new weights
+and optimizer state) leaves the backward pass as the cotangent of a zero
+*carrier* input, so it is computed once, not again after the sweep.
 """
 from typing import Any, Callable
 
@@ -23,7 +25,7 @@ import jax
 from perturbkit._interceptor import Call, suspended
 from perturbkit._points import COLLECTION, _is_inexact_array
 
-Update = Callable[[Any, Any], Any]  # (dw, w) -> new w
+Update = Callable[[Any, Any], Any]  # (dw, w) -> (new w, carried extras)
 
 
 def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -54,14 +56,18 @@ def segment_params(call: Call) -> Any:
   return call.module.variables.get('params', {})
 
 
-def run_segment(call: Call, update: Update | None, axis_name: str | None) -> Any:
+def run_segment(call: Call, update: Update | None, axis_name: str | None,
+                carrier: Any = None, on_backward: Callable[[], None] = lambda: None) -> Any:
   """Runs one segment call with the interleaved custom VJP.
 
   Args:
     call: The intercepted call (a module whose params form the segment).
-    update: ``(dw, w) -> w'``; ``None`` propagates with the old weights.
+    update: ``(dw, w) -> (w', extras)``; ``None`` propagates with the old weights.
     axis_name: If given, ``dw`` is averaged over this mapped axis before the
       update (data parallelism under ``shard_map``/``pmap``).
+    carrier: Zeros shaped like ``update``'s result; its cotangent is that result.
+    on_backward: Called when the backward pass is traced (so the caller knows
+      the carrier's cotangent is real, not a zero for an unused segment).
 
   Returns:
     The call's output.
@@ -85,28 +91,31 @@ def run_segment(call: Call, update: Update | None, axis_name: str | None) -> Any
     return out, dict(state)
 
   @jax.custom_vjp
-  def segment(w, dyn):
+  def segment(w, dyn, carrier):
+    del carrier
     return pure(w, dyn)
 
-  def fwd(w, dyn):
+  def fwd(w, dyn, carrier):
     out, vjp_old, state = jax.vjp(pure, w, dyn, has_aux=True)
-    return (out, state), (w, dyn, vjp_old)
+    return (out, state), (w, dyn, vjp_old, carrier)
 
   def bwd(residuals, cotangents):
-    w, dyn, vjp_old = residuals
+    w, dyn, vjp_old, carried = residuals
     g, _ = cotangents
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
     if update is not None:
-      w_new = update(dw, w)
+      on_backward()
+      w_new, extras = update(dw, w)
+      carried = (w_new, extras)
       _, vjp_new = jax.vjp(lambda d: pure(w_new, d)[0], dyn)
       (d_dyn,) = vjp_new(g)
-    return dw, d_dyn
+    return dw, d_dyn, carried
 
   segment.defvjp(fwd, bwd)
   params = variables.get('params', {})
-  out, state = segment(flax.core.unfreeze(params), dynamic)
+  out, state = segment(flax.core.unfreeze(params), dynamic, carrier)
   for collection, tree in state.items():
     _write_back(module.scope, collection, tree)
   return out
