@@ -17,7 +17,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -69,7 +68,7 @@ def _flat(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
 
 
 def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda l: jax.ShapeDtypeStruct(jnp.shape(l), jnp.result_type(l)), tree)
+  return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)), tree)
 
 
 def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,

@@ -22,22 +22,22 @@ def _is_inexact_array(leaf: Any) -> bool:
 
 def differentiable_part(tree: Any) -> Any:
   """``tree`` with every leaf that is not a floating-point array replaced by ``None``."""
-  return jax.tree.map(lambda l: l if _is_inexact_array(l) else None, tree)
+  return jax.tree.map(lambda leaf: leaf if _is_inexact_array(leaf) else None, tree)
 
 
 def has_differentiable_leaf(tree: Any) -> bool:
   """Whether ``tree`` has at least one floating-point array leaf."""
-  return any(_is_inexact_array(l) for l in jax.tree.leaves(tree))
+  return any(_is_inexact_array(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def merge(tree: Any, part: Any) -> Any:
   """Puts the leaves of ``part`` (from ``differentiable_part``) back into ``tree``."""
-  return jax.tree.map(lambda l, p: l if p is None else p, tree, part,
+  return jax.tree.map(lambda leaf, p: leaf if p is None else p, tree, part,
                       is_leaf=lambda x: x is None)
 
 
 def leaf_dtypes(tree: Any) -> list[str]:
-  return [str(getattr(l, 'dtype', type(l).__name__)) for l in jax.tree.leaves(tree)]
+  return [str(getattr(leaf, 'dtype', type(leaf).__name__)) for leaf in jax.tree.leaves(tree)]
 
 
 def collection_visible(module: nn.Module) -> bool:
@@ -56,13 +56,13 @@ def _check_matches(module: nn.Module, key: str, part: Any, where: str):
   if not module.has_variable(COLLECTION, key):
     raise PerturbationStructureError(f'there is no perturbation for the call {where}')
   given = module.get_variable(COLLECTION, key)
-  want = jax.tree.map(lambda l: (l.shape, l.dtype), part)
+  want = jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), part)
   got_struct = jax.tree.structure(given)
   if got_struct != jax.tree.structure(part):
     raise PerturbationStructureError(
         f'the perturbation for {where} has structure {got_struct}, the call output '
         f'{jax.tree.structure(part)}')
-  got = jax.tree.map(lambda l: (tuple(jnp.shape(l)), jnp.result_type(l)), given)
+  got = jax.tree.map(lambda leaf: (tuple(jnp.shape(leaf)), jnp.result_type(leaf)), given)
   if jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.leaves(
       want, is_leaf=lambda x: isinstance(x, tuple)):
     raise PerturbationStructureError(

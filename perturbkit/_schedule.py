@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from perturbkit import _filters
-from perturbkit._driver import _check_loss, _flat, _nested, discover
+from perturbkit._driver import _check_loss, _flat, discover
 from perturbkit._errors import OptimizerStateError, SegmentationError, SharedSegmentError
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION, add_perturbation, zeros_like_points

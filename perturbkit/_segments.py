@@ -31,7 +31,7 @@ Update = Callable[[Any, Any], Any]  # (dw, w) -> (new w, carried extras)
 def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
   """The floating-point array leaves of ``tree`` and a function putting them back."""
   leaves, treedef = jax.tree.flatten(tree)
-  where = [i for i, l in enumerate(leaves) if _is_inexact_array(l)]
+  where = [i for i, leaf in enumerate(leaves) if _is_inexact_array(leaf)]
 
   def rebuild(dynamic: list) -> Any:
     full = list(leaves)
