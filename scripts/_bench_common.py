@@ -1,0 +1,164 @@
+"""Small shared helpers for the benchmark scripts: compile, time, measure memory, report.
+
+Every benchmark compares variants side by side in one run. ``time_round_robin``
+interleaves the variants call by call (rotating which goes first), so that drift
+in the machine's speed affects all of them alike, and reports per-call times.
+"""
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+MEMORY_FIELDS = {
+    'argument_bytes': 'argument_size_in_bytes',
+    'output_bytes': 'output_size_in_bytes',
+    'temp_bytes': 'temp_size_in_bytes',
+    'alias_bytes': 'alias_size_in_bytes',
+    'peak_bytes': 'peak_memory_in_bytes',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFn:
+  """A jitted function compiled for one set of arguments, with its costs.
+
+  Attributes:
+    call: The compiled executable; call it with the arguments it was lowered for.
+    lower_s: Seconds to trace and lower to StableHLO.
+    compile_s: Seconds for XLA to compile the lowered module.
+    memory: Bytes from ``memory_analysis()``, keyed like ``MEMORY_FIELDS``.
+  """
+  call: Callable[..., Any]
+  lower_s: float
+  compile_s: float
+  memory: dict[str, int]
+
+
+def memory_bytes(compiled: jax.stages.Compiled) -> dict[str, int]:
+  """Argument, output, temp, alias (and peak, where reported) bytes of ``compiled``."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  out = {}
+  for name, attr in MEMORY_FIELDS.items():
+    value = getattr(stats, attr, None)
+    if value is not None:
+      out[name] = int(value)
+  return out
+
+
+def compile_timed(fn: Callable[..., Any], *args: Any) -> CompiledFn:
+  """``jax.jit(fn)`` lowered and compiled for ``args``, timing each stage.
+
+  Args:
+    fn: The function to jit.
+    *args: Example arguments (arrays or pytrees of arrays).
+
+  Returns:
+    The compiled function with its lowering and compile times and memory bytes.
+  """
+  start = time.perf_counter()
+  lowered = jax.jit(fn).lower(*args)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  done = time.perf_counter()
+  return CompiledFn(compiled, lowered_at - start, done - lowered_at, memory_bytes(compiled))
+
+
+def _run_blocked(thunk: Callable[[], Any], number: int) -> float:
+  """Seconds per call of ``number`` calls of ``thunk``, waiting for the last result."""
+  start = time.perf_counter()
+  out = None
+  for _ in range(number):
+    out = thunk()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / number
+
+
+def time_round_robin(thunks: Mapping[str, Callable[[], Any]], repeats: int, *,
+                     warmup: int = 2, min_sample_s: float = 0.02) -> dict[str, list[float]]:
+  """Per-call seconds of each thunk, measured round-robin in one run.
+
+  Each thunk is warmed up, then every round takes one sample of each thunk, the
+  order rotating from round to round. A sample runs the thunk ``number`` times
+  (the same for all thunks, chosen so the fastest sample lasts ``min_sample_s``)
+  to keep timer and dispatch noise small next to the work.
+
+  Args:
+    thunks: Name to a zero-argument function returning JAX arrays.
+    repeats: Samples per thunk.
+    warmup: Untimed calls per thunk before measuring.
+    min_sample_s: Target duration of the fastest thunk's sample.
+
+  Returns:
+    Name to the list of per-call seconds, one per sample.
+  """
+  first = {}
+  for name, thunk in thunks.items():
+    for _ in range(max(warmup - 1, 0)):
+      jax.block_until_ready(thunk())
+    first[name] = _run_blocked(thunk, 1)
+  number = max(1, math.ceil(min_sample_s / max(min(first.values()), 1e-9)))
+  names = list(thunks)
+  samples: dict[str, list[float]] = {name: [] for name in names}
+  for round_index in range(repeats):
+    shift = round_index % len(names)
+    for name in names[shift:] + names[:shift]:
+      samples[name].append(_run_blocked(thunks[name], number))
+  return samples
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+  """Median and quartiles of per-call seconds."""
+  if len(samples) == 1:
+    return {'median_s': samples[0], 'p25_s': samples[0], 'p75_s': samples[0]}
+  q = statistics.quantiles(samples, n=4, method='inclusive')
+  return {'median_s': statistics.median(samples), 'p25_s': q[0], 'p75_s': q[2]}
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+  """An aligned plain-text table; strings left-aligned, everything else right-aligned."""
+  cells = [[str(row.get(c, '')) for c in columns] for row in rows]
+  widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+  left = [all(isinstance(row.get(c), str) for row in rows) for c in columns]
+
+  def line(values: Sequence[str]) -> str:
+    return '  '.join(v.ljust(w) if lft else v.rjust(w)
+                     for v, w, lft in zip(values, widths, left)).rstrip()
+
+  rule = '  '.join('-' * w for w in widths)
+  return '\n'.join([line(list(columns)), rule] + [line(r) for r in cells])
+
+
+def environment() -> dict[str, Any]:
+  """Versions and hardware, to store next to the numbers."""
+  import flax
+  device = jax.devices()[0]
+  return {
+      'python': platform.python_version(),
+      'jax': jax.__version__,
+      'flax': flax.__version__,
+      'backend': jax.default_backend(),
+      'device_kind': device.device_kind,
+      'device_count': jax.device_count(),
+      'cpu_count': os.cpu_count(),
+      'platform': platform.platform(),
+      'argv': sys.argv,
+  }
+
+
+def write_json(path: str, data: Any) -> None:
+  """Writes ``data`` as indented JSON, creating the parent folder."""
+  folder = os.path.dirname(path)
+  if folder:
+    os.makedirs(folder, exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(data, f, indent=2, sort_keys=False)
+    f.write('\n')
