@@ -124,6 +124,25 @@ def _tree_where(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def _all_finite(tree: PyTree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+                  params: PyTree, scale: jax.Array, guard: bool):
+  """One optimizer step on one group; with ``guard``, a non-finite gradient keeps
+  the old params and state. The select sits inside the update's own elementwise
+  pass, so it costs no extra pass over the state."""
+  updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  finite = _all_finite(grads)
+  if guard:
+    new_params = _tree_where(finite, new_params, params)
+    new_opt = _tree_where(finite, new_opt, opt_state)
+  return new_params, new_opt, finite
+
+
 def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                 segments: int | CallFilter | None = None, propagate: str = 'updated',
                 axis_name: str | None = None, has_aux: bool = False,
@@ -162,8 +181,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
     has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.
     clip_global_norm: Optional global-norm clip using the previous step's norm.
-    skip_nonfinite: If a step's loss or gradient is not finite, keep the old
-      state and report ``metrics['skipped']`` (default); else apply it.
+    skip_nonfinite: A segment (or the unsegmented group) whose gradient has a
+      non-finite entry keeps its params and optimizer state for the step, and
+      ``metrics['segment_skipped'][name]`` / ``metrics['skipped']`` report it
+      (default); if false, the step is applied as it is.
 
   Returns:
     An :class:`Interleaved` with pure ``init`` and ``step``.
@@ -258,9 +279,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       tx = _optimizer_for(optimizer, name)
 
       def update(dw, w):
-        updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, dw),
-                                     state.opt_state[name], w)
-        return optax.apply_updates(w, updates), _split(new_opt)[0]
+        new_w, new_opt, _ = _guarded_step(tx, dw, state.opt_state[name], w, scale,
+                                          skip_nonfinite)
+        return new_w, _split(new_opt)[0]
       return update
 
     carriers = {}
@@ -314,12 +335,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       loss = jax.lax.pmean(loss, axis_name)
     groups = {by_path[p]: (_subtree(grads, p), _subtree(params, p)) for p in paths}
     groups[REST] = (rest_grads, _without(params, paths))
-    new_params, new_opt_state, grad_norms = params, {}, {}
+    new_params, new_opt_state, grad_norms, skipped = params, {}, {}, {}
     for name, (g, w) in groups.items():
       grad_norms[name] = optax.tree.norm(g)
-      updates, new_opt_state[name] = _optimizer_for(optimizer, name).update(
-          jax.tree.map(lambda x: x * scale, g), state.opt_state[name], w)
-      new_w = optax.apply_updates(w, updates)
+      new_w, new_opt_state[name], finite = _guarded_step(
+          _optimizer_for(optimizer, name), g, state.opt_state[name], w, scale, skip_nonfinite)
+      skipped[name] = jnp.logical_not(finite)
       if name in updated_in_sweep:
         # The sweep already took this step: reuse it (XLA drops the copy above,
         # except the optimizer's integer leaves such as its step count).
@@ -331,16 +352,15 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       else:
         new_params = _with(new_params, tuple(name.split('/')), new_w)
     global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
+    kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
     new_variables = {**variables, **mutated, 'params': new_params}
-    new_state = InterleavedState(state.step + 1, new_variables, new_opt_state, global_norm)
-    skipped = jnp.logical_not(jnp.isfinite(global_norm) & jnp.isfinite(loss))
-    if skip_nonfinite:
-      new_state = _tree_where(skipped, state._replace(step=state.step + 1), new_state)
+    new_state = InterleavedState(state.step + 1, new_variables, new_opt_state, kept_norm)
     act_norms = {by_path[p]: optax.tree.norm(_subtree(act_grads, p)) for p in paths
                  if _has_params(act_grads, p)}
     metrics = {'loss': loss, 'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
                'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
-               'skipped': skipped}
+               'skipped': jnp.any(jnp.stack(list(skipped.values()))),
+               'segment_skipped': skipped}
     if has_aux:
       metrics['aux'] = aux
     return new_state, metrics
