@@ -1,5 +1,6 @@
 """perturbkit: activation gradients, gradient hooks and interleaved training for Flax Linen."""
 from perturbkit import _filters as filters
+from perturbkit._errors import ActivationsUnavailableError
 from perturbkit._errors import NonDifferentiableOutputError
 from perturbkit._errors import NonScalarLossError
 from perturbkit._errors import NoPerturbationPointsError
@@ -22,6 +23,7 @@ from perturbkit._schedule import interleaved
 from perturbkit._wrap import wrap
 
 __all__ = [
+    'ActivationsUnavailableError',
     'backward_hook',
     'grad',
     'interleaved',

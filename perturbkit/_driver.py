@@ -21,12 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit import _filters
-from perturbkit._errors import (NonScalarLossError, NoPerturbationPointsError,
+from perturbkit._errors import (ActivationsUnavailableError, NonScalarLossError,
+                                NoPerturbationPointsError,
                                 PerturbationsNotAppliedError, UnperturbedCallsWarning)
 from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._interceptor import Call, intercept, suspended
 from perturbkit._points import (COLLECTION, add_perturbation, differentiable_part,
-                               has_differentiable_leaf, zeros_like_points)
+                               has_differentiable_leaf, inside_lifted_transform,
+                               zeros_like_points)
 from perturbkit._types import CallFilter, PyTree, Variables
 
 
@@ -226,6 +228,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
           path = call.path + (call.key,)
           applied.add(path)
           if return_activations:
+            if inside_lifted_transform(call.module):
+              raise ActivationsUnavailableError(call.name)
             activations[path] = differentiable_part(output)
 
       handler = _point_handler(points, hooks, strict, on_point)

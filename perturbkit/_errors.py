@@ -32,8 +32,8 @@ class PerturbationStructureError(PerturbkitError, ValueError):
   def __init__(self, detail):
     super().__init__(
         f'The perturbations do not match the model call: {detail}. Create them with '
-        '`wrapped.init(...)["perturbations"]` (or `perturbkit.zero_perturbations`) for the '
-        'same inputs, shapes and filter as the call that uses them.')
+        '`wrapped.init(...)["perturbations"]` for the same inputs, shapes and filter as the '
+        'call that uses them.')
 
 
 class NonDifferentiableOutputError(PerturbkitError, TypeError):
@@ -79,8 +79,15 @@ class OptimizerStateError(PerturbkitError, ValueError):
   """An optimizer state does not match the parameters it is used with."""
 
 
-class TracingRequiredError(PerturbkitError, RuntimeError):
-  """A function that must run inside a traced model call was used outside one."""
+class ActivationsUnavailableError(PerturbkitError, ValueError):
+  """Activations were requested for calls inside a lifted transform."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'return_activations=True cannot return the output of {where}: it runs inside a '
+        'lifted transform (nn.remat, nn.jit, nn.scan, ...), whose intermediate values do '
+        'not exist outside it. Exclude such calls with the filter, or leave '
+        'return_activations off (their activation gradients are still returned).')
 
 
 class UnperturbedCallsWarning(UserWarning):

@@ -40,6 +40,18 @@ def leaf_dtypes(tree: Any) -> list[str]:
   return [str(getattr(leaf, 'dtype', type(leaf).__name__)) for leaf in jax.tree.leaves(tree)]
 
 
+def inside_lifted_transform(module: nn.Module) -> bool:
+  """Whether the call runs inside a lifted transform (``nn.remat``, ``nn.scan``, ...).
+
+  Flax binds a transformed module's body directly to a scope rather than to a
+  parent module; the root (and ``wrap``'s inner module) is the only other
+  module bound that way, at the empty path.
+  """
+  while isinstance(module.parent, nn.Module):
+    module = module.parent
+  return bool(module.path)
+
+
 def collection_visible(module: nn.Module) -> bool:
   """Whether a perturbation added in ``module`` reaches the caller's collection.
 

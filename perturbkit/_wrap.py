@@ -1,18 +1,32 @@
 """``wrap``: the same model with a perturbation point after every selected call."""
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 
 from perturbkit import _filters
+from perturbkit._errors import PerturbationStructureError
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION, add_perturbation
 from perturbkit._types import CallFilter
 
 
-def perturbing(filter: CallFilter, *, strict: bool):
-  """An ``intercept`` block that adds perturbations at the selected calls."""
-  return intercept(filter, lambda call, run: add_perturbation(
-      call.module, call.key, run(), call.name, strict=strict)[0])
+def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None):
+  """An ``intercept`` block that adds perturbations at the selected calls.
+
+  The ``(path..., key)`` of every point applied is added to ``applied``.
+  """
+  def handler(call, run):
+    out, was_applied = add_perturbation(call.module, call.key, run(), call.name, strict=strict)
+    if was_applied and applied is not None:
+      applied.add(call.path + (call.key,))
+    return out
+  return intercept(filter, handler)
+
+
+def _leaf_paths(tree, prefix=()) -> set:
+  if isinstance(tree, Mapping):
+    return set().union(*(_leaf_paths(v, prefix + (k,)) for k, v in tree.items()))
+  return {prefix}
 
 
 class Perturbed(nn.Module):
@@ -35,10 +49,16 @@ class Perturbed(nn.Module):
     # Bound to this very scope (not as a child), the module sees the same paths
     # and rng streams as when it is the root, so params and dropout masks match.
     inner = self.module.clone(parent=self.scope, _deep_clone=True)
-    with perturbing(self.filter, strict=self.strict):
-      if callable(method):
-        return method(inner, *args, **kwargs)
-      return getattr(inner, method)(*args, **kwargs)
+    applied: set = set()
+    with perturbing(self.filter, strict=self.strict, applied=applied):
+      out = method(inner, *args, **kwargs) if callable(method) else getattr(
+          inner, method)(*args, **kwargs)
+    if COLLECTION in self.variables and not self.is_mutable_collection(COLLECTION):
+      unused = _leaf_paths(self.variables[COLLECTION]) - applied
+      if unused:
+        raise PerturbationStructureError(
+            'these perturbations match no call: ' + ', '.join(sorted('/'.join(p) for p in unused)))
+    return out
 
   @nn.nowrap
   def _forwarding(self, method):
