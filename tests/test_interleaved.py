@@ -380,3 +380,28 @@ def test_step_compiles_once():
   state = tx.init(v)
   for _ in range(3):
     state, _ = step(state, x, jnp.ones((4, 1)))
+
+
+@pytest.mark.parametrize('segments', [2, perturbkit.filters.by_type(Block)], ids=['depth', 'filter'])
+def test_segments_by_depth_or_filter(segments):
+  model = Blocks(depth=2)
+  x = jax.random.normal(jax.random.key(4), (2, 5, 6))
+  y = jnp.ones((2, 5, 2))
+  v = model.init(jax.random.key(0), x)
+  want = (['Block_0/LayerNorm_0', 'Block_0/Dense_0', 'Block_0/Dense_1', 'Block_1/LayerNorm_0',
+           'Block_1/Dense_0', 'Block_1/Dense_1'] if segments == 2 else ['Block_0', 'Block_1'])
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=segments,
+                              propagate='original')
+  assert sorted(tx.segments(v, x, y)) == sorted(want)
+  state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  assert sorted(metrics['activation_grad_norm']) == sorted(want)
+  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
+
+
+def test_segment_filter_needs_example_arguments():
+  model = Blocks(depth=1)
+  v = model.init(jax.random.key(0), jnp.ones((1, 2, 6)))
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=perturbkit.filters.all_calls)
+  with pytest.raises(perturbkit.SegmentationError, match='example arguments'):
+    tx.init(v)
