@@ -1,0 +1,311 @@
+"""Small test models shared by the test files, each with a hand-perturbed twin.
+
+Every model takes ``hand: bool``. With ``hand=False`` it is an ordinary Linen
+model. With ``hand=True`` it computes exactly the same thing with the same
+params, but adds Flax's own ``self.perturb`` at the output of each submodule
+call, named ``'<module path>/<point key>'`` relative to the module that adds it.
+That twin is the independent reference for perturbkit: ``nest`` turns its
+``'perturbations'`` collection into perturbkit's layout.
+"""
+from typing import Any, Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def perturb(module: nn.Module, name: str, value: Any) -> Any:
+  """``module.perturb(name, value)`` when the module is a hand-perturbed twin."""
+  return module.perturb(name, value) if module.hand else value
+
+
+def nest(tree: Any) -> Any:
+  """Splits ``'a/b/__call__'`` keys into nested dicts: the hand layout to perturbkit's."""
+  if not isinstance(tree, (dict, flax.core.FrozenDict)):
+    return tree
+  out: dict = {}
+  for key, value in tree.items():
+    node = out
+    *parents, last = key.split('/')
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[last] = nest(value)
+  return out
+
+
+def unnest(tree: Any, prefix: str = '') -> dict:
+  """Joins a nested perturbkit tree into flat ``'a/b/__call__'`` keys (root-level twins)."""
+  out = {}
+  for key, value in tree.items():
+    name = f'{prefix}/{key}' if prefix else key
+    if isinstance(value, (dict, flax.core.FrozenDict)):
+      out.update(unnest(value, name))
+    else:
+      out[name] = value
+  return out
+
+
+class MLP(nn.Module):
+  """Dense -> relu -> Dense (+ skip) -> relu -> Dense."""
+  features: Sequence[int] = (8, 8)
+  out: int = 2
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = perturb(self, 'Dense_0/__call__', nn.Dense(self.features[0], name='Dense_0')(x))
+    h = nn.relu(h)
+    h2 = perturb(self, 'Dense_1/__call__', nn.Dense(self.features[1], name='Dense_1')(h))
+    h = nn.relu(h2) + h
+    return perturb(self, 'Dense_2/__call__', nn.Dense(self.out, name='Dense_2')(h))
+
+
+class CNN(nn.Module):
+  """Conv -> BatchNorm -> relu -> mean pool -> Dense."""
+  train: bool = True
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = perturb(self, 'Conv_0/__call__', nn.Conv(4, (3, 3), name='Conv_0')(x))
+    h = perturb(self, 'BatchNorm_0/__call__', nn.BatchNorm(
+        use_running_average=not self.train, momentum=0.9, name='BatchNorm_0')(h))
+    h = jnp.mean(nn.relu(h), axis=(1, 2))
+    return perturb(self, 'Dense_0/__call__', nn.Dense(3, name='Dense_0')(h))
+
+
+class TransformerBlock(nn.Module):
+  """Pre-norm attention + MLP block with dropout; its top-level calls are the points."""
+  train: bool = True
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    p = lambda name, y: perturb(self, f'{name}/__call__', y)
+    h = p('LayerNorm_0', nn.LayerNorm(name='LayerNorm_0')(x))
+    h = p('MultiHeadDotProductAttention_0', nn.MultiHeadDotProductAttention(
+        num_heads=2, qkv_features=8, dropout_rate=0.2, deterministic=not self.train,
+        name='MultiHeadDotProductAttention_0')(h, h))
+    h = p('Dropout_0', nn.Dropout(0.3, deterministic=not self.train, name='Dropout_0')(h))
+    x = x + h
+    h = p('LayerNorm_1', nn.LayerNorm(name='LayerNorm_1')(x))
+    h = p('Dense_0', nn.Dense(16, name='Dense_0')(h))
+    h = p('Dense_1', nn.Dense(x.shape[-1], name='Dense_1')(nn.gelu(h)))
+    h = p('Dropout_1', nn.Dropout(0.3, deterministic=not self.train, name='Dropout_1')(h))
+    return x + h
+
+
+class AutoEncoder(nn.Module):
+  """Setup-style: submodules in ``setup``, a second method ``encode``."""
+  latent: int = 4
+  hand: bool = False
+
+  def setup(self):
+    self.encoder = nn.Dense(self.latent)
+    self.decoder = nn.Dense(3)
+
+  def encode(self, x):
+    return perturb(self, 'encoder/encode', self.encoder(x))
+
+  def __call__(self, x):
+    z = perturb(self, 'encoder/__call__', self.encoder(x))
+    return perturb(self, 'decoder/__call__', self.decoder(jnp.tanh(z)))
+
+
+class SharedDense(nn.Module):
+  """One Dense applied twice (shared weights), then a head.
+
+  ``single=True`` (with ``hand=True``) adds one shared perturbation to both
+  outputs: its gradient is the sum of the two per-call gradients.
+  """
+  width: int = 4
+  hand: bool = False
+  single: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.Dense(self.width, name='shared')
+    first = 'shared/__call__'
+    second = first if self.single else 'shared/__call__#1'
+    h = jnp.tanh(perturb(self, first, dense(x)))
+    h = jnp.tanh(perturb(self, second, dense(h)))
+    return perturb(self, 'head/__call__', nn.Dense(2, name='head')(h))
+
+
+@flax.struct.dataclass
+class Scored:
+  value: jax.Array
+  index: jax.Array
+
+
+class TupleHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(3)(x)
+    return y, jnp.argmax(y, axis=-1)
+
+
+class DictHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(3)(x)
+    return {'value': y, 'index': jnp.argmax(y, axis=-1)}
+
+
+class StructHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(3)(x)
+    return Scored(y, jnp.argmax(y, axis=-1))
+
+
+class ArgmaxOnly(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.argmax(nn.Dense(3)(x), axis=-1)
+
+
+class PytreeOutputs(nn.Module):
+  """Submodules returning a tuple, a dict and a struct dataclass with int leaves.
+
+  The point of each head holds its float leaf only (``None`` in place of the int).
+  """
+
+  @nn.compact
+  def __call__(self, x):
+    t = TupleHead(name='TupleHead_0')(x)
+    d = DictHead(name='DictHead_0')(x)
+    s = StructHead(name='StructHead_0')(x)
+    index = ArgmaxOnly(name='ArgmaxOnly_0')(x)
+    value = jnp.tanh(t[0]) * d['value'] + jnp.sin(s.value)
+    return value, (t[1], d['index'], s.index, index)
+
+
+def float_part(tree):
+  """``tree`` with its int leaves replaced by ``None``, as perturbkit's points are."""
+  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else None, tree)
+
+
+class HandPytreeOutputs(nn.Module):
+  """``PytreeOutputs`` with a hand-written perturbation on each head's float leaf."""
+
+  @nn.compact
+  def __call__(self, x):
+    t = TupleHead(name='TupleHead_0')(x)
+    d = DictHead(name='DictHead_0')(x)
+    s = StructHead(name='StructHead_0')(x)
+    t = self.perturb('TupleHead_0/__call__', float_part(t))[0], t[1]
+    dv = self.perturb('DictHead_0/__call__', float_part(d))['value']
+    d = {'value': dv, 'index': d['index']}
+    s = s.replace(value=self.perturb('StructHead_0/__call__', float_part(s)).value)
+    index = ArgmaxOnly(name='ArgmaxOnly_0')(x)
+    value = jnp.tanh(t[0]) * d['value'] + jnp.sin(s.value)
+    return value, (t[1], d['index'], s.index, index)
+
+
+def sequential():
+  """``nn.Sequential`` of Dense / activation layers; its Dense calls are the points."""
+  return nn.Sequential([nn.Dense(6), nn.relu, nn.Dense(6), jnp.tanh, nn.Dense(2)])
+
+
+class HandSequential(nn.Module):
+  """``sequential()`` written out, with a hand perturbation after each Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = self.perturb('layers_0/__call__', nn.Dense(6, name='layers_0')(x))
+    h = self.perturb('layers_2/__call__', nn.Dense(6, name='layers_2')(nn.relu(h)))
+    return self.perturb('layers_4/__call__', nn.Dense(2, name='layers_4')(jnp.tanh(h)))
+
+
+class Block(nn.Module):
+  """Dense -> tanh, with a residual; the unit of the lifted-transform models."""
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = x + jnp.tanh(perturb(self, 'Dense_0/__call__', nn.Dense(x.shape[-1])(x)))
+    # Its own output is perturbed from inside, so that the point lands where the
+    # lifted version (nn.vmap) puts it: per member, at this module's path.
+    return perturb(self, '__call__', h)
+
+
+class Lifted(nn.Module):
+  """Dense -> lifted Block -> Dense, with ``nn.remat`` or ``nn.jit`` around Block."""
+  transform: str = 'remat'
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = perturb(self, 'Dense_0/__call__', nn.Dense(4, name='Dense_0')(x))
+    # The hand twin uses the plain Block: the lifted one computes the same thing.
+    block = Block if self.hand else {'remat': nn.remat, 'jit': nn.jit}[self.transform](Block)
+    h = block(hand=self.hand, name='block')(h)
+    return perturb(self, 'Dense_1/__call__', nn.Dense(2, name='Dense_1')(h))
+
+
+class Cell(nn.Module):
+  """A scan body: carry -> tanh(Dense(carry)), also emitted as the step's output.
+
+  Its own output is a point too, one per iteration inside the scan.
+  """
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, carry, _):
+    h = jnp.tanh(perturb(self, 'Dense_0/__call__', nn.Dense(carry.shape[-1])(carry)))
+    return perturb(self, '__call__', (h, h))
+
+
+class Scanned(nn.Module):
+  """Dense -> nn.scan(Cell) x ``length`` -> Dense on the last carry.
+
+  ``map_perturbations`` puts ``'perturbations'`` in the scan's ``variable_axes``,
+  which gives each iteration its own point.
+  """
+  length: int = 3
+  map_perturbations: bool = True
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = perturb(self, 'Dense_0/__call__', nn.Dense(4, name='Dense_0')(x))
+    axes = {'params': 0}
+    if self.map_perturbations:
+      axes['perturbations'] = 0
+    scan = nn.scan(Cell, variable_axes=axes, split_rngs={'params': True},
+                   length=self.length)
+    h, _ = scan(hand=self.hand, name='scan')(h, None)
+    return perturb(self, 'Dense_1/__call__', nn.Dense(2, name='Dense_1')(h))
+
+
+def scanned_unrolled(params, x, eps):
+  """``Scanned`` as a Python loop over its stacked params, plus ``eps`` at every point.
+
+  ``eps`` is in perturbkit's layout; the cell's second output is unused, so its
+  entry has no effect.
+  """
+  h = x @ params['Dense_0']['kernel'] + params['Dense_0']['bias'] + eps['Dense_0']['__call__']
+  cell, cell_eps = params['scan']['Dense_0'], eps['scan']
+  for i in range(cell['kernel'].shape[0]):
+    pre = h @ cell['kernel'][i] + cell['bias'][i] + cell_eps['Dense_0']['__call__'][i]
+    h = jnp.tanh(pre) + cell_eps['__call__'][0][i]
+  return h @ params['Dense_1']['kernel'] + params['Dense_1']['bias'] + eps['Dense_1']['__call__']
+
+
+class Ensemble(nn.Module):
+  """nn.vmap of a Dense over a leading member axis, each member its own params."""
+  members: int = 3
+  map_perturbations: bool = True
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    axes = {'params': 0}
+    if self.map_perturbations:
+      axes['perturbations'] = 0
+    ensemble = nn.vmap(Block, variable_axes=axes, split_rngs={'params': True},
+                       in_axes=0, out_axes=0, axis_size=self.members)
+    h = ensemble(hand=self.hand, name='members')(x)
+    return perturb(self, 'head/__call__', nn.Dense(1, name='head')(jnp.mean(h, axis=0)))
