@@ -7,7 +7,7 @@ call, named ``'<module path>/<point key>'`` relative to the module that adds it.
 That twin is the independent reference for perturbkit: ``nest`` turns its
 ``'perturbations'`` collection into perturbkit's layout.
 """
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import flax
 import flax.linen as nn
@@ -96,21 +96,43 @@ class TransformerBlock(nn.Module):
     return x + h
 
 
-class AutoEncoder(nn.Module):
-  """Setup-style: submodules in ``setup``, a second method ``encode``."""
+class Codec(nn.Module):
+  """Setup-style submodule with two methods, ``encode`` and ``decode``, and no ``__call__``."""
   latent: int = 4
+
+  def setup(self):
+    self.inner = nn.Dense(self.latent)
+    self.outer = nn.Dense(3)
+
+  def encode(self, x):
+    return self.inner(x)
+
+  def decode(self, z):
+    return self.outer(z)
+
+
+class AutoEncoder(nn.Module):
+  """Setup-style: the parent calls the methods of its ``codec``; it has ``encode`` too.
+
+  Points: ``codec/encode`` and ``codec/decode`` (method calls) and the Dense calls
+  inside them, ``codec/inner/__call__`` and ``codec/outer/__call__``.
+  """
   hand: bool = False
 
   def setup(self):
-    self.encoder = nn.Dense(self.latent)
-    self.decoder = nn.Dense(3)
+    self.codec = Codec()
+
+  def _encode(self, x):
+    z = perturb(self, 'codec/inner/__call__', self.codec.encode(x))
+    return perturb(self, 'codec/encode', z)
 
   def encode(self, x):
-    return perturb(self, 'encoder/encode', self.encoder(x))
+    return self._encode(x)
 
   def __call__(self, x):
-    z = perturb(self, 'encoder/__call__', self.encoder(x))
-    return perturb(self, 'decoder/__call__', self.decoder(jnp.tanh(z)))
+    z = self._encode(x)
+    y = perturb(self, 'codec/outer/__call__', self.codec.decode(jnp.tanh(z)))
+    return perturb(self, 'codec/decode', y)
 
 
 class SharedDense(nn.Module):
@@ -286,12 +308,12 @@ def scanned_unrolled(params, x, eps):
   ``eps`` is in perturbkit's layout; the cell's second output is unused, so its
   entry has no effect.
   """
-  h = x @ params['Dense_0']['kernel'] + params['Dense_0']['bias'] + eps['Dense_0']['__call__']
+  h = x @ params['Dense_0']['kernel'] + params['Dense_0']['bias'][None] + eps['Dense_0']['__call__']
   cell, cell_eps = params['scan']['Dense_0'], eps['scan']
   for i in range(cell['kernel'].shape[0]):
-    pre = h @ cell['kernel'][i] + cell['bias'][i] + cell_eps['Dense_0']['__call__'][i]
+    pre = h @ cell['kernel'][i] + cell['bias'][i][None] + cell_eps['Dense_0']['__call__'][i]
     h = jnp.tanh(pre) + cell_eps['__call__'][0][i]
-  return h @ params['Dense_1']['kernel'] + params['Dense_1']['bias'] + eps['Dense_1']['__call__']
+  return h @ params['Dense_1']['kernel'] + params['Dense_1']['bias'][None] + eps['Dense_1']['__call__']
 
 
 class Ensemble(nn.Module):
@@ -309,3 +331,96 @@ class Ensemble(nn.Module):
                        in_axes=0, out_axes=0, axis_size=self.members)
     h = ensemble(hand=self.hand, name='members')(x)
     return perturb(self, 'head/__call__', nn.Dense(1, name='head')(jnp.mean(h, axis=0)))
+
+
+# One registry of (model, hand twin) cases, reused by the tests of wrap and value_and_grad.
+
+
+class Case(NamedTuple):
+  """A model, its hand-perturbed twin, and how to call them.
+
+  Attributes:
+    model: The unmodified model.
+    hand: The twin with a ``self.perturb`` at each point the filter selects.
+    x_shape: The input's shape.
+    filter: The perturbkit filter matching the twin's points (``None``: all calls).
+    mutable: Collections the call updates (``()``: none).
+    dropout: Whether the call takes a ``'dropout'`` rng.
+  """
+  model: nn.Module
+  hand: nn.Module
+  x_shape: tuple
+  filter: Any = None
+  mutable: tuple = ()
+  dropout: bool = False
+
+
+def _top_level(module, method_name):
+  return len(module.path) == 1
+
+
+def _float_heads(module, method_name):
+  return len(module.path) == 1 and module.name != 'ArgmaxOnly_0'
+
+
+CASES = {
+    'mlp': Case(MLP(), MLP(hand=True), (3, 5)),
+    'cnn_train': Case(CNN(), CNN(hand=True), (2, 5, 5, 2), mutable=('batch_stats',)),
+    'cnn_eval': Case(CNN(train=False), CNN(train=False, hand=True), (2, 5, 5, 2)),
+    'transformer_train': Case(TransformerBlock(), TransformerBlock(hand=True), (2, 4, 6),
+                              filter=_top_level, dropout=True),
+    'transformer_eval': Case(TransformerBlock(train=False),
+                             TransformerBlock(train=False, hand=True), (2, 4, 6),
+                             filter=_top_level),
+    'setup_style': Case(AutoEncoder(), AutoEncoder(hand=True), (3, 3)),
+    'shared': Case(SharedDense(), SharedDense(hand=True), (3, 4)),
+    'pytree_outputs': Case(PytreeOutputs(), HandPytreeOutputs(), (3, 3), filter=_float_heads),
+    'sequential': Case(sequential(), HandSequential(), (3, 4)),
+    'remat': Case(Lifted('remat'), Lifted('remat', hand=True), (3, 3)),
+    'jit': Case(Lifted('jit'), Lifted('jit', hand=True), (3, 3)),
+    'scan': Case(Scanned(), Scanned(hand=True), (3, 3)),
+    'vmap': Case(Ensemble(), Ensemble(hand=True), (3, 2, 4)),
+}
+
+
+def scalar(tree: Any) -> jax.Array:
+  """A nonlinear scalar of every float leaf of ``tree`` (int leaves are skipped)."""
+  leaves = [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+  return sum(jnp.sum(jnp.sin(2.0 * a) + 0.5 * a ** 2) for a in leaves)
+
+
+def rngs(case: Case, key: jax.Array) -> dict:
+  return {'dropout': key} if case.dropout else {}
+
+
+def loss_fn_for(case: Case, model: nn.Module):
+  """``(variables, x, key) -> (loss, updated collections)`` calling ``model.apply``."""
+  def loss_fn(variables, x, key):
+    if case.mutable:
+      out, updates = model.apply(variables, x, mutable=list(case.mutable), rngs=rngs(case, key))
+      return scalar(out), updates
+    return scalar(model.apply(variables, x, rngs=rngs(case, key))), {}
+  return loss_fn
+
+
+def init(case: Case, module: nn.Module, x: jax.Array, seed: int = 0) -> dict:
+  keys = {'params': jax.random.key(seed), 'dropout': jax.random.key(seed + 1)}
+  return dict(module.init(keys, x))
+
+
+def hand_value_and_grad(case: Case, variables: dict, x: jax.Array, key: jax.Array):
+  """The reference: ``jax.value_and_grad`` of the twin at its zero perturbations.
+
+  Returns:
+    ``((loss, updates), {'params': ..., 'perturbations': ...})``, the
+    perturbations in perturbkit's layout.
+  """
+  zeros = init(case, case.hand, x)['perturbations']
+  loss_fn = loss_fn_for(case, case.hand)
+
+  def f(params, perturbations):
+    return loss_fn({**variables, 'params': params, 'perturbations': perturbations}, x, key)
+
+  value, (g_params, g_points) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+      variables['params'], zeros)
+  return value, {'params': g_params, 'perturbations': nest(g_points)}

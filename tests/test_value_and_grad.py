@@ -1,0 +1,246 @@
+"""value_and_grad against hand-written ``self.perturb`` twins, per-layer VJPs and JVPs."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+import perturbkit
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _setup(name, seed=0):
+  case = models.CASES[name]
+  x = jax.random.normal(jax.random.key(100 + seed), case.x_shape)
+  variables = models.init(case, case.model, x, seed)
+  return case, variables, x, jax.random.key(7)
+
+
+@pytest.mark.parametrize('name', sorted(models.CASES))
+def test_equals_hand_written_perturb(name):
+  case, variables, x, key = _setup(name)
+  vg = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), filter=case.filter,
+                                 has_aux=True)
+  (loss, updates), grads = vg(variables, x, key)
+  (want_loss, want_updates), want = models.hand_value_and_grad(case, variables, x, key)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(updates, want_updates, **TOL)
+  chex.assert_trees_all_close(grads, want, **TOL)
+  # Not vacuous: some activation gradient is far from zero.
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads['perturbations'])) > 1e-2
+
+
+@pytest.mark.parametrize('name', ['mlp', 'cnn_eval', 'transformer_train', 'scan'])
+def test_directional_derivative_matches_jvp(name):
+  case, variables, x, key = _setup(name)
+  wrapped = perturbkit.wrap(case.model, case.filter)
+  loss_fn = models.loss_fn_for(case, wrapped)
+  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), filter=case.filter,
+                                       has_aux=True)(variables, x, key)
+  zeros = grads['perturbations']
+  leaves, treedef = jax.tree.flatten(zeros)
+  keys = jax.random.split(jax.random.key(3), len(leaves))
+  direction = jax.tree.unflatten(
+      treedef, [jax.random.normal(k, g.shape) for k, g in zip(keys, leaves)])
+
+  def along(t):
+    eps = jax.tree.map(lambda v: t * v, direction)
+    return loss_fn({**variables, 'perturbations': eps}, x, key)[0]
+
+  _, derivative = jax.jvp(along, (0.0,), (1.0,))
+  predicted = sum(jnp.vdot(g, v) for g, v in zip(leaves, jax.tree.leaves(direction)))
+  np.testing.assert_allclose(derivative, predicted, rtol=1e-4, atol=1e-5)
+
+
+def _dense(p, h):
+  return h @ p['kernel'] + p['bias'][None]
+
+
+def test_mlp_equals_layerwise_vjp():
+  """The MLP's backward pass written by hand, one ``jax.vjp`` per layer."""
+  case, variables, x, key = _setup('mlp')
+  p = variables['params']
+  a0, back0 = jax.vjp(lambda h: _dense(p['Dense_0'], h), x)
+  r0, back_relu0 = jax.vjp(jax.nn.relu, a0)
+  a1, back1 = jax.vjp(lambda h: _dense(p['Dense_1'], h), r0)
+  r1, back_relu1 = jax.vjp(jax.nn.relu, a1)
+  h = r1 + r0
+  out, back2 = jax.vjp(lambda h: _dense(p['Dense_2'], h), h)
+  g_out = jax.grad(models.scalar)(out)
+  g_h, = back2(g_out)
+  g_a1, = back_relu1(g_h)
+  g_r0, = back1(g_a1)
+  g_a0, = back_relu0(g_r0 + g_h)
+  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), has_aux=True)(
+      variables, x, key)
+  got = grads['perturbations']
+  np.testing.assert_allclose(got['Dense_2']['__call__'], g_out, **TOL)
+  np.testing.assert_allclose(got['Dense_1']['__call__'], g_a1, **TOL)
+  np.testing.assert_allclose(got['Dense_0']['__call__'], g_a0, **TOL)
+
+
+def test_jit_equals_eager_and_traces_once():
+  case, variables, x, key = _setup('mlp')
+  vg = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), has_aux=True)
+  jitted = jax.jit(chex.assert_max_traces(vg, n=1))
+  eager = vg(variables, x, key)
+  chex.assert_trees_all_close(jitted(variables, x, key), eager, **TOL)
+  chex.assert_trees_all_close(jitted(variables, 2 * x, key), vg(variables, 2 * x, key), **TOL)
+
+
+def test_vmap_per_example_grads_equal_batched_rows():
+  """The loss is a sum over examples, so each example's activation gradients are rows."""
+  case, variables, x, key = _setup('mlp')
+  loss_fn = lambda v, x: models.scalar(case.model.apply(v, x))
+  _, batched = perturbkit.value_and_grad(loss_fn)(variables, x)
+  _, per_example = jax.vmap(perturbkit.value_and_grad(loss_fn), in_axes=(None, 0))(
+      variables, x[:, None])
+  chex.assert_trees_all_close(
+      jax.tree.map(lambda g: g[:, 0], per_example['perturbations']),
+      batched['perturbations'], **TOL)
+  chex.assert_trees_all_close(jax.tree.map(lambda g: g.sum(0), per_example['params']),
+                              batched['params'], rtol=1e-5, atol=1e-5)
+
+
+def test_inside_outer_grad_matches_hand_hessian():
+  """d/dx of |dL/d(Dense_1 out)|^2 through perturbkit equals the twin's, and the
+  activation gradient's own derivative along a direction equals a Hessian product."""
+  case, variables, x, key = _setup('mlp')
+  model, hand = case.model, case.hand
+  zeros = models.init(case, hand, x)['perturbations']
+
+  def hand_point_grads(x):
+    return jax.grad(lambda eps: models.scalar(hand.apply({**variables, 'perturbations': eps}, x)))(
+        zeros)
+
+  def kit_point_grads(x):
+    return perturbkit.grad(lambda v, x: models.scalar(model.apply(v, x)))(variables, x)[
+        'perturbations']
+
+  def size(grads_of_x, x):
+    return jnp.sum(grads_of_x(x)['Dense_1']['__call__'] ** 2) if grads_of_x is kit_point_grads \
+        else jnp.sum(grads_of_x(x)['Dense_1/__call__'] ** 2)
+
+  chex.assert_trees_all_close(jax.grad(lambda x: size(kit_point_grads, x))(x),
+                              jax.grad(lambda x: size(hand_point_grads, x))(x), **TOL)
+  # The Hessian of the loss in the Dense_2 perturbation, from the twin, times a direction.
+  direction = jax.random.normal(jax.random.key(5), x.shape)
+  _, kit_tangent = jax.jvp(kit_point_grads, (x,), (direction,))
+  _, hand_tangent = jax.jvp(hand_point_grads, (x,), (direction,))
+  chex.assert_trees_all_close(kit_tangent, models.nest(hand_tangent), **TOL)
+  out_eps = zeros['Dense_2/__call__']
+  hessian = jax.hessian(lambda e: models.scalar(hand.apply(
+      {**variables, 'perturbations': {**zeros, 'Dense_2/__call__': e}}, x)))(out_eps)
+  # Perturbing the input moves the Dense_2 output by J v; the gradient there moves by H J v.
+  moved = jax.jvp(lambda x: model.apply(variables, x), (x,), (direction,))[1]
+  np.testing.assert_allclose(kit_tangent['Dense_2']['__call__'],
+                             jnp.einsum('abcd,cd->ab', hessian, moved), **TOL)
+
+
+def test_shared_module_entries_sum_to_single_perturbation():
+  case, variables, x, key = _setup('shared')
+  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), has_aux=True)(
+      variables, x, key)
+  single = models.SharedDense(hand=True, single=True)
+  zeros = models.init(case, single, x)['perturbations']
+  want = jax.grad(lambda eps: models.scalar(single.apply({**variables, 'perturbations': eps}, x)))(
+      zeros)
+  got = grads['perturbations']['shared']
+  np.testing.assert_allclose(got['__call__'] + got['__call__#1'], want['shared/__call__'], **TOL)
+  # Each entry alone differs from the sum: the two calls really get separate points.
+  assert float(jnp.abs(got['__call__#1']).max()) > 1e-2
+
+
+def test_model_run_twice_gets_distinct_points():
+  case, variables, x, key = _setup('mlp')
+  loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x))
+                          + 3.0 * models.scalar(case.model.apply(v, jnp.flip(x, 0))))
+  _, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
+  zeros = models.init(case, case.hand, x)['perturbations']
+
+  def hand_loss(e1, e2):
+    return (models.scalar(case.hand.apply({**variables, 'perturbations': e1}, x))
+            + 3.0 * models.scalar(case.hand.apply({**variables, 'perturbations': e2},
+                                                  jnp.flip(x, 0))))
+
+  g1, g2 = jax.grad(hand_loss, argnums=(0, 1))(zeros, zeros)
+  got = grads['perturbations']
+  for layer in ('Dense_0', 'Dense_1', 'Dense_2'):
+    np.testing.assert_allclose(got[layer]['__call__'], g1[f'{layer}/__call__'], **TOL)
+    np.testing.assert_allclose(got[layer]['__call__#1'], g2[f'{layer}/__call__'], **TOL)
+
+
+def test_method_argument():
+  case, variables, x, key = _setup('setup_style')
+  loss_fn = lambda v, x: models.scalar(case.model.apply(v, x, method='encode'))
+  loss, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
+  zeros = models.AutoEncoder(hand=True).init(jax.random.key(0), x, method='encode')[
+      'perturbations']
+  hand_loss = lambda p, eps: models.scalar(models.AutoEncoder(hand=True).apply(
+      {'params': p, 'perturbations': eps}, x, method='encode'))
+  want_loss, (g_params, g_points) = jax.value_and_grad(hand_loss, argnums=(0, 1))(
+      variables['params'], zeros)
+  np.testing.assert_allclose(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(grads, {'params': g_params, 'perturbations': models.nest(g_points)},
+                              **TOL)
+
+
+def test_grad_equals_value_and_grad_and_return_activations():
+  case, variables, x, key = _setup('mlp')
+  loss_fn = lambda v, x: models.scalar(case.model.apply(v, x))
+  loss, grads, acts = perturbkit.value_and_grad(loss_fn, return_activations=True)(variables, x)
+  chex.assert_trees_all_close(perturbkit.grad(loss_fn)(variables, x), grads, **TOL)
+  _, state = case.model.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  captured = jax.tree.map(lambda t: t[0], state['intermediates'],
+                          is_leaf=lambda t: isinstance(t, tuple))
+  captured.pop('__call__')
+  chex.assert_trees_all_close(acts, captured, **TOL)
+  np.testing.assert_allclose(loss, loss_fn(variables, x), **TOL)
+
+
+def test_scan_per_iteration_grads_equal_unrolled_loop():
+  case, variables, x, key = _setup('scan')
+  _, grads = perturbkit.value_and_grad(lambda v, x: models.scalar(case.model.apply(v, x)))(
+      variables, x)
+  got = grads['perturbations']
+  zeros = jax.tree.map(jnp.zeros_like, got)
+  want_params, want_points = jax.grad(
+      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1))(
+          variables['params'], zeros)
+  chex.assert_trees_all_close(got, want_points, **TOL)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
+  per_iteration = got['scan']['Dense_0']['__call__']
+  assert not np.allclose(per_iteration[0], per_iteration[-1], atol=1e-3)
+
+
+def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():
+  model = models.Scanned(map_perturbations=False)
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  variables = model.init(jax.random.key(0), x)
+  vg = perturbkit.value_and_grad(lambda v, x: models.scalar(model.apply(v, x)))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning, match='"perturbations": <axis>'):
+    _, grads = vg(variables, x)
+  got = grads['perturbations']
+  assert 'scan' not in got
+  zeros = models.nest(models.Scanned(hand=True).init(jax.random.key(0), x)['perturbations'])
+  want_params, want_points = jax.grad(
+      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1))(
+          variables['params'], zeros)
+  chex.assert_trees_all_close(got['Dense_0'], want_points['Dense_0'], **TOL)
+  chex.assert_trees_all_close(got['Dense_1'], want_points['Dense_1'], **TOL)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
+
+
+def test_pytree_outputs_with_int_leaves_pass_through():
+  case, variables, x, key = _setup('pytree_outputs')
+  loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x)), case.model.apply(v, x)[1])
+  (loss, indices), grads = perturbkit.value_and_grad(loss_fn, filter=case.filter, has_aux=True)(
+      variables, x)
+  _, want_indices = case.model.apply(variables, x)
+  chex.assert_trees_all_equal(indices, want_indices)
+  assert all(i.dtype == jnp.int32 for i in jax.tree.leaves(indices))
+  points = grads['perturbations']
+  assert points['TupleHead_0']['__call__'][1] is None
+  assert points['StructHead_0']['__call__'].index is None
