@@ -53,6 +53,12 @@ def _set_in(tree: dict, path: tuple, value: Any):
   tree[path[-1]] = value
 
 
+def _get_in(tree: Any, path: tuple) -> Any:
+  for name in path:
+    tree = tree[name]
+  return tree
+
+
 def _nested(flat: dict[tuple, Any]) -> dict:
   tree: dict = {}
   for path, value in flat.items():
@@ -95,12 +101,16 @@ def _interception(points, hooks):
 def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
              filter: CallFilter, strict: bool = False,
              hooks: Sequence[Hook] = (),
-             unreachable: list[str] | None = None) -> tuple[PyTree, list[str]]:
+             unreachable: list[str] | None = None,
+             point_paths: set[tuple] | None = None) -> tuple[PyTree, list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
   Selected calls that cannot carry a perturbation (inside a lifted transform
   that does not map the collection) are appended to ``unreachable`` if given,
-  else reported with an :class:`UnperturbedCallsWarning`.
+  else reported with an :class:`UnperturbedCallsWarning`. The path of every
+  point (module path plus point key) is added to ``point_paths`` if given: a
+  point's value may itself hold dicts (a call returning a dict), so the paths
+  cannot be read back from the tree.
 
   Returns:
     ``(shapes, seen)``: a tree of ``jax.ShapeDtypeStruct`` shaped like the
@@ -108,19 +118,24 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """
   found: dict[tuple, Any] = {}
   seen: list[str] = []
-
+  reached: set[tuple] = set()
   missed: list[str] = []
 
   def on_point(call, output, applied):
-    if not applied and has_differentiable_leaf(output):
+    if applied:
+      reached.add(call.path + (call.key,))
+    elif has_differentiable_leaf(output):
       missed.append(call.name)
 
   def on_root(module, method, run, a, kw):
     unbound, own = module.unbind()
     own = {c: t for c, t in own.items() if c != COLLECTION}
+    reached.clear()
     _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
                            mutable=_with_collection(module.scope.mutable), **kw)
-    found.update(_flat(_abstract(new.get(COLLECTION, {}))))
+    created = _abstract(new.get(COLLECTION, {}))
+    for path in reached:
+      found[path] = _get_in(created, path)
     with suspended():
       return run()
 
@@ -136,6 +151,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
 
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
   jax.eval_shape(traced, plain, *args)
+  if point_paths is not None:
+    point_paths.update(found)
   if unreachable is not None:
     unreachable.extend(sorted(set(missed)))
   elif missed:
@@ -213,9 +230,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   def run(variables: Variables, *args, **kwargs):
     if 'params' not in variables:
       raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+    expected: set[tuple] = set()
     shapes, seen = discover(loss_fn, variables, args, kwargs, filter=points,
-                            strict=strict, hooks=hooks)
-    expected = set(_flat(shapes))
+                            strict=strict, hooks=hooks, point_paths=expected)
     if not expected:
       raise NoPerturbationPointsError(seen)
 
