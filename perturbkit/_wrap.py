@@ -54,7 +54,10 @@ class Perturbed(nn.Module):
       out = method(inner, *args, **kwargs) if callable(method) else getattr(
           inner, method)(*args, **kwargs)
     if COLLECTION in self.variables and not self.is_mutable_collection(COLLECTION):
-      unused = _leaf_paths(self.variables[COLLECTION]) - applied
+      # A point's value may hold dicts (a call returning a dict): a leaf is used
+      # when an applied point's path is a prefix of it.
+      unused = {p for p in _leaf_paths(self.variables[COLLECTION])
+                if not any(p[:len(a)] == a for a in applied)}
       if unused:
         raise PerturbationStructureError(
             'these perturbations match no call: ' + ', '.join(sorted('/'.join(p) for p in unused)))
@@ -70,9 +73,8 @@ class Perturbed(nn.Module):
   def init_with_output(self, rngs, *args, method=None, **kwargs):
     return super().init_with_output(rngs, *args, method=self._forwarding(method), **kwargs)
 
-  @nn.nowrap
-  def init(self, rngs, *args, method=None, **kwargs):
-    return super().init(rngs, *args, method=self._forwarding(method), **kwargs)
+  # No `init` override: Flax's `init` calls `init_with_output`, which forwards
+  # `method` once; forwarding it in both would hand the wrapped module to itself.
 
   @nn.nowrap
   def apply(self, variables, *args, method=None, **kwargs):
