@@ -1,0 +1,62 @@
+"""Filters select exactly the expected points, whose gradients equal the hand twin's there."""
+import chex
+import flax.linen as nn
+import jax
+import pytest
+
+import models
+import perturbkit
+from perturbkit import filters
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _grads(name, filter):
+  case = models.CASES[name]
+  x = jax.random.normal(jax.random.key(1), case.x_shape)
+  variables = models.init(case, case.model, x)
+  loss = models.loss_fn_for(case, case.model)
+  key = jax.random.key(0)
+  _, got = perturbkit.value_and_grad(loss, filter=filter, has_aux=True)(variables, x, key)
+  # The twin perturbs a superset of the points here, and extra zero perturbations
+  # change no gradient, so its values are the reference at every selected point.
+  _, want = models.hand_value_and_grad(case, variables, x, key)
+  return models.unnest(got['perturbations']), models.unnest(want['perturbations'])
+
+
+SELECTIONS = [
+    ('mlp', filters.by_path('Dense_1', 'Dense_2'), {'Dense_1/__call__', 'Dense_2/__call__'}),
+    ('mlp', ['Dense_?'], {'Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__'}),
+    ('mlp', filters.negate(filters.by_path('Dense_0')), {'Dense_1/__call__', 'Dense_2/__call__'}),
+    ('transformer_eval', filters.by_type(nn.Dense), {'Dense_0/__call__', 'Dense_1/__call__'}),
+    ('transformer_eval', filters.any_of(filters.by_type(nn.LayerNorm), filters.by_path('Dense_1')),
+     {'LayerNorm_0/__call__', 'LayerNorm_1/__call__', 'Dense_1/__call__'}),
+    ('remat', filters.top_level, {'Dense_0/__call__', 'block/__call__', 'Dense_1/__call__'}),
+    ('remat', filters.by_depth(2, min_depth=2), {'block/Dense_0/__call__'}),
+    ('setup_style', filters.by_method('encode', 'decode'), {'codec/encode', 'codec/decode'}),
+    ('setup_style', filters.all_of(filters.by_path('codec/*'), filters.by_type(nn.Dense)),
+     {'codec/inner/__call__', 'codec/outer/__call__'}),
+    ('shared', filters.by_path('shared'), {'shared/__call__', 'shared/__call__#1'}),
+]
+
+
+@pytest.mark.parametrize('name, filter, expected', SELECTIONS)
+def test_selects_expected_points_with_reference_values(name, filter, expected):
+  got, want = _grads(name, filter)
+  assert set(got) == expected
+  chex.assert_trees_all_close(got, {k: want[k] for k in expected}, **TOL)
+
+
+def test_filter_spellings():
+  assert perturbkit.filters.as_filter(None) is filters.all_calls
+  assert perturbkit.filters.as_filter(True) is filters.all_calls
+  with pytest.raises(ValueError, match='pass None or True'):
+    filters.as_filter(False)
+  with pytest.raises(TypeError, match='path patterns'):
+    filters.as_filter(3)
+  with pytest.raises(TypeError, match='module classes'):
+    filters.by_type('Dense')
+  with pytest.raises(TypeError, match='string patterns'):
+    filters.by_path(nn.Dense)
+  with pytest.raises(ValueError, match='min_depth'):
+    filters.by_depth(0)
