@@ -424,3 +424,48 @@ def hand_value_and_grad(case: Case, variables: dict, x: jax.Array, key: jax.Arra
   value, (g_params, g_points) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
       variables['params'], zeros)
   return value, {'params': g_params, 'perturbations': nest(g_points)}
+
+
+class RandomNet(nn.Module):
+  """An architecture drawn by the property tests; its top-level calls are the points.
+
+  Attributes:
+    widths: One Dense (or, where ``pairs[i]``, a ``TupleHead``-like layer
+      returning ``(y, argmax y)``) per entry.
+    skips: Where true and the widths agree, the layer's input is added back.
+    shared: Apply one extra Dense twice (shared weights) at the end.
+    pairs: Which layers return a tuple with an int leaf.
+  """
+  widths: Sequence[int]
+  skips: Sequence[bool]
+  shared: bool
+  pairs: Sequence[bool]
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = x
+    for i, (width, skip, pair) in enumerate(zip(self.widths, self.skips, self.pairs)):
+      if pair:
+        y, index = Pair(width, name=f'Pair_{i}')(h)
+        y = perturb(self, f'Pair_{i}/__call__', (y, None))[0] if self.hand else y
+        y = y + 0.01 * index.astype(y.dtype)[..., None]  # the int leaf is used, but is constant
+      else:
+        y = perturb(self, f'Dense_{i}/__call__', nn.Dense(width, name=f'Dense_{i}')(h))
+      y = jnp.tanh(y)
+      h = y + h if skip and h.shape == y.shape else y
+    if self.shared:
+      dense = nn.Dense(h.shape[-1], name='shared')
+      h = jnp.tanh(perturb(self, 'shared/__call__', dense(h)))
+      h = jnp.tanh(perturb(self, 'shared/__call__#1', dense(h)))
+    return h
+
+
+class Pair(nn.Module):
+  """Dense returning ``(y, argmax(y))``."""
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(self.width)(x)
+    return y, jnp.argmax(y, axis=-1)
