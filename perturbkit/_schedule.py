@@ -3,8 +3,10 @@
 Walking backward through the model, each segment (a submodule call) gets its
 gradient, averaged over devices, and its optimizer step at once; the gradient
 for everything the segment consumed is then computed with the UPDATED weights.
-The segments are custom-VJP replays (``_segments``); activation gradients at
-their outputs come from zero perturbations (``_driver``/``_points``).
+The segments are custom-VJP replays (``_segments``); what their backward pass
+computes (the new weights, the activation-gradient norm) leaves it as the
+gradient of a zero *carrier* input, the same device as the zero perturbations
+of ``_driver``.
 """
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -15,7 +17,7 @@ import optax
 from perturbkit._driver import _check_loss, _flat, discover
 from perturbkit._errors import OptimizerStateError, SegmentationError, SharedSegmentError
 from perturbkit._interceptor import intercept
-from perturbkit._points import COLLECTION, add_perturbation, zeros_like_points
+from perturbkit._points import COLLECTION
 from perturbkit._segments import _split, run_segment
 from perturbkit._types import CallFilter, Path, PyTree, Variables
 
@@ -124,22 +126,24 @@ def _tree_where(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _all_finite(tree: PyTree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
 def _guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
                   params: PyTree, scale: jax.Array, guard: bool):
-  """One optimizer step on one group; with ``guard``, a non-finite gradient keeps
-  the old params and state. The select sits inside the update's own elementwise
-  pass, so it costs no extra pass over the state."""
-  updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  finite = _all_finite(grads)
-  if guard:
-    new_params = _tree_where(finite, new_params, params)
-    new_opt = _tree_where(finite, new_opt, opt_state)
+  """One optimizer step on one group: ``(params, opt_state, finite)``.
+
+  With ``guard``, a gradient whose norm is not finite keeps the old params and
+  state. The test reuses the norm reported in the metrics, and a conditional
+  (not an elementwise select) skips the work, so the finite path makes no
+  extra pass over the state and can update it in place.
+  """
+  finite = jnp.isfinite(optax.tree.norm(grads))
+
+  def take():
+    updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    return optax.apply_updates(params, updates), new_opt
+
+  if not guard:
+    return *take(), finite
+  new_params, new_opt = jax.lax.cond(finite, take, lambda: (params, opt_state))
   return new_params, new_opt, finite
 
 
@@ -263,7 +267,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     params = variables['params']
     is_segment = lambda module, method_name: tuple(module.path) in by_path
     lifted: list[str] = []
-    shapes, seen = discover(loss_fn, variables, args, {}, filter=is_segment, unreachable=lifted)
+    _, seen = discover(loss_fn, variables, args, {}, filter=is_segment, unreachable=lifted)
     if lifted:
       raise SegmentationError(
           f'The segments {lifted} run inside a lifted transform (nn.scan, nn.vmap) whose '
@@ -274,43 +278,42 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       if path in by_path and key != '__call__' and '#' in key:
         raise SharedSegmentError(_name(path))
     scale = _clip_scale(clip_global_norm, state.grad_norm)
+    swept: set[str] = set()
 
-    def update_for(name: str) -> Callable[[Any, Any], Any]:
+    def backward_for(name: str):
       tx = _optimizer_for(optimizer, name)
 
-      def update(dw, w):
+      def backward(g, dw, w):
+        carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
+        if propagate == 'original':
+          return None, carried
+        swept.add(name)
         new_w, new_opt, _ = _guarded_step(tx, dw, state.opt_state[name], w, scale,
                                           skip_nonfinite)
-        return new_w, _split(new_opt)[0]
-      return update
+        carried['step'] = (new_w, _split(new_opt)[0])
+        return new_w, carried
+      return backward
 
-    carriers = {}
-    if propagate == 'updated':
-      for p in paths:
-        w = _subtree(params, p)
-        carriers[by_path[p]] = (jax.tree.map(jnp.zeros_like, w), [
-            jnp.zeros_like(leaf) for leaf in _split(state.opt_state[by_path[p]])[0]])
-    updated_in_sweep: set[str] = set()
+    def carrier_for(path: Path) -> dict:
+      carrier = {'activation_grad_norm': jnp.zeros((), jnp.float32)}
+      if propagate == 'updated':
+        floats = _split(state.opt_state[by_path[path]])[0]
+        carrier['step'] = (jax.tree.map(jnp.zeros_like, _subtree(params, path)),
+                           [jnp.zeros_like(leaf) for leaf in floats])
+      return carrier
 
-    def differentiable(params, perturbations, carriers):
+    def differentiable(params, carriers):
       mutated: dict = {}
 
       def on_call(call, run):
         w = call.module.variables.get('params', {})
-        expected = _subtree(params, call.path)
-        if jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, expected):
+        if jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, _subtree(params, call.path)):
           raise SegmentationError(
               f'The segment {call.name!r} runs inside a lifted transform (nn.scan, nn.vmap) '
               'whose params are sliced; make the whole transformed module one segment '
               '(its parent), or choose other segments.')
         name = by_path[call.path]
-        if propagate == 'updated':
-          out = run_segment(call, update_for(name), axis_name, carriers[name],
-                            lambda: updated_in_sweep.add(name))
-        else:
-          out = run_segment(call, None, axis_name)
-        out, _ = add_perturbation(call.module, call.key, out, call.name, strict=False)
-        return out
+        return run_segment(call, backward_for(name), carriers[name], axis_name)
 
       def on_root(module, method, run, a, kw):
         out = run()
@@ -319,33 +322,40 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                         if c not in ('params', COLLECTION) and module.is_mutable_collection(c)})
         return out
 
-      full = {**variables, 'params': params, COLLECTION: perturbations}
       with intercept(is_segment, on_call, on_root):
-        out = loss_fn(full, *args)
+        out = loss_fn({**variables, 'params': params}, *args)
       loss = _check_loss(out, has_aux)
       return loss, (out[1] if has_aux else None, mutated)
 
-    (loss, (aux, mutated)), (grads, act_grads, carried) = jax.value_and_grad(
-        differentiable, argnums=(0, 1, 2), has_aux=True)(params, zeros_like_points(shapes),
-                                                         carriers)
+    carriers = {by_path[p]: carrier_for(p) for p in paths}
+    (loss, (aux, mutated)), (grads, carried) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
 
     rest_grads = _without(grads, paths)
+    act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
     if axis_name is not None:
       rest_grads = jax.lax.pmean(rest_grads, axis_name)
       loss = jax.lax.pmean(loss, axis_name)
+      act_norms = jax.lax.pmean(act_norms, axis_name)
     groups = {by_path[p]: (_subtree(grads, p), _subtree(params, p)) for p in paths}
     groups[REST] = (rest_grads, _without(params, paths))
     new_params, new_opt_state, grad_norms, skipped = params, {}, {}, {}
     for name, (g, w) in groups.items():
+      tx = _optimizer_for(optimizer, name)
       grad_norms[name] = optax.tree.norm(g)
-      new_w, new_opt_state[name], finite = _guarded_step(
-          _optimizer_for(optimizer, name), g, state.opt_state[name], w, scale, skip_nonfinite)
+      finite = jnp.isfinite(grad_norms[name])
       skipped[name] = jnp.logical_not(finite)
-      if name in updated_in_sweep:
-        # The sweep already took this step: reuse it (XLA drops the copy above,
-        # except the optimizer's integer leaves such as its step count).
-        new_w, floats = carried[name]
-        new_opt_state[name] = _split(new_opt_state[name])[1](floats)
+      if name in swept:
+        # The sweep already took this step; only the optimizer's non-float leaves
+        # (a step count) are taken here, and XLA drops the rest of this update.
+        new_w, floats = carried[name]['step']
+        _, fresh = tx.update(jax.tree.map(lambda x: x * scale, g), state.opt_state[name], w)
+        if skip_nonfinite:
+          fresh = _tree_where(finite, fresh, state.opt_state[name])
+        new_opt_state[name] = _split(fresh)[1](floats)
+      else:
+        new_w, new_opt_state[name], _ = _guarded_step(
+            tx, g, state.opt_state[name], w, scale, skip_nonfinite)
       if name == REST:
         for p, v in _flat(new_w).items():
           new_params = _with(new_params, p, v)
@@ -355,8 +365,6 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
     new_variables = {**variables, **mutated, 'params': new_params}
     new_state = InterleavedState(state.step + 1, new_variables, new_opt_state, kept_norm)
-    act_norms = {by_path[p]: optax.tree.norm(_subtree(act_grads, p)) for p in paths
-                 if _has_params(act_grads, p)}
     metrics = {'loss': loss, 'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
                'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
                'skipped': jnp.any(jnp.stack(list(skipped.values()))),

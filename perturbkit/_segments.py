@@ -25,7 +25,8 @@ import jax
 from perturbkit._interceptor import Call, suspended
 from perturbkit._points import COLLECTION, _is_inexact_array
 
-Update = Callable[[Any, Any], Any]  # (dw, w) -> (new w, carried extras)
+# (g, dw, w) -> (weights to propagate with or None, values carried out)
+Backward = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -56,18 +57,20 @@ def segment_params(call: Call) -> Any:
   return call.module.variables.get('params', {})
 
 
-def run_segment(call: Call, update: Update | None, axis_name: str | None,
-                carrier: Any = None, on_backward: Callable[[], None] = lambda: None) -> Any:
+def run_segment(call: Call, backward: Backward, carrier: Any,
+                axis_name: str | None = None) -> Any:
   """Runs one segment call with the interleaved custom VJP.
 
   Args:
     call: The intercepted call (a module whose params form the segment).
-    update: ``(dw, w) -> (w', extras)``; ``None`` propagates with the old weights.
-    axis_name: If given, ``dw`` is averaged over this mapped axis before the
-      update (data parallelism under ``shard_map``/``pmap``).
-    carrier: Zeros shaped like ``update``'s result; its cotangent is that result.
-    on_backward: Called when the backward pass is traced (so the caller knows
-      the carrier's cotangent is real, not a zero for an unused segment).
+    backward: ``(g, dw, w) -> (w_propagate, carried)``, called in the backward
+      pass with the output cotangent ``g`` and the (averaged) gradient ``dw`` at
+      the old weights ``w``. The input cotangent is computed at
+      ``w_propagate`` (``None``: at ``w``, no replay), and ``carried`` leaves the
+      backward pass as the cotangent of ``carrier``.
+    carrier: Zeros shaped like ``carried``.
+    axis_name: If given, ``dw`` is averaged over this mapped axis first (data
+      parallelism under ``shard_map``/``pmap``).
 
   Returns:
     The call's output.
@@ -85,9 +88,8 @@ def run_segment(call: Call, update: Update | None, axis_name: str | None,
   def pure(w, dyn):
     args, kwargs = rebuild(dyn)
     with suspended():
-      out, state = unbound.apply({'params': w, **others}, *args, rngs=rngs,
-                                 mutable=mutable or ['__none__'], method=call.method_name,
-                                 **kwargs)
+      out, state = unbound.apply({'params': w, **others}, *args, rngs=rngs, mutable=mutable,
+                                 method=call.method_name, **kwargs)
     return out, dict(state)
 
   @jax.custom_vjp
@@ -96,20 +98,19 @@ def run_segment(call: Call, update: Update | None, axis_name: str | None,
     return pure(w, dyn)
 
   def fwd(w, dyn, carrier):
+    del carrier
     out, vjp_old, state = jax.vjp(pure, w, dyn, has_aux=True)
-    return (out, state), (w, dyn, vjp_old, carrier)
+    return (out, state), (w, dyn, vjp_old)
 
   def bwd(residuals, cotangents):
-    w, dyn, vjp_old, carried = residuals
+    w, dyn, vjp_old = residuals
     g, _ = cotangents
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
-    if update is not None:
-      on_backward()
-      w_new, extras = update(dw, w)
-      carried = (w_new, extras)
-      _, vjp_new = jax.vjp(lambda d: pure(w_new, d)[0], dyn)
+    w_propagate, carried = backward(g, dw, w)
+    if w_propagate is not None:
+      _, vjp_new = jax.vjp(lambda d: pure(w_propagate, d)[0], dyn)
       (d_dyn,) = vjp_new(g)
     return dw, d_dyn, carried
 
