@@ -1,24 +1,31 @@
 """``wrap``: the same model with a perturbation point after every selected call."""
+import warnings
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 
 from perturbkit import _filters
-from perturbkit._errors import PerturbationStructureError
+from perturbkit._errors import PerturbationStructureError, UnperturbedCallsWarning
 from perturbkit._interceptor import intercept
-from perturbkit._points import COLLECTION, add_perturbation
+from perturbkit._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit._types import CallFilter
 
 
-def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None):
+def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
+               missed: list | None = None):
   """An ``intercept`` block that adds perturbations at the selected calls.
 
-  The ``(path..., key)`` of every point applied is added to ``applied``.
+  The ``(path..., key)`` of every point applied is added to ``applied``; the
+  names of selected calls that could not carry one (inside a lifted transform
+  that does not map the collection) are appended to ``missed``.
   """
   def handler(call, run):
-    out, was_applied = add_perturbation(call.module, call.key, run(), call.name, strict=strict)
+    output = run()
+    out, was_applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
     if was_applied and applied is not None:
       applied.add(call.path + (call.key,))
+    if not was_applied and missed is not None and has_differentiable_leaf(output):
+      missed.append(call.name)
     return out
   return intercept(filter, handler)
 
@@ -50,9 +57,12 @@ class Perturbed(nn.Module):
     # and rng streams as when it is the root, so params and dropout masks match.
     inner = self.module.clone(parent=self.scope, _deep_clone=True)
     applied: set = set()
-    with perturbing(self.filter, strict=self.strict, applied=applied):
+    missed: list = []
+    with perturbing(self.filter, strict=self.strict, applied=applied, missed=missed):
       out = method(inner, *args, **kwargs) if callable(method) else getattr(
           inner, method)(*args, **kwargs)
+    if missed and self.is_mutable_collection(COLLECTION):
+      warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=4)
     if COLLECTION in self.variables and not self.is_mutable_collection(COLLECTION):
       # A point's value may hold dicts (a call returning a dict): a leaf is used
       # when an applied point's path is a prefix of it.

@@ -123,3 +123,13 @@ def test_rejects_bound_modules_and_non_modules():
   bound = nn.Dense(2).bind(nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 2))))
   with pytest.raises(ValueError, match='unbind'):
     perturbkit.wrap(bound)
+
+
+def test_init_warns_about_calls_a_lifted_transform_cannot_perturb():
+  model = models.Scanned(map_perturbations=False)
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning, match='"perturbations": <axis>'):
+    variables = perturbkit.wrap(model).init(jax.random.key(0), x)
+  assert 'scan' not in variables['perturbations']
+  # The params are still exactly the model's own.
+  chex.assert_trees_all_equal(variables['params'], model.init(jax.random.key(0), x)['params'])
