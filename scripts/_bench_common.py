@@ -4,6 +4,7 @@ Every benchmark compares variants side by side in one run. ``time_round_robin``
 interleaves the variants call by call (rotating which goes first), so that drift
 in the machine's speed affects all of them alike, and reports per-call times.
 """
+import argparse
 import dataclasses
 import json
 import math
@@ -162,3 +163,16 @@ def write_json(path: str, data: Any) -> None:
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(data, f, indent=2, sort_keys=False)
     f.write('\n')
+
+
+def parse_args(description: str, sizes: Mapping[str, Mapping[str, Any]], default_out: str,
+               default_repeats: int, argv: list[str] | None = None) -> argparse.Namespace:
+  """The flags both benchmark scripts take: --sizes, --repeats, --models, --out."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument('--sizes', choices=sorted(sizes), default='default')
+  parser.add_argument('--repeats', type=int, default=default_repeats,
+                      help='timed samples per variant')
+  parser.add_argument('--models', nargs='+', choices=list(sizes['default']),
+                      default=list(sizes['default']))
+  parser.add_argument('--out', default=default_out, help='where to write the JSON results')
+  return parser.parse_args(argv)

@@ -17,7 +17,6 @@ and the same loss and params gradients as plain, and exits non-zero if not.
   python scripts/bench_activation_grads.py                  # default sizes
   python scripts/bench_activation_grads.py --sizes small    # smoke test, < 60 s
 """
-import argparse
 import os
 import sys
 from typing import Any, Callable, NamedTuple
@@ -278,18 +277,8 @@ def report(results: dict[str, Any]) -> None:
   print(NOTE)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--sizes', choices=sorted(SIZES), default='default')
-  parser.add_argument('--repeats', type=int, default=30, help='timed samples per variant')
-  parser.add_argument('--models', nargs='+', choices=list(SIZES['default']),
-                      default=list(SIZES['default']))
-  parser.add_argument('--out', default=DEFAULT_OUT, help='where to write the JSON results')
-  return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 30, argv)
   key = jax.random.key(0)
   results = {}
   for i, name in enumerate(args.models):

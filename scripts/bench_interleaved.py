@@ -17,7 +17,6 @@ if not.
   python scripts/bench_interleaved.py                  # default sizes, a few minutes
   python scripts/bench_interleaved.py --sizes small    # smoke test, < 90 s
 """
-import argparse
 import os
 import re
 import subprocess
@@ -334,18 +333,8 @@ def source_commit() -> str | None:
     return None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--sizes', choices=sorted(SIZES), default='default')
-  parser.add_argument('--repeats', type=int, default=15, help='timed samples per variant')
-  parser.add_argument('--models', nargs='+', choices=list(SIZES['default']),
-                      default=list(SIZES['default']))
-  parser.add_argument('--out', default=DEFAULT_OUT, help='where to write the JSON results')
-  return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv)
   # Small states (the step counter) cannot always be reused in place; that is expected.
   warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
   key = jax.random.key(0)
