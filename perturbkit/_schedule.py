@@ -166,6 +166,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   ``apply(..., mutable=...)`` would; rng users see the same random numbers in
   the weight-gradient and input-gradient replays of a segment.
 
+  A segment's params should be read only by its own call: a term of the loss
+  that uses them directly (an L2 penalty, say) is part of their final
+  gradient but not of the step taken inside the sweep, which sees only what
+  flows back through the call.
+
   Each segment has its own optimizer state, so transformations that look at
   the whole gradient (``optax.clip_by_global_norm``) act per segment. For a
   global norm, ``clip_global_norm=c`` scales every gradient of a step by
