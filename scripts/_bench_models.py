@@ -6,11 +6,12 @@ guide on intermediate gradients does it: ``self.perturb`` on the output of every
 submodule call, at every depth, named ``'<child name>_out'`` in the calling
 module's scope. ``tap`` adds no parameters, so both settings share one params tree.
 """
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def tapped(parent: nn.Module, child: nn.Module, *args: Any) -> Any:
@@ -111,3 +112,26 @@ class Transformer(nn.Module):
       x = tapped(self, Block(self.heads, self.mlp_ratio, self.tap, name=f'Block_{i}'), x)
     x = tapped(self, nn.LayerNorm(name='LayerNorm_final'), x)
     return tapped(self, nn.Dense(self.classes, name='Head'), x.mean(axis=1))
+
+
+class Problem(NamedTuple):
+  """A model with one batch of inputs and integer labels."""
+  model: nn.Module
+  x: jax.Array
+  y: jax.Array
+
+
+def random_problem(model: nn.Module, shape: tuple, classes: int, key: jax.Array) -> Problem:
+  """``model`` with a normal random batch of ``shape`` and labels below ``classes``."""
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, shape, jnp.float32)
+  y = jax.random.randint(ky, (shape[0],), 0, classes)
+  return Problem(model, x, y)
+
+
+def cross_entropy(model: nn.Module) -> Callable[..., jax.Array]:
+  """The ordinary loss ``(variables, x, y) -> mean cross-entropy`` of ``model``."""
+  def loss_fn(variables, x, y):
+    logits = model.apply(variables, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return loss_fn

@@ -19,13 +19,12 @@ and the same loss and params gradients as plain, and exits non-zero if not.
 """
 import os
 import sys
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 # Measure the checkout this script lives in, installed or not.
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
@@ -55,16 +54,8 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class Problem(NamedTuple):
-  """A model with one batch of inputs and integer labels."""
-  model: nn.Module
-  x: jax.Array
-  y: jax.Array
-
-
-def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> Problem:
+def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> models.Problem:
   """The named model at ``size`` with a random batch."""
-  kx, ky = jax.random.split(key)
   if name == 'mlp':
     model = models.MLP(size['widths'], size['classes'])
     shape = (size['batch'], size['features'])
@@ -76,22 +67,12 @@ def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> Problem:
     shape = (size['batch'], size['seq'], size['features'])
   else:
     raise ValueError(f'Unknown model {name!r}.')
-  x = jax.random.normal(kx, shape, jnp.float32)
-  y = jax.random.randint(ky, (size['batch'],), 0, size['classes'])
-  return Problem(model, x, y)
-
-
-def cross_entropy(model: nn.Module) -> Callable[..., jax.Array]:
-  """The ordinary loss ``(variables, x, y) -> mean cross-entropy`` of ``model``."""
-  def loss_fn(variables, x, y):
-    logits = model.apply(variables, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  return loss_fn
+  return models.random_problem(model, shape, size['classes'], key)
 
 
 def plain_step(model: nn.Module) -> Callable[..., Any]:
   """(a) ``(params, x, y) -> (loss, {'params': grads})``."""
-  loss_fn = cross_entropy(model)
+  loss_fn = models.cross_entropy(model)
 
   def step(params, x, y):
     loss, g = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
@@ -101,7 +82,7 @@ def plain_step(model: nn.Module) -> Callable[..., Any]:
 
 def flax_perturb_step(model: nn.Module) -> Callable[..., Any]:
   """(b) ``(params, perturbations, x, y) -> (loss, grads)`` on the ``tap=True`` model."""
-  loss_fn = cross_entropy(model.clone(tap=True))
+  loss_fn = models.cross_entropy(model.clone(tap=True))
 
   def step(params, perturbations, x, y):
     loss, (gp, gq) = jax.value_and_grad(
@@ -113,10 +94,10 @@ def flax_perturb_step(model: nn.Module) -> Callable[..., Any]:
 
 def perturbkit_step(model: nn.Module) -> Callable[..., Any]:
   """(c) ``(variables, x, y) -> (loss, grads)`` on the unmodified model."""
-  return perturbkit.value_and_grad(cross_entropy(model))
+  return perturbkit.value_and_grad(models.cross_entropy(model))
 
 
-def step_args(problem: Problem, key: jax.Array) -> dict[str, tuple]:
+def step_args(problem: models.Problem, key: jax.Array) -> dict[str, tuple]:
   """The arguments of each variant; flax_perturb's zeros are made here, outside jit."""
   params = problem.model.init(key, problem.x)['params']
   zeros = problem.model.clone(tap=True).init(key, problem.x)['perturbations']

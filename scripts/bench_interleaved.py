@@ -66,13 +66,6 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-class Problem(NamedTuple):
-  """A model with one batch of inputs and integer labels."""
-  model: nn.Module
-  x: jax.Array
-  y: jax.Array
-
-
 class StandardState(NamedTuple):
   """The standard step's state: params and one optimizer state for all of them."""
   params: Any
@@ -101,21 +94,10 @@ def make_model(name: str, size: dict[str, Any], depth: int) -> tuple[nn.Module, 
   raise ValueError(f'Unknown model {name!r}.')
 
 
-def make_problem(name: str, size: dict[str, Any], depth: int, key: jax.Array) -> Problem:
+def make_problem(name: str, size: dict[str, Any], depth: int, key: jax.Array) -> models.Problem:
   """The named model at ``size`` and ``depth`` with a random batch."""
-  kx, ky = jax.random.split(key)
   model, shape = make_model(name, size, depth)
-  x = jax.random.normal(kx, shape, jnp.float32)
-  y = jax.random.randint(ky, (size['batch'],), 0, size['classes'])
-  return Problem(model, x, y)
-
-
-def cross_entropy(model: nn.Module) -> Callable[..., jax.Array]:
-  """The ordinary loss ``(variables, x, y) -> mean cross-entropy`` of ``model``."""
-  def loss_fn(variables, x, y):
-    logits = model.apply(variables, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  return loss_fn
+  return models.random_problem(model, shape, size['classes'], key)
 
 
 def standard_step(loss_fn: Callable[..., jax.Array],
@@ -193,7 +175,7 @@ def measure_depth(name: str, size: dict[str, Any], depth: int, repeats: int,
   """Compiles, checks and times the three variants on one model at one depth."""
   kp, kd = jax.random.split(key)
   problem = make_problem(name, size, depth, kd)
-  loss_fn = cross_entropy(problem.model)
+  loss_fn = models.cross_entropy(problem.model)
   optimizer = optax.adam(LEARNING_RATE)
   variables = problem.model.init(kp, problem.x)
   txs = {v: perturbkit.interleaved(loss_fn, optimizer, propagate=v) for v in INTERLEAVED}
