@@ -272,16 +272,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     params = variables['params']
     is_segment = lambda module, method_name: tuple(module.path) in by_path
     lifted: list[str] = []
-    _, seen = discover(loss_fn, variables, args, {}, filter=is_segment, unreachable=lifted)
+    discover(loss_fn, variables, args, {}, filter=is_segment, unreachable=lifted)
     if lifted:
       raise SegmentationError(
           f'The segments {lifted} run inside a lifted transform (nn.scan, nn.vmap) whose '
           'params are sliced per iteration; make the whole transformed module part of one '
           'segment (e.g. segments at its parent\'s depth), or choose other segments.')
-    for name in seen:
-      path, key = tuple(name.split('/')[:-1]), name.split('/')[-1]
-      if path in by_path and key != '__call__' and '#' in key:
-        raise SharedSegmentError(_name(path))
     scale = _clip_scale(clip_global_norm, state.grad_norm)
     swept: set[str] = set()
 
@@ -309,8 +305,15 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
 
     def differentiable(params, carriers):
       mutated: dict = {}
+      called: set[Path] = set()
 
       def on_call(call, run):
+        # Calls made inside a segment are not intercepted, so any second call on
+        # a segment's module (a second `__call__`, or another method such as a
+        # tied embedding's `attend`) is a genuine second use of its weights.
+        if call.path in called:
+          raise SharedSegmentError(_name(call.path))
+        called.add(call.path)
         w = call.module.variables.get('params', {})
         if jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, _subtree(params, call.path)):
           raise SegmentationError(

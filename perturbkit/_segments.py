@@ -52,11 +52,6 @@ def _write_back(scope, collection: str, tree: Any):
       _write_back(scope.push(name, reuse=True), collection, value)
 
 
-def segment_params(call: Call) -> Any:
-  """The params of the segment's module (its whole subtree)."""
-  return call.module.variables.get('params', {})
-
-
 def run_segment(call: Call, backward: Backward, carrier: Any,
                 axis_name: str | None = None) -> Any:
   """Runs one segment call with the interleaved custom VJP.

@@ -405,3 +405,45 @@ def test_segment_filter_needs_example_arguments():
   tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=perturbkit.filters.all_calls)
   with pytest.raises(perturbkit.SegmentationError, match='example arguments'):
     tx.init(v)
+
+
+def test_segment_called_through_two_methods_is_rejected():
+  """A tied embedding: `__call__` at the input and `attend` at the output share weights."""
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      embed = nn.Embed(7, 4)
+      h = nn.relu(nn.Dense(4)(embed(tokens)))
+      return embed.attend(h)
+
+  model = Tied()
+  tokens = jnp.array([[1, 2, 3]])
+  v = model.init(jax.random.key(0), tokens)
+  loss_fn = lambda v, t: jnp.mean(model.apply(v, t) ** 2)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+  with pytest.raises(perturbkit.SharedSegmentError, match='Embed_0'):
+    tx.step(tx.init(v), tokens)
+
+
+def test_a_segment_calling_its_own_helper_method_is_one_call():
+  class WithHelper(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return self.scale(nn.Dense(3)(x))
+
+    def scale(self, x):
+      return 2.0 * x
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(WithHelper()(x))
+
+  model = Net()
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  y = jnp.ones((4, 1))
+  v = model.init(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), propagate='original')
+  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
