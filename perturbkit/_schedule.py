@@ -223,8 +223,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       raise SegmentationError(
           'A segment filter selects calls, which are only known by tracing the model: '
           'pass example arguments, `init(variables, *args)`.')
-    shapes, _ = discover(loss_fn, variables, args, {}, filter=segments)
-    owned = {p[:-1] for p in _flat(shapes)}
+    points: set[tuple] = set()
+    discover(loss_fn, variables, args, {}, filter=segments, point_paths=points)
+    owned = {p[:-1] for p in points}
     return sorted(p for p in owned if _has_params(params, p))
 
   def init(variables: Variables, *args) -> InterleavedState:
