@@ -19,6 +19,8 @@ from typing import Any, Callable, Sequence
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
 
 from perturbkit import _filters
 from perturbkit._errors import (ActivationsUnavailableError, NonScalarLossError,
@@ -26,10 +28,9 @@ from perturbkit._errors import (ActivationsUnavailableError, NonScalarLossError,
                                 PerturbationsNotAppliedError, UnperturbedCallsWarning)
 from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._interceptor import Call, intercept, suspended
-from perturbkit._points import (COLLECTION, add_perturbation, differentiable_part,
-                               has_differentiable_leaf, inside_lifted_transform,
-                               zeros_like_points)
-from perturbkit._types import CallFilter, PyTree, Variables
+from perturbkit._points import (COLLECTION, PointShape, add_perturbation, differentiable_part,
+                               has_differentiable_leaf, inside_lifted_transform)
+from perturbkit._types import CallFilter, Variables
 
 
 def _with_collection(mutable: Any) -> Any:
@@ -47,36 +48,21 @@ def _with_collection(mutable: Any) -> Any:
   return [*mutable, COLLECTION]
 
 
-def _set_in(tree: dict, path: tuple, value: Any):
-  for name in path[:-1]:
-    tree = tree.setdefault(name, {})
-  tree[path[-1]] = value
-
-
 def _get_in(tree: Any, path: tuple) -> Any:
   for name in path:
     tree = tree[name]
   return tree
 
 
-def _nested(flat: dict[tuple, Any]) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    _set_in(tree, path, value)
-  return tree
+def nested(flat: dict[tuple, Any]) -> dict:
+  """A nested dict from ``{path: value}`` (values may themselves be trees)."""
+  return traverse_util.unflatten_dict(flat) if flat else {}
 
 
-def _flat(tree: Any, prefix: tuple = ()) -> dict[tuple, Any]:
-  if isinstance(tree, (dict, flax.core.FrozenDict)):
-    out = {}
-    for k, v in tree.items():
-      out.update(_flat(v, prefix + (k,)))
-    return out
-  return {prefix: tree}
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf)), tree)
+def array_part(tree: Any) -> Any:
+  """``tree`` with every leaf that is not an array replaced by ``None`` (plain
+  containers) or dropped (a user's node, see ``differentiable_part``)."""
+  return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
 
 
 def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
@@ -102,23 +88,27 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              filter: CallFilter, strict: bool = False,
              hooks: Sequence[Hook] = (),
              unreachable: list[str] | None = None,
-             point_paths: set[tuple] | None = None) -> tuple[PyTree, list[str]]:
+             point_paths: set[tuple] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
-  Selected calls that cannot carry a perturbation (inside a lifted transform
-  that does not map the collection) are appended to ``unreachable`` if given,
-  else reported with an :class:`UnperturbedCallsWarning`. The path of every
-  point (module path plus point key) is added to ``point_paths`` if given: a
-  point's value may itself hold dicts (a call returning a dict), so the paths
-  cannot be read back from the tree.
+  Points placed by hand in the model (its own ``self.perturb(name, x)``) are
+  found too: they are every entry Flax creates in the collection that is not a
+  selected call's point. Selected calls that cannot carry a perturbation
+  (inside a lifted transform that does not map the collection) are appended to
+  ``unreachable`` if given, else reported with an
+  :class:`UnperturbedCallsWarning`. The path of every call's point (module path
+  plus point key) is added to ``point_paths`` if given: a point's value may
+  itself hold dicts (a call returning a dict), so the paths cannot be read back
+  from the tree.
 
   Returns:
-    ``(shapes, seen)``: a tree of ``jax.ShapeDtypeStruct`` shaped like the
-    ``'perturbations'`` collection, and the names of every call seen.
+    ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
+    hand-placed ones, and the names of every call seen.
   """
-  found: dict[tuple, Any] = {}
+  found: dict[tuple, PointShape] = {}
   seen: list[str] = []
   reached: set[tuple] = set()
+  calls: set[tuple] = set()
   missed: list[str] = []
 
   def on_point(call, output, applied):
@@ -133,9 +123,13 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     reached.clear()
     _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
                            mutable=_with_collection(module.scope.mutable), **kw)
-    created = _abstract(new.get(COLLECTION, {}))
+    created = new.get(COLLECTION, {})
+    calls.update(reached)
     for path in reached:
-      found[path] = _get_in(created, path)
+      found[path] = PointShape.of(_get_in(created, path))
+    for path, value in traverse_util.flatten_dict(created).items():
+      if not any(path[:len(p)] == p for p in reached):
+        found[path] = PointShape.of(value)
     with suspended():
       return run()
 
@@ -152,12 +146,12 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
   jax.eval_shape(traced, plain, *args)
   if point_paths is not None:
-    point_paths.update(found)
+    point_paths.update(calls)
   if unreachable is not None:
     unreachable.extend(sorted(set(missed)))
   elif missed:
     warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=3)
-  return _nested(found), seen
+  return found, seen
 
 
 def _check_loss(out: Any, has_aux: bool) -> jax.Array:
@@ -173,8 +167,8 @@ def _check_loss(out: Any, has_aux: bool) -> jax.Array:
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                    has_aux: bool = False, hooks: Sequence[Hook] = (),
-                   return_activations: bool = False, strict: bool | None = None
-                   ) -> Callable[..., Any]:
+                   return_activations: bool = False, return_inputs: bool = False,
+                   strict: bool | None = None) -> Callable[..., Any]:
   """Parameter gradients and every activation gradient, from one backward pass.
 
   ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss: it calls
@@ -198,6 +192,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       hook transforms it for the layers below.
     return_activations: Also return the outputs of the selected calls, in a
       tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
+    return_inputs: Also return the inputs of the selected calls, at the same
+      paths, each as ``(args, kwargs)`` with every leaf that is not an array
+      (a Python flag, ``None``) replaced by ``None``: ``(value, grads, inputs)``,
+      or ``(value, grads, acts, inputs)`` with both. These are the pairs
+      curvature and per-example methods need: a Dense call's input ``a`` next
+      to the gradient ``g`` at its output.
     strict: Whether a selected call without floating-point output is an error
       (default: only when a filter is given).
 
@@ -230,44 +230,53 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   def run(variables: Variables, *args, **kwargs):
     if 'params' not in variables:
       raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+    # Inside another perturbkit function's loss, this level sees only its own
+    # calls, and the outer level does not see them (see the README, "Nesting").
+    with suspended():
+      return _value_and_grad(variables, args, kwargs)
+
+  def _value_and_grad(variables, args, kwargs):
     expected: set[tuple] = set()
-    shapes, seen = discover(loss_fn, variables, args, kwargs, filter=points,
-                            strict=strict, hooks=hooks, point_paths=expected)
-    if not expected:
+    points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
+                                  strict=strict, hooks=hooks, point_paths=expected)
+    if not points_found:
       raise NoPerturbationPointsError(seen)
 
     def differentiable(params, perturbations):
       applied: set[tuple] = set()
-      activations: dict[tuple, Any] = {}
+      captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
 
       def on_point(call, output, was_applied):
-        if was_applied:
-          path = call.path + (call.key,)
-          applied.add(path)
-          if return_activations:
-            if inside_lifted_transform(call.module):
-              raise ActivationsUnavailableError(call.name)
-            activations[path] = differentiable_part(output)
+        if not was_applied:
+          return
+        path = call.path + (call.key,)
+        applied.add(path)
+        if (return_activations or return_inputs) and inside_lifted_transform(call.module):
+          raise ActivationsUnavailableError(call.name)
+        if return_activations:
+          captured['activations'][path] = differentiable_part(output)
+        if return_inputs:
+          captured['inputs'][path] = array_part((call.args, call.kwargs))
 
       handler = _point_handler(points, hooks, strict, on_point)
       full = {**variables, 'params': params, COLLECTION: perturbations}
       with intercept(selected, handler):
         out = loss_fn(full, *args, **kwargs)
-      missing = sorted('/'.join(p) for p in expected - {p for p in applied})
+      missing = sorted('/'.join(p) for p in expected - applied)
       if missing:
         raise PerturbationsNotAppliedError(missing)
       loss = _check_loss(out, has_aux)
       aux = out[1] if has_aux else None
-      return loss, (aux, _nested(activations))
+      return loss, (aux, {k: nested(v) for k, v in captured.items()})
 
-    (loss, (aux, activations)), (g_params, g_points) = jax.value_and_grad(
-        differentiable, argnums=(0, 1), has_aux=True)(variables['params'],
-                                                      zeros_like_points(shapes))
+    zeros = nested({path: shape.zeros() for path, shape in points_found.items()})
+    (loss, (aux, captured)), (g_params, g_points) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(variables['params'], zeros)
     value = (loss, aux) if has_aux else loss
     grads = {'params': g_params, COLLECTION: g_points}
-    if return_activations:
-      return value, grads, activations
-    return value, grads
+    extras = ((captured['activations'],) if return_activations else ()) + (
+        (captured['inputs'],) if return_inputs else ())
+    return (value, grads, *extras)
 
   return run
 

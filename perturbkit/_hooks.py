@@ -121,7 +121,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
   @functools.wraps(fun)
   def hooked(*args, **kwargs):
     handler = lambda call, run: apply_hooks(hooks, call.module, call.method_name, run())
-    with intercept(selected, handler):
+    with intercept(selected, handler, transparent=True):
       return fun(*args, **kwargs)
 
   return hooked

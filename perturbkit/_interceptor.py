@@ -14,6 +14,7 @@ that runs the model twice gets distinct points for the two runs.
 """
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Callable, Iterator
 
 import flax.linen as nn
@@ -61,7 +62,8 @@ def point_key(method_name: str, index: int) -> str:
 class _State:
   """Counters and flags of one ``intercept`` block; dropped when the block ends."""
 
-  def __init__(self):
+  def __init__(self, transparent: bool):
+    self.transparent = transparent
     self.offsets: dict[tuple[Path, str], int] = {}
     self.apply_counts: dict[tuple[Path, str], int] = {}
     self.scope_counts: dict[Any, dict[str, int]] = {}
@@ -92,12 +94,24 @@ def _is_method_call(module: nn.Module, method_name: str) -> bool:
   return not module.path or method_name.isidentifier()
 
 
-_SUSPEND: list[_State] = []
+class _Local(threading.local):
+  """The ``intercept`` blocks open in this thread, innermost last.
+
+  Flax keeps its interceptor stack per thread; so does perturbkit, so that
+  models traced at once in several threads never see each other's blocks.
+  """
+
+  def __init__(self):
+    self.states: list[_State] = []
+
+
+_LOCAL = _Local()
 
 
 @contextlib.contextmanager
 def intercept(filter: CallFilter, on_call: Handler,
-              on_root: RootHandler | None = None) -> Iterator[None]:
+              on_root: RootHandler | None = None, *,
+              transparent: bool = False) -> Iterator[None]:
   """Hands every selected submodule call inside the block to ``on_call``.
 
   Args:
@@ -106,11 +120,14 @@ def intercept(filter: CallFilter, on_call: Handler,
     on_root: Optional ``(module, method, run, args, kwargs) -> output``,
       called for the root call of each top-level ``apply``/``init``;
       ``method`` is the called function (a method name where it is one).
+    transparent: The handler only wraps each call's output (a backward hook)
+      and may see the same call again in a replay, so :func:`suspended`
+      leaves this block active.
 
   Yields:
     Nothing; the interception ends with the block.
   """
-  state = _State()
+  state = _State(transparent)
 
   def interceptor(next_fun, args, kwargs, context):
     module, method_name = context.module, context.method_name
@@ -135,22 +152,24 @@ def intercept(filter: CallFilter, on_call: Handler,
       return run()
     return on_call(Call(module, method_name, key, args, kwargs), run)
 
-  _SUSPEND.append(state)
+  _LOCAL.states.append(state)
   try:
     with nn.intercept_methods(interceptor):
       yield
   finally:
-    _SUSPEND.pop()
+    _LOCAL.states.remove(state)
 
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
-  """Calls made inside this block pass through every active ``intercept``.
+  """Calls made inside this block pass through every open ``intercept`` of this thread.
 
   Handlers use it when they run a call their own way (a replay of a segment),
-  so that the calls inside are not intercepted a second time.
+  so that the calls inside are not intercepted a second time; a perturbkit
+  function called inside another one's loss uses it so that each level sees
+  only its own calls. Transparent blocks (backward hooks) stay active.
   """
-  states = list(_SUSPEND)
+  states = [s for s in _LOCAL.states if not s.transparent]
   for s in states:
     s.suspended += 1
   try:

@@ -5,8 +5,9 @@ boolean and ``None`` leaves pass through untouched. The arrays live in the
 ``'perturbations'`` collection at the module's path, under the call's point key,
 and are added with Flax's own ``Module.perturb``.
 """
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,26 @@ def _is_inexact_array(leaf: Any) -> bool:
   return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
-def differentiable_part(tree: Any) -> Any:
-  """``tree`` with every leaf that is not a floating-point array replaced by ``None``."""
-  return jax.tree.map(lambda leaf: leaf if _is_inexact_array(leaf) else None, tree)
+def differentiable_part(tree: Any, keep: Callable[[Any], bool] = _is_inexact_array) -> Any:
+  """The floating-point leaves of ``tree`` (those ``keep`` accepts), as a point holds them.
+
+  Plain containers (tuple, list, dict) keep their shape, with ``None`` in place
+  of every leaf that is not a floating-point array. A user's own pytree node (a
+  ``flax.struct`` or frozen dataclass, a Hugging Face ``ModelOutput``) is never
+  rebuilt with anything but arrays: it is kept as it is when every leaf is a
+  floating-point array, and otherwise replaced by the tuple of its
+  floating-point leaves (``None`` if it has none), in ``jax.tree.leaves`` order.
+  """
+  if keep(tree):
+    return tree
+  if type(tree) in (tuple, list):
+    return type(tree)(differentiable_part(t, keep) for t in tree)
+  if type(tree) in (dict, flax.core.FrozenDict):
+    return type(tree)({k: differentiable_part(v, keep) for k, v in tree.items()})
+  leaves = jax.tree.leaves(tree)
+  if leaves and all(keep(leaf) for leaf in leaves):
+    return tree
+  return tuple(leaf for leaf in leaves if keep(leaf)) or None
 
 
 def has_differentiable_leaf(tree: Any) -> bool:
@@ -31,9 +49,19 @@ def has_differentiable_leaf(tree: Any) -> bool:
 
 
 def merge(tree: Any, part: Any) -> Any:
-  """Puts the leaves of ``part`` (from ``differentiable_part``) back into ``tree``."""
-  return jax.tree.map(lambda leaf, p: leaf if p is None else p, tree, part,
-                      is_leaf=lambda x: x is None)
+  """Puts the leaves of ``part`` (from ``differentiable_part``) back into ``tree``.
+
+  Works on flat leaves: ``tree``'s own node types are rebuilt with arrays only.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  replacements = iter(jax.tree.leaves(part))
+  return jax.tree.unflatten(
+      treedef, [next(replacements) if _is_inexact_array(leaf) else leaf for leaf in leaves])
+
+
+def shapes_of(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
+  """``(shape, dtype)`` of each leaf, in ``jax.tree.leaves`` order."""
+  return [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in jax.tree.leaves(tree)]
 
 
 def leaf_dtypes(tree: Any) -> list[str]:
@@ -68,17 +96,16 @@ def _check_matches(module: nn.Module, key: str, part: Any, where: str):
   if not module.has_variable(COLLECTION, key):
     raise PerturbationStructureError(f'there is no perturbation for the call {where}')
   given = module.get_variable(COLLECTION, key)
-  want = jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), part)
-  got_struct = jax.tree.structure(given)
-  if got_struct != jax.tree.structure(part):
+  if jax.tree.structure(given) != jax.tree.structure(part):
     raise PerturbationStructureError(
-        f'the perturbation for {where} has structure {got_struct}, the call output '
-        f'{jax.tree.structure(part)}')
-  got = jax.tree.map(lambda leaf: (tuple(jnp.shape(leaf)), jnp.result_type(leaf)), given)
-  if jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.leaves(
-      want, is_leaf=lambda x: isinstance(x, tuple)):
+        f'the perturbation for {where} has {len(jax.tree.leaves(given))} leaves in another '
+        f'structure than the call\'s {len(jax.tree.leaves(part))} floating-point leaves')
+  got, want = shapes_of(given), shapes_of(part)
+  if got != want:
+    first = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
     raise PerturbationStructureError(
-        f'the perturbation for {where} has shapes/dtypes {got}, the call output {want}')
+        f'leaf {first} of the perturbation for {where} has shape/dtype {got[first]}, the '
+        f'call output {want[first]}')
 
 
 def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
@@ -112,6 +139,17 @@ def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
   return merge(output, module.perturb(key, part)), True
 
 
-def zeros_like_points(shapes: Any) -> Any:
-  """Zero arrays for a tree of ``jax.ShapeDtypeStruct`` (made inside the trace)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+class PointShape(NamedTuple):
+  """What a point holds, without its values: a treedef and each leaf's shape/dtype."""
+  treedef: Any
+  leaves: tuple[jax.ShapeDtypeStruct, ...]
+
+  @classmethod
+  def of(cls, value: Any) -> 'PointShape':
+    leaves, treedef = jax.tree.flatten(value)
+    return cls(treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                              for x in leaves))
+
+  def zeros(self) -> Any:
+    """Zeros of this shape, made inside the trace (rebuilt from arrays only)."""
+    return jax.tree.unflatten(self.treedef, [jnp.zeros(s.shape, s.dtype) for s in self.leaves])

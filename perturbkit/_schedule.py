@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from perturbkit._driver import _check_loss, _flat, discover
+from flax import traverse_util
+
+from perturbkit._driver import _check_loss, discover
 from perturbkit._errors import OptimizerStateError, SegmentationError, SharedSegmentError
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION
@@ -366,7 +368,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
         new_w, new_opt_state[name], _ = _guarded_step(
             tx, g, state.opt_state[name], w, scale, skip_nonfinite)
       if name == REST:
-        for p, v in _flat(new_w).items():
+        for p, v in traverse_util.flatten_dict(new_w).items():
           new_params = _with(new_params, p, v)
       else:
         new_params = _with(new_params, tuple(name.split('/')), new_w)

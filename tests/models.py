@@ -205,7 +205,7 @@ class PytreeOutputs(nn.Module):
 
 
 def float_part(tree):
-  """``tree`` with its int leaves replaced by ``None``, as perturbkit's points are."""
+  """A plain container with its int leaves replaced by ``None``, as perturbkit's points are."""
   return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else None, tree)
 
 
@@ -220,7 +220,9 @@ class HandPytreeOutputs(nn.Module):
     t = self.perturb('TupleHead_0/__call__', float_part(t))[0], t[1]
     dv = self.perturb('DictHead_0/__call__', float_part(d))['value']
     d = {'value': dv, 'index': d['index']}
-    s = s.replace(value=self.perturb('StructHead_0/__call__', float_part(s)).value)
+    # A user's node with an int leaf is never rebuilt with None: its point is
+    # the tuple of its float leaves.
+    s = s.replace(value=self.perturb('StructHead_0/__call__', (s.value,))[0])
     index = ArgmaxOnly(name='ArgmaxOnly_0')(x)
     value = jnp.tanh(t[0]) * d['value'] + jnp.sin(s.value)
     return value, (t[1], d['index'], s.index, index)
