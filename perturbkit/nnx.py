@@ -1,0 +1,29 @@
+"""perturbkit for Flax NNX: activation gradients and backward hooks for unmodified NNX models.
+
+``perturbkit.nnx.value_and_grad(loss_fn)`` mirrors ``nnx.value_and_grad``:
+``loss_fn(model, *args)`` is the ordinary NNX loss, and the result holds the
+usual parameter gradients next to dL/d(output) of every submodule call.
+Backward hooks are the front-end-neutral ``perturbkit.backward_hook``; path
+filters for NNX modules are in ``perturbkit.nnx.filters``.
+"""
+from perturbkit import _nnx_filters as filters
+from perturbkit._nnx_driver import grad
+from perturbkit._nnx_driver import value_and_grad
+from perturbkit._nnx_driver import with_hooks
+from perturbkit._nnx_errors import NNXNoPerturbationPointsError as NoPerturbationPointsError
+from perturbkit._nnx_errors import NNXPerturbationsNotAppliedError as PerturbationsNotAppliedError
+from perturbkit._nnx_errors import NNXUnperturbedCallsWarning as UnperturbedCallsWarning
+from perturbkit._nnx_errors import UninstrumentableModuleError
+from perturbkit._nnx_errors import UnmappedPerturbationError
+
+__all__ = [
+    'filters',
+    'grad',
+    'NoPerturbationPointsError',
+    'PerturbationsNotAppliedError',
+    'UninstrumentableModuleError',
+    'UnmappedPerturbationError',
+    'UnperturbedCallsWarning',
+    'value_and_grad',
+    'with_hooks',
+]
