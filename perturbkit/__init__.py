@@ -1,5 +1,6 @@
 """perturbkit: activation gradients, gradient hooks and interleaved training for Flax Linen."""
 from perturbkit import _filters as filters
+from perturbkit import nnx
 from perturbkit._errors import ActivationsUnavailableError
 from perturbkit._errors import NonDifferentiableOutputError
 from perturbkit._errors import NonScalarLossError
@@ -34,6 +35,7 @@ __all__ = [
     'value_and_grad',
     'with_hooks',
     'filters',
+    'nnx',
     'NonDifferentiableOutputError',
     'NonScalarLossError',
     'NoPerturbationPointsError',
