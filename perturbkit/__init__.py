@@ -15,6 +15,17 @@ from perturbkit._errors import UnperturbedCallsWarning
 from perturbkit._driver import grad
 from perturbkit._driver import value_and_grad
 from perturbkit._hooks import Hook
+from perturbkit._per_example_check import check_per_example
+from perturbkit._per_example_dp import PrivateState
+from perturbkit._per_example_dp import PrivateTraining
+from perturbkit._per_example_dp import dp_sgd
+from perturbkit._per_example_dp import private_grad
+from perturbkit._per_example_errors import ExamplesAxisError
+from perturbkit._per_example_errors import ExamplesMixedError
+from perturbkit._per_example_errors import PerExampleError
+from perturbkit._per_example_errors import UncoveredParamsError
+from perturbkit._per_example_norms import PerExampleNorms
+from perturbkit._per_example_norms import per_example_grad_norms
 from perturbkit._hooks import backward_hook
 from perturbkit._hooks import with_hooks
 from perturbkit._schedule import REST
@@ -47,4 +58,15 @@ __all__ = [
     'SharedSegmentError',
     'UnperturbedCallsWarning',
     'wrap',
+    'check_per_example',
+    'dp_sgd',
+    'ExamplesAxisError',
+    'ExamplesMixedError',
+    'per_example_grad_norms',
+    'PerExampleError',
+    'PerExampleNorms',
+    'private_grad',
+    'PrivateState',
+    'PrivateTraining',
+    'UncoveredParamsError',
 ]

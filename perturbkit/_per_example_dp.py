@@ -1,0 +1,199 @@
+"""DP-SGD from one backward pass: clip each example's gradient, sum, add noise, average.
+
+The clipped sum ``sum_i c_i ∇term_i``, ``c_i = min(1, C / ‖∇term_i‖)``, is never
+formed from per-example gradients: for each use of each param-owning module it
+is one VJP of that call with the output gradient scaled per example by ``c_i``
+(book-keeping: for a Dense layer exactly ``sum_i c_i a_iᵀ g_i``, one matmul;
+other layers replay only their own call). The norms come from
+``per_example_grad_norms``'s rules, in the same pass.
+
+Data parallel (``shard_map``): each device clips its own examples; the clipped
+sums and example counts are ``psum``-ed over ``axis_name``, and the Gaussian
+noise ``σC·ξ`` is drawn AFTER the psum from the ``key`` argument, which must be
+the same on every device (replicated, e.g. ``in_specs=P()``). Every device then
+draws the same ``ξ``, so the noise enters once, not once per device, and the
+result is replicated.
+
+The interleaved schedule is not supported: clipping needs each example's norm
+over ALL layers before any layer's update, but the interleaved sweep updates
+the top segments before the gradients of the lower ones exist.
+"""
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from perturbkit._per_example_batch import BatchAxes
+from perturbkit._per_example_norms import squared_norms
+from perturbkit._per_example_pass import Pass, run_pass
+from perturbkit._per_example_replay import weighted_grad
+
+
+def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
+  """``min(1, C / norm)`` per example (1 for a zero gradient)."""
+  return clip_norm / jnp.maximum(norms, clip_norm)
+
+
+def weighted_sum(result: Pass, weights: jax.Array, params: Any) -> Any:
+  """``sum_i weights[i] ∇term_i``, shaped like ``params``, by one VJP per use."""
+  flat = {}
+  for layer in result.layers:
+    total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}
+    for pair in layer.pairs:
+      grads = weighted_grad(pair, layer.params, weights)
+      total = {k: total[k] + grads[k] for k in total}
+    flat.update({layer.path + (k,): v for k, v in total.items()})
+  order = traverse_util.flatten_dict(dict(params))
+  return traverse_util.unflatten_dict({k: flat[k] for k in order})
+
+
+def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
+  """Independent ``N(0, stddev²)`` noise for every leaf of ``like``."""
+  leaves, treedef = jax.tree.flatten(like)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [
+      stddev * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multiplier: float,
+                 reduction: str = 'mean', batch_axes: BatchAxes = 0,
+                 axis_name: str | None = None,
+                 dense_method: str = 'auto') -> Callable[..., Any]:
+  """The DP-SGD gradient of an unmodified model, to feed any optax optimizer.
+
+  ``(sum_i min(1, C/‖∇term_i‖) ∇term_i + N(0, σ²C²)) / B``, with ``term_i`` the
+  loss term of example ``i`` (see :func:`per_example_grad_norms` for the
+  requirements on ``loss_fn`` and ``reduction``), ``C = clip_norm``,
+  ``σ = noise_multiplier`` and ``B`` the number of examples (over every device
+  with ``axis_name``). One forward and one backward pass; layers without a fast
+  path replay their own call once more.
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> scalar loss``, a sum or mean over examples.
+    clip_norm: ``C``, the largest norm an example's gradient may have.
+    noise_multiplier: ``σ``; the noise's standard deviation is ``σC``.
+    reduction: ``'mean'`` or ``'sum'``.
+    batch_axes: The examples axis of each positional argument (see
+      :func:`per_example_grad_norms`).
+    axis_name: The data-parallel axis under ``shard_map``/``pmap``; ``key`` must
+      then be the same on every device.
+    dense_method: ``'auto'``, ``'ghost'`` or ``'direct'`` for Dense/Conv norms.
+
+  Returns:
+    A function ``(variables, key, *args, **kwargs) -> (grads, metrics)``: ``grads``
+    shaped like ``variables['params']``; ``metrics`` with ``'loss'``,
+    ``'per_example_norms'`` (this device's examples, before clipping) and
+    ``'fraction_clipped'``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((4, 2))
+    >>> v = model.init(jax.random.key(0), x)
+    >>> loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+    >>> dp = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0)
+    >>> grads, metrics = jax.jit(dp)(v, jax.random.key(1), x)
+    >>> jax.tree.structure(grads) == jax.tree.structure(v['params'])
+    True
+  """
+  @functools.wraps(loss_fn)
+  def run(variables, key, *args, **kwargs):
+    result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
+                      batch_axes=batch_axes)
+    squares = squared_norms(result, dense_method)
+    norms = jnp.sqrt(functools.reduce(jnp.add, squares.values()))
+    factors = clip_factors(norms, clip_norm)
+    summed = weighted_sum(result, factors, variables['params'])
+    count = jnp.asarray(result.num_examples, jnp.float32)
+    clipped = jnp.mean((norms > clip_norm).astype(jnp.float32))
+    loss = result.loss
+    if axis_name is not None:
+      summed, count = jax.lax.psum((summed, count), axis_name)
+      clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
+    noise = gaussian_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
+    grads = jax.tree.map(lambda s, n: ((s + n) / count).astype(s.dtype), summed, noise)
+    return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped}
+
+  return run
+
+
+class PrivateState(NamedTuple):
+  """DP-SGD training state, a pytree.
+
+  Attributes:
+    step: Number of steps taken.
+    variables: The model's collections (``params``, ...).
+    opt_state: The optimizer's state.
+  """
+  step: jax.Array
+  variables: dict
+  opt_state: Any
+
+
+class PrivateTraining(NamedTuple):
+  """A pair of pure functions, like ``optax.GradientTransformation``.
+
+  Attributes:
+    init: ``(variables) -> PrivateState``.
+    step: ``(state, key, *args, **kwargs) -> (state, metrics)``; jittable.
+  """
+  init: Callable[..., PrivateState]
+  step: Callable[..., tuple[PrivateState, dict]]
+
+
+def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
+           clip_norm: float, noise_multiplier: float, reduction: str = 'mean',
+           batch_axes: BatchAxes = 0, axis_name: str | None = None,
+           dense_method: str = 'auto') -> PrivateTraining:
+  """DP-SGD training (any optax optimizer) as an ``init``/``step`` pair.
+
+  Each step takes :func:`private_grad`'s clipped, noised mean gradient and
+  applies ``optimizer`` to it. ``key`` must differ from step to step (e.g.
+  ``jax.random.fold_in(key, state.step)``) and, with ``axis_name``, be the
+  same on every device.
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> scalar loss``, a sum or mean over examples.
+    optimizer: Any optax gradient transformation.
+    clip_norm: ``C``.
+    noise_multiplier: ``σ``.
+    reduction: ``'mean'`` or ``'sum'``.
+    batch_axes: The examples axis of each positional argument.
+    axis_name: The data-parallel axis under ``shard_map``/``pmap``.
+    dense_method: ``'auto'``, ``'ghost'`` or ``'direct'``.
+
+  Returns:
+    A :class:`PrivateTraining`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((4, 2))
+    >>> loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+    >>> tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0)
+    >>> state = tx.init(model.init(jax.random.key(0), x))
+    >>> state, metrics = jax.jit(tx.step)(state, jax.random.key(1), x)
+    >>> int(state.step), metrics['per_example_norms'].shape
+    (1, (4,))
+  """
+  grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
+                         reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,
+                         dense_method=dense_method)
+
+  def init(variables) -> PrivateState:
+    return PrivateState(jnp.zeros((), jnp.int32), dict(variables),
+                        optimizer.init(variables['params']))
+
+  def step(state: PrivateState, key: jax.Array, *args, **kwargs):
+    grads, metrics = grad_fn(state.variables, key, *args, **kwargs)
+    params = state.variables['params']
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    variables = {**state.variables, 'params': optax.apply_updates(params, updates)}
+    return PrivateState(state.step + 1, variables, opt_state), metrics
+
+  return PrivateTraining(init, step)

@@ -1,0 +1,45 @@
+"""The named errors of per-example gradients. Each message says what was wrong and how to fix it."""
+from perturbkit._errors import PerturbkitError
+
+
+class PerExampleError(PerturbkitError, ValueError):
+  """Per-example gradients are not defined, or not available, for this loss."""
+
+
+class ExamplesMixedError(PerExampleError):
+  """The loss mixes examples, so no example has a gradient of its own."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'Per-example gradients are not defined for this loss: {detail}. They exist only '
+        'when the loss is a sum or mean of one term per example, each term depending on '
+        'its own example alone. BatchNorm in training mode, or a loss over batch '
+        'statistics, makes every term depend on the whole batch. Use a per-example '
+        'normalization instead (nn.LayerNorm, nn.GroupNorm), or BatchNorm with '
+        '`use_running_average=True`.')
+
+
+class ExamplesAxisError(PerExampleError):
+  """The examples axis of the inputs or of a layer's activations does not line up."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'The examples axis does not line up: {detail}. The loss arguments are split '
+        'along `batch_axes` (default: axis 0 of every array argument; `None` for an '
+        'argument shared by all examples), and every layer must see the examples on axis '
+        '0 of its input and output. Pass `batch_axes=` to match your data layout, or '
+        'move the examples axis to the front inside the model.')
+
+
+class UncoveredParamsError(PerExampleError):
+  """Some params are not used by any submodule call, so their per-example gradient is unknown."""
+
+  def __init__(self, names):
+    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
+    super().__init__(
+        f'{len(names)} param-owning module(s) are not reached through a submodule call: '
+        f'[{listed}]. Per-example gradients are built from each call\'s input and output '
+        'gradient, so params must be read inside a call of the module that owns them: the '
+        'root module\'s own params, params read by a parent through `.variables`, and '
+        'modules run inside lifted transforms (nn.scan, nn.vmap, nn.remat) are not '
+        'supported. Move such params into a submodule.')
