@@ -28,9 +28,9 @@ from perturbkit._per_example_norms import PerExampleNorms
 from perturbkit._per_example_norms import per_example_grad_norms
 from perturbkit._hooks import backward_hook
 from perturbkit._hooks import with_hooks
-from perturbkit._schedule import REST
+from perturbkit._sweep import REST
 from perturbkit._schedule import Interleaved
-from perturbkit._schedule import InterleavedState
+from perturbkit._sweep import InterleavedState
 from perturbkit._schedule import interleaved
 from perturbkit._wrap import wrap
 

@@ -65,14 +65,16 @@ class SegmentationError(PerturbkitError, ValueError):
 
 
 class SharedSegmentError(SegmentationError):
-  """A segment module is called more than once in one step."""
+  """A segment's params are used other than by one call of the segment's module."""
 
-  def __init__(self, path):
+  def __init__(self, path, why='it is called more than once in one step (shared weights)'):
     super().__init__(
-        f'The segment {path!r} is called more than once in one step (shared weights). '
-        'Interleaved updates need one call per segment, because the weights would change '
-        'between the calls. Choose segments that contain every call of the shared module, '
-        'e.g. `segments=perturbkit.filters.by_path(...)` on the parent, or exclude it.')
+        f'The segment {path!r} cannot be updated inside the backward pass: {why}. '
+        "Interleaved updates need every use of a segment's params to be that segment's one "
+        'call, because the weights change between uses. Choose segments that contain every '
+        'use (e.g. the parent module, `segments=perturbkit.filters.by_path(...)`), or leave '
+        'the module out of the segments: the default segments put such params in '
+        'perturbkit.REST, updated at the end with their full gradient.')
 
 
 class OptimizerStateError(PerturbkitError, ValueError):

@@ -1,46 +1,20 @@
-"""Segments: submodule calls replayed as pure functions with a custom VJP.
+"""Linen segments: a submodule call replayed as a pure function of its params.
 
-A segment call ``y = S(w, x)`` is replaced by a ``jax.custom_vjp`` function of
-the segment's params ``w`` and the floating-point leaves of its arguments
-``x``. Its forward pass is the ordinary call (same rng streams, so the same
-dropout masks; mutable collections such as ``batch_stats`` are written back).
-Its backward pass, given the cotangent ``g`` of ``y``:
-
-1. ``dw = dS/dw(w, x)^T g`` at the old weights (``pmean``-ed over ``axis_name``);
-2. ``w' = update(dw, w)``, the segment's optimizer step;
-3. the cotangent of ``x`` is computed at the NEW weights: ``dS/dx(w', x)^T g``.
-
-The cotangent returned for ``w`` is the true ``dw`` of step 1, so an ordinary
-``jax.grad`` of the loss gives every segment's gradient under the interleaved
-schedule, and glue code, skip connections and multiple consumers between
-segments are differentiated by JAX itself. The result of step 2 (new weights
-and optimizer state) leaves the backward pass as the cotangent of a zero
-*carrier* input, so it is computed once, not again after the sweep.
+The replay is the ordinary call (same rng streams, so the same dropout masks);
+mutable collections such as ``batch_stats`` are written back into the scope.
+The custom VJP that updates the segment in the backward pass is
+``_segment_vjp.segment_call``.
 """
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import jax
+import jax.numpy as jnp
 
-from perturbkit._interceptor import Call, suspended
-from perturbkit._points import COLLECTION, _is_inexact_array
-
-# (g, dw, w) -> (weights to propagate with or None, values carried out)
-Backward = Callable[[Any, Any, Any], tuple[Any, Any]]
-
-
-def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
-  """The floating-point array leaves of ``tree`` and a function putting them back."""
-  leaves, treedef = jax.tree.flatten(tree)
-  where = [i for i, leaf in enumerate(leaves) if _is_inexact_array(leaf)]
-
-  def rebuild(dynamic: list) -> Any:
-    full = list(leaves)
-    for i, value in zip(where, dynamic):
-      full[i] = value
-    return jax.tree.unflatten(treedef, full)
-
-  return [leaves[i] for i in where], rebuild
+from perturbkit._errors import SegmentationError, SharedSegmentError
+from perturbkit._interceptor import Call, intercept, suspended
+from perturbkit._points import COLLECTION
+from perturbkit._segment_vjp import Backward, segment_call, split_floats
 
 
 def _write_back(scope, collection: str, tree: Any):
@@ -58,14 +32,9 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
 
   Args:
     call: The intercepted call (a module whose params form the segment).
-    backward: ``(g, dw, w) -> (w_propagate, carried)``, called in the backward
-      pass with the output cotangent ``g`` and the (averaged) gradient ``dw`` at
-      the old weights ``w``. The input cotangent is computed at
-      ``w_propagate`` (``None``: at ``w``, no replay), and ``carried`` leaves the
-      backward pass as the cotangent of ``carrier``.
-    carrier: Zeros shaped like ``carried``.
-    axis_name: If given, ``dw`` is averaged over this mapped axis first (data
-      parallelism under ``shard_map``/``pmap``).
+    backward: See ``segment_call``.
+    carrier: Zeros shaped like what ``backward`` carries out.
+    axis_name: Mapped axis to average ``dw`` over, if any.
 
   Returns:
     The call's output.
@@ -78,7 +47,7 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
       c: flax.core.unfreeze(v) for c, v in variables.items() if c not in ('params', COLLECTION)})
   mutable = [c for c in others if module.is_mutable_collection(c)]
   rngs = dict(module.scope.rngs)
-  dynamic, rebuild = _split((call.args, call.kwargs))
+  dynamic, rebuild = split_floats((call.args, call.kwargs))
 
   def pure(w, dyn):
     args, kwargs = rebuild(dyn)
@@ -87,31 +56,81 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
                                  method=call.method_name, **kwargs)
     return out, dict(state)
 
-  @jax.custom_vjp
-  def segment(w, dyn, carrier):
-    del carrier
-    return pure(w, dyn)
-
-  def fwd(w, dyn, carrier):
-    del carrier
-    out, vjp_old, state = jax.vjp(pure, w, dyn, has_aux=True)
-    return (out, state), (w, dyn, vjp_old)
-
-  def bwd(residuals, cotangents):
-    w, dyn, vjp_old = residuals
-    g, _ = cotangents
-    dw, d_dyn = vjp_old(g)
-    if axis_name is not None:
-      dw = jax.lax.pmean(dw, axis_name)
-    w_propagate, carried = backward(g, dw, w)
-    if w_propagate is not None:
-      _, vjp_new = jax.vjp(lambda d: pure(w_propagate, d)[0], dyn)
-      (d_dyn,) = vjp_new(g)
-    return dw, d_dyn, carried
-
-  segment.defvjp(fwd, bwd)
   params = variables.get('params', {})
-  out, state = segment(flax.core.unfreeze(params), dynamic, carrier)
+  out, state = segment_call('/'.join(call.path), pure, flax.core.unfreeze(params), dynamic,
+                            carrier, backward, axis_name)
   for collection, tree in state.items():
     _write_back(module.scope, collection, tree)
   return out
+
+
+def _subtree(tree: Mapping, path: tuple) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
+                   names: Mapping[tuple, str], backward_for: Callable[[str], Backward],
+                   axis_name: str | None = None) -> Callable[[Any, Any], tuple[Any, dict]]:
+  """``loss_fn`` as a function of ``(params, carriers)`` with each segment call replayed.
+
+  Args:
+    loss_fn: The user's loss, ``(variables, *args) -> out``.
+    variables: All collections; ``'params'`` is replaced by the argument.
+    args: The loss's other arguments.
+    names: Segment module path -> segment name.
+    backward_for: Segment name -> its ``Backward``.
+    axis_name: Mapped axis to average each ``dw`` over, if any.
+
+  Returns:
+    ``fn(params, carriers) -> (out, mutated)``, ``mutated`` holding the mutable
+    collections the model's own ``apply(..., mutable=...)`` would return.
+
+  Raises:
+    SharedSegmentError: a segment module is called more than once.
+    SegmentationError: a segment runs inside ``nn.scan``/``nn.vmap`` with sliced params.
+  """
+  is_segment = lambda module, method_name: tuple(module.path) in names
+
+  def fn(params, carriers):
+    mutated: dict = {}
+    called: set = set()
+
+    def on_call(call, run):
+      # Calls made inside a segment are not intercepted, so any second call on
+      # a segment's module (a second `__call__`, or another method such as a
+      # tied embedding's `attend`) is a genuine second use of its weights.
+      if call.path in called:
+        raise SharedSegmentError(names[call.path], 'it is called more than once in one step')
+      called.add(call.path)
+      if params_sliced(call, params):
+        raise SegmentationError(
+            f'The segment {call.name!r} runs inside a lifted transform (nn.scan, nn.vmap) '
+            'whose params are sliced; make the whole transformed module one segment '
+            '(its parent), or choose other segments.')
+      name = names[call.path]
+      return run_segment(call, backward_for(name), carriers[name], axis_name)
+
+    def on_root(module, method, run, a, kw):
+      out = run()
+      current = module.variables
+      mutated.update({c: current[c] for c in current
+                      if c not in ('params', COLLECTION) and module.is_mutable_collection(c)})
+      return out
+
+    with intercept(is_segment, on_call, on_root):
+      out = loss_fn({**variables, 'params': params}, *args)
+    return out, mutated
+
+  return fn
+
+
+def params_sliced(call: Call, params: Mapping) -> bool:
+  """Whether the call sees other params than those at its path (``nn.scan``/``nn.vmap``)."""
+  w = call.module.variables.get('params', {})
+  try:
+    full = _subtree(params, call.path)
+  except (KeyError, TypeError):
+    return True
+  return jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, full)

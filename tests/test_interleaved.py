@@ -111,7 +111,7 @@ def test_skip_mlp_matches_hand_coded_backward():
   w0 = sgd_step(p['Dense_0'], dw0, lr)
 
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
-  state, metrics = jax.jit(tx.step)(tx.init(v), x, y)
+  state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   chex.assert_trees_all_close(state.params, {'Dense_0': w0, 'Dense_1': w1, 'Dense_2': w2}, **TOL)
   for name, g in [('Dense_2', g_out), ('Dense_1', g_z1), ('Dense_0', g_z0)]:
     np.testing.assert_allclose(metrics['activation_grad_norm'][name], jnp.linalg.norm(g), **TOL)
@@ -131,7 +131,7 @@ def test_cnn_matches_hand_coded_backward():
   dloss = lambda out: 2 * (out - y) / out.size
   new = hand_chain(layers, glues, [p['Conv_0'], p['Conv_1'], p['Dense_0']], x, dloss, lr)
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
-  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   chex.assert_trees_all_close(
       state.params, {'Conv_0': new[0], 'Conv_1': new[1], 'Dense_0': new[2]}, **TOL)
 
@@ -148,8 +148,8 @@ def test_residual_blocks_match_hand_coded_backward():
   glues = [lambda z: z] * 4
   dloss = lambda out: 2 * (out - y) / out.size
   new = hand_chain(layers, glues, [p[n] for n in names], x, dloss, lr)
-  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
-  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr), segments=1)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   chex.assert_trees_all_close(state.params, dict(zip(names, new)), **TOL)
 
 
@@ -169,7 +169,7 @@ def test_original_propagation_equals_standard_step(optimizer):
   v = model.init(jax.random.key(0), x)
   loss_fn = mse(model)
   tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original')
-  state = tx.init(v)
+  state = tx.init(v, x, y)
   params, opt_state = v['params'], optimizer.init(v['params'])
   step = jax.jit(tx.step)
   for _ in range(3):
@@ -202,7 +202,7 @@ def test_batchnorm_and_dropout_original_equals_standard_step():
   v = model.init(jax.random.key(0), x, False)
   loss_fn = bn_loss(model)
   tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original', has_aux=True)
-  state = tx.init(v)
+  state = tx.init(v, x, y, jax.random.key(10))
   params, stats, opt_state = v['params'], v['batch_stats'], optimizer.init(v['params'])
   for i in range(2):
     rng = jax.random.key(10 + i)
@@ -239,9 +239,9 @@ def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
   v = model.init(jax.random.key(0), x)
   rng = jax.random.key(7)
   loss_fn = lambda v, x, y, rng: jnp.mean((model.apply(v, x, rngs={'dropout': rng}) - y) ** 2)
-  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr))
-  s1, m1 = jax.jit(tx.step)(tx.init(v), x, y, rng)
-  s2, m2 = jax.jit(tx.step)(tx.init(v), x, y, rng)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr), segments=1)
+  s1, m1 = jax.jit(tx.step)(tx.init(v, x, y, rng), x, y, rng)
+  s2, m2 = jax.jit(tx.step)(tx.init(v, x, y, rng), x, y, rng)
   chex.assert_trees_all_equal((s1, m1), (s2, m2))  # deterministic, bitwise
 
   # Hand-coded: the block as a function of (w, a) with the rng stream Flax gives
@@ -264,7 +264,7 @@ def test_clip_global_norm_uses_previous_step_norm():
   v = model.init(jax.random.key(0), x)
   loss_fn = mse(model)
   tx = perturbkit.interleaved(loss_fn, optax.sgd(lr), propagate='original', clip_global_norm=c)
-  state = tx.init(v)
+  state = tx.init(v, x, y)
   for _ in range(2):
     state, metrics = jax.jit(tx.step)(state, x, y)
   grad = jax.grad(lambda p: loss_fn({'params': p}, x, y))
@@ -291,7 +291,7 @@ def test_root_params_are_updated_with_their_ordinary_gradient():
   y = jnp.ones((8, 1))
   v = model.init(jax.random.key(0), x)
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
-  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   p = v['params']
   h = jax.nn.relu(dense(p['Dense_0'], x))
   out_inner = dense(p['Dense_1'], h)
@@ -304,7 +304,7 @@ def test_nonfinite_gradient_skips_the_step():
   x = jnp.ones((4, 3))
   v = model.init(jax.random.key(0), x)
   tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
-  state = tx.init(v)
+  state = tx.init(v, x, jnp.ones((4, 1)))
   new, metrics = jax.jit(tx.step)(state, x, jnp.full((4, 1), jnp.nan))
   assert bool(metrics['skipped'])
   chex.assert_trees_all_equal(new.params, state.params)
@@ -321,9 +321,18 @@ def test_shared_segment_is_rejected():
   model = Twice()
   x = jnp.ones((2, 3))
   v = model.init(jax.random.key(0), x)
-  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
-  with pytest.raises(perturbkit.SharedSegmentError, match='more than once'):
-    tx.step(tx.init(v), x, jnp.ones((2, 1)))
+  y = jnp.ones((2, 1))
+  chosen = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=1)
+  with pytest.raises(perturbkit.SharedSegmentError, match='called 2 times'):
+    chosen.init(v, x, y)
+  # The default leaves the shared module to REST, says why, and trains the rest.
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), propagate='original')
+  listing = tx.segments(v, x, y)
+  assert listing.segments == ('Dense_1',)
+  assert 'called 2 times' in listing.rest['Dense_0']
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
 def test_scan_segment_is_rejected():
@@ -342,16 +351,21 @@ def test_scan_segment_is_rejected():
   model = Scanned()
   x = jnp.ones((2, 3))
   v = model.init(jax.random.key(0), x)
-  tx = perturbkit.interleaved(mse(model), optax.sgd(0.1))
+  y = jnp.ones((2, 3))
+  chosen = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=2)
   with pytest.raises(perturbkit.SegmentationError, match='lifted transform'):
-    tx.step(tx.init(v), x, jnp.ones((2, 3)))
+    chosen.init(v, x, y)
+  # By default the stacked params have no enclosing call to take them: REST, with the reason.
+  listing = perturbkit.interleaved(mse(model), optax.sgd(0.1)).segments
+  with pytest.raises(perturbkit.SegmentationError, match='nn.scan'):
+    listing(v, x, y)
 
 
 def test_mismatched_optimizer_state_is_rejected():
   model = SkipMLP()
   x = jnp.ones((2, 3))
   v = model.init(jax.random.key(0), x)
-  state = perturbkit.interleaved(mse(model), optax.sgd(0.1)).init(v)
+  state = perturbkit.interleaved(mse(model), optax.sgd(0.1)).init(v, x, jnp.ones((2, 1)))
   tx = perturbkit.interleaved(mse(model), optax.adam(0.1))
   with pytest.raises(perturbkit.OptimizerStateError, match='does not match'):
     tx.step(state, x, jnp.ones((2, 1)))
@@ -365,7 +379,7 @@ def test_per_segment_learning_rates():
   rates = {'Dense_0': 0.0, 'Dense_1': 0.1, 'Dense_2': 0.2, perturbkit.REST: 0.0}
   tx = perturbkit.interleaved(mse(model), lambda name: optax.sgd(rates[name]),
                               propagate='original')
-  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
   want = {n: sgd_step(v['params'][n], g[n], rates[n]) for n in ('Dense_0', 'Dense_1', 'Dense_2')}
   chex.assert_trees_all_close(state.params, want, **TOL)
@@ -377,7 +391,7 @@ def test_step_compiles_once():
   v = model.init(jax.random.key(0), x)
   tx = perturbkit.interleaved(mse(model), optax.adam(1e-3))
   step = jax.jit(chex.assert_max_traces(tx.step, n=1))
-  state = tx.init(v)
+  state = tx.init(v, x, jnp.ones((4, 1)))
   for _ in range(3):
     state, _ = step(state, x, jnp.ones((4, 1)))
 
@@ -392,7 +406,7 @@ def test_segments_by_depth_or_filter(segments):
            'Block_1/Dense_0', 'Block_1/Dense_1'] if segments == 2 else ['Block_0', 'Block_1'])
   tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), segments=segments,
                               propagate='original')
-  assert sorted(tx.segments(v, x, y)) == sorted(want)
+  assert sorted(tx.segments(v, x, y).segments) == sorted(want)
   state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   assert sorted(metrics['activation_grad_norm']) == sorted(want)
   g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
@@ -420,9 +434,12 @@ def test_segment_called_through_two_methods_is_rejected():
   tokens = jnp.array([[1, 2, 3]])
   v = model.init(jax.random.key(0), tokens)
   loss_fn = lambda v, t: jnp.mean(model.apply(v, t) ** 2)
-  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+  chosen = perturbkit.interleaved(loss_fn, optax.sgd(0.1), segments=1)
   with pytest.raises(perturbkit.SharedSegmentError, match='Embed_0'):
-    tx.step(tx.init(v), tokens)
+    chosen.init(v, tokens)
+  listing = perturbkit.interleaved(loss_fn, optax.sgd(0.1)).segments(v, tokens)
+  assert listing.segments == ('Dense_0',)
+  assert 'called 2 times' in listing.rest['Embed_0']
 
 
 def test_a_segment_calling_its_own_helper_method_is_one_call():
@@ -444,6 +461,6 @@ def test_a_segment_calling_its_own_helper_method_is_one_call():
   y = jnp.ones((4, 1))
   v = model.init(jax.random.key(0), x)
   tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), propagate='original')
-  state, _ = jax.jit(tx.step)(tx.init(v), x, y)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)

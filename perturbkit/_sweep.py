@@ -1,0 +1,223 @@
+"""The optimizer side of the interleaved schedule, independent of the Flax API.
+
+The params are split into *groups*: one per segment, plus ``REST`` (params
+owned by no segment). Each group has its own optimizer state. During the
+backward sweep a segment's group takes its step inside the segment's custom
+VJP (``backward_for``); after the sweep, ``finish`` updates ``REST``, keeps the
+steps the sweep took, and assembles the new params, optimizer state and
+metrics. A front end (Linen today) decides which calls are segments and runs
+them through ``_segment_vjp.segment_call``.
+"""
+from typing import Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from perturbkit._errors import OptimizerStateError
+from perturbkit._segment_vjp import Backward, split_floats
+from perturbkit._types import PyTree
+
+REST = '<rest>'
+"""The group of params owned by no segment (e.g. created directly in the root)."""
+
+Optimizer = optax.GradientTransformation | Callable[[str], optax.GradientTransformation]
+
+
+class InterleavedState(NamedTuple):
+  """The training state: a pytree, so it passes through ``jax.jit`` and sharding.
+
+  Attributes:
+    step: Number of steps taken.
+    variables: All model collections (``params``, ``batch_stats``, ...).
+    opt_state: One optimizer state per segment name, and one for ``REST``.
+    grad_norm: The previous step's global gradient norm (for clipping).
+  """
+  step: jax.Array
+  variables: dict
+  opt_state: dict
+  grad_norm: jax.Array
+
+  @property
+  def params(self) -> PyTree:
+    """The current parameters."""
+    return self.variables['params']
+
+
+def optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformation:
+  """The optax transformation of group ``name``."""
+  if isinstance(optimizer, optax.GradientTransformation):
+    return optimizer
+  tx = optimizer(name)
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(f'The optimizer function returned {tx!r} for segment {name!r}; it must '
+                    'return an optax.GradientTransformation.')
+  return tx
+
+
+def _path(name: str) -> tuple:
+  return tuple(name.split('/'))
+
+
+def group(params: Mapping, names: list[str]) -> dict[str, PyTree]:
+  """``{segment name: its params subtree, REST: everything else}``."""
+  flat = traverse_util.flatten_dict(params)
+  groups: dict[str, dict] = {name: {} for name in names}
+  groups[REST] = {}
+  owner = {}
+  for key in flat:
+    owner[key] = next((n for n in names if key[:len(_path(n))] == _path(n)), REST)
+  for key, value in flat.items():
+    name = owner[key]
+    local = key if name == REST else key[len(_path(name)):]
+    groups[name][local] = value
+  return {name: traverse_util.unflatten_dict(g) if g else {} for name, g in groups.items()}
+
+
+def ungroup(groups: Mapping[str, PyTree]) -> dict:
+  """The params tree back from ``group``'s result."""
+  flat = {}
+  for name, tree in groups.items():
+    prefix = () if name == REST else _path(name)
+    for key, value in traverse_util.flatten_dict(tree).items():
+      flat[prefix + key] = value
+  return traverse_util.unflatten_dict(flat)
+
+
+def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str]) -> dict:
+  """One optimizer state per group."""
+  return {name: optimizer_for(optimizer, name).init(w)
+          for name, w in group(params, names).items()}
+
+
+def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping):
+  """Raises :class:`OptimizerStateError` naming the first leaf that does not fit."""
+  names = [n for n in opt_state if n != REST]
+  for name, w in group(params, names).items():
+    if name != REST and not jax.tree.leaves(w):
+      raise OptimizerStateError(
+          f'The optimizer state has a segment {name!r} that the params do not have; '
+          'build the state with `init` on these variables.')
+    want = jax.eval_shape(optimizer_for(optimizer, name).init, w)
+    got = opt_state.get(name)
+    want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0] if got is not None else []
+    for (want_path, want_leaf), got_item in zip(want_leaves, got_leaves + [None] * len(
+        want_leaves)):
+      if got_item is None or got_item[0] != want_path or (
+          jnp.shape(got_item[1]) != want_leaf.shape):
+        where = jax.tree_util.keystr(want_path)
+        got_text = 'nothing' if got_item is None else (
+            f'{jax.tree_util.keystr(got_item[0])} of shape {jnp.shape(got_item[1])}')
+        raise OptimizerStateError(
+            f'The optimizer state of {name!r} does not match its params: at {where} it '
+            f'should have shape {want_leaf.shape}, it has {got_text}. Build the state with '
+            '`init` for the same params and optimizer.')
+    if len(got_leaves) != len(want_leaves):
+      raise OptimizerStateError(
+          f'The optimizer state of {name!r} does not match its params: it has '
+          f'{len(got_leaves)} leaves, the optimizer makes {len(want_leaves)}. Build the state '
+          'with `init` for the same params and optimizer.')
+
+
+def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:
+  """``min(1, max_norm / previous_norm)`` (1 without a maximum)."""
+  if max_norm is None:
+    return jnp.ones(())
+  return jnp.where(previous_norm > max_norm, max_norm / jnp.maximum(previous_norm, 1e-30), 1.0)
+
+
+def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+                 params: PyTree, scale: jax.Array, guard: bool):
+  """One optimizer step on one group: ``(params, opt_state, finite)``.
+
+  With ``guard``, a gradient whose norm is not finite keeps the old params and
+  state. A conditional (not an elementwise select) skips the work, so the
+  finite path makes no extra pass over the state and can update it in place.
+  """
+  finite = jnp.isfinite(optax.tree.norm(grads))
+
+  def take():
+    updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    return optax.apply_updates(params, updates), new_opt
+
+  if not guard:
+    return *take(), finite
+  new_params, new_opt = jax.lax.cond(finite, take, lambda: (params, opt_state))
+  return new_params, new_opt, finite
+
+
+class Sweep(NamedTuple):
+  """What one step's sweep needs: its settings and the state it starts from."""
+  optimizer: Optimizer
+  opt_state: dict
+  scale: jax.Array
+  propagate: str
+  skip_nonfinite: bool
+
+
+def backward_for(sweep: Sweep, name: str, swept: set) -> Backward:
+  """The backward step of segment ``name``: its optimizer step, inside the sweep."""
+  tx = optimizer_for(sweep.optimizer, name)
+
+  def backward(g, dw, w):
+    carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
+    if sweep.propagate == 'original':
+      return None, carried
+    swept.add(name)
+    new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
+                                     sweep.skip_nonfinite)
+    carried['step'] = (new_w, split_floats(new_opt)[0])
+    return new_w, carried
+
+  return backward
+
+
+def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
+  """Zeros shaped like what segment ``name``'s backward step carries out."""
+  zeros = {'activation_grad_norm': jnp.zeros((), jnp.float32)}
+  if sweep.propagate == 'updated':
+    floats = split_floats(sweep.opt_state[name])[0]
+    zeros['step'] = (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])
+  return zeros
+
+
+def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: set,
+           axis_name: str | None) -> tuple[dict, dict, dict]:
+  """The step after the sweep: ``(new params, new opt_state, metrics)``.
+
+  ``REST`` gets its ordinary (``pmean``-ed) gradient and its step now; the
+  segments keep the step the sweep took, and only their optimizers' non-float
+  state (a step count) is taken here, so XLA drops the rest of that update.
+  """
+  names = [n for n in sweep.opt_state if n != REST]
+  grad_groups, param_groups = group(grads, names), group(params, names)
+  if axis_name is not None:
+    grad_groups[REST] = jax.lax.pmean(grad_groups[REST], axis_name)
+  new_groups, new_opt_state, grad_norms, skipped = {}, {}, {}, {}
+  for name, g in grad_groups.items():
+    tx, w, opt = optimizer_for(sweep.optimizer, name), param_groups[name], sweep.opt_state[name]
+    grad_norms[name] = optax.tree.norm(g)
+    finite = jnp.isfinite(grad_norms[name])
+    skipped[name] = jnp.logical_not(finite) if sweep.skip_nonfinite else jnp.zeros((), bool)
+    if name in swept:
+      new_w, floats = carried[name]['step']
+      _, fresh = tx.update(jax.tree.map(lambda x: x * sweep.scale, g), opt, w)
+      if sweep.skip_nonfinite:
+        fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
+      new_opt_state[name] = split_floats(fresh)[1](floats)
+    else:
+      new_w, new_opt_state[name], _ = guarded_step(tx, g, opt, w, sweep.scale,
+                                                   sweep.skip_nonfinite)
+    new_groups[name] = new_w
+  act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
+  if axis_name is not None:
+    act_norms = jax.lax.pmean(act_norms, axis_name)
+  global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
+  metrics = {'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
+             'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
+             'nonfinite': {n: jnp.logical_not(jnp.isfinite(v)) for n, v in grad_norms.items()},
+             'skipped': jnp.any(jnp.stack(list(skipped.values()))),
+             'segment_skipped': skipped}
+  return ungroup(new_groups), new_opt_state, metrics
