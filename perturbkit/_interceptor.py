@@ -150,8 +150,26 @@ def intercept(filter: CallFilter, on_call: Handler,
     key = state.next_key(module, method_name)
     if not filter(module, method_name):
       return run()
-    return on_call(Call(module, method_name, key, args, kwargs), run)
+    call = Call(module, method_name, key, args, kwargs)
+    if state.transparent:
+      return on_call(call, run)
+    ran = []
 
+    def run_once():
+      ran.append(True)
+      return run()
+
+    output = on_call(call, run_once)
+    if ran:
+      return output
+    # The handler ran the call its own way (a segment replay), so blocks opened
+    # inside this one never saw it; transparent ones (hooks) still wrap its output.
+    for inner in _LOCAL.states[_LOCAL.states.index(state) + 1:]:
+      if inner.transparent and not inner.suspended and inner.filter(module, method_name):
+        output = inner.on_call(call, lambda out=output: out)
+    return output
+
+  state.filter, state.on_call = filter, on_call
   _LOCAL.states.append(state)
   try:
     with nn.intercept_methods(interceptor):

@@ -1,0 +1,163 @@
+"""Interception state is per thread, nested perturbkit calls compose, failures leave nothing behind."""
+import concurrent.futures
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import perturbkit
+from perturbkit import _interceptor
+
+
+class MLP(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = jnp.tanh(nn.Dense(self.width)(x))
+    return nn.Dense(1)(x)
+
+
+WIDTHS = (4, 6, 8, 10)
+X = jax.random.normal(jax.random.key(1), (5, 3))
+Y = jnp.cos(X[:, :1])
+
+
+def _problem(width):
+  model = MLP(width)
+  variables = model.init(jax.random.key(width), X)
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+  return model, variables, loss_fn
+
+
+def _run_all(width):
+  """Every entry point, traced afresh (no jit cache shared between threads)."""
+  model, variables, loss_fn = _problem(width)
+  hook = perturbkit.backward_hook(lambda g: 0.5 * g, perturbkit.filters.by_path('Dense_1'))
+  out = {}
+  out['value_and_grad'] = perturbkit.value_and_grad(loss_fn, hooks=[hook])(variables, X, Y)
+  out['with_hooks'] = jax.grad(perturbkit.with_hooks(loss_fn, hook))(variables, X, Y)
+  wrapped = perturbkit.wrap(model)
+  wv = wrapped.init(jax.random.key(width), X)
+  out['wrap'] = jax.grad(lambda v: jnp.sum(wrapped.apply(v, X) ** 2))(wv)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+  out['interleaved'] = tx.step(tx.init(variables, X, Y), X, Y)
+  return out
+
+
+def test_threads_give_the_single_threaded_results_bit_for_bit():
+  want = {w: _run_all(w) for w in WIDTHS}
+  jobs = [WIDTHS[i % len(WIDTHS)] for i in range(12)]  # different and identical models at once
+  for _ in range(2):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+      got = list(pool.map(_run_all, jobs))
+    for width, result in zip(jobs, got):
+      chex.assert_trees_all_equal(result, want[width])
+
+
+def test_value_and_grad_inside_value_and_grad():
+  """Each level sees its own calls: the inner step's points are the inner call's."""
+  model, variables, loss_fn = _problem(4)
+
+  def outer(v, x, y):
+    (inner_loss, inner_grads) = perturbkit.value_and_grad(loss_fn)(v, x, y)
+    stepped = jax.tree.map(lambda w, g: w - 0.1 * g, v['params'], inner_grads['params'])
+    return loss_fn({**v, 'params': stepped}, x, y) + 0.0 * inner_loss
+
+  loss, grads = perturbkit.value_and_grad(outer)(variables, X, Y)
+  # Reference: the same loss with jax.grad for the inner step, and explicit
+  # perturbation arguments on the outer call only.
+  def reference(params, eps):
+    inner = jax.grad(lambda p: loss_fn({'params': p}, X, Y))(params)
+    stepped = jax.tree.map(lambda w, g: w - 0.1 * g, params, inner)
+    wrapped = perturbkit.wrap(model)
+    return jnp.mean((wrapped.apply({'params': stepped, 'perturbations': eps}, X) - Y) ** 2)
+
+  eps = perturbkit.wrap(model).init(jax.random.key(0), X)['perturbations']
+  want_params, want_eps = jax.grad(reference, argnums=(0, 1))(variables['params'], eps)
+  chex.assert_trees_all_close(grads['params'], want_params, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(grads['perturbations'], want_eps, rtol=1e-5, atol=1e-6)
+  assert sorted(grads['perturbations']) == ['Dense_0', 'Dense_1', 'Dense_2', 'Dense_3']
+  assert list(grads['perturbations']['Dense_0']) == ['__call__']
+
+
+def test_hooks_inside_an_interleaved_loss_apply():
+  model, variables, loss_fn = _problem(4)
+  zero = perturbkit.backward_hook(lambda g: 0 * g, perturbkit.filters.by_path('Dense_1'))
+  tx = perturbkit.interleaved(perturbkit.with_hooks(loss_fn, zero), optax.sgd(0.1),
+                              propagate='original')
+  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
+  # Nothing flows below Dense_1, so Dense_0 keeps its weights; the rest moves.
+  chex.assert_trees_all_equal(state.params['Dense_0'], variables['params']['Dense_0'])
+  grads = jax.grad(lambda p: perturbkit.with_hooks(loss_fn, zero)({'params': p}, X, Y))(
+      variables['params'])
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
+  chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_step_inside_jax_grad_of_the_loss_after_it():
+  """A meta-gradient through one 'original' step equals the same through an optax step."""
+  _, variables, loss_fn = _problem(4)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), propagate='original')
+  state = tx.init(variables, X, Y)
+
+  def after_step(x):
+    new, _ = tx.step(state, x, Y)
+    return loss_fn(new.variables, X, Y)
+
+  def reference(x):
+    g = jax.grad(lambda p: loss_fn({'params': p}, x, Y))(variables['params'])
+    return loss_fn({'params': jax.tree.map(lambda w, d: w - 0.1 * d, variables['params'], g)},
+                   X, Y)
+
+  chex.assert_trees_all_close(jax.grad(after_step)(X), jax.grad(reference)(X),
+                              rtol=1e-5, atol=1e-6)
+
+
+class _Boom(Exception):
+  pass
+
+
+def test_an_exception_in_the_loss_leaves_no_state_behind():
+  _, variables, loss_fn = _problem(6)
+  want = perturbkit.value_and_grad(loss_fn)(variables, X, Y)
+  calls = {'n': 0}
+
+  def failing(v, x, y):
+    calls['n'] += 1
+    if calls['n'] == 2:  # in the differentiated run, after discovery succeeded
+      raise _Boom()
+    return loss_fn(v, x, y)
+
+  with pytest.raises(_Boom):
+    perturbkit.value_and_grad(failing)(variables, X, Y)
+  calls['n'] = 0
+  with pytest.raises(_Boom):  # the same while tracing under jit
+    jax.jit(perturbkit.value_and_grad(failing))(variables, X, Y)
+  assert _interceptor._LOCAL.states == []
+  chex.assert_trees_all_equal(perturbkit.value_and_grad(loss_fn)(variables, X, Y), want)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+  tx.step(tx.init(variables, X, Y), X, Y)
+
+
+class _Interrupting(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    nn.Dense(2)(x)
+    raise KeyboardInterrupt
+
+
+def test_an_interrupt_during_discovery_leaves_no_state_behind():
+  model, variables, loss_fn = _problem(8)
+  want = perturbkit.value_and_grad(loss_fn)(variables, X, Y)
+  bad = _Interrupting()
+  bad_params = {'params': {'Dense_0': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)}}}
+  with pytest.raises(KeyboardInterrupt):
+    perturbkit.value_and_grad(lambda v, x: jnp.sum(bad.apply(v, x)))(bad_params, X)
+  assert _interceptor._LOCAL.states == []
+  chex.assert_trees_all_equal(perturbkit.value_and_grad(loss_fn)(variables, X, Y), want)
+  chex.assert_trees_all_equal(jax.grad(loss_fn)(variables, X, Y)['params'], want[1]['params'])
