@@ -296,7 +296,8 @@ def run_all(args: argparse.Namespace, data: Digits) -> tuple[dict, dict]:
   }
   for name, propagate in zip(RUNS[1:], ('updated', 'original')):
     tx = perturbkit.interleaved(loss_fn, optimizer, propagate=propagate)
-    steps[name] = (jax.jit(tx.step), tx.init(variables))
+    example = (data.x_train[:args.batch_size], data.y_train[:args.batch_size])
+    steps[name] = (jax.jit(tx.step), tx.init(variables, *example))
   histories, states = {}, {}
   for name, (step, state) in steps.items():
     probe = make_probe(loss_fn) if name == RUNS[0] else None

@@ -180,7 +180,7 @@ def measure_depth(name: str, size: dict[str, Any], depth: int, repeats: int,
   variables = problem.model.init(kp, problem.x)
   txs = {v: perturbkit.interleaved(loss_fn, optimizer, propagate=v) for v in INTERLEAVED}
   states = {'standard': StandardState(variables['params'], optimizer.init(variables['params'])),
-            **{v: txs[v].init(variables) for v in INTERLEAVED}}
+            **{v: txs[v].init(variables, problem.x, problem.y) for v in INTERLEAVED}}
   steps = {'standard': standard_step(loss_fn, optimizer), **{v: txs[v].step for v in INTERLEAVED}}
   compiled, ops = {}, {}
   for v in VARIANTS:
@@ -192,7 +192,7 @@ def measure_depth(name: str, size: dict[str, Any], depth: int, repeats: int,
       {v: stepper(compiled[v].call, copy_tree(states[v]), problem.x, problem.y)
        for v in VARIANTS},
       repeats)
-  segments = len(txs['updated'].segments(variables))
+  segments = len(txs['updated'].segments(variables, problem.x, problem.y).segments)
   variants = {v: {**common.summarize(samples[v]), 'lower_s': compiled[v].lower_s,
                   'compile_s': compiled[v].compile_s,
                   'total_compile_s': compiled[v].lower_s + compiled[v].compile_s,

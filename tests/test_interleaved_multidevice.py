@@ -36,7 +36,7 @@ CHILD = textwrap.dedent('''
       mesh = Mesh(jax.devices(), ('data',))
       step = jax.jit(jax.shard_map(parallel.step, mesh=mesh, in_specs=(P(), P('data'), P('data')),
                                    out_specs=(P(), P()), check_vma=False))
-      s1, s8 = single.init(variables), parallel.init(variables)
+      s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
       for _ in range(3):
         s1, m1 = jax.jit(single.step)(s1, x, y)
         s8, m8 = step(s8, x, y)
