@@ -15,6 +15,20 @@ from perturbkit._errors import UnperturbedCallsWarning
 from perturbkit._driver import grad
 from perturbkit._driver import value_and_grad
 from perturbkit._hooks import Hook
+from perturbkit._kfac_errors import KFACLossError
+from perturbkit._kfac_errors import KFACShapeError
+from perturbkit._kfac_errors import KFACUnsupportedLayerError
+from perturbkit._kfac_estimator import kfac_estimator
+from perturbkit._kfac_layers import KFACLayers
+from perturbkit._kfac_layers import kfac_layers
+from perturbkit._kfac_losses import OutputLoss
+from perturbkit._kfac_losses import categorical_output
+from perturbkit._kfac_losses import gaussian_output
+from perturbkit._kfac_preconditioner import KFACState
+from perturbkit._kfac_preconditioner import damped_inverse
+from perturbkit._kfac_preconditioner import kfac_preconditioner
+from perturbkit._kfac_rules import LayerFactors
+from perturbkit._kfac_rules import LayerInfo
 from perturbkit._per_example_check import check_per_example
 from perturbkit._per_example_dp import PrivateState
 from perturbkit._per_example_dp import PrivateTraining
@@ -43,6 +57,20 @@ __all__ = [
     'InterleavedState',
     'REST',
     'Hook',
+    'categorical_output',
+    'damped_inverse',
+    'gaussian_output',
+    'kfac_estimator',
+    'kfac_layers',
+    'kfac_preconditioner',
+    'KFACLayers',
+    'KFACLossError',
+    'KFACShapeError',
+    'KFACState',
+    'KFACUnsupportedLayerError',
+    'LayerFactors',
+    'LayerInfo',
+    'OutputLoss',
     'value_and_grad',
     'with_hooks',
     'filters',

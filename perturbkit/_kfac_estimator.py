@@ -1,0 +1,134 @@
+"""The training gradient and every layer's Kronecker factors from one forward pass.
+
+The model runs once. Its output cotangents are stacked in lanes: lane 0 is the
+gradient of the mean loss at the true targets (the training gradient), the
+other lanes carry the Fisher: the gradient of the per-example loss at labels
+sampled from the model (``'sampled'``) or the columns of the output Fisher's
+square root (``'exact'``). ``jax.vmap`` over the lanes leaves the forward pass
+unbatched, so the backward pass is the only part done once per lane. With
+``'empirical'`` the training gradient's own backward pass gives the factors.
+"""
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from perturbkit._driver import value_and_grad
+from perturbkit._kfac_layers import KFACLayers, _get_in
+from perturbkit._kfac_losses import OutputLoss, as_output_loss
+from perturbkit._kfac_rules import batch_factors, call_input
+from perturbkit._types import Variables
+
+
+def _output_array(output: Any) -> jax.Array:
+  if not (isinstance(output, jax.Array) and jnp.issubdtype(output.dtype, jnp.inexact)):
+    raise TypeError('For K-FAC, predict_fn must return one floating-point array (the logits '
+                    f'or predictions), got {jax.tree.map(jnp.shape, output)!r}.')
+  return output
+
+
+def _cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
+                key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """``(mean loss, (1 + L, *output.shape) cotangents)``: the training lane, then the
+  Fisher lanes."""
+  value, true_grad = jax.value_and_grad(lambda z: jnp.mean(loss.nll(z, targets)))(output)
+  if fisher == 'empirical':
+    return value, true_grad[None]
+  if fisher == 'sampled':
+    if key is None:
+      raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
+                      'targets, key).')
+    sampled = jax.lax.stop_gradient(loss.sample(key, output))
+    lanes = jax.grad(lambda z: jnp.sum(loss.nll(z, sampled)))(output)[None]
+  else:
+    if output.ndim != 2:
+      raise ValueError("fisher='exact' needs an output of shape (batch, k), got "
+                       f'{output.shape}.')
+    lanes = loss.fisher_sqrt(output)
+  return value, jnp.concatenate([true_grad[None], lanes.astype(true_grad.dtype)])
+
+
+def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
+                   layers: KFACLayers, *, fisher: str = 'sampled') -> Callable[..., Any]:
+  """A function giving the loss, its gradient and the K-FAC factors of one batch.
+
+  The factors are the ones in ``perturbkit._kfac_rules``: per layer
+  ``A = E[ã ãᵀ]`` (summed over locations; diagonal token counts for an Embed)
+  and ``G = E[g gᵀ]`` (averaged over locations), with ``g`` the gradient of the
+  per-example loss at the layer's output.
+
+  Args:
+    predict_fn: ``(variables, inputs) -> output`` of the unmodified model.
+    loss: The predictive distribution: :func:`categorical_output`,
+      :func:`gaussian_output`, ``'softmax_cross_entropy'``, ``'squared_error'``,
+      ``optax.softmax_cross_entropy_with_integer_labels``, ``optax.l2_loss`` or
+      ``optax.squared_error``; with ``fisher='empirical'`` also any
+      ``(output, targets) -> (batch,)`` per-example loss.
+    layers: From :func:`kfac_layers`.
+    fisher: ``'sampled'`` (labels drawn from the model: the Fisher; one more
+      backward lane), ``'empirical'`` (the true targets; no extra work) or
+      ``'exact'`` (the expectation over labels, one lane per output unit; for
+      ``(batch, k)`` outputs).
+
+  Returns:
+    ``estimate(variables, inputs, targets, key=None) -> (loss, grads, stats)``:
+    the mean loss at ``targets``, its gradient with respect to
+    ``variables['params']``, and ``{layer: LayerFactors}`` of this batch. Pure
+    and jittable; under ``shard_map`` the stats are per device (the
+    preconditioner averages them over its ``axis_name``).
+
+  Raises:
+    KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
+    >>> x, y = jnp.ones((8, 5)), jnp.zeros((8,), jnp.int32)
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> predict = lambda v, x: model.apply(v, x)
+    >>> layers = perturbkit.kfac_layers(predict, variables, x)
+    >>> estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+    >>> loss, grads, stats = jax.jit(estimate)(variables, x, y, jax.random.key(1))
+    >>> stats['layers_0'].a.shape, stats['layers_0'].g.shape
+    ((6, 6), (4, 4))
+  """
+  output_loss = as_output_loss(loss, fisher)
+  paths = {info.path for info in layers.layers.values()}
+  if not paths:
+    raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
+  select = lambda module, method_name: method_name == '__call__' and tuple(module.path) in paths
+
+  def lane_loss(variables, inputs, targets, key, lane):
+    output = _output_array(predict_fn(variables, inputs))
+    value, table = _cotangents(output_loss, fisher, jax.lax.stop_gradient(output), targets, key)
+    cotangent = jax.lax.stop_gradient(table[lane])
+    return jnp.sum(output * cotangent.astype(output.dtype)), value
+
+  grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
+
+  def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None):
+    if fisher == 'empirical':
+      (_, value), grads, captured = grad_fn(variables, inputs, targets, key, 0)
+      examples = jax.eval_shape(predict_fn, variables, inputs).shape[0]
+      # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
+      output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
+      param_grads = grads['params']
+    else:
+      shape = jax.eval_shape(predict_fn, variables, inputs).shape
+      lanes = jnp.arange(2 if fisher == 'sampled' else 1 + shape[-1])
+      (_, value), grads, captured = jax.vmap(
+          grad_fn, in_axes=(None, None, None, None, 0), out_axes=((0, None), 0, None))(
+              variables, inputs, targets, key, lanes)
+      param_grads = jax.tree.map(lambda g: g[0], grads['params'])
+      output_grads = jax.tree.map(lambda g: g[1:], grads['perturbations'])
+    stats = {}
+    for name, info in layers.layers.items():
+      calls = _get_in(captured, info.path)
+      point_grads = _get_in(output_grads, info.path)
+      stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
+                                  [point_grads[c] for c in info.calls])
+    return value, param_grads, stats
+
+  return estimate
+

@@ -1,0 +1,134 @@
+"""Which calls of a model K-FAC preconditions, found by one abstract run.
+
+A K-FAC layer is a module that owns params and whose every call has a
+Kronecker-factor rule (``_kfac_rules``). A module that owns params but has no
+rule (LayerNorm, BatchNorm, a grouped Conv, ``Embed.attend``, a layer inside a
+lifted transform, the root's own ``self.param``) is listed in
+``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
+"""
+from typing import Any, Callable, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from perturbkit import _filters
+from perturbkit._driver import value_and_grad
+from perturbkit._errors import NoPerturbationPointsError
+from perturbkit._kfac_errors import KFACUnsupportedLayerError
+from perturbkit._kfac_rules import LayerInfo, describe, unsupported_reason
+from perturbkit._points import inside_lifted_transform
+from perturbkit._types import CallFilter, Variables
+
+_LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), where its '
+           'inputs are not available')
+
+
+class KFACLayers(NamedTuple):
+  """The layers K-FAC preconditions and the param owners it leaves out.
+
+  Attributes:
+    layers: ``{'Dense_0': LayerInfo, 'Block_0/Conv_1': LayerInfo, ...}``, keyed
+      by the module path joined with ``/``.
+    skipped: ``{path: reason}`` for every other module that owns params.
+  """
+  layers: dict[str, LayerInfo]
+  skipped: dict[str, str]
+
+
+def _float_sum(tree: Any) -> jax.Array:
+  leaves = [jnp.sum(leaf) for leaf in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def _get_in(tree: Any, path: tuple) -> Any:
+  for name in path:
+    tree = tree[name]
+  return tree
+
+
+def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
+                inputs: Any, *, filter: CallFilter | None = None) -> KFACLayers:
+  """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
+
+  Runs ``predict_fn`` abstractly (``jax.eval_shape``: no FLOPs) and records
+  every submodule call.
+
+  Args:
+    predict_fn: ``(variables, inputs) -> output``, e.g.
+      ``lambda v, x: model.apply(v, x)``.
+    variables: The model variables (``'params'`` and any other collection).
+    inputs: An example batch, as ``predict_fn`` takes it.
+    filter: Which calls to precondition (default: every Dense, Conv and Embed
+      call). A call it selects that has no rule is an error.
+
+  Returns:
+    A :class:`KFACLayers`.
+
+  Raises:
+    KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
+      module that owns params.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+    >>> x = jnp.ones((3, 5))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+    >>> sorted(layers.layers), layers.skipped
+    (['layers_0', 'layers_2'], {'layers_1': 'LayerNorm has no Kronecker-factor rule'})
+  """
+  user = None if filter is None else _filters.as_filter(filter)
+  supported: dict[tuple, nn.Module] = {}
+  unsupported: dict[tuple, str] = {}
+  selected_unsupported: dict[tuple, str] = {}
+  unselected: set[tuple] = set()
+
+  def recorder(module: nn.Module, method_name: str) -> bool:
+    path = tuple(module.path)
+    if user is not None and not user(module, method_name):
+      unselected.add(path)
+      return False
+    reason = unsupported_reason(module, method_name)
+    if reason is None and inside_lifted_transform(module):
+      reason = _LIFTED
+    if reason is not None:
+      unsupported.setdefault(path, reason)
+      if user is not None:
+        selected_unsupported.setdefault(path, f'{reason} ({method_name})')
+      return False
+    supported[path] = module
+    return True
+
+  loss_fn = lambda v, x: _float_sum(predict_fn(v, x))
+  try:
+    _, shapes = jax.eval_shape(value_and_grad(loss_fn, filter=recorder, strict=False),
+                               variables, inputs)
+    points = shapes['perturbations']
+  except NoPerturbationPointsError:
+    points = {}
+
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+  owners = sorted({key[:-1] for key in flat})
+  layers: dict[str, LayerInfo] = {}
+  skipped: dict[str, str] = {}
+  for owner in owners:
+    name = '/'.join(owner) or '<root>'
+    if owner in selected_unsupported:
+      raise KFACUnsupportedLayerError(name, selected_unsupported[owner])
+    if owner in unsupported:
+      skipped[name] = unsupported[owner]
+    elif owner in supported:
+      module = supported[owner]
+      param = 'embedding' if isinstance(module, nn.Embed) else 'kernel'
+      calls = tuple(k for k in _get_in(points, owner) if k.startswith('__call__'))
+      layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)
+    elif owner in unselected:
+      skipped[name] = 'not selected by the filter'
+    else:
+      skipped[name] = 'its params are not used through a call of its own'
+  return KFACLayers(layers, skipped)

@@ -1,0 +1,518 @@
+"""K-FAC factors and preconditioning against hand-written references.
+
+Every reference here is built without perturbkit: the networks are written out
+by hand with an explicit perturbation argument ``eps`` added to each layer's
+output, so ``g = d(sum of per-example losses)/d eps`` and the layer inputs are
+captured explicitly; ``A`` and ``G`` are then formed with numpy.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import perturbkit
+
+RTOL, ATOL = 2e-5, 1e-6
+
+
+# ---------------------------------------------------------------- models and hand twins
+
+class MLP(nn.Module):
+  """Dense -> tanh -> Dense -> tanh -> Dense."""
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(6, name='Dense_0')(x))
+    x = jnp.tanh(nn.Dense(5, name='Dense_1')(x))
+    return nn.Dense(4, name='Dense_2')(x)
+
+
+def bias(x, b):
+  return x + b.reshape((1,) * (x.ndim - 1) + b.shape)
+
+
+def hand_mlp(params, x, eps):
+  inputs = []
+  for i in range(3):
+    layer = params[f'Dense_{i}']
+    inputs.append(x)
+    x = bias(x @ layer['kernel'], layer['bias']) + eps[i]
+    x = jnp.tanh(x) if i < 2 else x
+  return x, inputs
+
+
+class CNN(nn.Module):
+  """Conv 3x3 SAME -> tanh -> Conv 3x3 stride 2 VALID -> tanh -> Dense."""
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Conv(4, (3, 3), name='Conv_0')(x))
+    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding='VALID', name='Conv_1')(x))
+    return nn.Dense(5, name='Dense_0')(x.reshape(x.shape[0], -1))
+
+
+CONV_SETTINGS = {'Conv_0': (1, ((1, 1), (1, 1))), 'Conv_1': (2, ((0, 0), (0, 0)))}
+
+
+def hand_conv(x, kernel, stride, padding):
+  return jax.lax.conv_general_dilated(x, kernel, (stride, stride), padding,
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def hand_cnn(params, x, eps):
+  inputs = []
+  for i, name in enumerate(['Conv_0', 'Conv_1']):
+    stride, padding = CONV_SETTINGS[name]
+    inputs.append(x)
+    x = jnp.tanh(bias(hand_conv(x, params[name]['kernel'], stride, padding), params[name]['bias'])
+                 + eps[i])
+  x = x.reshape(x.shape[0], -1)
+  inputs.append(x)
+  return bias(x @ params['Dense_0']['kernel'], params['Dense_0']['bias']) + eps[2], inputs
+
+
+def hand_patches(x, size, stride, padding):
+  """Patches by slicing: (N, out_h, out_w, size*size*C), features in (di, dj, c) order."""
+  x = np.pad(np.asarray(x), ((0, 0),) + tuple(padding) + ((0, 0),))
+  out = (x.shape[1] - size) // stride + 1, (x.shape[2] - size) // stride + 1
+  taps = [x[:, di:di + stride * (out[0] - 1) + 1:stride, dj:dj + stride * (out[1] - 1) + 1:stride]
+          for di in range(size) for dj in range(size)]
+  stacked = np.stack(taps, axis=3)
+  return stacked.reshape(stacked.shape[:3] + (-1,))
+
+
+class SequenceModel(nn.Module):
+  """Embed tokens (N, T) -> tanh -> Dense on (N, T, D) -> mean over T -> Dense."""
+  @nn.compact
+  def __call__(self, tokens):
+    h = jnp.tanh(nn.Embed(11, 6, name='Embed_0')(tokens))
+    h = jnp.tanh(nn.Dense(7, name='Dense_0')(h))
+    return nn.Dense(3, name='Dense_1')(h.mean(axis=1))
+
+
+def hand_sequence(params, tokens, eps):
+  h = jnp.tanh(params['Embed_0']['embedding'][tokens] + eps[0])
+  inputs = [tokens, h]
+  h = jnp.tanh(bias(h @ params['Dense_0']['kernel'], params['Dense_0']['bias']) + eps[1])
+  h = h.mean(axis=1)
+  inputs.append(h)
+  return bias(h @ params['Dense_1']['kernel'], params['Dense_1']['bias']) + eps[2], inputs
+
+
+def cross_entropy_sum(logits, labels):
+  return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def with_bias(rows):
+  rows = np.asarray(rows, np.float64).reshape(-1, np.shape(rows)[-1])
+  return np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+
+
+def hand_factors(hand_fn, params, x, labels_fn, eps_shapes):
+  """A hand model's inputs and per-example output gradients at ``labels_fn(logits)``."""
+  @jax.jit
+  def run(params, x):
+    zeros = [jnp.zeros(s) for s in eps_shapes]
+    logits, inputs = hand_fn(params, x, zeros)
+    labels = labels_fn(logits)
+    return inputs, jax.grad(lambda eps: cross_entropy_sum(hand_fn(params, x, eps)[0], labels))(
+        zeros)
+
+  inputs, grads = run(params, x)
+  return inputs, [np.asarray(g, np.float64) for g in grads]
+
+
+def dense_reference(a, g, examples):
+  a, g = with_bias(a), g.reshape(-1, g.shape[-1])
+  return a.T @ a / examples, g.T @ g / g.shape[0]
+
+
+def setup(model, x, seed=0):
+  variables = jax.jit(model.init)(jax.random.key(seed), x)
+  predict = lambda v, inputs: model.apply(v, inputs)
+  return variables, predict, perturbkit.kfac_layers(predict, variables, x)
+
+
+def assert_factors(stats, name, a, g):
+  np.testing.assert_allclose(stats[name].a, a, rtol=RTOL, atol=ATOL, err_msg=f'{name}.a')
+  np.testing.assert_allclose(stats[name].g, g, rtol=RTOL, atol=ATOL, err_msg=f'{name}.g')
+
+
+# ---------------------------------------------------------------- factors
+
+@pytest.mark.parametrize('fisher', ['sampled', 'empirical'])
+def test_mlp_factors_equal_hand_reference(fisher):
+  x = jax.random.normal(jax.random.key(1), (9, 3))
+  y = jnp.arange(9) % 4
+  key = jax.random.key(2)
+  variables, predict, layers = setup(MLP(), x)
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                               fisher=fisher))
+  loss, grads, stats = estimate(variables, x, y, key)
+
+  params = variables['params']
+  # The documented sampling: labels drawn with jax.random.categorical(key, logits).
+  labels_fn = ((lambda logits: jax.random.categorical(key, logits)) if fisher == 'sampled'
+               else (lambda logits: y))
+  inputs, gs = hand_factors(hand_mlp, params, x, labels_fn, [(9, 6), (9, 5), (9, 4)])
+  for i in range(3):
+    assert_factors(stats, f'Dense_{i}', *dense_reference(inputs[i], gs[i], 9))
+
+  ref_loss, ref_grads = jax.value_and_grad(
+      lambda p: cross_entropy_sum(hand_mlp(p, x, [0.0, 0.0, 0.0])[0], y) / 9)(params)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_sampled_factors_differ_from_empirical():
+  # Guards the test above: the two label choices must give different G.
+  x = jax.random.normal(jax.random.key(1), (9, 3))
+  y = jnp.arange(9) % 4
+  variables, predict, layers = setup(MLP(), x)
+  g = {f: perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=f)(
+      variables, x, y, jax.random.key(2))[2]['Dense_2'].g for f in ('sampled', 'empirical')}
+  assert not np.allclose(g['sampled'], g['empirical'], rtol=1e-2)
+
+
+def test_cnn_factors_use_patches():
+  x = jax.random.normal(jax.random.key(1), (3, 7, 7, 2))
+  y = jnp.array([0, 4, 2])
+  variables, predict, layers = setup(CNN(), x)
+  assert {n: i.kind for n, i in layers.layers.items()} == {
+      'Conv_0': 'conv', 'Conv_1': 'conv', 'Dense_0': 'dense'}
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                  fisher='empirical'))(variables, x, y)
+  inputs, gs = hand_factors(hand_cnn, variables['params'], x, lambda logits: y,
+                            [(3, 7, 7, 4), (3, 3, 3, 3), (3, 5)])
+  for i, name in enumerate(['Conv_0', 'Conv_1']):
+    stride, padding = CONV_SETTINGS[name]
+    patches = hand_patches(inputs[i], 3, stride, padding)
+    # Spatial-sum convention: A sums over locations (divides by N), G averages.
+    assert_factors(stats, name, *dense_reference(patches, gs[i], 3))
+  assert_factors(stats, 'Dense_0', *dense_reference(inputs[2], gs[2], 3))
+
+
+def test_sequence_dense_and_embed_factors():
+  tokens = jax.random.randint(jax.random.key(1), (5, 4), 0, 11)
+  y = jnp.array([0, 1, 2, 0, 1])
+  key = jax.random.key(3)
+  variables, predict, layers = setup(SequenceModel(), tokens)
+  assert layers.layers['Embed_0'].kind == 'embed'
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))(
+      variables, tokens, y, key)
+  inputs, gs = hand_factors(hand_sequence, variables['params'], tokens,
+                            lambda logits: jax.random.categorical(key, logits),
+                            [(5, 4, 6), (5, 4, 7), (5, 3)])
+  counts = np.bincount(np.asarray(tokens).ravel(), minlength=11) / 5
+  g = gs[0].reshape(-1, 6)
+  assert_factors(stats, 'Embed_0', counts, g.T @ g / 20)
+  # Dense on (N, T, D): A sums over the T positions of an example, G averages.
+  assert_factors(stats, 'Dense_0', *dense_reference(inputs[1], gs[1], 5))
+  assert_factors(stats, 'Dense_1', *dense_reference(inputs[2], gs[2], 5))
+
+
+def test_shared_dense_calls_are_pooled_as_locations():
+  class Twice(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.Dense(3, name='shared')
+      return dense(jnp.tanh(dense(x)))
+
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  y = jnp.array([0, 1, 2, 0])
+  variables, predict, layers = setup(Twice(), x)
+  assert layers.layers['shared'].calls == ('__call__', '__call__#1')
+  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                          fisher='empirical')(variables, x, y)
+  p = variables['params']['shared']
+
+  def hand(eps):
+    h = jnp.tanh(bias(x @ p['kernel'], p['bias']) + eps[0])
+    return cross_entropy_sum(bias(h @ p['kernel'], p['bias']) + eps[1], y), h
+
+  g, h = jax.grad(hand, has_aux=True)([jnp.zeros((4, 3)), jnp.zeros((4, 3))])
+  a = with_bias(np.concatenate([x, h]))
+  gg = np.concatenate([g[0], g[1]]).astype(np.float64)
+  assert_factors(stats, 'shared', a.T @ a / 4, gg.T @ gg / 8)
+
+
+@pytest.mark.parametrize('kwargs', [
+    dict(features=3, kernel_size=(3, 3)),
+    dict(features=2, kernel_size=(2, 3), strides=(2, 1), padding='VALID', use_bias=False),
+    dict(features=2, kernel_size=(3, 3), padding='CIRCULAR', kernel_dilation=2),
+    dict(features=2, kernel_size=(3, 3), padding=((2, 0), (1, 1)), input_dilation=2),
+    dict(features=2, kernel_size=(3,), padding='CAUSAL'),
+])
+def test_conv_patches_times_kernel_is_the_conv(kwargs):
+  from perturbkit._kfac_rules import conv_patches
+  conv = nn.Conv(**kwargs)
+  shape = (2, 6, 3) if len(kwargs['kernel_size']) == 1 else (2, 6, 5, 3)
+  x = jax.random.normal(jax.random.key(0), shape)
+  variables, _, layers = setup(nn.Sequential([conv]), x)
+  params = variables['params']['layers_0']
+  kernel = params['kernel']
+  info = layers.layers['layers_0']
+  patches = conv_patches(info.conv, x)
+  out = jnp.einsum('...k,kf->...f', patches, kernel.reshape(-1, kernel.shape[-1]),
+                   precision='highest')
+  if conv.use_bias:
+    out = bias(out, params['bias'])
+  np.testing.assert_allclose(out, conv.apply({'params': params}, x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- exact Fisher
+
+def test_single_dense_gaussian_kfac_is_the_exact_fisher():
+  # Linear-Gaussian output: the Fisher of (W, b) is E[ã ãᵀ] ⊗ I/σ², exactly Kronecker.
+  model = nn.Sequential([nn.Dense(3)])
+  x = jax.random.normal(jax.random.key(1), (6, 4))
+  variance = 0.5
+  variables, predict, layers = setup(model, x)
+  estimate = perturbkit.kfac_estimator(predict, perturbkit.gaussian_output(variance), layers,
+                                       fisher='exact')
+  _, _, stats = jax.jit(estimate)(variables, x, jnp.zeros((6, 3)))
+
+  def output(theta, xi):   # theta = [W; b], (5, 3), flattened row-major like kron(A, G)
+    return xi @ theta[:4] + theta[4]   # xi is (4,): same ranks
+
+  dense = variables['params']['layers_0']
+  theta = jnp.concatenate([dense['kernel'], dense['bias'][None]])
+  jac = jax.vmap(lambda xi: jax.jacobian(output)(theta, xi).reshape(3, -1))(x)  # (N, 3, 15)
+  exact = np.einsum('nki,nkj->ij', jac, jac) / (6 * variance)
+  kron = np.kron(stats['layers_0'].a, stats['layers_0'].g)
+  np.testing.assert_allclose(kron, exact, rtol=1e-5, atol=1e-6)
+
+  # The sampled estimate has the same expectation: average G over many keys.
+  sampled = perturbkit.kfac_estimator(predict, perturbkit.gaussian_output(variance), layers)
+  keys = jax.random.split(jax.random.key(5), 400)
+  g_mean = jax.jit(jax.vmap(lambda k: sampled(variables, x, jnp.zeros((6, 3)), k)[2][
+      'layers_0'].g))(keys).mean(axis=0)
+  # 2400 draws per entry: the standard error of a diagonal entry is ~0.06.
+  np.testing.assert_allclose(g_mean, np.eye(3) / variance, atol=0.3)
+
+
+def test_exact_categorical_g_is_the_expectation_over_labels():
+  model = nn.Sequential([nn.Dense(4)])
+  x = jax.random.normal(jax.random.key(1), (5, 3))
+  variables, predict, layers = setup(model, x)
+  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                          fisher='exact')(variables, x, jnp.zeros(5, jnp.int32))
+  p = np.asarray(jax.nn.softmax(model.apply(variables, x)), np.float64)
+  # E_y[(p - e_y)(p - e_y)ᵀ] = diag(p) - p pᵀ, averaged over the examples.
+  expected = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
+  np.testing.assert_allclose(stats['layers_0'].g, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- preconditioner
+
+def hand_precondition(grad_matrix, a, g, damping):
+  a, g = np.asarray(a, np.float64), np.asarray(g, np.float64)
+  inv_a = np.diag(1 / (a + damping)) if a.ndim == 1 else np.linalg.inv(a + damping * np.eye(len(a)))
+  return inv_a @ np.asarray(grad_matrix, np.float64) @ np.linalg.inv(g + damping * np.eye(len(g)))
+
+
+class Mixed(nn.Module):
+  """Embed, Conv, LayerNorm (no rule) and Dense."""
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Embed(7, 4, name='Embed_0')(tokens)                 # (N, T, 4)
+    h = jnp.tanh(nn.Conv(3, (2,), name='Conv_0')(h))            # 1-D conv over T
+    h = nn.LayerNorm(name='LayerNorm_0')(h)
+    return nn.Dense(3, name='Dense_0')(h.mean(axis=1))
+
+
+def test_preconditioned_gradient_is_damped_inverse_sandwich():
+  tokens = jax.random.randint(jax.random.key(1), (6, 5), 0, 7)
+  y = jnp.arange(6) % 3
+  variables, predict, layers = setup(Mixed(), tokens)
+  assert layers.skipped == {'LayerNorm_0': 'LayerNorm has no Kronecker-factor rule'}
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
+  _, grads, stats = estimate(variables, tokens, y, jax.random.key(2))
+  damping = 0.05
+  tx = perturbkit.kfac_preconditioner(layers, damping=damping, fallback=optax.scale(-3.0))
+  params = variables['params']
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params, kfac_stats=stats)
+
+  for name in ('Conv_0', 'Dense_0'):
+    kernel = np.asarray(grads[name]['kernel'])
+    theta = np.concatenate([kernel.reshape(-1, kernel.shape[-1]), grads[name]['bias'][None]])
+    expected = hand_precondition(theta, stats[name].a, stats[name].g, damping)
+    np.testing.assert_allclose(updates[name]['kernel'], expected[:-1].reshape(kernel.shape),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(updates[name]['bias'], expected[-1], rtol=1e-4, atol=1e-6)
+  expected = hand_precondition(grads['Embed_0']['embedding'], stats['Embed_0'].a,
+                               stats['Embed_0'].g, damping)
+  np.testing.assert_allclose(updates['Embed_0']['embedding'], expected, rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(updates['LayerNorm_0'],
+                              jax.tree.map(lambda g: -3.0 * g, grads['LayerNorm_0']), rtol=1e-6)
+  assert int(state.count) == 1
+
+
+def test_running_average_and_inverse_refresh():
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.arange(8) % 4
+  variables, predict, layers = setup(MLP(), x)
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
+  params = variables['params']
+  tx = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2)
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  stats = [estimate(variables, x * s, y, jax.random.key(s))[2] for s in (1, 2, 3)]
+  grads = estimate(variables, x, y, jax.random.key(0))[1]
+  _, state1 = update(grads, state, params, kfac_stats=stats[0])
+  _, state2 = update(grads, state1, params, kfac_stats=stats[1])
+  out3, state3 = update(grads, state2, params, kfac_stats=stats[2])
+  a1, a2, a3 = (s['Dense_1'].a for s in stats)
+  np.testing.assert_allclose(state2.factors['Dense_1'].a, 0.8 * a1 + 0.2 * a2, rtol=1e-5)
+  ema3 = 0.8 * (0.8 * a1 + 0.2 * a2) + 0.2 * a3
+  np.testing.assert_allclose(state3.factors['Dense_1'].a, ema3, rtol=1e-5)
+  # Count 1 keeps the inverses of count 0; count 2 refreshes them from the running average.
+  chex.assert_trees_all_close(state2.inverses, state1.inverses)
+  np.testing.assert_allclose(
+      state3.inverses['Dense_1'].a, np.linalg.inv(np.asarray(ema3, np.float64) + 0.1 * np.eye(7)),
+      rtol=1e-4, atol=1e-5)
+  assert not np.allclose(state3.inverses['Dense_1'].a, state2.inverses['Dense_1'].a)
+  del out3
+
+
+def test_jitted_training_step_traces_once_and_lowers_the_loss():
+  x = jax.random.normal(jax.random.key(1), (64, 3))
+  y = (x[:, 0] > 0).astype(jnp.int32) + 2 * (x[:, 1] > 0).astype(jnp.int32)
+  variables, predict, layers = setup(MLP(), x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.1, inverse_every=3),
+                   optax.sgd(0.3, momentum=0.5))
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, opt_state, key):
+    loss, grads, stats = estimate({'params': params}, x, y, key)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params, opt_state = variables['params'], tx.init(variables['params'])
+  losses = []
+  for i in range(25):
+    params, opt_state, loss = step(params, opt_state, jax.random.key(i))
+    losses.append(float(loss))
+  assert losses[-1] < 0.1 * losses[0], losses
+
+
+# ---------------------------------------------------------------- errors
+
+def test_explicitly_selected_layer_without_rule_is_an_error():
+  x = jnp.ones((2, 3))
+  model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='LayerNorm'):
+    perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
+                           filter=perturbkit.filters.by_type(nn.Dense, nn.LayerNorm))
+  layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
+                                  filter=perturbkit.filters.by_path('layers_0'))
+  assert list(layers.layers) == ['layers_0']
+  assert layers.skipped == {'layers_1': 'not selected by the filter',
+                            'layers_2': 'not selected by the filter'}
+
+
+def test_tied_embedding_attend_is_skipped_not_half_preconditioned():
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      embed = nn.Embed(5, 4)
+      return embed.attend(jnp.tanh(embed(tokens)))
+
+  tokens = jnp.array([[0, 1], [2, 3]])
+  variables, predict, layers = setup(Tied(), tokens)
+  assert layers.layers == {}
+  assert 'attend' in layers.skipped['Embed_0']
+
+
+def test_loss_without_distribution_names_what_to_pass():
+  x = jnp.ones((2, 3))
+  variables, predict, layers = setup(MLP(), x)
+  with pytest.raises(perturbkit.KFACLossError, match='categorical_output'):
+    perturbkit.kfac_estimator(predict, optax.hinge_loss, layers)
+  custom = lambda out, t: jnp.sum(jnp.abs(out - t), axis=-1)
+  with pytest.raises(perturbkit.KFACLossError, match="fisher='empirical'"):
+    perturbkit.kfac_estimator(predict, custom, layers, fisher='sampled')
+  # The empirical Fisher needs no distribution: any per-example loss works.
+  _, _, stats = perturbkit.kfac_estimator(predict, custom, layers, fisher='empirical')(
+      variables, x, jnp.zeros((2, 4)))
+  assert stats['Dense_2'].g.shape == (4, 4)
+
+
+def test_state_of_another_model_is_a_shape_error():
+  x = jnp.ones((2, 3))
+  variables, predict, layers = setup(MLP(), x)
+  wider = nn.Sequential([nn.Dense(6), nn.Dense(5), nn.Dense(4)])
+  tx = perturbkit.kfac_preconditioner(layers)
+  other = {f'Dense_{i}': p for i, p in enumerate(
+      wider.init(jax.random.key(0), jnp.ones((2, 4)))['params'].values())}
+  with pytest.raises(perturbkit.KFACShapeError, match='Dense_0'):
+    tx.init(other)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  _, grads, stats = estimate(variables, x, jnp.zeros(2, jnp.int32), jax.random.key(0))
+  bad = {**stats, 'Dense_1': perturbkit.LayerFactors(jnp.zeros((3, 3)), stats['Dense_1'].g)}
+  with pytest.raises(perturbkit.KFACShapeError, match='Dense_1'):
+    tx.update(grads, tx.init(variables['params']), kfac_stats=bad)
+  with pytest.raises(TypeError, match='kfac_stats'):
+    tx.update(grads, tx.init(variables['params']))
+
+
+# ---------------------------------------------------------------- many devices
+
+CHILD = textwrap.dedent('''
+    import os
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    import sys
+    import chex, jax, jax.numpy as jnp, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    jax.config.update('jax_numpy_rank_promotion', 'raise')
+    sys.path.insert(0, sys.argv[1])
+    import test_kfac
+    import perturbkit
+    assert jax.device_count() == 8
+
+    x = jax.random.normal(jax.random.key(1), (3 * 8, 7, 7, 2))
+    y = jnp.arange(24) % 5
+    variables, predict, layers = test_kfac.setup(test_kfac.CNN(), x)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='exact')
+
+    def step(axis_name):
+      tx = perturbkit.kfac_preconditioner(layers, damping=0.1, axis_name=axis_name)
+      def run(params, x, y):
+        loss, grads, stats = estimate({'params': params}, x, y)
+        if axis_name:
+          loss, grads = jax.lax.pmean((loss, grads), axis_name)
+        updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+        return loss, updates, state.factors
+      return run
+
+    params = variables['params']
+    single = jax.jit(step(None))(params, x, y)
+    mesh = Mesh(jax.devices(), ('data',))
+    sharded = jax.jit(jax.shard_map(step('data'), mesh=mesh, in_specs=(P(), P('data'), P('data')),
+                                    out_specs=P(), check_vma=False))(params, x, y)
+    loss8, updates8, factors8 = sharded
+    loss1, updates1, factors1 = single
+    chex.assert_trees_all_close((loss8, factors8), (loss1, factors1), rtol=1e-5, atol=1e-6)
+    # The damped inverses amplify float32 summation-order differences.
+    chex.assert_trees_all_close(updates8, updates1, rtol=1e-3, atol=1e-5)
+    print('KFAC-MULTIDEVICE-OK')
+''')
+
+
+def test_shard_map_factors_and_updates_equal_one_device():
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
+      [os.path.dirname(here), os.environ.get('PYTHONPATH', '')])}
+  result = subprocess.run([sys.executable, '-c', CHILD, here], capture_output=True, text=True,
+                          env=env, timeout=300)
+  assert 'KFAC-MULTIDEVICE-OK' in result.stdout, result.stdout + result.stderr
