@@ -31,7 +31,7 @@ from perturbkit._errors import (ActivationsUnavailableError, NonDifferentiableOu
                                 NonScalarLossError, PerturbationStructureError)
 from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._nnx_calls import Call, NNXPath, instrument
-from perturbkit._nnx_errors import (NNXNoPerturbationPointsError,
+from perturbkit._nnx_errors import (CaptureConflictError, NNXNoPerturbationPointsError,
                                     NNXPerturbationsNotAppliedError,
                                     NNXUnperturbedCallsWarning, UnmappedPerturbationError)
 from perturbkit._points import differentiable_part, has_differentiable_leaf, leaf_dtypes
@@ -59,16 +59,23 @@ class _Point:
     return [self.path + (n,) for n in self.names]
 
 
-def _perturbation_store(module: nnx.Module) -> Any:
+def _perturbation_store(call: Call) -> Any:
   """The ``nnx.Perturbation`` variable ``nnx.capture`` gave the module, if any.
 
   ``Module.perturb`` outside a capture would set an attribute on the module, so
   perturbkit only calls it where a capture is there to receive it.
+
+  Raises:
+    CaptureConflictError: the module is inside a capture without perturbations
+      (one the loss opened itself, which replaced perturbkit's).
   """
-  for var in vars(module).get('__captures__', ()):
+  captures = vars(call.module).get('__captures__')
+  if captures is None:
+    return None
+  for var in captures:
     if type(var) is nnx.Perturbation:  # pylint: disable=unidiomatic-typecheck
       return var
-  return None
+  raise CaptureConflictError(call.name)
 
 
 def _leaf_names(key: str, output: Any) -> list[str]:
@@ -150,7 +157,7 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
       if strict:
         raise NonDifferentiableOutputError(call.name, leaf_dtypes(output))
       return output
-    store = _perturbation_store(call.module)
+    store = _perturbation_store(call)
     if store is None:
       missed.append(call.name)
       return output
@@ -311,7 +318,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
         point = expected.get((call.path, call.key))
         if not selected or point is None:
           return output
-        store = _perturbation_store(call.module)
+        store = _perturbation_store(call)
         if store is None or any(n not in store for n in point.names):
           return output
         if return_activations:

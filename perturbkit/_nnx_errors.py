@@ -50,6 +50,19 @@ class NNXPerturbationsNotAppliedError(PerturbationsNotAppliedError):
         'model in its own nnx.capture (perturbkit runs the loss inside one).')
 
 
+class CaptureConflictError(PerturbkitError, RuntimeError):
+  """The loss runs the model inside its own ``nnx.capture``."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'The call {where} runs inside an nnx.capture that the loss function opened '
+        'itself. perturbkit runs the loss inside its own nnx.capture(..., '
+        'nnx.Perturbation), and a capture opened inside it replaces it for every module, '
+        'so the perturbation points would be lost. Call the model directly in the loss; '
+        'to collect intermediates as well, sow them and read them outside '
+        '(or use return_activations=True).')
+
+
 class UnmappedPerturbationError(PerturbkitError, ValueError):
   """Selected calls inside ``nnx.vmap`` whose module state is not mapped."""
 

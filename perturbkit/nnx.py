@@ -10,6 +10,7 @@ from perturbkit import _nnx_filters as filters
 from perturbkit._nnx_driver import grad
 from perturbkit._nnx_driver import value_and_grad
 from perturbkit._nnx_driver import with_hooks
+from perturbkit._nnx_errors import CaptureConflictError
 from perturbkit._nnx_errors import NNXNoPerturbationPointsError as NoPerturbationPointsError
 from perturbkit._nnx_errors import NNXPerturbationsNotAppliedError as PerturbationsNotAppliedError
 from perturbkit._nnx_errors import NNXUnperturbedCallsWarning as UnperturbedCallsWarning
@@ -17,6 +18,7 @@ from perturbkit._nnx_errors import UninstrumentableModuleError
 from perturbkit._nnx_errors import UnmappedPerturbationError
 
 __all__ = [
+    'CaptureConflictError',
     'filters',
     'grad',
     'NoPerturbationPointsError',

@@ -1,0 +1,280 @@
+"""Small NNX test models, their Linen twins, and hand-perturbed references.
+
+Every NNX model takes ``hand: bool``. With ``hand=False`` it is an ordinary NNX
+model. With ``hand=True`` it computes exactly the same thing, but adds Flax's
+own ``perturb`` at the output of each submodule call, on the called submodule,
+named by the point key (``self.dense_1.perturb('__call__#1', h)``): Flax's own
+``nnx.capture`` then lays the points out the way perturbkit reports them, which
+makes the twin an independent reference (:func:`hand_value_and_grad`).
+
+Each NNX model's attributes carry the names of the Linen twin's submodules, so
+``linen_variables`` copies the weights across unchanged.
+"""
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def point(module: nnx.Module, owner: nnx.Module, key: str, value: Any) -> Any:
+  """``module.perturb(key, value)`` when ``owner`` is a hand-perturbed twin."""
+  return module.perturb(key, value) if owner.hand else value
+
+
+def hand_value_and_grad(loss_fn, model: nnx.Module, *args):
+  """Flax's documented perturbation workflow on a ``hand=True`` model.
+
+  ``nnx.capture(..., nnx.Perturbation)`` creates the zeros (on a clone, so the
+  model's state does not move), ``nnx.capture(..., init=...)`` feeds them in,
+  and ``nnx.value_and_grad`` over ``(model, perturbations)`` gives both
+  gradients. Returns ``(loss, param_grads, perturbation_grads as nested dict)``.
+  """
+  _, zeros = nnx.capture(loss_fn, nnx.Perturbation)(nnx.clone(model), *args)
+
+  def with_points(model, perturbations, *args):
+    return nnx.capture(loss_fn, init=perturbations)(model, *args)
+
+  loss, (g_params, g_points) = nnx.value_and_grad(with_points, argnums=(0, 1))(
+      model, zeros, *args)
+  return loss, g_params, nnx.to_pure_dict(g_points)
+
+
+def linen_variables(model: nnx.Module) -> dict:
+  """The NNX model's params (and batch stats) as a Linen variables dict."""
+  variables = {'params': nnx.to_pure_dict(nnx.state(model, nnx.Param))}
+  stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+  if stats:
+    variables['batch_stats'] = stats
+  return variables
+
+
+def pure(tree: Any) -> Any:
+  """An ``nnx.State`` (or anything) as nested dicts of numeric arrays, for comparisons.
+
+  RNG keys become their key data.
+  """
+  tree = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+  is_key = lambda a: hasattr(a, 'dtype') and jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+  return jax.tree.map(lambda a: jax.random.key_data(a) if is_key(a) else a, tree)
+
+
+# --- MLP with a skip connection and a module called twice -----------------------------
+
+
+class MLP(nnx.Module):
+  """Linear -> relu -> Linear (+ skip) -> the same Linear again -> Linear."""
+
+  def __init__(self, din: int = 3, width: int = 6, dout: int = 2, *, hand: bool = False,
+               rngs: nnx.Rngs):
+    self.hand = hand
+    self.dense_0 = nnx.Linear(din, width, rngs=rngs)
+    self.dense_1 = nnx.Linear(width, width, rngs=rngs)
+    self.dense_2 = nnx.Linear(width, dout, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.relu(point(self.dense_0, self, '__call__', self.dense_0(x)))
+    h = nnx.relu(point(self.dense_1, self, '__call__', self.dense_1(h))) + h
+    h = jnp.tanh(point(self.dense_1, self, '__call__#1', self.dense_1(h)))
+    return point(self.dense_2, self, '__call__', self.dense_2(h))
+
+
+def mlp_explicit(model: MLP, x, d: dict):
+  """The MLP's forward pass with the perturbations as an explicit argument."""
+  h = nnx.relu(model.dense_0(x) + d['dense_0']['__call__'])
+  h = nnx.relu(model.dense_1(h) + d['dense_1']['__call__']) + h
+  h = jnp.tanh(model.dense_1(h) + d['dense_1']['__call__#1'])
+  return model.dense_2(h) + d['dense_2']['__call__']
+
+
+class LinenMLP(nn.Module):
+  width: int = 6
+  dout: int = 2
+
+  def setup(self):
+    self.dense_0 = nn.Dense(self.width)
+    self.dense_1 = nn.Dense(self.width)
+    self.dense_2 = nn.Dense(self.dout)
+
+  def __call__(self, x):
+    h = nn.relu(self.dense_0(x))
+    h = nn.relu(self.dense_1(h)) + h
+    h = jnp.tanh(self.dense_1(h))
+    return self.dense_2(h)
+
+
+# --- CNN with BatchNorm and Dropout (train mode) ---------------------------------------
+
+
+class CNN(nnx.Module):
+  """Conv -> BatchNorm -> relu -> Dropout -> mean pool -> Linear.
+
+  ``dropout_key`` (optional) replaces the model's own dropout stream, so that
+  the Linen twin can draw the same mask.
+  """
+
+  def __init__(self, channels: int = 1, *, hand: bool = False, rngs: nnx.Rngs):
+    self.hand = hand
+    self.conv = nnx.Conv(channels, 4, (3, 3), rngs=rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+    self.dropout = nnx.Dropout(0.3, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x, dropout_key=None):
+    h = point(self.conv, self, '__call__', self.conv(x))
+    h = nnx.relu(point(self.norm, self, '__call__', self.norm(h)))
+    h = point(self.dropout, self, '__call__', self.dropout(h, rngs=dropout_key))
+    return point(self.head, self, '__call__', self.head(jnp.mean(h, axis=(1, 2))))
+
+
+class LinenCNN(nn.Module):
+  def setup(self):
+    self.conv = nn.Conv(4, (3, 3))
+    self.norm = nn.BatchNorm(use_running_average=False, momentum=0.9)
+    self.dropout = nn.Dropout(0.3, deterministic=False)
+    self.head = nn.Dense(3)
+
+  def __call__(self, x, dropout_key):
+    h = nn.relu(self.norm(self.conv(x)))
+    h = self.dropout(h, rng=dropout_key)
+    return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+# --- Transformer block with nnx.MultiHeadAttention -----------------------------------
+
+
+class TransformerBlock(nnx.Module):
+  """Pre-norm self-attention + MLP block, residual connections."""
+
+  def __init__(self, dim: int = 8, heads: int = 2, hidden: int = 16, *, hand: bool = False,
+               rngs: nnx.Rngs):
+    self.hand = hand
+    self.norm_0 = nnx.LayerNorm(dim, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+    self.norm_1 = nnx.LayerNorm(dim, rngs=rngs)
+    self.dense_0 = nnx.Linear(dim, hidden, rngs=rngs)
+    self.dense_1 = nnx.Linear(hidden, dim, rngs=rngs)
+
+  def __call__(self, x):
+    h = point(self.norm_0, self, '__call__', self.norm_0(x))
+    x = x + point(self.attention, self, '__call__', self.attention(h))
+    h = point(self.norm_1, self, '__call__', self.norm_1(x))
+    h = nnx.gelu(point(self.dense_0, self, '__call__', self.dense_0(h)))
+    return x + point(self.dense_1, self, '__call__', self.dense_1(h))
+
+
+class LinenTransformerBlock(nn.Module):
+  dim: int = 8
+  heads: int = 2
+  hidden: int = 16
+
+  def setup(self):
+    self.norm_0 = nn.LayerNorm()
+    self.attention = nn.MultiHeadDotProductAttention(num_heads=self.heads)
+    self.norm_1 = nn.LayerNorm()
+    self.dense_0 = nn.Dense(self.hidden)
+    self.dense_1 = nn.Dense(self.dim)
+
+  def __call__(self, x):
+    h = self.norm_0(x)
+    x = x + self.attention(h, h)
+    h = self.norm_1(x)
+    return x + self.dense_1(nn.gelu(self.dense_0(h)))
+
+
+# --- Stacked blocks under nnx.scan and a block under nnx.remat ----------------------
+
+
+class Block(nnx.Module):
+  def __init__(self, width: int, *, hand: bool = False, rngs: nnx.Rngs):
+    self.hand = hand
+    self.linear = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(point(self.linear, self, '__call__', self.linear(x)))
+
+
+class ScanMLP(nnx.Module):
+  """``depth`` stacked blocks applied with ``nnx.scan`` (or unrolled, ``unrolled=True``)."""
+
+  def __init__(self, width: int = 4, depth: int = 3, *, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=depth)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return Block(width, rngs=rngs)
+
+    self.depth = depth
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.blocks))
+
+
+class RematMLP(nnx.Module):
+  def __init__(self, width: int = 4, *, rngs: nnx.Rngs):
+    self.block = Block(width, rngs=rngs)
+    self.head = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.remat(lambda block, x: block(x))(self.block, x)
+    return self.head(h)
+
+
+class VmapBroadcast(nnx.Module):
+  """A block under ``nnx.vmap`` over examples, its state broadcast."""
+
+  def __init__(self, width: int = 4, *, mapped: bool = False, rngs: nnx.Rngs):
+    self.mapped = mapped
+    self.block = Block(width, rngs=rngs)
+    self.head = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    axes = nnx.StateAxes({nnx.Perturbation: 0, ...: None}) if self.mapped else None
+    h = nnx.vmap(lambda block, x: block(x), in_axes=(axes, 0))(self.block, x)
+    return self.head(h)
+
+
+# --- Random architectures for property tests -----------------------------------------
+
+
+class RandomNet(nnx.Module):
+  """A stack of Linear layers with optional skips and one layer used twice.
+
+  ``widths[i]`` is the output width of layer ``i``; ``skips[i]`` adds the
+  layer's input to its output where the widths agree; ``shared`` (an index or
+  ``None``) applies that layer a second time right after its first use, where
+  its input and output widths agree. The layers live in an ``nnx.List``.
+  """
+
+  def __init__(self, din: int, widths: Sequence[int], skips: Sequence[bool],
+               shared: int | None, *, hand: bool = False, rngs: nnx.Rngs):
+    self.hand = hand
+    dims = [din, *widths]
+    self.layers = nnx.List([nnx.Linear(dims[i], dims[i + 1], rngs=rngs)
+                            for i in range(len(widths))])
+    self.skips = tuple(skips)
+    self.shared = shared
+
+  def __call__(self, x):
+    for i, layer in enumerate(self.layers):
+      h = jnp.tanh(point(layer, self, '__call__', layer(x)))
+      if self.shared == i and h.shape == x.shape:
+        h = jnp.tanh(point(layer, self, '__call__#1', layer(h)))
+      x = h + x if self.skips[i] and h.shape == x.shape else h
+    return x
+
+
+def mse(model, x, y=None):
+  """Mean squared output: a loss for any model above."""
+  del y
+  return jnp.mean(model(x) ** 2)
+
+
+def random_batch(shape, seed: int = 0):
+  return jax.random.normal(jax.random.key(seed), shape)
