@@ -631,3 +631,15 @@ def test_shared_type_filters():
   _, grads = perturbkit.nnx.value_and_grad(M.mse, filter=perturbkit.filters.by_type(nnx.Linear))(
       model, x)
   assert set(grads['perturbations']) == {'dense_0', 'dense_1', 'dense_2'}
+
+
+def test_benchmark_script_smoke():
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), '..', 'scripts', 'bench_nnx.py')
+  spec = importlib.util.spec_from_file_location('bench_nnx', path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  result = bench.measure_model('mlp', dict(batch=4, features=8, widths=(8,), classes=3), 1)
+  assert result['mismatch'] is None and result['argument_bytes_equal']
+  assert result['points'] == 2
