@@ -54,6 +54,7 @@ class _Point:
   structure: Any  # treedef of differentiable_part(output): the reported layout
   copied: bool
   where: str
+  shapes: tuple[tuple[int, ...], ...] = ()  # leaf shapes where the call ran
 
   def leaf_paths(self) -> list[PointPath]:
     return [self.path + (n,) for n in self.names]
@@ -169,7 +170,9 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
           f'{_joined(call.path)!r} (a hand-placed self.perturb); rename it, perturbkit '
           'uses the method name and the call count as point names')
     structure = jax.tree.structure(differentiable_part(output))
-    found.append(_Point(call.path, call.key, tuple(names), structure, call.copied, call.name))
+    shapes = tuple(tuple(leaf.shape) for leaf in jax.tree.leaves(output) if _is_inexact(leaf))
+    found.append(_Point(call.path, call.key, tuple(names), structure, call.copied, call.name,
+                        shapes))
     return _perturb(call.module, call.key, output, probe)
 
   def traced(model, *args, **kwargs):
@@ -202,7 +205,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   # A point made inside an NNX transform has the shape of the output seen
   # there when the transform broadcasts the perturbation: fine under nnx.remat,
   # a sum over examples under nnx.vmap. Only a second run can tell them apart.
-  suspects = [p.where for p in reached if p.copied]
+  suspects = [p.where for p in reached if p.copied and p.shapes == tuple(
+      tuple(shapes[q].shape) for q in p.leaf_paths())]
   if suspects:
     try:
       run(probe=True)
