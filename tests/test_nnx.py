@@ -171,6 +171,45 @@ def test_random_architectures_equal_hand_placed_perturb(arch):
   chex.assert_trees_all_close(M.pure(grads['params']), M.pure(want_params), **TOL)
 
 
+def test_points_inside_an_inner_gradient_step():
+  """Test-time training: the loss takes its own nnx.grad step, then evaluates.
+
+  The points inside the inner step get the derivative of the outer loss through
+  that step, as explicit perturbation arguments in both passes give it.
+  """
+  model, x = M.MLP(rngs=nnx.Rngs(0)), M.random_batch((4, 3))
+
+  def step(model, loss_of):
+    grads = nnx.grad(loss_of)(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+
+  def loss_fn(model, x):
+    step(model, lambda m: M.mse(m, x))
+    return M.mse(model, x)
+
+  _, grads = perturbkit.nnx.value_and_grad(loss_fn)(nnx.clone(model), x)
+  points = grads['perturbations']
+  assert set(points['dense_1']) == {'__call__', '__call__#1', '__call__#2', '__call__#3'}
+
+  def explicit(d):
+    at = lambda first: {'dense_0': {'__call__': d['dense_0'][f'__call__#{first[0]}']},
+                        'dense_1': {'__call__': d['dense_1'][f'__call__#{first[1]}'],
+                                    '__call__#1': d['dense_1'][f'__call__#{first[1] + 1}']},
+                        'dense_2': {'__call__': d['dense_2'][f'__call__#{first[0]}']}}
+    d = {name: {k if '#' in k else k + '#0': v for k, v in calls.items()}
+         for name, calls in d.items()}
+    m = nnx.clone(model)
+    step(m, lambda m: jnp.mean(M.mlp_explicit(m, x, at((0, 0))) ** 2))
+    return jnp.mean(M.mlp_explicit(m, x, at((1, 2))) ** 2)
+
+  want = jax.grad(explicit)(jax.tree.map(jnp.zeros_like, points))
+  chex.assert_trees_all_close(points, want, **TOL)
+  _not_vacuous(points['dense_0']['__call__'])
+  chex.assert_trees_all_close(M.pure(grads['params']),
+                              M.pure(nnx.grad(loss_fn)(nnx.clone(model), x)), **TOL)
+
+
 # --- Transforms inside the model ----------------------------------------------------
 
 
