@@ -11,6 +11,8 @@ from perturbkit._errors import PerturbationStructureError
 from perturbkit._errors import PerturbkitError
 from perturbkit._errors import SegmentationError
 from perturbkit._errors import SharedSegmentError
+from perturbkit._errors import StateMismatchError
+from perturbkit._errors import UnmatchedFilterError
 from perturbkit._errors import UnperturbedCallsWarning
 from perturbkit._driver import grad
 from perturbkit._driver import value_and_grad
@@ -84,6 +86,8 @@ __all__ = [
     'PerturbkitError',
     'SegmentationError',
     'SharedSegmentError',
+    'StateMismatchError',
+    'UnmatchedFilterError',
     'UnperturbedCallsWarning',
     'wrap',
     'check_per_example',

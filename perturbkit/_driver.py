@@ -26,7 +26,7 @@ from perturbkit import _filters
 from perturbkit._errors import (ActivationsUnavailableError, NonScalarLossError,
                                 NoPerturbationPointsError,
                                 PerturbationsNotAppliedError, UnperturbedCallsWarning)
-from perturbkit._hooks import Hook, apply_hooks
+from perturbkit._hooks import Hook, apply_hooks, check_matched
 from perturbkit._interceptor import Call, intercept, suspended
 from perturbkit._points import (COLLECTION, PointShape, add_perturbation, differentiable_part,
                                has_differentiable_leaf, inside_lifted_transform)
@@ -88,7 +88,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              filter: CallFilter, strict: bool = False,
              hooks: Sequence[Hook] = (),
              unreachable: list[str] | None = None,
-             point_paths: set[tuple] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
+             point_paths: set[tuple] | None = None,
+             hooks_matched: set[int] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
   Points placed by hand in the model (its own ``self.perturb(name, x)``) are
@@ -137,6 +138,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
 
   def recording(call, run):
     seen.append(call.name)
+    if hooks_matched is not None:
+      hooks_matched.update(
+          i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
     return handler(call, run)
 
   def traced(variables, *args):
@@ -237,10 +241,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
   def _value_and_grad(variables, args, kwargs):
     expected: set[tuple] = set()
+    matched: set[int] = set()
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
-                                  strict=strict, hooks=hooks, point_paths=expected)
+                                  strict=strict, hooks=hooks, point_paths=expected,
+                                  hooks_matched=matched)
     if not points_found:
       raise NoPerturbationPointsError(seen)
+    check_matched(hooks, matched, seen)
 
     def differentiable(params, perturbations):
       applied: set[tuple] = set()

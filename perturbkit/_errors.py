@@ -26,6 +26,17 @@ class NoPerturbationPointsError(PerturbkitError, ValueError):
         'loss function calls `model.apply(variables, ...)` with the variables it is given.')
 
 
+class UnmatchedFilterError(PerturbkitError, ValueError):
+  """A hook's or a wrapped model's filter selected no call."""
+
+  def __init__(self, what, seen):
+    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
+    super().__init__(
+        f'The filter of {what} selects no submodule call, so it would do nothing (a typo in '
+        f'a path?). Calls seen: [{listed or "none"}]. Check the filter, e.g. '
+        "`perturbkit.filters.by_path('Block_0/*')` matches the module paths listed.")
+
+
 class PerturbationStructureError(PerturbkitError, ValueError):
   """A 'perturbations' tree does not match the perturbation points of the model call."""
 
@@ -75,6 +86,16 @@ class SharedSegmentError(SegmentationError):
         'use (e.g. the parent module, `segments=perturbkit.filters.by_path(...)`), or leave '
         'the module out of the segments: the default segments put such params in '
         'perturbkit.REST, updated at the end with their full gradient.')
+
+
+class StateMismatchError(PerturbkitError, ValueError):
+  """An interleaved state whose params do not fit the model the loss applies."""
+
+  def __init__(self, detail):
+    super().__init__(
+        'The state does not match the model: its params do not have the shapes the loss '
+        f'function\'s model creates ({detail}). Build the state with `init` on variables '
+        'from this model (`model.init(...)`), or pass the matching loss function.')
 
 
 class OptimizerStateError(PerturbkitError, ValueError):

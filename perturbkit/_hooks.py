@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 
 from perturbkit import _filters
+from perturbkit._errors import UnmatchedFilterError
 from perturbkit._interceptor import intercept
 from perturbkit._points import differentiable_part, has_differentiable_leaf, merge
 from perturbkit._types import CallFilter
@@ -116,12 +117,29 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
   """
   if not hooks:
     raise ValueError('with_hooks needs at least one hook from perturbkit.backward_hook.')
-  selected = _filters.any_of(*(h.filter for h in hooks))
 
   @functools.wraps(fun)
   def hooked(*args, **kwargs):
-    handler = lambda call, run: apply_hooks(hooks, call.module, call.method_name, run())
-    with intercept(selected, handler, transparent=True):
-      return fun(*args, **kwargs)
+    seen: list[str] = []
+    matched: set[int] = set()
+
+    def handler(call, run):
+      seen.append(call.name)
+      matched.update(i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
+      return apply_hooks(hooks, call.module, call.method_name, run())
+
+    with intercept(_filters.all_calls, handler, transparent=True):
+      out = fun(*args, **kwargs)
+    check_matched(hooks, matched, seen)
+    return out
 
   return hooked
+
+
+def check_matched(hooks: tuple[Hook, ...], matched: set[int], seen: list[str]):
+  """Raises :class:`UnmatchedFilterError` for a hook whose filter selected no call seen."""
+  if not seen:
+    return  # the function made no model call this time; nothing to check against
+  for i, hook in enumerate(hooks):
+    if i not in matched:
+      raise UnmatchedFilterError(f'backward hook #{i} ({hook.fn!r})', sorted(set(seen)))

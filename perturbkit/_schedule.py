@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from perturbkit import _segmentation
 from perturbkit._driver import _check_loss
-from perturbkit._errors import SegmentationError
+from perturbkit._errors import SegmentationError, StateMismatchError
 from perturbkit._interceptor import suspended
 from perturbkit._points import COLLECTION
 from perturbkit._segments import segmented_loss
@@ -150,7 +150,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     check_opt_state(optimizer, params, state.opt_state)
     names = [n for n in state.opt_state if n != REST]
     # The state's segments must still pass every check on this loss and batch.
-    _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+    try:
+      _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+    except flax.errors.ScopeParamShapeError as error:
+      raise StateMismatchError(str(error).split('(https')[0].strip()) from error
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite)
     swept: set[str] = set()

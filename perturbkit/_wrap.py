@@ -5,21 +5,27 @@ from typing import Any, Callable, Mapping
 import flax.linen as nn
 
 from perturbkit import _filters
-from perturbkit._errors import PerturbationStructureError, UnperturbedCallsWarning
+from perturbkit._errors import (PerturbationStructureError, UnmatchedFilterError,
+                                UnperturbedCallsWarning)
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit._types import CallFilter
 
 
 def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
-               missed: list | None = None):
+               missed: list | None = None, seen: list | None = None):
   """An ``intercept`` block that adds perturbations at the selected calls.
 
   The ``(path..., key)`` of every point applied is added to ``applied``; the
   names of selected calls that could not carry one (inside a lifted transform
-  that does not map the collection) are appended to ``missed``.
+  that does not map the collection) are appended to ``missed``, and those of
+  all calls to ``seen``.
   """
   def handler(call, run):
+    if seen is not None:
+      seen.append(call.name)
+    if not filter(call.module, call.method_name):
+      return run()
     output = run()
     out, was_applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
     if was_applied and applied is not None:
@@ -27,7 +33,7 @@ def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
     if not was_applied and missed is not None and has_differentiable_leaf(output):
       missed.append(call.name)
     return out
-  return intercept(filter, handler)
+  return intercept(_filters.all_calls, handler)
 
 
 def _leaf_paths(tree, prefix=()) -> set:
@@ -58,16 +64,23 @@ class Perturbed(nn.Module):
     inner = self.module.clone(parent=self.scope, _deep_clone=True)
     applied: set = set()
     missed: list = []
-    with perturbing(self.filter, strict=self.strict, applied=applied, missed=missed):
+    seen: list = []
+    with perturbing(self.filter, strict=self.strict, applied=applied, missed=missed, seen=seen):
       out = method(inner, *args, **kwargs) if callable(method) else getattr(
           inner, method)(*args, **kwargs)
-    if missed and self.is_mutable_collection(COLLECTION):
-      warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=4)
+    if self.is_mutable_collection(COLLECTION):
+      if missed:
+        warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=4)
+      if seen and not applied and not missed:
+        raise UnmatchedFilterError('the wrapped model', sorted(set(seen)))
     if COLLECTION in self.variables and not self.is_mutable_collection(COLLECTION):
       # A point's value may hold dicts (a call returning a dict): a leaf is used
-      # when an applied point's path is a prefix of it.
+      # when an applied point's path is a prefix of it. Entries not named after a
+      # method (the model's own hand-placed `self.perturb` points) are Flax's to check.
+      methods = {name.rsplit('/', 1)[-1].split('#')[0] for name in seen}
       unused = {p for p in _leaf_paths(self.variables[COLLECTION])
-                if not any(p[:len(a)] == a for a in applied)}
+                if not any(p[:len(a)] == a for a in applied)
+                and any(k.split('#')[0] in methods for k in p)}
       if unused:
         raise PerturbationStructureError(
             'these perturbations match no call: ' + ', '.join(sorted('/'.join(p) for p in unused)))
