@@ -155,8 +155,10 @@ def environment() -> dict[str, Any]:
   }
 
 
-def write_json(path: str, data: Any) -> None:
-  """Writes ``data`` as indented JSON, creating the parent folder."""
+def write_json(path: str | None, data: Any) -> None:
+  """Writes ``data`` as indented JSON, creating the parent folder (nothing if no path)."""
+  if not path:
+    return
   folder = os.path.dirname(path)
   if folder:
     os.makedirs(folder, exist_ok=True)
@@ -167,12 +169,20 @@ def write_json(path: str, data: Any) -> None:
 
 def parse_args(description: str, sizes: Mapping[str, Mapping[str, Any]], default_out: str,
                default_repeats: int, argv: list[str] | None = None) -> argparse.Namespace:
-  """The flags both benchmark scripts take: --sizes, --repeats, --models, --out."""
-  parser = argparse.ArgumentParser(description=description)
+  """The flags both benchmark scripts take: --sizes, --repeats, --models, --out.
+
+  Results are written only where ``--out`` says (``default_out`` is suggested
+  in the help, for the file the README quotes), never over a tracked file by default.
+  """
+  parser = argparse.ArgumentParser(description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--sizes', choices=sorted(sizes), default='default')
   parser.add_argument('--repeats', type=int, default=default_repeats,
                       help='timed samples per variant')
   parser.add_argument('--models', nargs='+', choices=list(sizes['default']),
                       default=list(sizes['default']))
-  parser.add_argument('--out', default=default_out, help='where to write the JSON results')
+  suggested = f' (the README quotes {default_out})' if default_out else ''
+  parser.add_argument('--out', default=None,
+                      help='where to write the JSON results; nothing is written without it'
+                      + suggested)
   return parser.parse_args(argv)

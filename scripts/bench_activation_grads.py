@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
       'all_ok': all_ok,
       'models': results,
   })
-  print(f'\nwrote {args.out}')
+  if args.out:
+    print(f'\nwrote {args.out}')
   return 0 if all_ok else 1
 
 

@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
       'all_ok': all_ok,
       'models': results,
   })
-  print(f'wrote {args.out}')
+  if args.out:
+    print(f'wrote {args.out}')
   return 0 if all_ok else 1
 
 
