@@ -179,8 +179,11 @@ def instrumented_class(cls: type) -> type:
     sub = _CLASSES.get(cls)
     if sub is None:
       namespace = {name: _dispatching(name, fn) for name, fn in _model_methods(cls).items()}
+      # `_perturbkit_path_of` lets front-end-neutral code (path filters) ask a
+      # module for its path without importing this module.
       namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
-                       __doc__=cls.__doc__, **{_MARKER: True})
+                       __doc__=cls.__doc__, _perturbkit_path_of=staticmethod(path_of),
+                       **{_MARKER: True})
       sub = type(cls)(cls.__name__, (cls,), namespace,
                       pytree=getattr(cls, '_pytree__is_pytree', True))
       _CLASSES[cls] = sub
