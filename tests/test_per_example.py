@@ -1,0 +1,439 @@
+"""Per-example gradient norms and DP-SGD against per-example gradients from ``jax.vmap(jax.grad)``.
+
+The reference runs the ordinary loss on each example alone (a batch of one) and
+differentiates it with plain ``jax.grad``: it shares nothing with perturbkit's
+rules (ghost norms, patches, replayed VJPs), so agreement to float tolerance
+checks every rule and the mean-loss scaling.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import models
+import perturbkit
+
+TOL = dict(rtol=2e-4, atol=1e-5)
+
+
+def cross_entropy(logits, labels):
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def classification_loss(model, reduction='mean'):
+  def loss_fn(variables, x, y):
+    terms = optax.softmax_cross_entropy_with_integer_labels(model.apply(variables, x), y)
+    return terms.mean() if reduction == 'mean' else terms.sum()
+  return loss_fn
+
+
+def reference_grads(loss_fn, variables, *args):
+  """Each example's params gradient: the loss of that example alone, by ``jax.grad``."""
+  def per_example(variables, *args):
+    def one(*example):
+      batch = [a[None] for a in example]
+      return jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch))(variables['params'])
+    return jax.vmap(one)(*args)
+  return jax.jit(per_example)(variables, *args)
+
+
+def norms_of(per_example):
+  """``(examples,)`` norms of each leaf, and the total, of per-example gradients."""
+  sq = jax.tree.map(lambda g: jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1), per_example)
+  return jax.tree.map(jnp.sqrt, sq), jnp.sqrt(sum(jax.tree.leaves(sq)))
+
+
+def assert_norms_match(loss_fn, variables, *args, **options):
+  loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, **options))(variables, *args)
+  by_param, total = norms_of(reference_grads(loss_fn, variables, *args))
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  np.testing.assert_allclose(loss, jax.jit(loss_fn)(variables, *args), rtol=1e-5)
+  return norms
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+class ConvNet(nn.Module):
+  """Strided SAME conv, dilated VALID conv without bias, explicit padding, Dense head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2, padding='SAME')(x))
+    x = nn.relu(nn.Conv(3, (2, 2), kernel_dilation=2, padding='VALID', use_bias=False)(x))
+    x = nn.Conv(2, (1, 2), padding=((1, 0), (0, 1)))(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class SeqModel(nn.Module):
+  """Embed -> LayerNorm -> attention (DenseGeneral: general path) -> Dense on tokens -> head."""
+  vocab: int = 11
+  dim: int = 8
+
+  @nn.compact
+  def __call__(self, ids):
+    h = nn.Embed(self.vocab, self.dim)(ids)
+    h = h + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(nn.LayerNorm()(h))
+    h = h + nn.Dense(self.dim)(nn.gelu(nn.Dense(16)(nn.RMSNorm()(h))))
+    return nn.Dense(3)(h.mean(axis=1))
+
+
+class Tied(nn.Module):
+  """A shared Dense applied twice and an embedding tied to the output (call + attend)."""
+  vocab: int = 7
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(self.vocab, 6)
+    shared = nn.Dense(6)
+    h = embed(ids)
+    h = shared(nn.tanh(shared(h)))
+    return embed.attend(h.mean(axis=1))
+
+
+class Gated(nn.Module):
+  """A layer with its own params used nonlinearly, and a child Dense: the general path."""
+
+  @nn.compact
+  def __call__(self, x):
+    gate = self.param('gate', nn.initializers.normal(1.0), (x.shape[-1],))
+    return nn.Dense(4)(x * jax.nn.sigmoid(gate[None, :] * x)) + gate[None, :4]
+
+
+class WithGated(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(nn.relu(Gated()(x)))
+
+
+class RootParam(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(x) * self.param('scale', nn.initializers.ones, (2,))[None, :]
+
+
+def _seq_problem(key, batch=5, length=4, vocab=11):
+  ids = jax.random.randint(key, (batch, length), 0, vocab)
+  return ids, jnp.arange(batch) % 3
+
+
+# -- norms against vmap(grad) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_mlp(reduction):
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  assert_norms_match(classification_loss(model, reduction), variables, x, y, reduction=reduction)
+
+
+def test_mean_loss_scaled_to_each_term():
+  """A mean loss's norms are the terms' norms: the same as the sum loss's, not 1/B of them."""
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  _, mean = jax.jit(perturbkit.per_example_grad_norms(classification_loss(model, 'mean')))(
+      variables, x, y)
+  _, summed = jax.jit(perturbkit.per_example_grad_norms(classification_loss(model, 'sum'),
+                                                        reduction='sum'))(variables, x, y)
+  np.testing.assert_allclose(mean.total, summed.total, rtol=1e-5)
+
+
+@pytest.mark.parametrize('method', ['ghost', 'direct'])
+def test_cnn(method):
+  model = ConvNet()
+  x = jax.random.normal(jax.random.key(0), (4, 9, 9, 2))
+  y = jnp.arange(4) % 3
+  variables = model.init(jax.random.key(1), x)
+  assert_norms_match(classification_loss(model), variables, x, y, dense_method=method)
+
+
+@pytest.mark.parametrize('method', ['ghost', 'direct', 'auto'])
+def test_transformer(method):
+  model = SeqModel()
+  ids, y = _seq_problem(jax.random.key(0))
+  variables = model.init(jax.random.key(1), ids)
+  norms = assert_norms_match(classification_loss(model), variables, ids, y,
+                             dense_method=method)
+  assert set(norms.by_layer) >= {'Embed_0', 'LayerNorm_0', 'RMSNorm_0', 'Dense_0',
+                                 'MultiHeadDotProductAttention_0/query'}
+
+
+def test_shared_and_tied():
+  """Uses of one module add up before the norm (the cross terms between uses count)."""
+  model = Tied()
+  ids, y = _seq_problem(jax.random.key(2), vocab=7)
+  variables = model.init(jax.random.key(1), ids)
+  for method in ('ghost', 'direct'):
+    assert_norms_match(classification_loss(model), variables, ids, y, dense_method=method)
+
+
+def test_shared_dense_cross_terms_matter():
+  """The norm of the sum of two uses differs from the norms of the uses added in quadrature."""
+  model = models.SharedDense()
+  x = jax.random.normal(jax.random.key(0), (5, 4))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
+  norms = assert_norms_match(loss_fn, variables, x)
+  assert not np.allclose(norms.by_layer['shared'], 0.0)
+
+
+def test_general_path():
+  model = WithGated()
+  x = jax.random.normal(jax.random.key(0), (5, 6))
+  y = jnp.arange(5) % 2
+  variables = model.init(jax.random.key(1), x)
+  assert_norms_match(classification_loss(model), variables, x, y)
+
+
+def test_batch_axes_time_major_labels():
+  """Examples on axis 1 of one argument, axis 0 of the other."""
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, xt, y: classification_loss(model)(v, xt.T, y)
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(1, 0)))(
+      variables, x.T, y)
+  _, total = norms_of(reference_grads(classification_loss(model), variables, x, y))
+  np.testing.assert_allclose(norms.total, total, **TOL)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(1, 3), width=st.integers(1, 6), length=st.integers(0, 4),
+       bias=st.booleans(), norm=st.sampled_from([None, 'layer', 'rms']),
+       conv=st.booleans(), method=st.sampled_from(['auto', 'ghost', 'direct']),
+       batch=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
+def test_random_architectures(depth, width, length, bias, norm, conv, method, batch, seed):
+  class Random(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      if conv:
+        x = nn.Conv(width, (2,), padding='SAME', use_bias=bias)(x)
+      for _ in range(depth):
+        x = nn.tanh(nn.Dense(width, use_bias=bias)(x))
+        if norm == 'layer':
+          x = nn.LayerNorm(use_scale=bias)(x)
+        elif norm == 'rms':
+          x = nn.RMSNorm()(x)
+      return nn.Dense(2)(x.reshape(x.shape[0], -1))
+
+  shape = (batch, length, 3) if length else (batch, 3)
+  if conv and not length:
+    shape = (batch, 2, 3)
+  x = jax.random.normal(jax.random.key(seed), shape)
+  model = Random()
+  variables = model.init(jax.random.key(seed + 1), x)
+  loss_fn = lambda v, x: jnp.mean(jnp.sum(jnp.sin(model.apply(v, x)), axis=-1))
+  assert_norms_match(loss_fn, variables, x, dense_method=method)
+
+
+# -- DP-SGD ------------------------------------------------------------------------------
+
+
+def reference_private_grad(loss_fn, variables, key, clip_norm, noise_multiplier, *args):
+  per_example = reference_grads(loss_fn, variables, *args)
+  _, total = norms_of(per_example)
+  factors = jnp.minimum(1.0, clip_norm / total)
+  summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
+  leaves, treedef = jax.tree.flatten(summed)
+  keys = jax.random.split(key, len(leaves))
+  noise = [noise_multiplier * clip_norm * jax.random.normal(k, x.shape, x.dtype)
+           for k, x in zip(keys, leaves)]
+  batch = total.shape[0]
+  return (jax.tree.unflatten(treedef, [(s + n) / batch for s, n in zip(leaves, noise)]),
+          total, jnp.mean(total > clip_norm))
+
+
+@pytest.mark.parametrize('name', ['mlp', 'cnn', 'tied'])
+def test_private_grad_matches_vmap_grad(name):
+  if name == 'mlp':
+    model, x = models.MLP(out=3), jax.random.normal(jax.random.key(0), (6, 5))
+  elif name == 'cnn':
+    model, x = ConvNet(), jax.random.normal(jax.random.key(0), (6, 9, 9, 2))
+  else:  # a shared Dense (fast path) and a tied embedding (general path)
+    model, (x, _) = Tied(), _seq_problem(jax.random.key(0), batch=6, vocab=7)
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  key = jax.random.key(7)
+  _, total = norms_of(reference_grads(loss_fn, variables, x, y))
+  clip = float(jnp.median(total))  # about half the examples are clipped
+  dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.7))
+  grads, metrics = dp(variables, key, x, y)
+  want, want_norms, want_clipped = reference_private_grad(loss_fn, variables, key, clip, 0.7,
+                                                          x, y)
+  chex.assert_trees_all_close(grads, want, **TOL)
+  np.testing.assert_allclose(metrics['per_example_norms'], want_norms, **TOL)
+  np.testing.assert_allclose(metrics['fraction_clipped'], want_clipped)
+  assert 0 < float(metrics['fraction_clipped']) < 1
+
+
+def test_dp_sgd_step_is_optax_on_private_grad():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.5), clip_norm=0.3, noise_multiplier=1.0)
+  state = tx.init(variables)
+  step = jax.jit(chex.assert_max_traces(tx.step, n=1))
+  key = jax.random.key(3)
+  new_state, metrics = step(state, key, x, y)
+  want, _, _ = reference_private_grad(loss_fn, variables, key, 0.3, 1.0, x, y)
+  expected = jax.tree.map(lambda p, g: p - 0.5 * g, variables['params'], want)
+  chex.assert_trees_all_close(new_state.variables['params'], expected, **TOL)
+  assert int(new_state.step) == 1
+  np.testing.assert_allclose(metrics['loss'], loss_fn(variables, x, y), rtol=1e-6)
+  step(new_state, jax.random.key(4), x, y)  # no retrace
+
+
+def test_noise_has_the_right_scale():
+  """With every example clipped to a tiny norm, the gradient is the noise: std σC/B."""
+  model = models.MLP(features=(32, 32), out=3)
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  y = jnp.arange(4) % 3
+  variables = model.init(jax.random.key(1), x)
+  dp = perturbkit.private_grad(classification_loss(model), clip_norm=1e-6, noise_multiplier=2e5)
+  grads, _ = jax.jit(dp)(variables, jax.random.key(0), x, y)
+  noise = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+  np.testing.assert_allclose(jnp.std(noise), 2e5 * 1e-6 / 4, rtol=0.1)
+
+
+SHARD_MAP_CHILD = textwrap.dedent('''
+    import os
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+    import sys
+    import chex, jax, jax.numpy as jnp, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    jax.config.update('jax_numpy_rank_promotion', 'raise')
+    sys.path.insert(0, sys.argv[1])
+    import models
+    import perturbkit
+    assert jax.device_count() == 4
+
+    model = models.MLP(out=3)
+    x = jax.random.normal(jax.random.key(0), (8, 5))
+    y = jnp.arange(8) % 3
+    variables = model.init(jax.random.key(1), x)
+    def loss_fn(v, x, y):
+      return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
+    key = jax.random.key(5)
+    options = dict(clip_norm=0.2, noise_multiplier=1.5)
+    single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, **options))(
+        variables, key, x, y)
+    sharded = perturbkit.private_grad(loss_fn, axis_name='data', **options)
+    mesh = Mesh(jax.devices(), ('data',))
+    run = jax.jit(jax.shard_map(
+        sharded, mesh=mesh, in_specs=(P(), P(), P('data'), P('data')),
+        out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
+                         'fraction_clipped': P()}), check_vma=False))
+    grads, metrics = run(variables, key, x, y)
+    chex.assert_trees_all_close(grads, single, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
+    print('ok')
+''')
+
+
+def test_shard_map_adds_noise_once():
+  """Four devices with two examples each give the one-device gradient, noise included."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(tests),
+                                                      os.environ.get('PYTHONPATH', '')])}
+  done = subprocess.run([sys.executable, '-c', SHARD_MAP_CHILD, tests], capture_output=True,
+                        text=True, timeout=300, env=env)
+  assert done.returncode == 0 and 'ok' in done.stdout, done.stderr[-3000:]
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_batchnorm_in_training_mode_is_rejected():
+  model = models.CNN(train=True)
+  x = jax.random.normal(jax.random.key(0), (4, 6, 6, 2))
+  variables = model.init(jax.random.key(1), x)
+
+  def loss_fn(v, x):
+    out, _ = model.apply(v, x, mutable=['batch_stats'])
+    return jnp.mean(out ** 2)
+  with pytest.raises(perturbkit.ExamplesMixedError, match='BatchNorm_0'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)
+  with pytest.raises(perturbkit.ExamplesMixedError):
+    jax.eval_shape(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0),
+                   variables, jax.random.key(0), x)
+  with pytest.raises(perturbkit.ExamplesMixedError):
+    perturbkit.check_per_example(loss_fn, variables, x)
+
+
+def test_batchnorm_with_running_averages_is_per_example():
+  model = models.CNN(train=False)
+  x = jax.random.normal(jax.random.key(0), (4, 6, 6, 2))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
+  perturbkit.check_per_example(loss_fn, variables, x)
+  assert_norms_match(loss_fn, variables, x)
+
+
+def test_loss_over_batch_statistics_fails_the_value_check():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  variables = model.init(jax.random.key(1), x)
+  centred = lambda v, x: jnp.mean((model.apply(v, x) - model.apply(v, x).mean(axis=0, keepdims=True)) ** 2)
+  with pytest.raises(perturbkit.ExamplesMixedError, match='alone'):
+    perturbkit.check_per_example(centred, variables, x)
+  perturbkit.check_per_example(lambda v, x: jnp.mean(model.apply(v, x) ** 2), variables, x)
+  perturbkit.check_per_example(lambda v, x: jnp.sum(model.apply(v, x) ** 2), variables, x,
+                               reduction='sum')
+
+
+def test_examples_axis_errors():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  norms = perturbkit.per_example_grad_norms(loss_fn)
+  with pytest.raises(perturbkit.ExamplesAxisError, match='disagree'):
+    jax.eval_shape(norms, variables, x, jnp.zeros((5,), jnp.int32))
+  with pytest.raises(perturbkit.ExamplesAxisError, match='one entry per positional'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0,)), variables, x,
+                   x[:, 0])
+
+  wrapped = nn.Sequential([nn.Dense(3)])
+  features_first = lambda v, x: jnp.mean(wrapped.apply(v, x.T) ** 2)  # examples not on axis 0
+  v = wrapped.init(jax.random.key(0), x.T)
+  with pytest.raises(perturbkit.ExamplesAxisError, match='axis 0'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(features_first), v, x)
+
+
+def test_params_outside_a_call_are_rejected():
+  model = RootParam()
+  x = jnp.ones((3, 4))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(perturbkit.UncoveredParamsError, match='<root>'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(lambda v, x: jnp.mean(model.apply(v, x))),
+                   variables, x)
+
+
+def test_bad_options():
+  model = models.MLP(out=3)
+  x = jnp.ones((2, 5))
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x: jnp.mean(model.apply(v, x))
+  with pytest.raises(ValueError, match='dense_method'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, dense_method='fast'), variables, x)
+  with pytest.raises(ValueError, match='reduction'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, reduction='max'), variables, x)
