@@ -1,0 +1,216 @@
+"""Cost of DP-SGD: perturbkit's one-pass clipping against ``vmap(grad)`` clipping and a plain step.
+
+For an MLP, a CNN and a small Transformer at two batch sizes, three jitted
+training steps (SGD) are compiled and timed side by side in one run, round-robin:
+
+  plain       ``jax.value_and_grad`` + ``optax.sgd``: the non-private step.
+  vmap_grad   per-example gradients by ``jax.vmap(jax.grad)`` of each example's loss,
+              clipped to C, summed, Gaussian noise σC added, averaged, then SGD.
+  perturbkit  ``perturbkit.dp_sgd``: norms from the (input, output gradient) pairs of
+              one backward pass, clipped sum by one VJP per layer call (book-keeping).
+
+Reported: median step time and its ratio to plain, XLA ``memory_analysis`` bytes
+(argument + output + temp) and their ratio to plain. Before timing, the two private
+steps are checked to give the same new params for the same key (exit code 1 if not).
+
+  python scripts/bench_per_example.py --out scripts/results/bench_per_example.json
+  python scripts/bench_per_example.py --sizes small      # smoke test, prints only
+"""
+import os
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# Measure the checkout this script lives in, installed or not.
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+import perturbkit  # noqa: E402
+import _bench_common as common  # noqa: E402
+import _bench_models as models  # noqa: E402
+
+VARIANTS = ('plain', 'vmap_grad', 'perturbkit')
+LEARNING_RATE = 0.1
+CLIP_NORM = 1.0
+NOISE_MULTIPLIER = 1.0
+TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+TARGETS = {'time': 1.5, 'memory': 1.2}  # perturbkit / plain
+DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_per_example.json')
+
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    'small': {
+        'mlp': dict(batches=(8, 16), features=16, widths=(32, 32), classes=10),
+        'cnn': dict(batches=(4, 8), image=8, channels=(8, 8), classes=10),
+        'transformer': dict(batches=(2, 4), seq=8, features=8, dim=16, depth=1, heads=2,
+                            classes=10),
+    },
+    'default': {
+        'mlp': dict(batches=(64, 256), features=256, widths=(512, 512, 512), classes=10),
+        'cnn': dict(batches=(64, 256), image=16, channels=(16, 32), classes=10),
+        'transformer': dict(batches=(64, 256), seq=32, features=16, dim=64, depth=2, heads=4,
+                            classes=10),
+    },
+}
+
+
+def make_problem(name: str, size: dict[str, Any], batch: int, key: jax.Array) -> models.Problem:
+  if name == 'mlp':
+    model, shape = models.MLP(size['widths'], size['classes']), (batch, size['features'])
+  elif name == 'cnn':
+    model = models.CNN(size['channels'], 1, size['classes'])
+    shape = (batch, size['image'], size['image'], 3)
+  elif name == 'transformer':
+    model = models.Transformer(size['dim'], size['depth'], size['heads'], size['classes'])
+    shape = (batch, size['seq'], size['features'])
+  else:
+    raise ValueError(f'Unknown model {name!r}.')
+  return models.random_problem(model, shape, size['classes'], key)
+
+
+def plain_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
+  def step(params, opt_state, key, x, y):
+    del key
+    loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def vmap_grad_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
+  """DP-SGD the usual JAX way: a batch of per-example gradients in memory."""
+  def step(params, opt_state, key, x, y):
+    one = lambda xi, yi: jax.grad(lambda p: loss_fn({'params': p}, xi[None], yi[None]))(params)
+    per_example = jax.vmap(one)(x, y)
+    sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
+             for g in jax.tree.leaves(per_example))
+    factors = CLIP_NORM / jnp.maximum(jnp.sqrt(sq), CLIP_NORM)
+    summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
+    noise = perturbkit._per_example_dp.gaussian_noise(  # the same draws, to compare results
+        key, summed, jnp.asarray(NOISE_MULTIPLIER * CLIP_NORM, jnp.float32))
+    grads = jax.tree.map(lambda s, n: (s + n) / x.shape[0], summed, noise)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss_fn({'params': params}, x, y)
+  return step
+
+
+def perturbkit_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
+  tx = perturbkit.dp_sgd(loss_fn, optimizer, clip_norm=CLIP_NORM,
+                         noise_multiplier=NOISE_MULTIPLIER)
+
+  def step(params, opt_state, key, x, y):
+    state = perturbkit.PrivateState(jnp.zeros((), jnp.int32), {'params': params}, opt_state)
+    state, metrics = tx.step(state, key, x, y)
+    return state.variables['params'], state.opt_state, metrics['loss']
+  return step
+
+
+def mismatch(a: Any, b: Any) -> str | None:
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    try:
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOLERANCE)
+    except AssertionError as err:
+      return f'{jax.tree_util.keystr(path)}: {str(err).strip().splitlines()[-1]}'
+  return None
+
+
+def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
+            key: jax.Array) -> dict[str, Any]:
+  kp, kd, kn = jax.random.split(key, 3)
+  problem = make_problem(name, size, batch, kd)
+  loss_fn = models.cross_entropy(problem.model)
+  optimizer = optax.sgd(LEARNING_RATE)
+  params = problem.model.init(kp, problem.x)['params']
+  opt_state = optimizer.init(params)
+  args = (params, opt_state, kn, problem.x, problem.y)
+  makers = {'plain': plain_step, 'vmap_grad': vmap_grad_step, 'perturbkit': perturbkit_step}
+  compiled = {v: common.compile_timed(makers[v](loss_fn, optimizer), *args) for v in VARIANTS}
+  new_params = {v: compiled[v].call(*args)[0] for v in ('vmap_grad', 'perturbkit')}
+  wrong = mismatch(new_params['perturbkit'], new_params['vmap_grad'])
+  samples = common.time_round_robin({v: (lambda c=compiled[v]: c.call(*args)) for v in VARIANTS},
+                                    repeats)
+  variants = {}
+  for v in VARIANTS:
+    memory = compiled[v].memory
+    total = sum(memory.get(k, 0) for k in ('argument_bytes', 'output_bytes', 'temp_bytes'))
+    variants[v] = {**common.summarize(samples[v]), **memory, 'sum_bytes': total,
+                   'compile_s': compiled[v].lower_s + compiled[v].compile_s,
+                   'samples_s': samples[v]}
+  base = variants['plain']
+  ratios = {f'{v}_{k}': variants[v][f] / base[f]
+            for v in VARIANTS[1:] for k, f in (('time', 'median_s'), ('memory', 'sum_bytes'))}
+  return {'batch': batch, 'num_params': sum(p.size for p in jax.tree.leaves(params)),
+          'private_steps_agree': wrong is None, 'mismatch': wrong, 'variants': variants,
+          'ratios': ratios,
+          'targets_met': {
+              f'time_le_{TARGETS["time"]}x_plain': ratios['perturbkit_time'] <= TARGETS['time'],
+              f'memory_le_{TARGETS["memory"]}x_plain':
+                  ratios['perturbkit_memory'] <= TARGETS['memory'],
+              'faster_than_vmap_grad': ratios['perturbkit_time'] < ratios['vmap_grad_time'],
+              'smaller_than_vmap_grad':
+                  ratios['perturbkit_memory'] < ratios['vmap_grad_memory']}}
+
+
+COLUMNS = ('model', 'batch', 'variant', 'median ms', 'x time', 'arg+out+temp MB', 'x mem',
+           'compile s', 'check')
+
+
+def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+  rows = []
+  for name, runs in results.items():
+    for r in runs:
+      base = r['variants']['plain']
+      for v in VARIANTS:
+        m = r['variants'][v]
+        rows.append({
+            'model': name, 'batch': r['batch'], 'variant': v,
+            'median ms': f'{m["median_s"] * 1e3:.2f}',
+            'x time': f'{m["median_s"] / base["median_s"]:.2f}',
+            'arg+out+temp MB': f'{m["sum_bytes"] / 2**20:.2f}',
+            'x mem': f'{m["sum_bytes"] / base["sum_bytes"]:.2f}',
+            'compile s': f'{m["compile_s"]:.2f}',
+            'check': ('OK' if r['private_steps_agree'] else 'MISMATCH')
+                     if v == 'perturbkit' else ''})
+  return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv)
+  key = jax.random.key(0)
+  results: dict[str, list] = {}
+  for i, name in enumerate(args.models):
+    size = SIZES[args.sizes][name]
+    results[name] = []
+    for batch in size['batches']:
+      print(f'[{name} batch {batch}] compiling, checking and timing ...', flush=True)
+      results[name].append(measure(name, size, batch, args.repeats,
+                                   jax.random.fold_in(key, 1000 * i + batch)))
+  print(common.format_table(table_rows(results), COLUMNS))
+  print()
+  for name, runs in results.items():
+    for r in runs:
+      met = ', '.join(f'{k}={"yes" if ok else "NO"}' for k, ok in r['targets_met'].items())
+      print(f'{name} batch {r["batch"]}: {met}' + (f'  MISMATCH {r["mismatch"]}'
+                                                   if r['mismatch'] else ''))
+  all_ok = all(r['private_steps_agree'] for runs in results.values() for r in runs)
+  print(f'\nperturbkit == vmap_grad: {"OK" if all_ok else "MISMATCH"}')
+  print(f'x time, x mem: ratio to plain. Targets for perturbkit: time <= {TARGETS["time"]}x, '
+        f'arg+out+temp bytes <= {TARGETS["memory"]}x.')
+  if args.out:
+    common.write_json(args.out, {
+        'benchmark': 'per_example',
+        'config': {'sizes': args.sizes, 'repeats': args.repeats, 'clip_norm': CLIP_NORM,
+                   'noise_multiplier': NOISE_MULTIPLIER, 'optimizer': f'sgd({LEARNING_RATE})',
+                   'tolerance': TOLERANCE, 'targets': TARGETS, 'variants': list(VARIANTS)},
+        'environment': common.environment(),
+        'all_ok': all_ok,
+        'models': results,
+    })
+    print(f'wrote {args.out}')
+  return 0 if all_ok else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
