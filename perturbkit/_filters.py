@@ -51,9 +51,16 @@ def by_type(*types: type) -> CallFilter:
   return lambda module, method_name: isinstance(module, types)
 
 
-def path_string(module: nn.Module) -> str:
+def module_path(module) -> tuple:
+  """The module's path: a Linen module's ``.path``, or, for an NNX module while
+  perturbkit instruments it, its attribute path in the model (``('layers', 0)``)."""
+  path_of = getattr(type(module), '_perturbkit_path_of', None)
+  return tuple(path_of(module) or ()) if path_of else tuple(module.path)
+
+
+def path_string(module) -> str:
   """The module's path as ``'Block_0/Dense_1'`` (the key path of its params)."""
-  return '/'.join(module.path)
+  return '/'.join(map(str, module_path(module)))
 
 
 def by_path(*patterns: str) -> CallFilter:
@@ -96,7 +103,7 @@ def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
   """
   if min_depth < 1 or max_depth < min_depth:
     raise ValueError(f'Need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}.')
-  return lambda module, method_name: min_depth <= len(module.path) <= max_depth
+  return lambda module, method_name: min_depth <= len(module_path(module)) <= max_depth
 
 
 top_level: CallFilter = by_depth(1)
