@@ -16,13 +16,21 @@ from perturbkit._nnx_errors import NNXPerturbationsNotAppliedError as Perturbati
 from perturbkit._nnx_errors import NNXUnperturbedCallsWarning as UnperturbedCallsWarning
 from perturbkit._nnx_errors import UninstrumentableModuleError
 from perturbkit._nnx_errors import UnmappedPerturbationError
+from perturbkit._nnx_schedule import InterleavedOptimizer
+from perturbkit._nnx_schedule import InterleavedState
+from perturbkit._nnx_schedule import interleaved
+from perturbkit._nnx_segmentation import SegmentInTransformError
 
 __all__ = [
     'CaptureConflictError',
     'filters',
     'grad',
+    'interleaved',
+    'InterleavedOptimizer',
+    'InterleavedState',
     'NoPerturbationPointsError',
     'PerturbationsNotAppliedError',
+    'SegmentInTransformError',
     'UninstrumentableModuleError',
     'UnmappedPerturbationError',
     'UnperturbedCallsWarning',

@@ -1,0 +1,311 @@
+"""``perturbkit.nnx.interleaved``: update-then-propagate training of an unmodified NNX model.
+
+The same schedule as the Linen ``interleaved``, from the same core: each
+segment call runs through ``_segment_vjp.segment_call`` (dw at the old
+weights, ``pmean``, the optimizer step, the input cotangent at the new
+weights), and ``_sweep`` keeps one optimizer state per segment, updates
+``REST`` after the sweep and assembles the metrics. Only finding the calls is
+NNX-specific (``_nnx_segmentation``, ``_nnx_segments``).
+
+Two faces, as in NNX itself: a pure ``init``/``step`` pair over the model's
+``nnx.State`` (like ``optax``), and :class:`InterleavedOptimizer`, which keeps
+its state in ``nnx.OptState`` variables and updates the model in place (like
+``nnx.Optimizer``), for use inside ``nnx.jit``.
+"""
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from perturbkit import _nnx_segmentation
+from perturbkit._driver import _check_loss
+from perturbkit._errors import SegmentationError, StateMismatchError
+from perturbkit._nnx_segments import params_tree, segmented_loss, with_values
+from perturbkit._schedule import Interleaved
+from perturbkit._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
+                               clip_scale, finish, group, init_opt_state)
+from perturbkit._types import CallFilter
+
+__all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
+
+
+class InterleavedState(NamedTuple):
+  """The training state of an NNX model: a pytree (the graphdef has no leaves).
+
+  Attributes:
+    step: Number of steps taken.
+    graphdef: The model's graphdef (``nnx.split(model)[0]``).
+    variables: The model's whole state (params, batch statistics, RNG streams).
+    opt_state: One optimizer state per segment name, and one for ``REST``.
+    grad_norm: The previous step's global gradient norm (for clipping).
+  """
+  step: jax.Array
+  graphdef: Any
+  variables: nnx.State
+  opt_state: dict
+  grad_norm: jax.Array
+
+  def model(self) -> nnx.Module:
+    """The model with this state (a new object)."""
+    return nnx.merge(self.graphdef, self.variables, copy=True)
+
+
+class _Settings(NamedTuple):
+  loss_fn: Callable[..., Any]
+  optimizer: Optimizer
+  wrt: Any
+  segments: Any
+  propagate: str
+  axis_name: str | None
+  has_aux: bool
+  clip_global_norm: float | None
+  skip_nonfinite: bool
+
+
+def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
+                  ) -> _nnx_segmentation.Segmentation:
+  if not args:
+    raise SegmentationError(
+        'Segments are calls, which are only known by tracing the loss: pass example '
+        'arguments, `init(model, *args)` / `segments(model, *args)`, the same arguments '
+        'as the loss takes after the model.')
+  return _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt, spec)
+
+
+def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: jax.Array,
+           args: tuple) -> tuple[nnx.State, nnx.State, dict, jax.Array, dict]:
+  """One interleaved step: ``(new wrt state, new other state, opt_state, norm, metrics)``."""
+  graphdef, template, others = nnx.split(model, settings.wrt, ...)
+  params = params_tree(template)
+  check_opt_state(settings.optimizer, params, opt_state)
+  names = [n for n in opt_state if n != REST]
+  # The state's segments must still pass every check on this loss and batch.
+  try:
+    segmentation = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
+                                            _nnx_segmentation.exactly(names))
+  except (KeyError, ValueError, TypeError) as error:
+    raise StateMismatchError(f'The optimizer state does not fit this model: {error}') from error
+  paths = {name: path for name, path in _segment_paths(model, segmentation.segments)}
+  sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
+                settings.propagate, settings.skip_nonfinite)
+  swept: set[str] = set()
+  groups = group(params, names)
+  carriers = {name: carrier(sweep, name, groups[name]) for name in names}
+  forward = segmented_loss(settings.loss_fn, graphdef, template, others, args, settings.wrt,
+                           {paths[n]: n for n in names},
+                           lambda name: backward_for(sweep, name, swept), settings.axis_name)
+
+  def differentiable(params, carriers):
+    out, new_others = forward(params, carriers)
+    aux = out[1] if settings.has_aux else None
+    return _check_loss(out, settings.has_aux), (aux, new_others)
+
+  (loss, (aux, new_others)), (grads, carried) = jax.value_and_grad(
+      differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
+  new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept,
+                                              settings.axis_name)
+  if settings.axis_name is not None:
+    loss = jax.lax.pmean(loss, settings.axis_name)
+  global_norm = metrics['global_grad_norm']
+  kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, grad_norm)
+  metrics = {'loss': loss, **metrics}
+  if settings.has_aux:
+    metrics['aux'] = aux
+  return with_values(template, new_params), new_others, new_opt_state, kept_norm, metrics
+
+
+def _segment_paths(model: nnx.Module, names) -> list[tuple[str, tuple]]:
+  by_name = {'/'.join(map(str, path)): tuple(path) for path, _ in nnx.iter_modules(model)}
+  return [(name, by_name[name]) for name in names]
+
+
+def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any = nnx.Param,
+                segments: int | CallFilter | None = None, propagate: str = 'updated',
+                axis_name: str | None = None, has_aux: bool = False,
+                clip_global_norm: float | None = None,
+                skip_nonfinite: bool = True) -> Interleaved:
+  """Interleaved update-then-propagate training for an unmodified NNX model.
+
+  The schedule of :func:`perturbkit.interleaved`, for ``loss_fn(model, *args)``
+  on an NNX model: segments (submodule calls) are processed in reverse order of
+  execution; each one's gradient is taken at its old weights, ``pmean``-ed over
+  ``axis_name``, applied by its own optimizer state at once, and the gradient
+  for what the segment consumed is computed with its NEW weights
+  (``propagate='updated'``; ``'original'`` equals ``nnx.value_and_grad`` +
+  ``nnx.Optimizer.update``). Variables selected by ``wrt`` that no segment owns
+  (``perturbkit.REST``) get their ordinary gradient and are updated at the end.
+  Batch statistics and RNG counts change as in a plain call of the loss, and
+  every replay of a segment draws the same random numbers.
+
+  By default every call of a module holding ``wrt`` variables directly
+  (``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm``, ...) is a
+  segment; a module called twice, one whose variables are read outside its call
+  (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
+  ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
+  ``REST``, listed with the reason by ``segments(model, *args)``.
+
+  Args:
+    loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+    optimizer: An ``optax.GradientTransformation`` for every segment, or a
+      function ``segment_name -> GradientTransformation``.
+    wrt: Filter of the trained variables (as ``nnx.Optimizer``'s ``wrt``).
+    segments: ``None`` (layer-wise), an ``int`` depth, or a call filter (e.g.
+      ``perturbkit.nnx.filters.by_type(Block)``); for chosen segments a shared
+      or outside-read segment raises :class:`perturbkit.SharedSegmentError`,
+      one inside an NNX transform ``SegmentInTransformError``.
+    propagate: ``'updated'`` or ``'original'``.
+    axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.
+    clip_global_norm: Optional global-norm clip using the previous step's norm.
+    skip_nonfinite: A group whose gradient is not finite keeps its variables
+      and optimizer state for the step (reported in ``metrics``).
+
+  Returns:
+    An ``Interleaved`` of pure functions: ``init(model, *example_args) ->
+    InterleavedState``, ``step(state, *args) -> (state, metrics)`` (jittable)
+    and ``segments(model, *example_args) -> Segmentation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    >>> tx = perturbkit.nnx.interleaved(loss_fn, optax.sgd(0.1))
+    >>> state = tx.init(model, x, y)
+    >>> state, metrics = jax.jit(tx.step)(state, x, y)
+    >>> sorted(metrics['grad_norm'])
+    ['layers/0', 'layers/2']
+    >>> nnx.update(model, state.variables)  # back into the model object
+  """
+  if propagate not in ('updated', 'original'):
+    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+  if segments is not None and not isinstance(segments, int) and not callable(segments):
+    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
+                       clip_global_norm, skip_nonfinite)
+
+  def segmentation(model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+    _check_model(model)
+    return _segmentation(settings, model, args, segments)
+
+  def init(model: nnx.Module, *args) -> InterleavedState:
+    graphdef, variables = nnx.split(model)
+    return InterleavedState(jnp.zeros((), jnp.int32), graphdef, variables,
+                            init_opt_state_of(settings, model, args), jnp.zeros((), jnp.float32))
+
+  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    model = state.model()
+    new_params, new_others, opt_state, norm, metrics = _train(
+        settings, model, state.opt_state, state.grad_norm, args)
+    nnx.update(model, new_params, new_others)
+    graphdef, variables = nnx.split(model)
+    return InterleavedState(state.step + 1, graphdef, variables, opt_state, norm), metrics
+
+  return Interleaved(init, step, segmentation)
+
+
+def _check_model(model: Any):
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+
+
+def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
+  """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
+  _check_model(model)
+  names = list(_segmentation(settings, model, args, settings.segments).segments)
+  return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names)
+
+
+def _as_variables(tree: Any) -> Any:
+  return jax.tree.map(lambda leaf: nnx.OptState(leaf) if isinstance(leaf, jax.Array) else leaf,
+                      tree)
+
+
+def _values(tree: Any) -> Any:
+  return jax.tree.map(lambda var: var.get_value(), tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class InterleavedOptimizer(nnx.Pytree):
+  """Interleaved training in the shape of ``nnx.Optimizer``: state in the object, updates in place.
+
+  ``opt.step(model, *args)`` runs ``loss_fn(model, *args)`` forward and the
+  interleaved backward sweep (see :func:`interleaved`), updating the model's
+  variables (params, batch statistics, RNG counts) and the optimizer's state
+  in place, as ``nnx.Optimizer.update`` does; use it inside ``nnx.jit``.
+
+  Attributes:
+    step_count: ``nnx.OptState`` with the number of steps taken.
+    opt_state: One optimizer state per segment (``nnx.OptState`` leaves).
+    grad_norm: ``nnx.OptState``, the previous step's global gradient norm.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    >>> opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), loss_fn, x, y)
+    >>> @nnx.jit
+    ... def train_step(model, opt, x, y):
+    ...   return opt.step(model, x, y)
+    >>> metrics = train_step(model, opt, x, y)
+    >>> int(opt.step_count[...])
+    1
+  """
+
+  def __init__(self, model: nnx.Module, tx: Optimizer, loss_fn: Callable[..., Any],
+               *example_args, wrt: Any = nnx.Param, segments: int | CallFilter | None = None,
+               propagate: str = 'updated', axis_name: str | None = None, has_aux: bool = False,
+               clip_global_norm: float | None = None, skip_nonfinite: bool = True):
+    """Builds the per-segment optimizer states.
+
+    Args:
+      model: The NNX model to train.
+      tx: An ``optax.GradientTransformation``, or ``segment_name -> transformation``.
+      loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      *example_args: Arguments of the loss after the model, to find its calls.
+      wrt: Filter of the trained variables.
+      segments: See :func:`interleaved`.
+      propagate: ``'updated'`` or ``'original'``.
+      axis_name: Mapped axis to average gradients over.
+      has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
+      clip_global_norm: Optional global-norm clip using the previous step's norm.
+      skip_nonfinite: Keep a group's variables when its gradient is not finite.
+    """
+    if propagate not in ('updated', 'original'):
+      raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+    self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
+                              clip_global_norm, skip_nonfinite)
+    self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
+    self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
+    self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,
+                                                              example_args)))
+
+  def segments(self, model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+    """The segments of the loss on ``model`` and the params left to ``REST`` with why."""
+    return _segmentation(self.settings, model, args, self.settings.segments)
+
+  def step(self, model: nnx.Module, *args) -> dict:
+    """One interleaved step on ``loss_fn(model, *args)``; updates ``model`` and ``self``.
+
+    Returns:
+      The metrics: ``loss``, ``grad_norm``, ``activation_grad_norm``,
+      ``global_grad_norm``, ``nonfinite``, ``skipped``, ``segment_skipped``
+      (and ``aux`` with ``has_aux``).
+    """
+    _check_model(model)
+    new_params, new_others, opt_state, norm, metrics = _train(
+        self.settings, model, _values(self.opt_state), self.grad_norm.get_value(), args)
+    nnx.update(model, new_params, new_others)
+    jax.tree.map(lambda var, value: var.set_value(value), self.opt_state, opt_state,
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+    self.grad_norm.set_value(norm)
+    self.step_count.set_value(self.step_count.get_value() + 1)
+    return metrics

@@ -1,0 +1,296 @@
+"""perturbkit.nnx.interleaved against nnx.Optimizer, a hand-coded per-layer backward and Linen."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_models
+import perturbkit
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+class SkipMLP(nnx.Module):
+  """Three Linear segments; the second one's input also skips past it."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.dense_0 = nnx.Linear(3, 8, rngs=rngs)
+    self.dense_1 = nnx.Linear(8, 8, rngs=rngs)
+    self.dense_2 = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.relu(self.dense_0(x))
+    h2 = nnx.relu(self.dense_1(h)) + h
+    return self.dense_2(h2)
+
+
+def mse(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def batch(n=16, din=3, dout=1):
+  x = jax.random.normal(jax.random.key(1), (n, din))
+  return x, jnp.sin(x[:, :dout])
+
+
+def params_of(model):
+  return nnx_models.pure(nnx.state(model, nnx.Param))
+
+
+def dense(p, x):
+  return x @ p['kernel'] + p['bias'][None]
+
+
+def sgd_step(w, g, lr):
+  return jax.tree.map(lambda a, b: a - lr * b, w, g)
+
+
+def test_updated_matches_hand_coded_backward():
+  model, lr = SkipMLP(rngs=nnx.Rngs(0)), 0.1
+  x, y = batch()
+  p = params_of(model)
+  # Forward at the old weights.
+  z0 = dense(p['dense_0'], x)
+  h = jax.nn.relu(z0)
+  z1 = dense(p['dense_1'], h)
+  h2 = jax.nn.relu(z1) + h
+  out = dense(p['dense_2'], h2)
+  g_out = 2 * (out - y) / out.size
+  # Each layer: dw at the old weights, update, input cotangent with the NEW weights.
+  dw2 = jax.vjp(dense, p['dense_2'], h2)[1](g_out)[0]
+  w2 = sgd_step(p['dense_2'], dw2, lr)
+  g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
+  g_z1 = g_h2 * (z1 > 0)
+  dw1 = jax.vjp(dense, p['dense_1'], h)[1](g_z1)[0]
+  w1 = sgd_step(p['dense_1'], dw1, lr)
+  g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
+  g_z0 = g_h * (z0 > 0)
+  dw0 = jax.vjp(dense, p['dense_0'], x)[1](g_z0)[0]
+  w0 = sgd_step(p['dense_0'], dw0, lr)
+
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(lr))
+  assert tx.segments(model, x, y).segments == ('dense_0', 'dense_1', 'dense_2')
+  state, metrics = jax.jit(tx.step)(tx.init(model, x, y), x, y)
+  chex.assert_trees_all_close(nnx_models.pure(state.variables),
+                              {'dense_0': w0, 'dense_1': w1, 'dense_2': w2}, **TOL)
+  for name, g in [('dense_2', g_out), ('dense_1', g_z1), ('dense_0', g_z0)]:
+    np.testing.assert_allclose(metrics['activation_grad_norm'][name], jnp.linalg.norm(g), **TOL)
+  for name, g in [('dense_2', dw2), ('dense_1', dw1), ('dense_0', dw0)]:
+    np.testing.assert_allclose(metrics['grad_norm'][name], optax.tree.norm(g), **TOL)
+  # The schedule really differs from a plain step (the comparison is not vacuous).
+  plain = sgd_step(p['dense_0'], params_of(nnx.grad(mse)(model, x, y))['dense_0'], lr)
+  assert not np.allclose(plain['kernel'], w0['kernel'], **TOL)
+
+
+def standard_steps(model, tx, loss_fn, batches):
+  """``nnx.value_and_grad`` + ``nnx.Optimizer.update``, the reference for 'original'."""
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, *args):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, *args)
+    optimizer.update(model, grads)
+    return loss
+
+  return [step(model, optimizer, *args) for args in batches]
+
+
+@nnx.jit
+def interleaved_step(model, opt, *args):
+  return opt.step(model, *args)
+
+
+@pytest.mark.parametrize('tx', [
+    optax.sgd(0.1), optax.adam(1e-2), optax.chain(optax.clip(0.01), optax.adamw(1e-2))],
+    ids=['sgd', 'adam', 'clip-adamw'])
+def test_original_equals_nnx_optimizer(tx):
+  x, y = batch()
+  model, reference = SkipMLP(rngs=nnx.Rngs(0)), SkipMLP(rngs=nnx.Rngs(0))
+  opt = perturbkit.nnx.InterleavedOptimizer(model, tx, mse, x, y, propagate='original')
+  losses = [interleaved_step(model, opt, x, y)['loss'] for _ in range(3)]
+  expected = standard_steps(reference, tx, mse, [(x, y)] * 3)
+  chex.assert_trees_all_close(params_of(model), params_of(reference), **TOL)
+  chex.assert_trees_all_close(losses, expected, **TOL)
+  assert int(opt.step_count[...]) == 3
+
+
+def cnn_loss(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def test_batchnorm_and_dropout_original_equals_nnx_optimizer():
+  """Batch statistics and the dropout stream's RNG count move as in the plain step."""
+  x = jax.random.normal(jax.random.key(1), (4, 6, 6, 1))
+  y = jax.random.normal(jax.random.key(2), (4, 3))
+  model, reference = nnx_models.CNN(rngs=nnx.Rngs(0)), nnx_models.CNN(rngs=nnx.Rngs(0))
+  tx = optax.sgd(0.1)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, tx, cnn_loss, x, y, propagate='original')
+  assert opt.segments(model, x, y).segments == ('conv', 'norm', 'head')
+  for _ in range(2):
+    interleaved_step(model, opt, x, y)
+  standard_steps(reference, tx, cnn_loss, [(x, y)] * 2)
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)),
+                              nnx_models.pure(nnx.state(reference)), **TOL)
+  assert int(model.dropout.rngs.count[...]) == 2
+
+
+def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
+  """'updated' with a Block holding Dropout: the replays in the backward pass reuse the mask."""
+
+  class DropBlock(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(3, 8, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+      self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(self.dropout(nnx.relu(self.dense(x))))
+
+  class DropNet(nnx.Module):
+    def __init__(self, rngs):
+      self.first = nnx.Linear(3, 3, rngs=rngs)
+      self.block = DropBlock(rngs)
+
+    def __call__(self, x):
+      return self.block(self.first(x))
+
+  x, y = batch(dout=3)
+  model, lr = DropNet(nnx.Rngs(0)), 0.1
+  p = params_of(model)
+  key = model.block.dropout.rngs()  # the key the step's dropout will draw (count 0)
+  model.block.dropout.rngs.count[...] = 0
+  mask = jax.random.bernoulli(key, 0.5, (16, 8)) / 0.5
+  block = lambda w, a: dense(w['out'], mask * jax.nn.relu(dense(w['dense'], a)))
+  a = dense(p['first'], x)
+  out = block(p['block'], a)
+  g_out = 2 * (out - y) / out.size
+  dw = jax.vjp(block, p['block'], a)[1](g_out)[0]
+  w_block = sgd_step(p['block'], dw, lr)
+  g_a = jax.vjp(lambda a: block(w_block, a), a)[1](g_out)[0]
+  w_first = sgd_step(p['first'], jax.vjp(dense, p['first'], x)[1](g_a)[0], lr)
+
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(lr), segments=perturbkit.nnx.filters.by_path(
+      'first', 'block'))
+  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
+  got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
+  chex.assert_trees_all_close(got, {'first': w_first, 'block': w_block}, **TOL)
+
+
+def test_linen_twin_gives_identical_steps():
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jax.random.normal(jax.random.key(2), (8, 2))
+  linen_model = nnx_models.LinenMLP()
+  linen_loss = lambda v, x, y: jnp.mean((linen_model.apply(v, x) - y) ** 2)
+  for propagate in ('updated', 'original'):
+    model = nnx_models.MLP(rngs=nnx.Rngs(0))
+    variables = nnx_models.linen_variables(model)
+    nnx_tx = perturbkit.nnx.interleaved(mse, optax.adam(1e-2), propagate=propagate)
+    linen_tx = perturbkit.interleaved(linen_loss, optax.adam(1e-2), propagate=propagate)
+    # dense_1 is called twice: both front ends leave it to REST, for the same reason.
+    seg_nnx, seg_linen = nnx_tx.segments(model, x, y), linen_tx.segments(variables, x, y)
+    assert seg_nnx == seg_linen and seg_nnx.segments == ('dense_0', 'dense_2'), seg_nnx
+    s_nnx, s_linen = nnx_tx.init(model, x, y), linen_tx.init(variables, x, y)
+    for _ in range(3):
+      s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
+      s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
+      chex.assert_trees_all_close(m_nnx, m_linen, **TOL)
+    chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
+                                s_linen.params, **TOL)
+
+
+def test_one_trace_and_the_graphdef_is_unchanged():
+  x, y = batch()
+  model = SkipMLP(rngs=nnx.Rngs(0))
+  graphdef = nnx.graphdef(model)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), mse, x, y)
+  opt_graphdef = nnx.graphdef(opt)
+  traces = []
+
+  @nnx.jit
+  def step(model, opt, x, y):
+    traces.append(1)
+    return opt.step(model, x, y)
+
+  losses = [float(step(model, opt, x, y)['loss']) for _ in range(3)]
+  assert len(traces) == 1 and losses[2] < losses[0]
+  assert nnx.graphdef(model) == graphdef and nnx.graphdef(opt) == opt_graphdef
+
+  # An exception in the loss during a step leaves the model and the optimizer as they were.
+  fail = {'now': False}
+
+  def flaky(model, x, y):
+    if fail['now']:
+      model(x)
+      raise RuntimeError('boom')
+    return mse(model, x, y)
+
+  flaky_opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), flaky, x, y)
+  before = nnx_models.pure(nnx.state(model))
+  fail['now'] = True
+  with pytest.raises(RuntimeError, match='boom'):
+    nnx.jit(lambda model, opt, x, y: opt.step(model, x, y))(model, flaky_opt, x, y)
+  with pytest.raises(RuntimeError, match='boom'):
+    flaky_opt.step(model, x, y)
+  assert nnx.graphdef(model) == graphdef
+  assert all(vars(type(m)).get('_perturbkit_instrumented') is None
+             for _, m in nnx.iter_modules(model))
+  chex.assert_trees_all_equal(nnx_models.pure(nnx.state(model)), before)
+  assert int(flaky_opt.step_count[...]) == 0
+
+
+class Tied(nnx.Module):
+  """An embedding whose matrix is read again as the output head."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(5, 4, rngs=rngs)
+    self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.embed.attend(self.dense(self.embed(tokens)))
+
+
+def test_segments_shared_tied_and_scanned_go_to_rest_or_raise():
+  x, y = batch(n=4, din=3, dout=2)
+  mlp = nnx_models.MLP(rngs=nnx.Rngs(0))
+  seg = perturbkit.nnx.interleaved(mse, optax.sgd(0.1)).segments(mlp, x, y)
+  assert seg.segments == ('dense_0', 'dense_2') and 'called 2 times' in seg.rest['dense_1']
+  with pytest.raises(perturbkit.SharedSegmentError, match='dense_1'):
+    perturbkit.nnx.interleaved(mse, optax.sgd(0.1), segments=perturbkit.nnx.filters.by_path(
+        'dense_1')).init(mlp, x, y)
+
+  tokens = jnp.array([[0, 1, 2], [3, 4, 0]])
+  tied = Tied(nnx.Rngs(0))
+  tied_loss = lambda model, t: jnp.mean(model(t) ** 2)
+  seg = perturbkit.nnx.interleaved(tied_loss, optax.sgd(0.1)).segments(tied, tokens)
+  assert seg.segments == ('dense',) and 'embed' in seg.rest, seg
+  with pytest.raises(perturbkit.SharedSegmentError, match='embed'):
+    perturbkit.nnx.interleaved(tied_loss, optax.sgd(0.1), segments=1).init(tied, tokens)
+
+  scan = nnx_models.ScanMLP(rngs=nnx.Rngs(0))
+  xs = jax.random.normal(jax.random.key(3), (4, 4))
+  seg = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1)).segments(scan, xs)
+  assert seg.segments == ('head',) and 'NNX transform' in seg.rest['blocks/linear'], seg
+  with pytest.raises(perturbkit.nnx.SegmentInTransformError, match='blocks'):
+    perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1),
+                               segments=perturbkit.nnx.filters.by_path('blocks')).init(scan, xs)
+  # REST params (the scanned blocks) still get their ordinary step.
+  tx = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1), propagate='original')
+  state, _ = jax.jit(tx.step)(tx.init(scan, xs), xs)
+  reference = nnx_models.ScanMLP(rngs=nnx.Rngs(0))
+  standard_steps(reference, optax.sgd(0.1), nnx_models.mse, [(xs,)])
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(state.model(), nnx.Param)),
+                              params_of(reference), **TOL)
+
+
+def test_nonfinite_segment_is_skipped():
+  x, y = batch()
+  model = SkipMLP(rngs=nnx.Rngs(0))
+  before = params_of(model)
+  bad_y = y.at[0, 0].set(jnp.nan)
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(0.1))
+  state, metrics = jax.jit(tx.step)(tx.init(model, x, y), x, bad_y)
+  assert bool(metrics['skipped']) and bool(metrics['segment_skipped']['dense_2'])
+  chex.assert_trees_all_equal(nnx_models.pure(nnx.state(state.model(), nnx.Param)), before)
