@@ -1,4 +1,9 @@
 """perturbkit.nnx.interleaved against nnx.Optimizer, a hand-coded per-layer backward and Linen."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -294,3 +299,57 @@ def test_nonfinite_segment_is_skipped():
   state, metrics = jax.jit(tx.step)(tx.init(model, x, y), x, bad_y)
   assert bool(metrics['skipped']) and bool(metrics['segment_skipped']['dense_2'])
   chex.assert_trees_all_equal(nnx_models.pure(nnx.state(state.model(), nnx.Param)), before)
+
+
+MULTIDEVICE_CHILD = textwrap.dedent('''
+    import os
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    import chex, jax, jax.numpy as jnp, optax
+    from flax import nnx
+    from jax.sharding import Mesh, PartitionSpec as P
+    import perturbkit
+    assert jax.device_count() == 8, jax.devices()
+
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.dense_0 = nnx.Linear(5, 16, rngs=rngs)
+        self.dense_1 = nnx.Linear(16, 16, rngs=rngs)
+        self.dense_2 = nnx.Linear(16, 2, rngs=rngs)
+
+      def __call__(self, x):
+        h = nnx.relu(self.dense_0(x))
+        return self.dense_2(nnx.relu(self.dense_1(h)) + h)
+
+    x = jax.random.normal(jax.random.key(1), (64, 5))
+    y = jax.random.normal(jax.random.key(2), (64, 2))
+    loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    mesh = Mesh(jax.devices(), ('data',))
+    results = {}
+    for propagate in ('updated', 'original'):
+      model = Net(nnx.Rngs(0))
+      single = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate)
+      parallel = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate,
+                                            axis_name='data')
+      step = jax.jit(jax.shard_map(parallel.step, mesh=mesh,
+                                   in_specs=(P(), P('data'), P('data')),
+                                   out_specs=(P(), P()), check_vma=False))
+      s1, s8 = single.init(model, x, y), parallel.init(model, x, y)
+      for _ in range(3):
+        s1, m1 = jax.jit(single.step)(s1, x, y)
+        s8, m8 = step(s8, x, y)
+      p1 = nnx.to_pure_dict(nnx.state(s1.model(), nnx.Param))
+      p8 = nnx.to_pure_dict(nnx.state(s8.model(), nnx.Param))
+      chex.assert_trees_all_close(p8, p1, rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(m8['loss'], m1['loss'], rtol=1e-5, atol=1e-6)
+      results[propagate] = float(jnp.abs(p8['dense_0']['kernel']).sum())
+    assert results['updated'] != results['original'], results
+    print('MULTIDEVICE-OK')
+''')
+
+
+def test_shard_map_on_8_devices_equals_one_device():
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  proc = subprocess.run([sys.executable, '-c', MULTIDEVICE_CHILD], capture_output=True,
+                        text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  assert 'MULTIDEVICE-OK' in proc.stdout
