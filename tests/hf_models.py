@@ -1,6 +1,7 @@
 """Tiny Hugging Face ``transformers`` Flax models, built in code, with the losses a user writes.
 
-Nothing is downloaded: ``Flax*Model(config, seed=0)`` initializes the params locally.
+Nothing is downloaded: ``Flax*Model(config, _do_init=False)`` gives the params' tree and
+shapes, and :func:`hf_model` fills them locally.
 Each :class:`Case` names an HF model, a batch, and an ordinary loss on the model's
 underlying Linen module (``hf_model.module``) applied to ``{'params': hf_model.params}``
 (plus ``batch_stats`` for ResNet), exactly as one would write it without perturbkit.
@@ -10,8 +11,10 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS, LAYERS, IMAGE = 2, 8, 100, 32, 2, 2, 16
@@ -28,7 +31,7 @@ def _gpt2():
   import transformers as T
   config = T.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=WIDTH, n_layer=LAYERS,
                         n_head=HEADS)
-  return T.FlaxGPT2LMHeadModel(config, seed=0)
+  return T.FlaxGPT2LMHeadModel(config, _do_init=False)
 
 
 def _bert():
@@ -36,7 +39,7 @@ def _bert():
   config = T.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS,
                         num_attention_heads=HEADS, intermediate_size=2 * WIDTH,
                         max_position_embeddings=16)
-  return T.FlaxBertModel(config, seed=0)
+  return T.FlaxBertModel(config, _do_init=False)
 
 
 def _vit():
@@ -44,14 +47,15 @@ def _vit():
   config = T.ViTConfig(image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=WIDTH,
                        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                        intermediate_size=2 * WIDTH)
-  return T.FlaxViTModel(config, seed=0)
+  return T.FlaxViTModel(config, _do_init=False)
 
 
 def _resnet():
   import transformers as T
   config = T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                           layer_type='basic', num_labels=3)
-  return T.FlaxResNetForImageClassification(config, input_shape=(1, IMAGE, IMAGE, 3), seed=0)
+  return T.FlaxResNetForImageClassification(config, input_shape=(1, IMAGE, IMAGE, 3),
+                                            _do_init=False)
 
 
 def _llama():
@@ -61,7 +65,7 @@ def _llama():
                          num_key_value_heads=HEADS, max_position_embeddings=2 * WIDTH)
   # max_position_embeddings >= 2 * head_dim: Flax Llama's rotary table keeps only the first
   # max_position_embeddings columns of its [sin | cos] rows.
-  return T.FlaxLlamaForCausalLM(config, seed=0)
+  return T.FlaxLlamaForCausalLM(config, _do_init=False)
 
 
 def _clip():
@@ -71,7 +75,7 @@ def _clip():
   vision = dict(image_size=IMAGE, patch_size=8, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
                 num_hidden_layers=LAYERS, num_attention_heads=HEADS)
   config = T.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
-  return T.FlaxCLIPModel(config, seed=0)
+  return T.FlaxCLIPModel(config, _do_init=False)
 
 
 def _whisper():
@@ -83,7 +87,8 @@ def _whisper():
                            max_source_positions=SEQ, max_target_positions=16, pad_token_id=0,
                            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
   # Whisper's encoder wants 2 * max_source_positions frames (its second conv has stride 2).
-  return T.FlaxWhisperForConditionalGeneration(config, input_shape=(1, 8, 2 * SEQ), seed=0)
+  return T.FlaxWhisperForConditionalGeneration(config, input_shape=(1, 8, 2 * SEQ),
+                                               _do_init=False)
 
 
 def _next_token_loss(logits, ids):
@@ -175,9 +180,8 @@ class Case:
     has_aux: The loss returns ``(loss, mutated collections)`` (BatchNorm in train mode).
     rank_promotion: ``'allow'`` for models whose own code broadcasts across ranks.
     layers: Module paths of the repeated layers (each must get a default segment).
-    tied: Module paths whose params another call reads (must not be a default segment).
-    nested_owners: Whether a module owning params also has submodules with params (then
-      which of the two becomes the default segment is the library's choice).
+    rest: Module paths whose params no default segment may own: tied weights read outside
+      their module's call, and ``''`` for params created in the root module itself.
   """
   name: str
   model: str
@@ -185,8 +189,7 @@ class Case:
   has_aux: bool = False
   rank_promotion: str = 'raise'
   layers: tuple[str, ...] = ()
-  tied: tuple[str, ...] = ()
-  nested_owners: bool = False
+  rest: tuple[str, ...] = ()
 
   def strictness(self):
     """The rank-promotion setting the model runs under, as a context manager."""
@@ -208,9 +211,9 @@ BUILDERS = {'gpt2': _gpt2, 'bert': _bert, 'vit': _vit, 'resnet': _resnet, 'llama
 # test that uses them.
 CASES = {c.name: c for c in [
     Case('gpt2', 'gpt2', _gpt2_case, rank_promotion='allow', layers=_layers('transformer/h'),
-         tied=('transformer/wte',)),
+         rest=('transformer/wte',)),
     Case('bert', 'bert', _bert_case, layers=_layers('encoder/layer')),
-    Case('vit', 'vit', _vit_case, layers=_layers('encoder/layer'), nested_owners=True),
+    Case('vit', 'vit', _vit_case, layers=_layers('encoder/layer')),
     Case('resnet_eval', 'resnet', _resnet_eval_case,
          layers=_layers('resnet/encoder/stages', 2)),
     Case('resnet_train', 'resnet', _resnet_train_case, has_aux=True,
@@ -218,33 +221,60 @@ CASES = {c.name: c for c in [
     Case('llama', 'llama', _llama_case, rank_promotion='allow', layers=_layers('model/layers')),
     Case('clip', 'clip', _clip_case,
          layers=_layers('text_model/encoder/layers') + _layers('vision_model/encoder/layers'),
-         nested_owners=True),
+         rest=('',)),  # CLIP's logit_scale is a param of the root module
     Case('whisper', 'whisper', _whisper_case, rank_promotion='allow',
          layers=_layers('model/encoder/layers') + _layers('model/decoder/layers'),
-         tied=('model/decoder/embed_tokens',)),
+         rest=('model/decoder/embed_tokens',)),
 ]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Built:
+  """An HF model's Linen module, its variables and its config."""
+  module: Any
+  variables: dict
+  config: Any
+
+
+def _initial_value(path: tuple, shape: tuple, rng: np.random.Generator) -> np.ndarray:
+  # HF's own recipe in numpy: normal(0, 0.02) weights and embeddings (initializer_range),
+  # He-normal over fan-out for ResNet's convolutions, zero biases and means, unit norm scales
+  # and variances, CLIP's logit scale log(1 / 0.07).
+  name = path[-1]
+  if name in ('scale', 'weight', 'var'):
+    return np.ones(shape, np.float32)
+  if name in ('bias', 'mean'):
+    return np.zeros(shape, np.float32)
+  if name == 'logit_scale':
+    return np.full(shape, np.log(1 / 0.07), np.float32)
+  std = np.sqrt(2.0 / (np.prod(shape[:2]) * shape[-1])) if len(shape) == 4 else 0.02
+  return (std * rng.standard_normal(shape)).astype(np.float32)
+
+
 @functools.cache
-def hf_model(model: str):
-  """The HF model, built once per process (its params are made locally, from seed 0)."""
-  strict = next(c for c in CASES.values() if c.model == model).strictness()
-  with strict:
-    return BUILDERS[model]()
+def hf_model(model: str) -> Built:
+  """The HF model, built once per process, with params made locally.
 
-
-def variables_of(hf) -> dict:
-  """``{'params': ...}`` as Linen expects; ResNet's HF params already hold ``batch_stats``."""
-  params = dict(hf.params)
-  if 'params' in params:
-    return params
-  return {'params': params}
+  ``Flax*Model(config, _do_init=False)`` traces the model's own ``init`` abstractly; the
+  params (same tree, shapes and dtypes) are then filled in numpy with a fixed seed. HF's
+  ``init_weights`` would compile or dispatch op by op a whole initialization per model, the
+  largest part of this suite's time on a small CPU, for values no test depends on.
+  """
+  with next(c for c in CASES.values() if c.model == model).strictness():
+    hf = BUILDERS[model]()
+  shapes = flax.traverse_util.flatten_dict(flax.core.unfreeze(hf.params_shape_tree))
+  rng = np.random.default_rng(0)
+  flat = {path: jnp.asarray(_initial_value(path, leaf.shape, rng))
+          for path, leaf in sorted(shapes.items())}
+  params = flax.traverse_util.unflatten_dict(flat)
+  variables = params if 'params' in params else {'params': params}
+  return Built(hf.module, variables, hf.config)
 
 
 def direct_owners(params, prefix=()) -> list[str]:
-  """Module paths whose params dict holds arrays directly (not only submodules)."""
+  """Module paths whose params dict holds arrays directly (not only through submodules)."""
   out = []
-  if any(not isinstance(v, dict) for v in params.values()) and prefix:
+  if any(not isinstance(v, dict) for v in params.values()):
     out.append('/'.join(prefix))
   for k, v in params.items():
     if isinstance(v, dict):

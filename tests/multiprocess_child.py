@@ -78,7 +78,7 @@ def main(process_id: int, port: int, out: str):
   ys = jax.make_array_from_process_local_data(by_row, local(y), np.shape(y))
 
   tx = perturbkit.interleaved(loss_fn, optimizer(), axis_name='data')
-  state = jax.tree.map(everywhere, tx.init(variables))
+  state = jax.tree.map(everywhere, tx.init(variables, x, y))
   step = jax.jit(jax.shard_map(tx.step, mesh=mesh, in_specs=(P(), P('data'), P('data')),
                                out_specs=(P(), P()), check_vma=False))
   losses = []

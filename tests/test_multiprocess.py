@@ -66,7 +66,7 @@ def test_two_processes_shard_map_step_equals_one_process(tmp_path):
 
   loss_fn, variables, x, y = child.problem()
   tx = perturbkit.interleaved(loss_fn, child.optimizer())
-  state, step = tx.init(variables), jax.jit(tx.step)
+  state, step = tx.init(variables, x, y), jax.jit(tx.step)
   losses = []
   for _ in range(child.STEPS):
     state, metrics = step(state, x, y)
