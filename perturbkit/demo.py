@@ -1,11 +1,13 @@
 """Train a small CNN on the bundled digits three ways and plot what happened.
 
-    python -m perturbkit.demo [--epochs 20] [--optimizer adam] [--out ./demo_out]
+    python -m perturbkit.demo [--epochs 20] [--optimizer adam] [--out ./demo_out] [--api nnx]
 
 The runs: a standard jitted optax step (``jax.value_and_grad`` + ``update`` +
 ``apply_updates``), ``perturbkit.interleaved(..., propagate='updated')`` and
 ``perturbkit.interleaved(..., propagate='original')``. All three start from the
-same initial variables and see the same batches in the same order. The demo
+same initial variables and see the same batches in the same order. With
+``--api nnx`` the model is its Flax NNX twin (same initial weights), trained with
+``nnx.Optimizer`` and ``perturbkit.nnx.InterleavedOptimizer``. The demo
 prints a table (test accuracy, train loss, median step time) and writes:
 
 * ``loss_curves.png``: training loss per step and test accuracy per epoch;
@@ -69,6 +71,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--quick', action='store_true',
                       help='a tiny run (3 epochs on a subset), for tests')
+  parser.add_argument('--api', choices=('linen', 'nnx'), default='linen',
+                      help='train the Linen model or its Flax NNX twin')
   return parser.parse_args(argv)
 
 
@@ -290,6 +294,16 @@ def run_all(args: argparse.Namespace, data: Digits) -> tuple[dict, dict]:
   loss_fn = make_loss_fn(model)
   optimizer = make_optimizer(args.optimizer, args.lr)
   variables = model.init(jax.random.key(args.seed), data.x_train[:1])
+  if getattr(args, 'api', 'linen') == 'nnx':
+    from perturbkit import _nnx_demo
+    example = (data.x_train[:args.batch_size], data.y_train[:args.batch_size])
+    histories, states = {}, {}
+    for name, (step, state, evaluator, probe) in _nnx_demo.runs(
+        variables['params'], optimizer, example, RUNS).items():
+      states[name], histories[name] = train(
+          step, state, data, evaluator, epochs=args.epochs, batch_size=args.batch_size,
+          seed=args.seed, name=name, probe=probe)
+    return histories, states
   steps = {
       RUNS[0]: (make_standard_step(loss_fn, optimizer),
                 StandardState(variables, optimizer.init(variables['params']))),
@@ -322,11 +336,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
   results = {name: summarize(h, args.batch_size, steps_per_epoch)
              for name, h in histories.items()}
   table = format_table(results)
-  print(f'\n{args.optimizer}, {args.epochs} epochs, batch {args.batch_size}, '
+  print(f'\n{args.api}, {args.optimizer}, {args.epochs} epochs, batch {args.batch_size}, '
         f'{steps_per_epoch} steps/epoch, {jax.devices()[0].platform}\n{table}')
 
   os.makedirs(args.out, exist_ok=True)
-  setting = f'SmallCNN on digits, {args.optimizer}, batch {args.batch_size}'
+  setting = (f"{'NNX ' if args.api == 'nnx' else ''}SmallCNN on digits, {args.optimizer}, "
+             f'batch {args.batch_size}')
   plots = [
       plot_loss_curves(histories, steps_per_epoch, f'Standard vs interleaved training ({setting})',
                        os.path.join(args.out, 'loss_curves.png')),
