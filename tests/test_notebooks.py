@@ -21,7 +21,7 @@ def _ids(paths):
 def test_notebooks_found():
   assert [p.name for p in NOTEBOOKS] == [
       '01_activation_gradients.ipynb', '02_interleaved_training.ipynb',
-      '03_nested_gradients.ipynb', '04_real_model.ipynb', '06_kfac.ipynb',
+      '03_nested_gradients.ipynb', '04_real_model.ipynb', '05_nnx.ipynb', '06_kfac.ipynb',
       '07_private_training.ipynb']
 
 
