@@ -361,3 +361,14 @@ def test_gpt2_block_segments_updated_equals_per_block_reference():
       chex.assert_trees_all_close(state.params, params, **TOL)
       assert float(moved) > 1e-3, float(moved)
   assert set(metrics['grad_norm']) - {perturbkit.REST} == set(listing.segments)
+
+
+def test_gpt2_chosen_segment_holding_the_tied_embedding_raises():
+  """``segments=1`` makes ``transformer`` a segment, but the LM head reads its ``wte`` outside
+  that call: an in-sweep step would miss that part of the gradient, so it is an error."""
+  case = hf_models.CASES['gpt2']
+  hf = hf_models.hf_model(case.model)
+  loss_fn, batch = case.make(hf.module)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(LR), segments=1)
+  with case.strictness(), pytest.raises(perturbkit.SharedSegmentError, match="'transformer'"):
+    tx.init(hf.variables, *batch)
