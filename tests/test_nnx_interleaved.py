@@ -184,24 +184,45 @@ def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
   chex.assert_trees_all_close(got, {'first': w_first, 'block': w_block}, **TOL)
 
 
-def test_linen_twin_gives_identical_steps():
-  x = jax.random.normal(jax.random.key(1), (8, 3))
-  y = jax.random.normal(jax.random.key(2), (8, 2))
-  linen_model = nnx_models.LinenMLP()
+def per_segment_adam(name):
+  return optax.adam(1e-2 if name.startswith('attention') else 3e-3)
+
+
+TWINS = {
+    # dense_1 is called twice: both front ends leave it to REST, for the same reason.
+    'mlp': (lambda: nnx_models.MLP(rngs=nnx.Rngs(0)), nnx_models.LinenMLP, (8, 3), (8, 2),
+            optax.adam(1e-2), {}, ('dense_0', 'dense_2')),
+    # Attention projections are segments inside the attention call; per-segment learning
+    # rates and the global-norm clip (previous step's norm) go through the same core.
+    'transformer': (lambda: nnx_models.TransformerBlock(rngs=nnx.Rngs(0)),
+                    nnx_models.LinenTransformerBlock, (2, 5, 8), (2, 5, 8), per_segment_adam,
+                    {'clip_global_norm': 0.05},
+                    ('norm_0', 'attention/query', 'attention/key', 'attention/value',
+                     'attention/out', 'norm_1', 'dense_0', 'dense_1')),
+}
+
+
+@pytest.mark.parametrize('twin', list(TWINS))
+def test_linen_twin_gives_identical_steps(twin):
+  make, linen_cls, x_shape, y_shape, optimizer, options, segments = TWINS[twin]
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  y = jax.random.normal(jax.random.key(2), y_shape)
+  linen_model = linen_cls()
   linen_loss = lambda v, x, y: jnp.mean((linen_model.apply(v, x) - y) ** 2)
   for propagate in ('updated', 'original'):
-    model = nnx_models.MLP(rngs=nnx.Rngs(0))
+    model = make()
     variables = nnx_models.linen_variables(model)
-    nnx_tx = perturbkit.nnx.interleaved(mse, optax.adam(1e-2), propagate=propagate)
-    linen_tx = perturbkit.interleaved(linen_loss, optax.adam(1e-2), propagate=propagate)
-    # dense_1 is called twice: both front ends leave it to REST, for the same reason.
+    nnx_tx = perturbkit.nnx.interleaved(mse, optimizer, propagate=propagate, **options)
+    linen_tx = perturbkit.interleaved(linen_loss, optimizer, propagate=propagate, **options)
     seg_nnx, seg_linen = nnx_tx.segments(model, x, y), linen_tx.segments(variables, x, y)
-    assert seg_nnx == seg_linen and seg_nnx.segments == ('dense_0', 'dense_2'), seg_nnx
+    assert seg_nnx == seg_linen and seg_nnx.segments == segments, (seg_nnx, seg_linen)
     s_nnx, s_linen = nnx_tx.init(model, x, y), linen_tx.init(variables, x, y)
     for _ in range(3):
       s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
       s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
       chex.assert_trees_all_close(m_nnx, m_linen, **TOL)
+      # The clip is active: the norm it scales by exceeds the bound.
+      assert float(s_nnx.grad_norm) > options.get('clip_global_norm', 0.0)
     chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
                                 s_linen.params, **TOL)
 
@@ -353,3 +374,27 @@ def test_shard_map_on_8_devices_equals_one_device():
                         text=True, env=env, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   assert 'MULTIDEVICE-OK' in proc.stdout
+
+
+class Outer(nnx.Module):
+  """ScanMLP as a submodule: its call is the nearest enclosing call of the scanned blocks."""
+
+  def __init__(self, rngs):
+    self.first = nnx.Linear(4, 4, rngs=rngs)
+    self.inner = nnx_models.ScanMLP(rngs=rngs)
+
+  def __call__(self, x):
+    return self.inner(jnp.tanh(self.first(x)))
+
+
+def test_scanned_blocks_are_covered_by_their_enclosing_call():
+  xs = jax.random.normal(jax.random.key(3), (4, 4))
+  model, reference = Outer(nnx.Rngs(0)), Outer(nnx.Rngs(0))
+  tx = perturbkit.nnx.interleaved(nnx_models.mse, optax.adam(1e-2), propagate='original')
+  assert tx.segments(model, xs).segments == ('first', 'inner')
+  state = tx.init(model, xs)
+  for _ in range(2):
+    state, _ = jax.jit(tx.step)(state, xs)
+  standard_steps(reference, optax.adam(1e-2), nnx_models.mse, [(xs,)] * 2)
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(state.model(), nnx.Param)),
+                              params_of(reference), **TOL)
