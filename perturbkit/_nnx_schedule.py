@@ -145,6 +145,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
   ``REST``, listed with the reason by ``segments(model, *args)``.
 
+  A segment call runs the plain module (its replays in the backward pass see
+  no instrumentation), so backward hooks from ``perturbkit.nnx.with_hooks``
+  inside the loss act on calls that are not segments only.
+
   Args:
     loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
     optimizer: An ``optax.GradientTransformation`` for every segment, or a
