@@ -60,6 +60,14 @@ TARGETS = {'perturbkit_over_plain': 1.05, 'interleaved_over_standard': 1.15,
            'blocks_over_standard': 1.35}
 DEFAULTS = dict(layers=4, width=256, heads=4, seq=128, batch=8, vocab=256,
                 image=32, patch=4, vit_width=192, vit_heads=3, classes=10, repeats=20)
+FLAG_HELP = {
+    'layers': 'Transformer blocks of both models', 'width': 'GPT-2 embedding width',
+    'heads': 'GPT-2 attention heads', 'seq': 'GPT-2 tokens per sequence',
+    'batch': 'sequences or images per batch', 'vocab': 'GPT-2 vocabulary size',
+    'image': 'ViT image side in pixels', 'patch': 'ViT patch side in pixels',
+    'vit_width': 'ViT hidden width (MLP: 4x)', 'vit_heads': 'ViT attention heads',
+    'classes': 'ViT classifier outputs', 'repeats': 'timed samples per variant',
+}
 QUICK = dict(layers=1, width=32, heads=2, seq=16, batch=2, vocab=64,
              image=16, patch=8, vit_width=32, vit_heads=2, classes=10, repeats=2)
 
@@ -319,8 +327,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   for flag, value in DEFAULTS.items():
     parser.add_argument(f'--{flag.replace("_", "-")}', type=int, default=value,
-                        help='timed samples per variant' if flag == 'repeats' else None)
-  parser.add_argument('--models', nargs='+', choices=MODELS, default=list(MODELS))
+                        help=FLAG_HELP[flag])
+  parser.add_argument('--models', nargs='+', choices=MODELS, default=list(MODELS),
+                      help='models to run')
   parser.add_argument('--quick', action='store_true',
                       help=f'tiny sizes for a smoke test: {QUICK}, overriding the size flags')
   parser.add_argument('--out', default=None,
