@@ -20,7 +20,7 @@ from flax import nnx
 
 from perturbkit import _nnx_segmentation
 from perturbkit._driver import _check_loss
-from perturbkit._errors import SegmentationError, StateMismatchError
+from perturbkit._errors import SegmentationError
 from perturbkit._nnx_segments import params_tree, segmented_loss, with_values
 from perturbkit._schedule import Interleaved
 from perturbkit._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
@@ -81,11 +81,8 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   check_opt_state(settings.optimizer, params, opt_state)
   names = [n for n in opt_state if n != REST]
   # The state's segments must still pass every check on this loss and batch.
-  try:
-    segmentation = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
-                                            _nnx_segmentation.exactly(names))
-  except (KeyError, ValueError, TypeError) as error:
-    raise StateMismatchError(f'The optimizer state does not fit this model: {error}') from error
+  segmentation = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
+                                          _nnx_segmentation.exactly(names))
   paths = {name: path for name, path in _segment_paths(model, segmentation.segments)}
   sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
                 settings.propagate, settings.skip_nonfinite)
