@@ -407,3 +407,37 @@ def test_scanned_blocks_are_covered_by_their_enclosing_call():
   standard_steps(reference, optax.adam(1e-2), nnx_models.mse, [(xs,)] * 2)
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(state.model(), nnx.Param)),
                               params_of(reference), **TOL)
+
+
+class LoRANet(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.LoRALinear(3, 8, lora_rank=2, rngs=rngs)
+    self.b = nnx.LoRALinear(8, 1, lora_rank=2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(nnx.relu(self.a(x)))
+
+
+def test_wrt_lora_params_equals_nnx_optimizer_with_the_same_wrt():
+  """Only the LoRA adapters train: they are the segments, the frozen kernels stay put."""
+  x, y = batch()
+  model, reference = LoRANet(nnx.Rngs(0)), LoRANet(nnx.Rngs(0))
+  tx = perturbkit.nnx.interleaved(mse, optax.adam(1e-2), wrt=nnx.LoRAParam,
+                                  propagate='original')
+  assert tx.segments(model, x, y).segments == ('a/lora', 'b/lora')
+  state = tx.init(model, x, y)
+  for _ in range(2):
+    state, _ = jax.jit(tx.step)(state, x, y)
+  optimizer = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    optimizer.update(model, nnx.grad(mse, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, x, y))
+
+  for _ in range(2):
+    step(reference, optimizer, x, y)
+  chex.assert_trees_all_close(nnx_models.pure(state.variables),
+                              nnx_models.pure(nnx.state(reference)), **TOL)
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  chex.assert_trees_all_equal(nnx_models.pure(nnx.state(state.model(), frozen)),
+                              nnx_models.pure(nnx.state(model, frozen)))
