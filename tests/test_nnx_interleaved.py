@@ -373,6 +373,22 @@ MULTIDEVICE_CHILD = textwrap.dedent('''
       chex.assert_trees_all_close(m8['loss'], m1['loss'], rtol=1e-5, atol=1e-6)
       results[propagate] = float(jnp.abs(p8['dense_0']['kernel']).sum())
     assert results['updated'] != results['original'], results
+
+    # The stateful form: InterleavedOptimizer.step under nnx.shard_map inside nnx.jit.
+    m1, m8 = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    o1 = perturbkit.nnx.InterleavedOptimizer(m1, optax.adam(1e-2), loss_fn, x, y)
+    o8 = perturbkit.nnx.InterleavedOptimizer(m8, optax.adam(1e-2), loss_fn, x, y,
+                                             axis_name='data')
+    step1 = nnx.jit(lambda m, o, x, y: o.step(m, x, y))
+    step8 = nnx.jit(nnx.shard_map(lambda m, o, x, y: o.step(m, x, y), mesh=mesh,
+                                  in_specs=(P(), P(), P('data'), P('data')), out_specs=P(),
+                                  check_vma=False))
+    for _ in range(2):
+      l1, l8 = step1(m1, o1, x, y)['loss'], step8(m8, o8, x, y)['loss']
+    chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(m8)), nnx.to_pure_dict(nnx.state(m1)),
+                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(l8, l1, rtol=1e-5, atol=1e-6)
+    assert int(o8.step_count[...]) == 2
     print('MULTIDEVICE-OK')
 ''')
 
