@@ -1,0 +1,217 @@
+"""Cost of a K-FAC step next to an adam step, and the memory of the factors.
+
+For an MLP and a CNN, each variant runs ``--steps`` training steps inside one
+jitted ``lax.scan`` (so an inverse refreshed every ``k`` steps is paid once per
+``k`` steps, as in training); the variants are timed round-robin in one run:
+
+  adam            jax.value_and_grad + optax.adam.
+  kfac_empirical  perturbkit.kfac_estimator(fisher='empirical'): the factors from the
+                  training gradient's own backward pass; inverses every k steps.
+  kfac_sampled    fisher='sampled': a second backward lane at labels sampled from the
+                  model (the true Fisher); inverses every k steps.
+  kfac_no_inverse kfac_sampled with the inverses never refreshed: the statistics alone.
+
+Reported: ms per step, the ratio to adam, the cost of one refresh of all damped
+inverses (Cholesky), and the bytes of the factors and inverses next to
+those of the params and of adam's state.
+
+  python scripts/bench_kfac.py --out scripts/results/bench_kfac.json
+  python scripts/bench_kfac.py --sizes small --repeats 2      # smoke test; no JSON
+
+On CPU, jax's Cholesky runs in the OpenBLAS that scipy ships; its threads spin
+against XLA's own thread pool and made one refresh 50-400x slower on a loaded
+2-core machine. The script sets ``OPENBLAS_NUM_THREADS=1`` unless it is set.
+"""
+import argparse
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+# Measure the checkout this script lives in, installed or not.
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+import perturbkit  # noqa: E402
+import _bench_common as common  # noqa: E402
+import _bench_models as models  # noqa: E402
+
+VARIANTS = ('adam', 'kfac_empirical', 'kfac_sampled', 'kfac_no_inverse')
+TIME_TARGET = 1.3  # kfac step / adam step, inverses amortised over k steps
+NEVER = 2 ** 30
+
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    'small': {
+        'mlp': dict(batch=32, features=64, widths=(64, 64), classes=10),
+        'cnn': dict(batch=8, image=8, channels=(8, 16), convs_per_stage=1, classes=10),
+    },
+    'default': {
+        'mlp': dict(batch=256, features=784, widths=(512, 512), classes=10),
+        'cnn': dict(batch=32, image=16, channels=(16, 32), convs_per_stage=1, classes=10),
+    },
+}
+
+
+def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> models.Problem:
+  """The named model at ``size`` with a random batch."""
+  if name == 'mlp':
+    model = models.MLP(size['widths'], size['classes'])
+    shape = (size['batch'], size['features'])
+  else:
+    model = models.CNN(size['channels'], size['convs_per_stage'], size['classes'])
+    shape = (size['batch'], size['image'], size['image'], 3)
+  return models.random_problem(model, shape, size['classes'], key)
+
+
+def scanned(step, steps: int):
+  """``steps`` applications of ``step(carry, key, x, y) -> (carry, loss)`` in one ``lax.scan``.
+
+  The batch is an argument, not a closed-over constant, so XLA cannot fold the
+  input factors at compile time.
+  """
+  def run(carry, key, x, y):
+    return jax.lax.scan(lambda c, k: step(c, k, x, y), carry, jax.random.split(key, steps))
+  return run
+
+
+def adam_run(problem: models.Problem, steps: int):
+  loss_fn = models.cross_entropy(problem.model)
+  tx = optax.adam(1e-3)
+
+  def step(carry, key, x, y):
+    del key
+    params, opt_state = carry
+    loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+  return tx, scanned(step, steps)
+
+
+def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str, k: int,
+             steps: int):
+  predict = lambda v, x: problem.model.apply(v, x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=1e-2, inverse_every=k),
+                   optax.sgd(1e-2, momentum=0.9))
+
+  def step(carry, key, x, y):
+    params, opt_state = carry
+    loss, grads, stats = estimate({'params': params}, x, y, key)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return (optax.apply_updates(params, updates), opt_state), loss
+  return tx, scanned(step, steps)
+
+
+def nbytes(tree: Any) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: int,
+                  key: jax.Array) -> dict[str, Any]:
+  """Compiles and times the variants on one model; factor and state bytes."""
+  kp, kd, ks = jax.random.split(key, 3)
+  problem = make_problem(name, size, kd)
+  params = jax.jit(problem.model.init)(kp, problem.x)['params']
+  predict = lambda v, x: problem.model.apply(v, x)
+  layers = perturbkit.kfac_layers(predict, {'params': params}, problem.x)
+  runs = {'adam': adam_run(problem, steps),
+          'kfac_empirical': kfac_run(problem, layers, 'empirical', k, steps),
+          'kfac_sampled': kfac_run(problem, layers, 'sampled', k, steps),
+          'kfac_no_inverse': kfac_run(problem, layers, 'sampled', NEVER, steps)}
+  states = {v: tx.init(params) for v, (tx, _) in runs.items()}
+  # Start past count 0 so that the no-inverse variant never refreshes.
+  states['kfac_no_inverse'] = (states['kfac_no_inverse'][0]._replace(count=jnp.ones((), jnp.int32)),
+                               *states['kfac_no_inverse'][1:])
+  args = {v: ((params, states[v]), ks, problem.x, problem.y) for v in VARIANTS}
+  compiled = {v: common.compile_timed(runs[v][1], *args[v]) for v in VARIANTS}
+  losses = {v: compiled[v].call(*args[v])[1] for v in VARIANTS}
+  finite = {v: bool(jnp.all(jnp.isfinite(losses[v]))) for v in VARIANTS}
+
+  kfac_state = states['kfac_sampled'][0]
+  refresh = jax.jit(lambda f: jax.tree.map(lambda m: perturbkit.damped_inverse(m, 1e-2), f))
+  inverse = common.compile_timed(refresh, kfac_state.factors)
+  samples = common.time_round_robin(
+      {**{v: (lambda v=v: compiled[v].call(*args[v])) for v in VARIANTS},
+       'inverse_refresh': lambda: inverse.call(kfac_state.factors)}, repeats)
+  per_step = {v: common.summarize([s / steps for s in samples[v]]) for v in VARIANTS}
+  adam_s = per_step['adam']['median_s']
+  ratios = {f'{v}_over_adam': per_step[v]['median_s'] / adam_s for v in VARIANTS[1:]}
+  refresh_s = common.summarize(samples['inverse_refresh'])['median_s']
+  memory = {'params_bytes': nbytes(params), 'adam_state_bytes': nbytes(states['adam']),
+            'factor_bytes': nbytes(kfac_state.factors),
+            'inverse_bytes': nbytes(kfac_state.inverses)}
+  return {
+      'size': {k_: list(v) if isinstance(v, tuple) else v for k_, v in size.items()},
+      'layers': {n: info.kind for n, info in layers.layers.items()},
+      'skipped': layers.skipped,
+      'finite_losses': finite,
+      'ok': all(finite.values()),
+      'per_step': per_step,
+      'compile_s': {v: compiled[v].compile_s for v in VARIANTS},
+      'inverse_refresh_s': refresh_s,
+      'inverse_refresh_over_adam_step': refresh_s / adam_s,
+      'ratios': ratios,
+      'memory': {**memory, 'factors_and_inverses_over_params':
+                 (memory['factor_bytes'] + memory['inverse_bytes']) / memory['params_bytes']},
+      'targets_met': {f'kfac_{f}_le_{TIME_TARGET}x_adam': ratios[f'kfac_{f}_over_adam'] <=
+                      TIME_TARGET for f in ('empirical', 'sampled')},
+  }
+
+
+COLUMNS = ('model', 'variant', 'ms/step', 'p25-p75', 'x adam')
+
+
+def report(results: dict[str, Any], k: int) -> None:
+  rows = []
+  for name, r in results.items():
+    for v in VARIANTS:
+      m = r['per_step'][v]
+      rows.append({'model': name, 'variant': v, 'ms/step': f'{m["median_s"] * 1e3:.3f}',
+                   'p25-p75': f'{m["p25_s"] * 1e3:.3f}-{m["p75_s"] * 1e3:.3f}',
+                   'x adam': f'{m["median_s"] / r["per_step"]["adam"]["median_s"]:.2f}'})
+  print(common.format_table(rows, COLUMNS))
+  print()
+  for name, r in results.items():
+    mem = r['memory']
+    print(f'{name}: one inverse refresh {r["inverse_refresh_s"] * 1e3:.2f} ms '
+          f'({r["inverse_refresh_over_adam_step"]:.1f} adam steps; paid every {k} steps); '
+          f'factors {mem["factor_bytes"] / 2**20:.2f} MiB + inverses '
+          f'{mem["inverse_bytes"] / 2**20:.2f} MiB vs params {mem["params_bytes"] / 2**20:.2f} '
+          f'MiB, adam state {mem["adam_state_bytes"] / 2**20:.2f} MiB')
+    print('  targets: ' + ', '.join(f'{t}={"yes" if ok else "NO"}'
+                                    for t, ok in r['targets_met'].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+  extra = argparse.ArgumentParser(add_help=False)
+  extra.add_argument('--k', type=int, default=10, help='refresh the inverses every k steps')
+  extra.add_argument('--steps', type=int, default=10, help='steps per timed scan')
+  known, rest = extra.parse_known_args(argv)
+  k, steps = known.k, known.steps
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, rest)
+  key = jax.random.key(0)
+  results = {}
+  for i, name in enumerate(args.models):
+    print(f'[{name}] compiling and timing ...', flush=True)
+    results[name] = measure_model(name, SIZES[args.sizes][name], k, steps, args.repeats,
+                                  jax.random.fold_in(key, i))
+  report(results, k)
+  all_ok = all(r['ok'] for r in results.values())
+  if args.out:
+    common.write_json(args.out, {
+        'benchmark': 'kfac',
+        'config': {'sizes': args.sizes, 'repeats': args.repeats, 'k': k, 'steps': steps,
+                   'variants': list(VARIANTS), 'time_target': TIME_TARGET},
+        'environment': common.environment(),
+        'all_ok': all_ok,
+        'models': results,
+    })
+    print(f'\nwrote {args.out}')
+  return 0 if all_ok else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
