@@ -11,7 +11,9 @@ a shared module is the sum over its uses, so the rules never add norms of uses:
   (``d_in·d_out`` per example) is chosen by size, as book-keeping does: ghost when
   ``2T² < d_in·d_out``.
 * ``conv``: a convolution is a Dense layer on its patches
-  (``jax.lax.conv_general_dilated_patches``), one token per output position.
+  (``jax.lax.conv_general_dilated_patches``), one token per output position: the
+  ghost norm runs on the patches; the direct per-example gradient is the conv's
+  own VJP per example (as the general path), which never forms the patches.
 * ``embed``: row ``v`` of an example's embedding gradient is the sum of ``g_t``
   over its tokens with id ``v``: ``sum_{t,s} [id_t = id_s] (g_t·g_s)``.
 * ``norm``: LayerNorm/RMSNorm scale and bias gradients (``sum_t g_t ⊙ x̂_t`` and
@@ -24,6 +26,7 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from perturbkit._per_example_errors import ExamplesAxisError
@@ -142,8 +145,17 @@ def conv_patches(pair: Pair) -> jax.Array:
       dimension_numbers=(f'N{letters}C', f'{letters}IO', f'N{letters}C'))
 
 
+def _conv_uses_ghost(pairs: list[Pair], params: dict, method: str) -> bool:
+  """Ghost norms on patches when ``2T² < d_in·d_out``; else the direct path (see ``sq_norms``)."""
+  if method != 'auto':
+    return method == 'ghost'
+  shapes = [jax.eval_shape(lambda p=p: conv_patches(p)).shape for p in pairs]
+  tokens = sum(int(np.prod(shape[1:-1])) for shape in shapes)
+  return 2 * tokens * tokens < shapes[0][-1] * params['kernel'].shape[-1]
+
+
 def conv_rule(pairs, params, num_examples, method):
-  return _linear_rule(pairs, params, num_examples, method, conv_patches)
+  return _linear_rule(pairs, params, num_examples, 'ghost', conv_patches)
 
 
 def embed_rule(pairs, params, num_examples, method):
@@ -199,5 +211,9 @@ def sq_norms(pairs: list[Pair], params_subtree: dict, direct: dict, num_examples
   """``{param name: (examples,) squared norms}`` of one module's own params."""
   kind = kind_of(pairs)
   if kind == 'general' or set(direct) != set(params_subtree):
+    return general_rule(pairs, params_subtree, num_examples, direct)
+  if kind == 'conv' and not _conv_uses_ghost(pairs, direct, method):
+    # The direct per-example kernel gradient is the conv's own VJP per example: patches
+    # (prod(kernel) times the input) are never formed.
     return general_rule(pairs, params_subtree, num_examples, direct)
   return FAST_RULES[kind](pairs, direct, num_examples, method)
