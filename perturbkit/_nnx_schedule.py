@@ -290,11 +290,26 @@ class InterleavedOptimizer(nnx.Pytree):
                                                               example_args)))
 
   def segments(self, model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
-    """The segments of the loss on ``model`` and the params left to ``REST`` with why."""
+    """The segments of the loss on ``model`` and the params left to ``REST`` with why.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import perturbkit
+      >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+      >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+      >>> x = jnp.ones((4, 3))
+      >>> opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), loss_fn, x)
+      >>> opt.segments(model, x)
+      Segmentation(segments=('layers/0',), rest={})
+    """
     return _segmentation(self.settings, model, args, self.settings.segments)
 
   def step(self, model: nnx.Module, *args) -> dict:
     """One interleaved step on ``loss_fn(model, *args)``; updates ``model`` and ``self``.
+
+    Call it inside ``nnx.jit`` (see the class example); eagerly it works too,
+    tracing the loss at every call.
 
     Returns:
       The metrics: ``loss``, ``grad_norm``, ``activation_grad_norm``,
