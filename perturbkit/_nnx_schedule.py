@@ -12,7 +12,7 @@ Two faces, as in NNX itself: a pure ``init``/``step`` pair over the model's
 its state in ``nnx.OptState`` variables and updates the model in place (like
 ``nnx.Optimizer``), for use inside ``nnx.jit``.
 """
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from flax import nnx
 from perturbkit import _nnx_segmentation
 from perturbkit._driver import _check_loss
 from perturbkit._errors import SegmentationError
+from perturbkit._hooks import Hook
 from perturbkit._nnx_segments import params_tree, segmented_loss, with_values
 from perturbkit._schedule import Interleaved
 from perturbkit._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
@@ -61,6 +62,7 @@ class _Settings(NamedTuple):
   has_aux: bool
   clip_global_norm: float | None
   skip_nonfinite: bool
+  hooks: tuple = ()
 
 
 def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
@@ -91,7 +93,8 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   carriers = {name: carrier(sweep, name, groups[name]) for name in names}
   forward = segmented_loss(settings.loss_fn, graphdef, template, others, args, settings.wrt,
                            {paths[n]: n for n in names},
-                           lambda name: backward_for(sweep, name, swept), settings.axis_name)
+                           lambda name: backward_for(sweep, name, swept), settings.axis_name,
+                           settings.hooks)
 
   def differentiable(params, carriers):
     out, new_others = forward(params, carriers)
@@ -120,8 +123,8 @@ def _segment_paths(model: nnx.Module, names) -> list[tuple[str, tuple]]:
 def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any = nnx.Param,
                 segments: int | CallFilter | None = None, propagate: str = 'updated',
                 axis_name: str | None = None, has_aux: bool = False,
-                clip_global_norm: float | None = None,
-                skip_nonfinite: bool = True) -> Interleaved:
+                clip_global_norm: float | None = None, skip_nonfinite: bool = True,
+                hooks: Sequence[Hook] = ()) -> Interleaved:
   """Interleaved update-then-propagate training for an unmodified NNX model.
 
   The schedule of :func:`perturbkit.interleaved`, for ``loss_fn(model, *args)``
@@ -142,9 +145,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
   ``REST``, listed with the reason by ``segments(model, *args)``.
 
-  A segment call runs the plain module (its replays in the backward pass see
-  no instrumentation), so backward hooks from ``perturbkit.nnx.with_hooks``
-  inside the loss act on calls that are not segments only.
+  Backward hooks go in ``hooks=``: a segment call runs the plain module (its
+  replays in the backward pass see no instrumentation), so hooks from
+  ``perturbkit.nnx.with_hooks`` inside the loss act only on calls that are not
+  segments, while ``hooks=`` also reach the segments, inside their replays
+  (not calls nested inside a segment's own call, which is replayed as a whole).
 
   Args:
     loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -161,6 +166,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     clip_global_norm: Optional global-norm clip using the previous step's norm.
     skip_nonfinite: A group whose gradient is not finite keeps its variables
       and optimizer state for the step (reported in ``metrics``).
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`, filters from
+      ``perturbkit.nnx.filters``) on the calls they select; on a segment the
+      hook transforms the gradient before the segment's own ``dw``, as in an
+      ordinary backward pass.
 
   Returns:
     An ``Interleaved`` of pure functions: ``init(model, *example_args) ->
@@ -187,7 +196,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   if segments is not None and not isinstance(segments, int) and not callable(segments):
     raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
-                       clip_global_norm, skip_nonfinite)
+                       clip_global_norm, skip_nonfinite, tuple(hooks))
 
   def segmentation(model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
     _check_model(model)
@@ -264,7 +273,8 @@ class InterleavedOptimizer(nnx.Pytree):
   def __init__(self, model: nnx.Module, tx: Optimizer, loss_fn: Callable[..., Any],
                *example_args, wrt: Any = nnx.Param, segments: int | CallFilter | None = None,
                propagate: str = 'updated', axis_name: str | None = None, has_aux: bool = False,
-               clip_global_norm: float | None = None, skip_nonfinite: bool = True):
+               clip_global_norm: float | None = None, skip_nonfinite: bool = True,
+               hooks: Sequence[Hook] = ()):
     """Builds the per-segment optimizer states.
 
     Args:
@@ -279,11 +289,12 @@ class InterleavedOptimizer(nnx.Pytree):
       has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
       clip_global_norm: Optional global-norm clip using the previous step's norm.
       skip_nonfinite: Keep a group's variables when its gradient is not finite.
+      hooks: Backward hooks, see :func:`interleaved`.
     """
     if propagate not in ('updated', 'original'):
       raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
-                              clip_global_norm, skip_nonfinite)
+                              clip_global_norm, skip_nonfinite, tuple(hooks))
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
     self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
     self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,

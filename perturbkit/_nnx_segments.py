@@ -17,6 +17,8 @@ import jax
 from flax import nnx, traverse_util
 
 from perturbkit._errors import SharedSegmentError
+from perturbkit._filters import all_calls
+from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
 from perturbkit._segment_vjp import Backward, segment_call, split_floats
 
@@ -40,7 +42,7 @@ def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
 
 
 def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
-                axis_name: str | None = None) -> Any:
+                axis_name: str | None = None, hooks: tuple[Hook, ...] = ()) -> Any:
   """Runs one NNX segment call with the interleaved custom VJP.
 
   Args:
@@ -51,6 +53,9 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     backward: See ``segment_call``.
     carrier: Zeros shaped like what ``backward`` carries out.
     axis_name: Mapped axis to average ``dw`` over, if any.
+    hooks: Backward hooks that select this call. They act inside the replay,
+      so the segment's own ``dw`` and the input cotangent both see the
+      transformed gradient, as in an ordinary backward pass.
 
   Returns:
     The call's output; the module's other state is updated as the call would.
@@ -67,6 +72,8 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     # copy=True: the call must not write into the running model's variables.
     replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
     out = getattr(replica, call.method_name)(*args, **kwargs)
+    # The filters were evaluated on the instrumented call (path filters need it).
+    out = apply_hooks(tuple(Hook(all_calls, h.fn) for h in hooks), replica, call.method_name, out)
     return out, nnx.state(replica, nnx.Not(wrt))
 
   out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
@@ -77,8 +84,8 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
 
 def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.State,
                    others: nnx.State, args: tuple, wrt: Any, names: Mapping[NNXPath, str],
-                   backward_for: Callable[[str], Backward], axis_name: str | None = None
-                   ) -> Callable[[Any, Any], tuple[Any, nnx.State]]:
+                   backward_for: Callable[[str], Backward], axis_name: str | None = None,
+                   hooks: tuple[Hook, ...] = ()) -> Callable[[Any, Any], tuple[Any, nnx.State]]:
   """``loss_fn`` as a function of ``(params, carriers)`` with each segment call replayed.
 
   Args:
@@ -91,6 +98,7 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
     names: Segment module path -> segment name.
     backward_for: Segment name -> its ``Backward``.
     axis_name: Mapped axis to average each ``dw`` over, if any.
+    hooks: Backward hooks (``perturbkit.backward_hook``) for the calls they select.
 
   Returns:
     ``fn(params, carriers) -> (out, new_others)`` with ``params`` a
@@ -107,8 +115,9 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
     called: set = set()
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      selected = tuple(h for h in hooks if h.filter(call.module, call.method_name))
       if call.copied or call.path not in names:
-        return run()
+        return apply_hooks(selected, call.module, call.method_name, run()) if selected else run()
       # Calls inside a segment replay are not instrumented, so a second call
       # here (or another method of the module) is a second use of its weights.
       if call.path in called:
@@ -116,7 +125,7 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       called.add(call.path)
       name = names[call.path]
       return run_segment(call, plain[call.path], wrt, backward_for(name), carriers[name],
-                         axis_name)
+                         axis_name, selected)
 
     with instrument([model], on_call):
       out = loss_fn(model, *args)

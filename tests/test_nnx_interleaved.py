@@ -457,3 +457,21 @@ def test_wrt_lora_params_equals_nnx_optimizer_with_the_same_wrt():
   frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
   chex.assert_trees_all_equal(nnx_models.pure(nnx.state(state.model(), frozen)),
                               nnx_models.pure(nnx.state(model, frozen)))
+
+
+def test_hooks_on_segments_equal_with_hooks_and_nnx_grad():
+  """A hook on a segment's output changes its own gradient and everything below it."""
+  x, y = batch()
+  hooks = [perturbkit.backward_hook(lambda g: 0.3 * g, perturbkit.nnx.filters.by_path('dense_1')),
+           perturbkit.backward_hook(lambda g: jnp.clip(g, -0.01, 0.01),
+                                    perturbkit.nnx.filters.by_path('dense_2'))]
+  model, reference = SkipMLP(rngs=nnx.Rngs(0)), SkipMLP(rngs=nnx.Rngs(0))
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(0.1), propagate='original', hooks=hooks)
+  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
+  grads = nnx.grad(perturbkit.nnx.with_hooks(mse, *hooks))(reference, x, y)
+  expected = sgd_step(params_of(reference), nnx_models.pure(grads), 0.1)
+  got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
+  chex.assert_trees_all_close(got, expected, **TOL)
+  plain = sgd_step(params_of(reference), nnx_models.pure(nnx.grad(mse)(reference, x, y)), 0.1)
+  assert not np.allclose(got['dense_0']['kernel'], plain['dense_0']['kernel'], **TOL)
+  assert not np.allclose(got['dense_1']['kernel'], plain['dense_1']['kernel'], **TOL)
