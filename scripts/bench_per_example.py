@@ -48,7 +48,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
                             classes=10),
     },
     'default': {
-        'mlp': dict(batches=(64, 256), features=256, widths=(512, 512, 512), classes=10),
+        'mlp': dict(batches=(64, 256), features=128, widths=(512, 512), classes=10),
         'cnn': dict(batches=(64, 256), image=16, channels=(16, 32), classes=10),
         'transformer': dict(batches=(64, 256), seq=32, features=16, dim=64, depth=2, heads=4,
                             classes=10),
