@@ -678,3 +678,10 @@ def test_benchmark_script_smoke():
   result = bench.measure_model('mlp', dict(batch=4, features=8, widths=(8,), classes=3), 1)
   assert result['mismatch'] is None and result['argument_bytes_equal']
   assert result['points'] == 2
+  trained = bench.measure_interleaved('mlp', dict(batch=4, features=8, widths=(8,), classes=3),
+                                      1)
+  assert trained['mismatch'] is None and trained['original_equals_standard']
+  assert trained['segments'] == ['layers/0', 'head'] and not trained['rest']
+  assert set(trained['variants']) == {'standard', 'updated', 'original'}
+  assert all(len(v['samples_s']) == 1 for v in trained['variants'].values())
+  assert {'updated_time', 'original_time', 'updated_compile'} <= set(trained['ratios'])
