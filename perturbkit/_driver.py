@@ -60,8 +60,7 @@ def nested(flat: dict[tuple, Any]) -> dict:
 
 
 def array_part(tree: Any) -> Any:
-  """``tree`` with every leaf that is not an array replaced by ``None`` (plain
-  containers) or dropped (a user's node, see ``differentiable_part``)."""
+  """The array leaves of ``tree`` (a call's inputs), laid out as ``differentiable_part`` does."""
   return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
 
 

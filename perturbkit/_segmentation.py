@@ -75,16 +75,14 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
                  filter: CallFilter = _filters.all_calls) -> list[_CallRecord]:
   """Every submodule call of ``loss_fn``, in execution order, from an abstract run."""
   calls: list[_CallRecord] = []
+  params = variables['params']
 
   def on_call(call, run):
-    calls.append(_CallRecord(call.path, params_sliced(call, params_now[0]),
+    calls.append(_CallRecord(call.path, params_sliced(call, params),
                              bool(filter(call.module, call.method_name))))
     return run()
 
-  params_now: list = [None]
-
   def traced(variables, *args):
-    params_now[0] = variables['params']
     with intercept(_filters.all_calls, on_call):
       return loss_fn(variables, *args)
 
@@ -139,33 +137,10 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   for i, c in enumerate(calls):
     first.setdefault(c.path, i)
   sliced = {c.path for c in calls if c.sliced}
-  seen = sorted({name_of(c.path) for c in calls})
   if spec is None:
     chosen, rest = _layerwise(params, count, sliced)
   else:
-    if isinstance(spec, Exactly):
-      wanted = [path_of(n) for n in spec.names]
-    elif isinstance(spec, int):
-      wanted = module_paths(params, spec)
-    else:
-      wanted = sorted({c.path for c in calls if c.selected and _owns_params(params, c.path)})
-    wanted = [p for p in wanted if _nearest_ancestor(p, set(wanted)) is None]
-    if not wanted:
-      raise SegmentationError(
-          f'The segment choice {spec!r} selects no call that owns params. Calls seen: '
-          f'[{", ".join(seen[:16])}{" ..." if len(seen) > 16 else ""}].')
-    for p in wanted:
-      if p in sliced:
-        raise SegmentationError(
-            f'The segment {name_of(p)!r} runs inside a lifted transform (nn.scan, nn.vmap) '
-            'whose params are sliced; make the whole transformed module one segment '
-            '(its parent), or choose other segments.')
-      if count[p] > 1:
-        raise SharedSegmentError(name_of(p), f'it is called {count[p]} times in one step')
-      if count[p] == 0:
-        raise SegmentationError(
-            f'The segment {name_of(p)!r} is never called by the loss; choose other segments.')
-    chosen, rest = set(wanted), {}
+    chosen, rest = _user_choice(spec, params, calls, count, sliced), {}
   reads = outside_reads(loss_fn, variables, args, sorted(chosen))
   for name, what in reads.items():
     if spec is not None:
@@ -177,6 +152,35 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
         'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])
   ordered = sorted(chosen, key=lambda p: first[p])
   return Segmentation(tuple(name_of(p) for p in ordered), rest)
+
+
+def _user_choice(spec: SegmentSpec, params: Mapping, calls: list[_CallRecord],
+                 count: Mapping[Path, int], sliced: set[Path]) -> set[Path]:
+  """The segments a depth, a filter or a state names, each checked (raising if it fails)."""
+  if isinstance(spec, Exactly):
+    wanted = [path_of(n) for n in spec.names]
+  elif isinstance(spec, int):
+    wanted = module_paths(params, spec)
+  else:
+    wanted = sorted({c.path for c in calls if c.selected and _owns_params(params, c.path)})
+  wanted = [p for p in wanted if _nearest_ancestor(p, set(wanted)) is None]
+  if not wanted:
+    seen = sorted({name_of(c.path) for c in calls})
+    raise SegmentationError(
+        f'The segment choice {spec!r} selects no call that owns params. Calls seen: '
+        f'[{", ".join(seen[:16])}{" ..." if len(seen) > 16 else ""}].')
+  for p in wanted:
+    if p in sliced:
+      raise SegmentationError(
+          f'The segment {name_of(p)!r} runs inside a lifted transform (nn.scan, nn.vmap) '
+          'whose params are sliced; make the whole transformed module one segment '
+          '(its parent), or choose other segments.')
+    if count[p] > 1:
+      raise SharedSegmentError(name_of(p), f'it is called {count[p]} times in one step')
+    if count[p] == 0:
+      raise SegmentationError(
+          f'The segment {name_of(p)!r} is never called by the loss; choose other segments.')
+  return set(wanted)
 
 
 def _owns_params(params: Mapping, path: Path) -> bool:
