@@ -51,16 +51,21 @@ def by_type(*types: type) -> CallFilter:
   return lambda module, method_name: isinstance(module, types)
 
 
-def module_path(module) -> tuple:
-  """The module's path: a Linen module's ``.path``, or, for an NNX module while
-  perturbkit instruments it, its attribute path in the model (``('layers', 0)``)."""
+def module_path(module) -> tuple | None:
+  """The module's path: a Linen module's ``.path``, or, for an NNX module, its
+  attribute path in the model (``('layers', 0)``), which it carries only while
+  perturbkit runs it (``None`` otherwise)."""
   path_of = getattr(type(module), '_perturbkit_path_of', None)
-  return tuple(path_of(module) or ()) if path_of else tuple(module.path)
+  if path_of is None:
+    return tuple(module.path)
+  path = path_of(module)
+  return None if path is None else tuple(path)
 
 
-def path_string(module) -> str:
+def path_string(module) -> str | None:
   """The module's path as ``'Block_0/Dense_1'`` (the key path of its params)."""
-  return '/'.join(map(str, module_path(module)))
+  path = module_path(module)
+  return None if path is None else '/'.join(map(str, path))
 
 
 def by_path(*patterns: str) -> CallFilter:
@@ -81,8 +86,12 @@ def by_path(*patterns: str) -> CallFilter:
   """
   if not patterns or not all(isinstance(p, str) for p in patterns):
     raise TypeError(f'by_path takes string patterns, got {patterns!r}.')
-  return lambda module, method_name: any(
-      fnmatch.fnmatchcase(path_string(module), p) for p in patterns)
+
+  def selected(module, method_name):
+    path = path_string(module)
+    return path is not None and any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+  return selected
 
 
 def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
@@ -103,7 +112,12 @@ def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
   """
   if min_depth < 1 or max_depth < min_depth:
     raise ValueError(f'Need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}.')
-  return lambda module, method_name: min_depth <= len(module_path(module)) <= max_depth
+
+  def selected(module, method_name):
+    path = module_path(module)
+    return path is not None and min_depth <= len(path) <= max_depth
+
+  return selected
 
 
 top_level: CallFilter = by_depth(1)
