@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit import _filters, _nnx_filters
+from perturbkit._driver import _check_loss
 from perturbkit._errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
-                                NonScalarLossError, PerturbationStructureError)
+                                PerturbationStructureError)
 from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._nnx_calls import Call, NNXPath, instrument
 from perturbkit._nnx_errors import (CaptureConflictError, NNXNoPerturbationPointsError,
@@ -214,17 +215,6 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       raise UnmappedPerturbationError(suspects) from e
   hand_placed = [p for p in shapes if p not in ours]
   return _Discovery(reached, hand_placed, shapes, seen, unreachable)
-
-
-def _check_loss(out: Any, has_aux: bool) -> Any:
-  if has_aux:
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError('With has_aux=True the loss function must return (loss, aux).')
-    out = out[0]
-  shape, dtype = jnp.shape(out), jnp.result_type(out)
-  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-    raise NonScalarLossError(shape, dtype)
-  return out
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
