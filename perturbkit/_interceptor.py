@@ -62,7 +62,9 @@ def point_key(method_name: str, index: int) -> str:
 class _State:
   """Counters and flags of one ``intercept`` block; dropped when the block ends."""
 
-  def __init__(self, transparent: bool):
+  def __init__(self, filter: CallFilter, on_call: 'Handler', transparent: bool):
+    self.filter = filter
+    self.on_call = on_call
     self.transparent = transparent
     self.offsets: dict[tuple[Path, str], int] = {}
     self.apply_counts: dict[tuple[Path, str], int] = {}
@@ -127,7 +129,7 @@ def intercept(filter: CallFilter, on_call: Handler,
   Yields:
     Nothing; the interception ends with the block.
   """
-  state = _State(transparent)
+  state = _State(filter, on_call, transparent)
 
   def interceptor(next_fun, args, kwargs, context):
     module, method_name = context.module, context.method_name
@@ -169,7 +171,6 @@ def intercept(filter: CallFilter, on_call: Handler,
         output = inner.on_call(call, lambda out=output: out)
     return output
 
-  state.filter, state.on_call = filter, on_call
   _LOCAL.states.append(state)
   try:
     with nn.intercept_methods(interceptor):
