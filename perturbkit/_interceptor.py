@@ -165,8 +165,9 @@ def intercept(filter: CallFilter, on_call: Handler,
     if ran:
       return output
     # The handler ran the call its own way (a segment replay), so blocks opened
-    # inside this one never saw it; transparent ones (hooks) still wrap its output.
-    for inner in _LOCAL.states[_LOCAL.states.index(state) + 1:]:
+    # inside this one never saw it; transparent ones (hooks) still wrap its output,
+    # the innermost (the one Flax runs closest to the call) first.
+    for inner in reversed(_LOCAL.states[_LOCAL.states.index(state) + 1:]):
       if inner.transparent and not inner.suspended and inner.filter(module, method_name):
         output = inner.on_call(call, lambda out=output: out)
     return output

@@ -161,3 +161,17 @@ def test_an_interrupt_during_discovery_leaves_no_state_behind():
   assert _interceptor._LOCAL.states == []
   chex.assert_trees_all_equal(perturbkit.value_and_grad(loss_fn)(variables, X, Y), want)
   chex.assert_trees_all_equal(jax.grad(loss_fn)(variables, X, Y)['params'], want[1]['params'])
+
+
+def test_nested_hooks_on_a_segment_apply_in_the_order_of_a_plain_call():
+  """Two hook blocks on one segment call: the replayed call gets them as jax.grad does."""
+  _, variables, loss_fn = _problem(4)
+  on_dense_1 = perturbkit.filters.by_path('Dense_1')
+  plus = perturbkit.backward_hook(lambda g: g + 1.0, on_dense_1)
+  times = perturbkit.backward_hook(lambda g: 3.0 * g, on_dense_1)
+  hooked = perturbkit.with_hooks(perturbkit.with_hooks(loss_fn, plus), times)
+  tx = perturbkit.interleaved(hooked, optax.sgd(0.1), propagate='original')
+  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
+  grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
+  chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
