@@ -167,6 +167,29 @@ def write_json(path: str | None, data: Any) -> None:
     f.write('\n')
 
 
+def write_results(path: str | None, benchmark: str, config: Mapping[str, Any],
+                  models: Mapping[str, Any], all_ok: bool, **environment_extra: Any) -> None:
+  """Writes one benchmark's results where ``--out`` says, and says so; nothing without a path.
+
+  Every benchmark writes the same top-level keys: ``benchmark``, ``config``,
+  ``environment`` (versions and hardware, plus ``environment_extra``), ``all_ok``
+  and ``models``.
+  """
+  if not path:
+    return
+  write_json(path, {'benchmark': benchmark, 'config': dict(config),
+                    'environment': {**environment(), **environment_extra},
+                    'all_ok': all_ok, 'models': dict(models)})
+  print(f'wrote {path}')
+
+
+def check_lines(result: Mapping[str, Any]) -> tuple[str, str]:
+  """A model's check status ('OK' or the mismatches) and its targets line ('name=yes, ...')."""
+  status = 'OK' if result['ok'] else f'MISMATCH {result["mismatches"]}'
+  met = ', '.join(f'{k}={"yes" if ok else "NO"}' for k, ok in result['targets_met'].items())
+  return status, met
+
+
 def parse_args(description: str, sizes: Mapping[str, Mapping[str, Any]], default_out: str,
                default_repeats: int, argv: list[str] | None = None) -> argparse.Namespace:
   """The flags both benchmark scripts take: --sizes, --repeats, --models, --out.

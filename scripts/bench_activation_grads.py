@@ -250,8 +250,7 @@ def report(results: dict[str, Any]) -> None:
   print(common.format_table(table_rows(results), COLUMNS))
   print()
   for name, r in results.items():
-    status = 'OK' if r['ok'] else f'MISMATCH {r["mismatches"]}'
-    met = ', '.join(f'{k}={"yes" if ok else "NO"}' for k, ok in r['targets_met'].items())
+    status, met = common.check_lines(r)
     print(f'{name}: {status} ({r["num_points"]} points, {r["num_params"]:,} params)')
     print(f'  targets: {met}')
   print()
@@ -268,16 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                                   jax.random.fold_in(key, i))
   report(results)
   all_ok = all(r['ok'] for r in results.values())
-  common.write_json(args.out, {
-      'benchmark': 'activation_grads',
-      'config': {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
-                 'variants': list(VARIANTS)},
-      'environment': common.environment(),
-      'all_ok': all_ok,
-      'models': results,
-  })
-  if args.out:
-    print(f'\nwrote {args.out}')
+  common.write_results(args.out, 'activation_grads',
+                       {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
+                        'variants': list(VARIANTS)}, results, all_ok)
   return 0 if all_ok else 1
 
 

@@ -347,17 +347,11 @@ def main(argv: list[str] | None = None) -> int:
   report(results)
   all_ok = all(d['original_equals_standard'] for r in results.values() for d in r['depths'])
   print(f'\noriginal == standard: {"OK" if all_ok else "MISMATCH"}')
-  common.write_json(args.out, {
-      'benchmark': 'interleaved',
-      'config': {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
-                 'optimizer': f'adam({LEARNING_RATE})', 'variants': list(VARIANTS),
-                 'time_targets': TIME_TARGETS, 'linear_slack': LINEAR_SLACK},
-      'environment': {**common.environment(), 'perturbkit_commit': source_commit()},
-      'all_ok': all_ok,
-      'models': results,
-  })
-  if args.out:
-    print(f'wrote {args.out}')
+  common.write_results(args.out, 'interleaved',
+                       {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
+                        'optimizer': f'adam({LEARNING_RATE})', 'variants': list(VARIANTS),
+                        'time_targets': TIME_TARGETS, 'linear_slack': LINEAR_SLACK},
+                       results, all_ok, perturbkit_commit=source_commit())
   return 0 if all_ok else 1
 
 

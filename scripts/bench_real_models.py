@@ -310,8 +310,7 @@ def report(results: dict[str, Any]) -> None:
   print(common.format_table(table_rows(results), COLUMNS))
   print()
   for name, r in results.items():
-    status = 'OK' if r['ok'] else f'MISMATCH {r["mismatches"]}'
-    met = ', '.join(f'{k}={"yes" if ok else "NO"}' for k, ok in r['targets_met'].items())
+    status, met = common.check_lines(r)
     compile_s = ', '.join(f'{row["segments"]} segs {row["total_compile_s"]:.1f} s ({row["variant"]})'
                           for row in r['compile_vs_segments'])
     print(f'{name}: checks {status} ({r["num_points"]} points, {r["num_params"]:,} params, '
@@ -357,19 +356,13 @@ def main(argv: list[str] | None = None) -> int:
   report(results)
   all_ok = all(r['ok'] for r in results.values())
   print(f'\nchecks: {"OK" if all_ok else "MISMATCH"}')
-  if args.out:
-    common.write_json(args.out, {
-        'benchmark': 'real_models',
-        'config': {'quick': args.quick, 'size': size, 'repeats': args.repeats,
-                   'optimizer': f'adam({LEARNING_RATE})', 'variants': list(VARIANTS),
-                   'check_optimizer': f'{CHECK_OPTIMIZER.__name__}({CHECK_LEARNING_RATE})',
-                   'grad_tolerance': GRAD_TOLERANCE, 'step_tolerance': STEP_TOLERANCE,
-                   'targets': TARGETS},
-        'environment': common.environment(),
-        'all_ok': all_ok,
-        'models': results,
-    })
-    print(f'wrote {args.out}')
+  common.write_results(
+      args.out, 'real_models',
+      {'quick': args.quick, 'size': size, 'repeats': args.repeats,
+       'optimizer': f'adam({LEARNING_RATE})', 'variants': list(VARIANTS),
+       'check_optimizer': f'{CHECK_OPTIMIZER.__name__}({CHECK_LEARNING_RATE})',
+       'grad_tolerance': GRAD_TOLERANCE, 'step_tolerance': STEP_TOLERANCE, 'targets': TARGETS},
+      results, all_ok)
   return 0 if all_ok else 1
 
 
