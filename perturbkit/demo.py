@@ -242,6 +242,11 @@ def plot_loss_curves(histories: dict, steps_per_epoch: int, title: str, path: st
     ax.grid(alpha=0.3)
     ax.legend()
   fig.suptitle(title)
+  return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str) -> str:
+  """Lays out, writes and closes a figure (no figure stays open in a notebook); its path."""
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -262,10 +267,7 @@ def plot_heatmap(history: History, title: str, path: str) -> str:
   ax.set_yticks(range(len(layers)), layers)
   ax.set(xlabel='training step', ylabel='layer (input at top)', title=title)
   fig.colorbar(image, ax=ax, label='||dL / d(layer output)||  (log scale)')
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(plt, fig, path)
 
 
 def plot_layer_norms(history: History, title: str, path: str) -> str:
@@ -277,10 +279,7 @@ def plot_layer_norms(history: History, title: str, path: str) -> str:
   ax.set(yscale='log', xlabel='training step', ylabel='||dL / d(layer output)||', title=title)
   ax.grid(alpha=0.3)
   ax.legend(title='layer', loc='upper left', bbox_to_anchor=(1.01, 1.0))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return _save(plt, fig, path)
 
 
 def shrink(data: Digits, train: int, test: int) -> Digits:
