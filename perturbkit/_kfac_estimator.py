@@ -7,6 +7,11 @@ sampled from the model (``'sampled'``) or the columns of the output Fisher's
 square root (``'exact'``). ``jax.vmap`` over the lanes leaves the forward pass
 unbatched, so the backward pass is the only part done once per lane. With
 ``'empirical'`` the training gradient's own backward pass gives the factors.
+
+The statistics can be skipped on most steps (``with_stats=False``, or a traced
+flag such as the preconditioner state's ``stats_due``): such a step is a plain
+``jax.value_and_grad`` of the loss, with no interception, no Fisher lane and no
+factor products, and its stats are zeros that the preconditioner does not use.
 """
 from typing import Any, Callable
 
@@ -16,7 +21,7 @@ import jax.numpy as jnp
 from perturbkit._driver import value_and_grad
 from perturbkit._kfac_layers import KFACLayers, _get_in
 from perturbkit._kfac_losses import OutputLoss, as_output_loss
-from perturbkit._kfac_rules import batch_factors, call_input
+from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit._types import Variables
 
 
@@ -71,11 +76,16 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       ``(batch, k)`` outputs).
 
   Returns:
-    ``estimate(variables, inputs, targets, key=None) -> (loss, grads, stats)``:
-    the mean loss at ``targets``, its gradient with respect to
-    ``variables['params']``, and ``{layer: LayerFactors}`` of this batch. Pure
-    and jittable; under ``shard_map`` the stats are per device (the
-    preconditioner averages them over its ``axis_name``).
+    ``estimate(variables, inputs, targets, key=None, *, with_stats=True) ->
+    (loss, grads, stats)``: the mean loss at ``targets``, its gradient with
+    respect to ``variables['params']``, and ``{layer: LayerFactors}`` of this
+    batch. ``with_stats`` may be a Python bool or a traced boolean scalar
+    (``lax.cond``: only the chosen branch runs); without stats the step is a
+    plain ``jax.value_and_grad`` and the stats are zeros. Pass the
+    preconditioner state's ``stats_due`` to take them exactly on the steps
+    where :func:`kfac_preconditioner` (``stats_every``) folds them in. Pure and
+    jittable; under ``shard_map`` the stats are per device (the preconditioner
+    averages them over its ``axis_name``).
 
   Raises:
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
@@ -107,7 +117,31 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
 
   grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
 
-  def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None):
+  def mean_loss(params, variables, inputs, targets):
+    output = _output_array(predict_fn({**variables, 'params': params}, inputs))
+    return jnp.mean(output_loss.nll(output, targets))
+
+  def without_stats(variables, inputs, targets):
+    value, param_grads = jax.value_and_grad(mean_loss)(variables['params'], variables, inputs,
+                                                        targets)
+    zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
+             for name, info in layers.layers.items()}
+    return value, param_grads, zeros
+
+  def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
+               *, with_stats: bool | jax.Array = True):
+    if isinstance(with_stats, bool):
+      if with_stats:
+        return with_stats_fn(variables, inputs, targets, key)
+      return without_stats(variables, inputs, targets)
+    if fisher == 'sampled' and key is None:
+      raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
+                      'targets, key).')
+    return jax.lax.cond(jnp.asarray(with_stats, bool),
+                        lambda: with_stats_fn(variables, inputs, targets, key),
+                        lambda: without_stats(variables, inputs, targets))
+
+  def with_stats_fn(variables, inputs, targets, key):
     if fisher == 'empirical':
       (_, value), grads, captured = grad_fn(variables, inputs, targets, key, 0)
       examples = jax.eval_shape(predict_fn, variables, inputs).shape[0]

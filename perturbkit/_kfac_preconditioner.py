@@ -2,9 +2,16 @@
 
 The factors of a batch come from :func:`kfac_estimator` and enter ``update``
 as the extra argument ``kfac_stats``; the transformation keeps their running
-average (EMA), refreshes the damped inverses every ``inverse_every`` steps and
-maps each layer's gradient ``Θ = [∇W; ∇b]`` to ``(A + λI)⁻¹ Θ (G + λI)⁻¹``. The
-learning rate and momentum come after it in an ``optax.chain``.
+average (EMA) of the batches taken every ``stats_every`` steps, refreshes the
+damped inverses every ``inverse_every`` steps and maps each layer's gradient
+``Θ = [∇W; ∇b]`` to ``(A + λI)⁻¹ Θ (G + λI)⁻¹``. The learning rate and momentum
+come after it in an ``optax.chain``.
+
+Taking the statistics less often than every step costs little accuracy where
+it matters: the preconditioner only sees the factors through inverses that are
+refreshed every ``inverse_every`` steps, so by default the statistics are taken
+on the steps that refresh them (``stats_every = inverse_every``); the EMA then
+averages over refreshes instead of over steps.
 """
 from typing import Any, NamedTuple
 
@@ -29,11 +36,16 @@ class KFACState(NamedTuple):
     inverses: ``{layer: LayerFactors}``, ``(A + λI)⁻¹`` and ``(G + λI)⁻¹`` as of
       the last refresh (the diagonal of the first for an Embed).
     fallback: The state of the transformation of the other params.
+    stats_due: Whether the next ``update`` folds ``kfac_stats`` into the
+      factors (a boolean scalar). Pass it to the estimator,
+      ``estimate(..., with_stats=state.stats_due)``, so that the statistics
+      are computed only on those steps.
   """
   count: jax.Array
   factors: dict[str, LayerFactors]
   inverses: dict[str, LayerFactors]
   fallback: Any
+  stats_due: jax.Array
 
 
 def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
@@ -96,17 +108,19 @@ def _check_stats(layers: KFACLayers, stats: Any) -> None:
 
 
 def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: float = 0.95,
-                        inverse_every: int = 10, axis_name: str | None = None,
+                        inverse_every: int = 10, stats_every: int | None = None,
+                        axis_name: str | None = None,
                         fallback: optax.GradientTransformation | None = None
                         ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning of the gradients of ``layers``, as an optax transformation.
 
   ``update(grads, state, params=None, *, kfac_stats)`` takes the batch's factors
-  (the third output of :func:`kfac_estimator`), averages them over
-  ``axis_name`` (inside ``shard_map``/``pmap``), keeps their EMA
-  (``decay·old + (1 - decay)·new``; the first batch is taken as it is),
-  recomputes the damped inverses on the first update and then every
-  ``inverse_every`` updates, and returns ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` for
+  (the third output of :func:`kfac_estimator`) on the first update and then
+  every ``stats_every`` updates (``state.stats_due`` says when; other updates
+  ignore them), averages them over ``axis_name`` (inside
+  ``shard_map``/``pmap``), keeps their EMA (``decay·old + (1 - decay)·new``
+  per batch taken; the first batch is taken as it is), recomputes the damped
+  inverses on the first update and then every ``inverse_every`` updates, and returns ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` for
   each layer (``diag(A + λ)⁻¹ ∇E (G + λI)⁻¹`` for an Embed). Every other param's
   gradient goes through ``fallback`` (default: unchanged). Chain it with the
   step: ``optax.chain(kfac_preconditioner(layers), optax.sgd(lr, momentum=0.9))``.
@@ -116,6 +130,10 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     damping: Tikhonov damping ``λ`` added to both factors.
     decay: EMA decay of the factors.
     inverse_every: Refresh the inverses every this many updates.
+    stats_every: Fold the batch's factors in every this many updates
+      (default: ``inverse_every``; 1 is the classic every-step average). Give
+      the estimator ``with_stats=state.stats_due`` so that the other steps
+      skip the statistics (they are then a plain gradient step).
     axis_name: Mapped axis to average the factors over, or ``None``.
     fallback: Transformation of the params outside ``layers``.
 
@@ -136,14 +154,24 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     >>> estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
     >>> tx = optax.chain(perturbkit.kfac_preconditioner(layers), optax.sgd(0.1))
     >>> opt_state = tx.init(variables['params'])
-    >>> loss, grads, stats = estimate(variables, x, y, jax.random.key(1))
+    >>> loss, grads, stats = estimate(variables, x, y, jax.random.key(1),
+    ...                               with_stats=opt_state[0].stats_due)
     >>> updates, opt_state = tx.update(grads, opt_state, variables['params'], kfac_stats=stats)
-    >>> opt_state[0].factors['layers_2'].g.shape
-    (3, 3)
+    >>> opt_state[0].factors['layers_2'].g.shape, bool(opt_state[0].stats_due)
+    ((3, 3), False)
   """
   if inverse_every < 1:
     raise ValueError(f'inverse_every must be at least 1, got {inverse_every}.')
+  stats_every = inverse_every if stats_every is None else stats_every
+  if stats_every < 1:
+    raise ValueError(f'stats_every must be at least 1, got {stats_every}.')
   fallback = optax.identity() if fallback is None else fallback
+
+  def fold(factors, stats, first):
+    if axis_name is not None:
+      stats = jax.lax.pmean(stats, axis_name)
+    return jax.tree.map(lambda old, new: jnp.where(first, new, decay * old + (1 - decay) * new),
+                        factors, stats)
 
   def init(params: Any) -> KFACState:
     per_layer, rest = _split(params, layers)
@@ -151,7 +179,7 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
              for name, info in layers.layers.items()}
     return KFACState(jnp.zeros((), jnp.int32), zeros, zeros,
-                     fallback.init(traverse_util.unflatten_dict(rest)))
+                     fallback.init(traverse_util.unflatten_dict(rest)), jnp.ones((), bool))
 
   def update(updates: Any, state: KFACState, params: Any = None, *, kfac_stats: Any = None,
              **extra_args: Any) -> tuple[Any, KFACState]:
@@ -164,11 +192,9 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     per_layer, rest = _split(updates, layers)
     _check_params(layers, per_layer)
     stats = jax.tree.map(lambda s: s.astype(jnp.float32), kfac_stats)
-    if axis_name is not None:
-      stats = jax.lax.pmean(stats, axis_name)
-    first = state.count == 0
-    factors = jax.tree.map(lambda old, new: jnp.where(first, new, decay * old + (1 - decay) * new),
-                           state.factors, stats)
+    factors = jax.lax.cond(state.stats_due,
+                           lambda: fold(state.factors, stats, state.count == 0),
+                           lambda: state.factors)
     inverses = jax.lax.cond(
         state.count % inverse_every == 0,
         lambda: jax.tree.map(lambda f: damped_inverse(f, damping), factors),
@@ -183,7 +209,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     rest_updates, fallback_state = fallback.update(
         traverse_util.unflatten_dict(rest), state.fallback, rest_params)
     out.update(traverse_util.flatten_dict(rest_updates))
+    count = state.count + 1
     return (traverse_util.unflatten_dict(out),
-            KFACState(state.count + 1, factors, inverses, fallback_state))
+            KFACState(count, factors, inverses, fallback_state, count % stats_every == 0))
 
   return optax.GradientTransformationExtraArgs(init, update)

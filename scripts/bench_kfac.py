@@ -4,16 +4,23 @@ For an MLP and a CNN, each variant runs ``--steps`` training steps inside one
 jitted ``lax.scan`` (so an inverse refreshed every ``k`` steps is paid once per
 ``k`` steps, as in training); the variants are timed round-robin in one run:
 
-  adam            jax.value_and_grad + optax.adam.
-  kfac_empirical  perturbkit.kfac_estimator(fisher='empirical'): the factors from the
-                  training gradient's own backward pass; inverses every k steps.
-  kfac_sampled    fisher='sampled': a second backward lane at labels sampled from the
-                  model (the true Fisher); inverses every k steps.
-  kfac_no_inverse kfac_sampled with the inverses never refreshed: the statistics alone.
+  adam                  jax.value_and_grad + optax.adam.
+  kfac_sampled          the default: fisher='sampled' (a second backward lane at labels
+                        sampled from the model, the true Fisher); statistics and inverses
+                        every k steps (stats_every = inverse_every = k; the other steps
+                        are a plain gradient and the preconditioning matmuls).
+  kfac_empirical        the same with fisher='empirical' (the factors from the training
+                        gradient's own backward pass).
+  kfac_sampled_every    fisher='sampled' with the statistics taken every step
+                        (stats_every=1); inverses every k steps.
+  kfac_precondition     no statistics and no refresh at all: a gradient and the
+                        preconditioning by fixed inverses, the floor of any K-FAC step.
 
-Reported: ms per step, the ratio to adam, the cost of one refresh of all damped
-inverses (Cholesky), and the bytes of the factors and inverses next to
-those of the params and of adam's state.
+Reported: ms per step, the ratio to adam, the ratio of each K-FAC variant to
+kfac_precondition (what the statistics and inverses add to a preconditioned
+step), the cost of one refresh of all damped inverses (Cholesky), the bytes of
+the factors and inverses next to those of the params and adam's state, and the
+compiled memory of each variant's scan (``memory_analysis()``: temp bytes).
 
   python scripts/bench_kfac.py --out scripts/results/bench_kfac.json
   python scripts/bench_kfac.py --sizes small --repeats 2      # smoke test; no JSON
@@ -39,8 +46,8 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
 
-VARIANTS = ('adam', 'kfac_empirical', 'kfac_sampled', 'kfac_no_inverse')
-TIME_TARGET = 1.3  # kfac step / adam step, inverses amortised over k steps
+VARIANTS = ('adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition')
+TIME_TARGET = 1.3  # kfac step / adam step, and / the preconditioned step, amortised over k
 NEVER = 2 ** 30
 
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -91,15 +98,17 @@ def adam_run(problem: models.Problem, steps: int):
 
 
 def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str, k: int,
-             steps: int):
+             stats_every: int | None, steps: int):
   predict = lambda v, x: problem.model.apply(v, x)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
-  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=1e-2, inverse_every=k),
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=1e-2, inverse_every=k,
+                                                  stats_every=stats_every),
                    optax.sgd(1e-2, momentum=0.9))
 
   def step(carry, key, x, y):
     params, opt_state = carry
-    loss, grads, stats = estimate({'params': params}, x, y, key)
+    loss, grads, stats = estimate({'params': params}, x, y, key,
+                                  with_stats=opt_state[0].stats_due)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return (optax.apply_updates(params, updates), opt_state), loss
   return tx, scanned(step, steps)
@@ -118,13 +127,16 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   predict = lambda v, x: problem.model.apply(v, x)
   layers = perturbkit.kfac_layers(predict, {'params': params}, problem.x)
   runs = {'adam': adam_run(problem, steps),
-          'kfac_empirical': kfac_run(problem, layers, 'empirical', k, steps),
-          'kfac_sampled': kfac_run(problem, layers, 'sampled', k, steps),
-          'kfac_no_inverse': kfac_run(problem, layers, 'sampled', NEVER, steps)}
+          'kfac_sampled': kfac_run(problem, layers, 'sampled', k, None, steps),
+          'kfac_empirical': kfac_run(problem, layers, 'empirical', k, None, steps),
+          'kfac_sampled_every': kfac_run(problem, layers, 'sampled', k, 1, steps),
+          'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER, steps)}
   states = {v: tx.init(params) for v, (tx, _) in runs.items()}
-  # Start past count 0 so that the no-inverse variant never refreshes.
-  states['kfac_no_inverse'] = (states['kfac_no_inverse'][0]._replace(count=jnp.ones((), jnp.int32)),
-                               *states['kfac_no_inverse'][1:])
+  # Start past count 0 with no statistics due, so that this variant never takes them
+  # and never refreshes the inverses.
+  first = states['kfac_precondition'][0]._replace(count=jnp.ones((), jnp.int32),
+                                                  stats_due=jnp.zeros((), bool))
+  states['kfac_precondition'] = (first, *states['kfac_precondition'][1:])
   args = {v: ((params, states[v]), ks, problem.x, problem.y) for v in VARIANTS}
   compiled = {v: common.compile_timed(runs[v][1], *args[v]) for v in VARIANTS}
   losses = {v: compiled[v].call(*args[v])[1] for v in VARIANTS}
@@ -139,6 +151,9 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   per_step = {v: common.summarize([s / steps for s in samples[v]]) for v in VARIANTS}
   adam_s = per_step['adam']['median_s']
   ratios = {f'{v}_over_adam': per_step[v]['median_s'] / adam_s for v in VARIANTS[1:]}
+  floor_s = per_step['kfac_precondition']['median_s']
+  ratios.update({f'{v}_over_precondition': per_step[v]['median_s'] / floor_s
+                 for v in VARIANTS[1:4]})
   refresh_s = common.summarize(samples['inverse_refresh'])['median_s']
   memory = {'params_bytes': nbytes(params), 'adam_state_bytes': nbytes(states['adam']),
             'factor_bytes': nbytes(kfac_state.factors),
@@ -151,17 +166,21 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
       'ok': all(finite.values()),
       'per_step': per_step,
       'compile_s': {v: compiled[v].compile_s for v in VARIANTS},
+      'compiled_memory': {v: compiled[v].memory for v in VARIANTS},
       'inverse_refresh_s': refresh_s,
       'inverse_refresh_over_adam_step': refresh_s / adam_s,
       'ratios': ratios,
       'memory': {**memory, 'factors_and_inverses_over_params':
                  (memory['factor_bytes'] + memory['inverse_bytes']) / memory['params_bytes']},
-      'targets_met': {f'kfac_{f}_le_{TIME_TARGET}x_adam': ratios[f'kfac_{f}_over_adam'] <=
-                      TIME_TARGET for f in ('empirical', 'sampled')},
+      'targets_met': {
+          **{f'{v}_le_{TIME_TARGET}x_adam': ratios[f'{v}_over_adam'] <= TIME_TARGET
+             for v in ('kfac_sampled', 'kfac_empirical')},
+          **{f'{v}_le_{TIME_TARGET}x_precondition': ratios[f'{v}_over_precondition'] <=
+             TIME_TARGET for v in ('kfac_sampled', 'kfac_empirical')}},
   }
 
 
-COLUMNS = ('model', 'variant', 'ms/step', 'p25-p75', 'x adam')
+COLUMNS = ('model', 'variant', 'ms/step', 'p25-p75', 'x adam', 'x precond', 'temp MiB')
 
 
 def report(results: dict[str, Any], k: int) -> None:
@@ -171,7 +190,10 @@ def report(results: dict[str, Any], k: int) -> None:
       m = r['per_step'][v]
       rows.append({'model': name, 'variant': v, 'ms/step': f'{m["median_s"] * 1e3:.3f}',
                    'p25-p75': f'{m["p25_s"] * 1e3:.3f}-{m["p75_s"] * 1e3:.3f}',
-                   'x adam': f'{m["median_s"] / r["per_step"]["adam"]["median_s"]:.2f}'})
+                   'x adam': f'{m["median_s"] / r["per_step"]["adam"]["median_s"]:.2f}',
+                   'x precond': (f'{m["median_s"] / r["per_step"]["kfac_precondition"]["median_s"]:.2f}'
+                                 if v != 'adam' else '-'),
+                   'temp MiB': f'{r["compiled_memory"][v].get("temp_bytes", 0) / 2**20:.1f}'})
   print(common.format_table(rows, COLUMNS))
   print()
   for name, r in results.items():

@@ -360,7 +360,8 @@ def test_running_average_and_inverse_refresh():
   variables, predict, layers = setup(MLP(), x)
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
   params = variables['params']
-  tx = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2)
+  tx = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2,
+                                      stats_every=1)
   update = jax.jit(tx.update)
   state = tx.init(params)
   stats = [estimate(variables, x * s, y, jax.random.key(s))[2] for s in (1, 2, 3)]
@@ -379,6 +380,54 @@ def test_running_average_and_inverse_refresh():
       rtol=1e-4, atol=1e-5)
   assert not np.allclose(state3.inverses['Dense_1'].a, state2.inverses['Dense_1'].a)
   del out3
+
+
+def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
+  """stats_every=3: a traced ``with_stats`` takes the estimator's full statistics on
+  steps 0, 3, 6 and a plain gradient otherwise; the factors and inverses are those
+  of the every-step preconditioner fed only the batches of those steps, and every
+  update is the damped sandwich with the inverses of the last refresh."""
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.arange(8) % 4
+  variables, predict, layers = setup(MLP(), x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  params = variables['params']
+  batches = [(x * (1 + 0.1 * i), jax.random.key(i)) for i in range(7)]
+  every = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2,
+                                         stats_every=1)
+  amortised = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=6,
+                                             stats_every=3)
+
+  @jax.jit
+  def amortised_step(state, x, key):
+    _, grads, stats = estimate(variables, x, y, key, with_stats=state.stats_due)
+    updates, state = amortised.update(grads, state, params, kfac_stats=stats)
+    return grads, stats, updates, state
+
+  state = amortised.init(params)
+  reference = every.init(params)
+  taken = 0
+  for i, (xi, key) in enumerate(batches):
+    assert bool(state.stats_due) == (i % 3 == 0)
+    grads, stats, updates, state = amortised_step(state, xi, key)
+    _, full_grads, full_stats = estimate(variables, xi, y, key)
+    chex.assert_trees_all_close(grads, full_grads, rtol=1e-5, atol=1e-6)
+    if i % 3 == 0:
+      chex.assert_trees_all_close(stats, full_stats, rtol=1e-5, atol=1e-6)
+      # The every-step preconditioner refreshes on its counts 0, 2: batches 0 and 6.
+      _, reference = every.update(full_grads, reference, params, kfac_stats=full_stats)
+      taken += 1
+    else:
+      chex.assert_trees_all_close(stats, jax.tree.map(jnp.zeros_like, full_stats))
+    chex.assert_trees_all_close(state.factors, reference.factors, rtol=1e-5, atol=1e-6)
+    if i in (0, 6):
+      chex.assert_trees_all_close(state.inverses, reference.inverses, rtol=1e-4, atol=1e-5)
+    for name in layers.layers:
+      theta = np.concatenate([np.asarray(grads[name]['kernel']), grads[name]['bias'][None]])
+      inverses = state.inverses[name]
+      expected = np.asarray(inverses.a, np.float64) @ theta @ np.asarray(inverses.g, np.float64)
+      np.testing.assert_allclose(updates[name]['kernel'], expected[:-1], rtol=1e-4, atol=1e-6)
+  assert taken == 3 and int(reference.count) == 3
 
 
 def test_jitted_training_step_traces_once_and_lowers_the_loss():
