@@ -23,6 +23,12 @@ object; only ``with_hooks``, which runs inside the caller's transform, swaps the
 classes of the objects it is given for the duration of the call. Point keys
 follow the Linen front end (``'__call__'``, ``'__call__#1'``): calls are counted
 per module path and method within one block.
+
+As in ``_interceptor``, a block is *transparent* (backward hooks: the handler
+runs the call and wraps its output) or *opaque* (its handler may run the call
+its own way, a segment replay). When an opaque handler does not run the call,
+the transparent blocks closer to it still wrap the output, innermost first,
+and the replay gets their handlers (``replay_hooks``) for the calls inside it.
 """
 import contextlib
 import dataclasses
@@ -77,9 +83,10 @@ Handler = Callable[[Call, Callable[[], Any]], Any]
 class _Block:
   """Handler and counters of one ``instrument`` block; dropped when it ends."""
 
-  def __init__(self, on_call: Handler, instances: frozenset[int]):
+  def __init__(self, on_call: Handler, instances: frozenset[int], transparent: bool):
     self.on_call = on_call
     self.instances = instances
+    self.transparent = transparent
     self.counts: dict[tuple[NNXPath, str], int] = {}
     self.suspended = 0
 
@@ -89,12 +96,18 @@ class _Block:
     return point_key(method_name, n)
 
 
+# A transparent handler and the path its block gives a module: what a replay of
+# that module needs to hand its inner calls to the handler again.
+ReplayHook = tuple[Handler, NNXPath]
+
+
 class _ThreadState(threading.local):
-  """This thread's open blocks (innermost last) and the call being handled."""
+  """This thread's open blocks (innermost last), the call being handled, and its replay hooks."""
 
   def __init__(self):
     self.blocks: list[_Block] = []
     self.current: Call | None = None
+    self.replay_hooks: tuple[ReplayHook, ...] = ()
 
 
 # A module swapped in one thread and called from another runs as the original
@@ -115,13 +128,38 @@ def path_of(module: Any) -> NNXPath | None:
   return sites[-1][1] if sites else None
 
 
-def _handled(block: _Block, call: Call, run: Callable[[], Any]) -> Any:
-  previous = _THREAD.current
-  _THREAD.current = call
+def _handled(block: _Block, call: Call, run: Callable[[], Any],
+             replay_hooks: tuple[ReplayHook, ...] = ()) -> Any:
+  previous = _THREAD.current, _THREAD.replay_hooks
+  _THREAD.current, _THREAD.replay_hooks = call, replay_hooks
   try:
     return block.on_call(call, run)
   finally:
-    _THREAD.current = previous
+    _THREAD.current, _THREAD.replay_hooks = previous
+
+
+def _opaque(block: _Block, call: Call, run: Callable[[], Any],
+            inner: Sequence[tuple[_Block, Call]],
+            replay_hooks: tuple[ReplayHook, ...]) -> Any:
+  """Runs an opaque handler (one that may replace the call, e.g. by a segment replay).
+
+  When the handler does not call ``run()``, the blocks closer to the call never
+  saw it; the transparent ones (backward hooks) still wrap its output, the
+  innermost first, as they would have on the original call. The calls inside
+  the handler's own replay reach them through :func:`replay_instrumented`.
+  """
+  ran = []
+
+  def run_once():
+    ran.append(True)
+    return run()
+
+  output = _handled(block, call, run_once, replay_hooks)
+  if not ran:
+    for inner_block, inner_call in inner:
+      if inner_block.transparent:
+        output = _handled(inner_block, inner_call, lambda out=output: out)
+  return output
 
 
 def _dispatching(method_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,17 +167,53 @@ def _dispatching(method_name: str, original: Callable[..., Any]) -> Callable[...
   def method(self, *args, **kwargs):
     run = lambda: original(self, *args, **kwargs)
     blocks = _THREAD.blocks
+    active = []
+    for depth, path in reversed(vars(self).get(SITES_ATTR, ())):
+      if depth < len(blocks) and not blocks[depth].suspended:
+        block = blocks[depth]
+        active.append((block, Call(self, method_name, path, block.next_key(path, method_name),
+                                   id(self) not in block.instances, args, kwargs)))
+    # Every transparent block would see the calls made inside this one; an
+    # opaque handler that replays the module gets them for that replay.
+    replay_hooks = tuple((b.on_call, c.path) for b, c in active if b.transparent)
     # Innermost block closest to the call: its handler sees the original
     # output, the next block out sees what that handler returned, and so on.
-    for depth, path in reversed(vars(self).get(SITES_ATTR, ())):
-      if depth >= len(blocks) or blocks[depth].suspended:
-        continue
-      block = blocks[depth]
-      call = Call(self, method_name, path, block.next_key(path, method_name),
-                  id(self) not in block.instances, args, kwargs)
-      run = functools.partial(_handled, block, call, run)
+    for i, (block, call) in enumerate(active):
+      if block.transparent:
+        run = functools.partial(_handled, block, call, run)
+      else:
+        run = functools.partial(_opaque, block, call, run, active[:i], replay_hooks)
     return run()
   return method
+
+
+def replay_hooks() -> tuple[ReplayHook, ...]:
+  """The transparent handlers that would see the calls inside the call being handled.
+
+  An opaque handler that replays its module (a segment) takes these when it is
+  called and gives them to :func:`replay_instrumented`, also for replays that
+  run after the blocks have closed (a custom VJP's backward pass).
+  """
+  return _THREAD.replay_hooks
+
+
+@contextlib.contextmanager
+def replay_instrumented(replica: nnx.Module, hooks: Sequence[ReplayHook]) -> Iterator[None]:
+  """Hands the calls inside ``replica`` to ``hooks``, as the original module's would be.
+
+  Args:
+    replica: A copy of a handled call's module, with plain classes.
+    hooks: From :func:`replay_hooks`, innermost block first; each handler sees
+      the replica's submodules at its path for the original module plus their
+      path in the replica.
+
+  Yields:
+    Nothing; the replica's classes are restored when the block ends.
+  """
+  with contextlib.ExitStack() as stack:
+    for handler, prefix in reversed(tuple(hooks)):
+      stack.enter_context(instrument([replica], handler, transparent=True, prefix=prefix))
+    yield
 
 
 # Classes whose public methods are container or framework API, not model calls.
@@ -196,7 +270,8 @@ def submodules(model: nnx.Module) -> list[tuple[NNXPath, nnx.Module]]:
 
 
 @contextlib.contextmanager
-def instrument(roots: Sequence[nnx.Module], on_call: Handler) -> Iterator[None]:
+def instrument(roots: Sequence[nnx.Module], on_call: Handler, *, transparent: bool = False,
+               prefix: NNXPath = ()) -> Iterator[None]:
   """Hands every submodule method call inside the block to ``on_call``.
 
   Blocks nest: a call on a module instrumented by several open blocks of this
@@ -207,6 +282,12 @@ def instrument(roots: Sequence[nnx.Module], on_call: Handler) -> Iterator[None]:
       (a root's output is the model's output).
     on_call: ``(call, run) -> output``; ``run()`` executes the original method
       (or the next inner block's handler).
+    transparent: The handler always calls ``run()`` and only wraps the output
+      (a backward hook). An opaque handler may run the call its own way (a
+      segment replay) instead; the transparent blocks opened inside it then
+      wrap what it returns, and its replay can hand them its inner calls
+      (:func:`replay_hooks`).
+    prefix: Put before every path (the roots' own path in a larger model).
 
   Yields:
     Nothing; classes and attributes are restored when the block ends, also
@@ -233,8 +314,9 @@ def instrument(roots: Sequence[nnx.Module], on_call: Handler) -> Iterator[None]:
         previous = vars(module).get(SITES_ATTR, missing)
         swapped.append((module, cls, previous))
         sites = () if previous is missing else previous
-        object.__setattr__(module, SITES_ATTR, sites + ((depth, path),))
-    _THREAD.blocks.append(_Block(on_call, frozenset(id(m) for m, _, _ in swapped)))
+        object.__setattr__(module, SITES_ATTR, sites + ((depth, tuple(prefix) + path),))
+    _THREAD.blocks.append(_Block(on_call, frozenset(id(m) for m, _, _ in swapped),
+                                 transparent))
     try:
       yield
     finally:

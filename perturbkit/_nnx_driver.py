@@ -428,7 +428,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     if not models:
       raise TypeError('with_hooks: none of the arguments is an nnx.Module; pass the model '
                       'to the function instead of closing over it.')
-    with instrument(models, handler):
+    with instrument(models, handler, transparent=True):
       return fun(*args, **kwargs)
 
   return hooked

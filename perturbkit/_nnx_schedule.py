@@ -145,11 +145,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
   ``REST``, listed with the reason by ``segments(model, *args)``.
 
-  Backward hooks go in ``hooks=``: a segment call runs the plain module (its
-  replays in the backward pass see no instrumentation), so hooks from
-  ``perturbkit.nnx.with_hooks`` inside the loss act only on calls that are not
-  segments, while ``hooks=`` also reach the segments, inside their replays
-  (not calls nested inside a segment's own call, which is replayed as a whole).
+  Backward hooks, from ``hooks=`` or from ``perturbkit.nnx.with_hooks`` inside
+  the loss, act as in ``jax.grad`` of the hooked loss: a hook on a segment call
+  transforms the gradient its ``dw`` and its input cotangent see, and hooks on
+  calls nested inside a segment act inside every replay of it, the one at the
+  new weights included.
 
   Args:
     loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -167,9 +167,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     skip_nonfinite: A group whose gradient is not finite keeps its variables
       and optimizer state for the step (reported in ``metrics``).
     hooks: Backward hooks (:func:`perturbkit.backward_hook`, filters from
-      ``perturbkit.nnx.filters``) on the calls they select; on a segment the
-      hook transforms the gradient before the segment's own ``dw``, as in an
-      ordinary backward pass.
+      ``perturbkit.nnx.filters``) on the calls they select, segments and the
+      calls inside them included; on a segment the hook transforms the
+      gradient before the segment's own ``dw``, as in an ordinary backward pass.
 
   Returns:
     An ``Interleaved`` of pure functions: ``init(model, *example_args) ->

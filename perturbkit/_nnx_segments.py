@@ -19,7 +19,8 @@ from flax import nnx, traverse_util
 from perturbkit._errors import SharedSegmentError
 from perturbkit._filters import all_calls
 from perturbkit._hooks import Hook, apply_hooks
-from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
+from perturbkit._nnx_calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
+                                   replay_instrumented, submodules)
 from perturbkit._segment_vjp import Backward, segment_call, split_floats
 
 
@@ -42,7 +43,8 @@ def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
 
 
 def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
-                axis_name: str | None = None, hooks: tuple[Hook, ...] = ()) -> Any:
+                axis_name: str | None = None, hooks: tuple[Hook, ...] = (),
+                inner_hooks: tuple[ReplayHook, ...] = ()) -> Any:
   """Runs one NNX segment call with the interleaved custom VJP.
 
   Args:
@@ -71,7 +73,8 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     args, kwargs = rebuild(dyn)
     # copy=True: the call must not write into the running model's variables.
     replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
-    out = getattr(replica, call.method_name)(*args, **kwargs)
+    with replay_instrumented(replica, inner_hooks):
+      out = getattr(replica, call.method_name)(*args, **kwargs)
     # The filters were evaluated on the instrumented call (path filters need it).
     out = apply_hooks(tuple(Hook(all_calls, h.fn) for h in hooks), replica, call.method_name, out)
     return out, nnx.state(replica, nnx.Not(wrt))
@@ -124,14 +127,23 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
         raise SharedSegmentError(names[call.path], 'it is called more than once in one step')
       called.add(call.path)
       name = names[call.path]
+      inner_hooks = replay_hooks()
+      if hooks:
+        inner_hooks += ((_hooks_handler(hooks), call.path),)
       return run_segment(call, plain[call.path], wrt, backward_for(name), carriers[name],
-                         axis_name, selected)
+                         axis_name, selected, inner_hooks)
 
     with instrument([model], on_call):
       out = loss_fn(model, *args)
     return out, nnx.state(model, nnx.Not(wrt))
 
   return fn
+
+
+def _hooks_handler(hooks: tuple[Hook, ...]) -> Callable[[Call, Callable[[], Any]], Any]:
+  def on_call(call: Call, run: Callable[[], Any]) -> Any:
+    return apply_hooks(hooks, call.module, call.method_name, run())
+  return on_call
 
 
 def flat_leaf_owners(params: Mapping, names: list[str]) -> dict[int, str]:
