@@ -159,7 +159,13 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     segments: ``None`` (layer-wise), an ``int`` depth, or a call filter (e.g.
       ``perturbkit.nnx.filters.by_type(Block)``); for chosen segments a shared
       or outside-read segment raises :class:`perturbkit.SharedSegmentError`,
-      one inside an NNX transform ``SegmentInTransformError``.
+      one inside an NNX transform ``SegmentInTransformError``. The depth
+      counts module levels as the Linen front end does: the items of an
+      ``nnx.List``/``nnx.Dict`` attribute are one level below its owner
+      (``segments=1`` makes each of ``self.blocks = nnx.List([...])`` a
+      segment, as each layer of a root ``nnx.Sequential``), and each
+      segment is the module at that depth holding (through its children)
+      ``wrt`` variables.
     propagate: ``'updated'`` or ``'original'``.
     axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
     has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.

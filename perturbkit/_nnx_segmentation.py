@@ -74,6 +74,32 @@ def param_owners(model: nnx.Module, wrt: Any) -> list[NNXPath]:
   return sorted(owners, key=lambda p: tuple(map(str, p)))
 
 
+# Containers group modules without being a level of the model: Linen names the
+# items of a list attribute `blocks_0`, one level, where NNX has `blocks/0`.
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+
+def module_depths(model: nnx.Module) -> dict[NNXPath, int]:
+  """Each submodule's depth in module levels; ``nnx.List``/``nnx.Dict`` items sit at their parent's.
+
+  ``self.blocks = nnx.List([...])`` puts ``blocks/0`` at depth 1, as Linen puts
+  ``blocks_0``; ``nnx.Sequential`` is a module (it is called), its ``layers``
+  list is not a level. Containers themselves get no depth.
+  """
+  modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
+  is_level = lambda p: p in modules and not isinstance(modules[p], _CONTAINERS)
+  return {path: sum(is_level(path[:n]) for n in range(1, len(path) + 1))
+          for path in modules if path and is_level(path)}
+
+
+def modules_at_depth(model: nnx.Module, owners: list[NNXPath], depth: int) -> list[NNXPath]:
+  """The modules ``depth`` levels down (see :func:`module_depths`) that hold params."""
+  depths = module_depths(model)
+  found = {next((p[:n] for n in range(1, len(p) + 1) if depths.get(p[:n]) == depth), None)
+           for p in owners}
+  return sorted(found - {None}, key=lambda p: tuple(map(str, p)))
+
+
 def _nearest_ancestor(path: NNXPath, chosen: set) -> NNXPath | None:
   return next((path[:n] for n in range(1, len(path)) if path[:n] in chosen), None)
 
@@ -120,8 +146,7 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
     if isinstance(spec, Exactly):
       wanted = [by_name.get(n, tuple(n.split('/'))) for n in spec.names]
     elif isinstance(spec, int):
-      wanted = sorted({p[:spec] for p in owners if len(p) >= spec},
-                      key=lambda p: tuple(map(str, p)))
+      wanted = modules_at_depth(model, owners, spec)
     else:
       owning = {q for p in owners for q in [p[:n] for n in range(1, len(p) + 1)]}
       wanted = sorted({c.path for c in calls if c.selected and c.path in owning},

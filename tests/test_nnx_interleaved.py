@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -671,3 +672,67 @@ def test_updated_transformer_matches_hand_coded_backward():
   first = transformer_updated_step(params_of(model), x, y, lr)
   assert not np.allclose(nnx_models.pure(nnx.state(other.model(), nnx.Param))['norm_0']['scale'],
                          first['norm_0']['scale'], rtol=1e-4, atol=1e-5)
+
+
+class Inner(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.linear(x))
+
+
+class Containers(nnx.Module):
+  """Blocks in an nnx.List, an nnx.Sequential, a head in an nnx.Dict."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.blocks = nnx.List([Inner(rngs), Inner(rngs)])
+    self.mlp = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.relu,
+                              nnx.Linear(4, 4, rngs=rngs))
+    self.heads = nnx.Dict(out=nnx.Linear(4, 1, rngs=rngs))
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.heads['out'](self.mlp(x))
+
+
+class LinenInner(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(4, name='linear')(x))
+
+
+class LinenContainers(nn.Module):
+  """The Linen twin: Linen names list and dict items `blocks_0`, `heads_out`."""
+
+  def setup(self):
+    self.blocks = [LinenInner(), LinenInner()]
+    self.mlp = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(4)])
+    self.heads = {'out': nn.Dense(1)}
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.heads['out'](self.mlp(x))
+
+
+@pytest.mark.parametrize('depth, nnx_names, linen_names', [
+    (1, ('blocks/0', 'blocks/1', 'mlp', 'heads/out'),
+     ('blocks_0', 'blocks_1', 'mlp', 'heads_out')),
+    (2, ('blocks/0/linear', 'blocks/1/linear', 'mlp/layers/0', 'mlp/layers/2'),
+     ('blocks_0/linear', 'blocks_1/linear', 'mlp/layers_0', 'mlp/layers_2')),
+])
+def test_int_segments_count_module_levels_as_linen_does(depth, nnx_names, linen_names):
+  """nnx.List/nnx.Dict items are one level below their owner, like Linen's `blocks_0`."""
+  x, y = batch(din=4)
+  model = Containers(nnx.Rngs(0))
+  linen_model = LinenContainers()
+  variables = linen_model.init(jax.random.key(0), x)
+  linen_loss = lambda v, x, y: jnp.mean((linen_model.apply(v, x) - y) ** 2)
+  linen_tx = perturbkit.interleaved(linen_loss, optax.sgd(0.1), segments=depth)
+  assert linen_tx.segments(variables, x, y).segments == linen_names
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(0.1), segments=depth)
+  assert tx.segments(model, x, y).segments == nnx_names
+  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
+  assert sorted(state.opt_state) == sorted(nnx_names + (perturbkit.REST,))
