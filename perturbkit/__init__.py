@@ -29,6 +29,7 @@ from perturbkit._kfac_losses import gaussian_output
 from perturbkit._kfac_preconditioner import KFACState
 from perturbkit._kfac_preconditioner import damped_inverse
 from perturbkit._kfac_preconditioner import kfac_preconditioner
+from perturbkit._kfac_segment import kfac_segment
 from perturbkit._kfac_rules import LayerFactors
 from perturbkit._kfac_rules import LayerInfo
 from perturbkit._per_example_check import check_per_example
@@ -65,6 +66,7 @@ __all__ = [
     'kfac_estimator',
     'kfac_layers',
     'kfac_preconditioner',
+    'kfac_segment',
     'KFACLayers',
     'KFACLossError',
     'KFACShapeError',

@@ -83,7 +83,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       ``has_aux``), calling ``model.apply(variables, ...)``.
     optimizer: An ``optax.GradientTransformation`` used for every segment, or a
       function ``segment_name -> GradientTransformation`` (per-segment learning
-      rates; the unsegmented params are named ``perturbkit.REST``).
+      rates; the unsegmented params are named ``perturbkit.REST``). A
+      segment's ``GradientTransformationExtraArgs`` also gets, as extra
+      arguments, ``segment_inputs`` (the floating-point leaves of the call's
+      inputs) and ``segment_output_grad`` (the cotangent at its output), e.g.
+      for :func:`kfac_segment`; with either ``propagate`` the segments' steps
+      are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
       module that owns params directly (Dense, Conv, Embed, LayerNorm, ...); a
       module inside ``nn.scan``/``nn.vmap`` (stacked params) is covered by its
@@ -156,7 +161,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       raise StateMismatchError(str(error).split('(https')[0].strip()) from error
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite)
-    swept: set[str] = set()
+    swept: dict[str, dict] = {}
     groups = group(params, names)
     carriers = {name: carrier(sweep, name, groups[name]) for name in names}
     forward = segmented_loss(loss_fn, variables, args,

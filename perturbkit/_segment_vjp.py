@@ -25,8 +25,8 @@ import jax
 from perturbkit._consumers import segment_function_name
 from perturbkit._points import _is_inexact_array
 
-# (g, dw, w) -> (weights to propagate with or None, values carried out)
-Backward = Callable[[Any, Any, Any], tuple[Any, Any]]
+# (g, dw, w, dyn) -> (weights to propagate with or None, values carried out)
+Backward = Callable[[Any, Any, Any, Any], tuple[Any, Any]]
 
 
 def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -56,9 +56,10 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     w: The segment's params.
     dyn: The floating-point inputs.
     carrier: Zeros shaped like what ``backward`` carries out.
-    backward: ``(g, dw, w) -> (w_propagate, carried)``, called in the backward
-      pass with the output cotangent ``g`` and the (averaged) gradient ``dw`` at
-      the old weights ``w``. The input cotangent is computed at
+    backward: ``(g, dw, w, dyn) -> (w_propagate, carried)``, called in the
+      backward pass with the output cotangent ``g``, the (averaged) gradient
+      ``dw`` at the old weights ``w`` and the segment's floating-point inputs
+      ``dyn`` (this device's). The input cotangent is computed at
       ``w_propagate`` (``None``: at ``w``, no replay), and ``carried`` leaves the
       backward pass as the cotangent of ``carrier``.
     axis_name: If given, ``dw`` is averaged over this mapped axis first (data
@@ -85,7 +86,7 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
-    w_propagate, carried = backward(g, dw, w)
+    w_propagate, carried = backward(g, dw, w, dyn)
     if w_propagate is not None:
       _, vjp_new = jax.vjp(lambda d: pure(w_propagate, d)[0], dyn)
       (d_dyn,) = vjp_new(g)

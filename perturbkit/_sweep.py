@@ -128,18 +128,27 @@ def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:
   return jnp.where(previous_norm > max_norm, max_norm / jnp.maximum(previous_norm, 1e-30), 1.0)
 
 
+def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
+            extra_args: dict | None):
+  if extra_args and isinstance(tx, optax.GradientTransformationExtraArgs):
+    return tx.update(grads, opt_state, params, **extra_args)
+  return tx.update(grads, opt_state, params)
+
+
 def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
-                 params: PyTree, scale: jax.Array, guard: bool):
+                 params: PyTree, scale: jax.Array, guard: bool, extra_args: dict | None = None):
   """One optimizer step on one group: ``(params, opt_state, finite)``.
 
   With ``guard``, a gradient whose norm is not finite keeps the old params and
   state. A conditional (not an elementwise select) skips the work, so the
   finite path makes no extra pass over the state and can update it in place.
+  ``extra_args`` go to a ``GradientTransformationExtraArgs``'s update.
   """
   finite = jnp.isfinite(optax.tree.norm(grads))
 
   def take():
-    updates, new_opt = tx.update(jax.tree.map(lambda g: g * scale, grads), opt_state, params)
+    updates, new_opt = _update(tx, jax.tree.map(lambda g: g * scale, grads), opt_state, params,
+                               extra_args)
     return optax.apply_updates(params, updates), new_opt
 
   if not guard:
@@ -157,39 +166,48 @@ class Sweep(NamedTuple):
   skip_nonfinite: bool
 
 
-def backward_for(sweep: Sweep, name: str, swept: set) -> Backward:
-  """The backward step of segment ``name``: its optimizer step, inside the sweep."""
+def backward_for(sweep: Sweep, name: str, swept: set | dict) -> Backward:
+  """The backward step of segment ``name``: its optimizer step, inside the sweep.
+
+  The step is taken here with either ``propagate`` (the old weights' input
+  cotangent for ``'original'``), so that the segment's inputs and output
+  cotangent reach its optimizer as extra arguments. ``swept`` records the
+  segment; a dict also records those arguments' shapes for ``finish``.
+  """
   tx = optimizer_for(sweep.optimizer, name)
 
-  def backward(g, dw, w):
+  def backward(g, dw, w, dyn):
     carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
-    if sweep.propagate == 'original':
-      return None, carried
-    swept.add(name)
+    extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
+    if isinstance(swept, dict):
+      swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
+    else:
+      swept.add(name)
     new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
-                                     sweep.skip_nonfinite)
+                                     sweep.skip_nonfinite, extra_args)
     carried['step'] = (new_w, split_floats(new_opt)[0])
-    return new_w, carried
+    return (new_w if sweep.propagate == 'updated' else None), carried
 
   return backward
 
 
 def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
   """Zeros shaped like what segment ``name``'s backward step carries out."""
-  zeros = {'activation_grad_norm': jnp.zeros((), jnp.float32)}
-  if sweep.propagate == 'updated':
-    floats = split_floats(sweep.opt_state[name])[0]
-    zeros['step'] = (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])
-  return zeros
+  floats = split_floats(sweep.opt_state[name])[0]
+  return {'activation_grad_norm': jnp.zeros((), jnp.float32),
+          'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
 
 
-def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: set,
+def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: set | dict,
            axis_name: str | None) -> tuple[dict, dict, dict]:
   """The step after the sweep: ``(new params, new opt_state, metrics)``.
 
   ``REST`` gets its ordinary (``pmean``-ed) gradient and its step now; the
   segments keep the step the sweep took, and only their optimizers' non-float
   state (a step count) is taken here, so XLA drops the rest of that update.
+  That update sees zeros for the segment's extra arguments (their shapes are
+  in ``swept`` when it is a dict): only its non-float state is kept, which
+  must not depend on their values.
   """
   names = [n for n in sweep.opt_state if n != REST]
   grad_groups, param_groups = group(grads, names), group(params, names)
@@ -203,7 +221,10 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
     skipped[name] = jnp.logical_not(finite) if sweep.skip_nonfinite else jnp.zeros((), bool)
     if name in swept:
       new_w, floats = carried[name]['step']
-      _, fresh = tx.update(jax.tree.map(lambda x: x * sweep.scale, g), opt, w)
+      shapes = swept.get(name) if isinstance(swept, dict) else None
+      extra_args = None if shapes is None else jax.tree.map(
+          lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      _, fresh = _update(tx, jax.tree.map(lambda x: x * sweep.scale, g), opt, w, extra_args)
       if sweep.skip_nonfinite:
         fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
       new_opt_state[name] = split_floats(fresh)[1](floats)
