@@ -144,15 +144,3 @@ def _hooks_handler(hooks: tuple[Hook, ...]) -> Callable[[Call, Callable[[], Any]
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
     return apply_hooks(hooks, call.module, call.method_name, run())
   return on_call
-
-
-def flat_leaf_owners(params: Mapping, names: list[str]) -> dict[int, str]:
-  """Input position of each leaf of ``params`` (as ``jax.tree`` flattens it) -> its segment."""
-  owners = {}
-  paths = [tuple(n.split('/')) for n in names]
-  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
-    owner = next((p for p in paths if keys[:len(p)] == p), None)
-    if owner is not None:
-      owners[i] = '/'.join(owner)
-  return owners
