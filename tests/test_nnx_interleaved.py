@@ -511,6 +511,19 @@ def with_affine_grad(x):
 with_affine_grad.defvjp(lambda x: (x, None), lambda _, g: (affine_grad(g),))
 
 
+def sgd_on_jax_grad(loss_fn, model, x, y, lr):
+  """The params after one sgd step on ``jax.grad`` of ``loss_fn`` over the split params."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  grads = jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), x, y))(params)
+  return sgd_step(params_of(model), nnx_models.pure(grads), lr)
+
+
+def one_step(tx, model, x, y):
+  """The params after one jitted step of ``tx`` from ``model``."""
+  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
+  return nnx_models.pure(nnx.state(state.model(), nnx.Param))
+
+
 def test_with_hooks_inside_the_loss_reach_segments_innermost_first():
   """Two with_hooks blocks inside the loss on one segment call: applied as jax.grad applies them."""
   x, y = batch()
@@ -521,17 +534,12 @@ def test_with_hooks_inside_the_loss_reach_segments_innermost_first():
   model, reference = SkipMLP(rngs=nnx.Rngs(0)), SkipMLP(rngs=nnx.Rngs(0))
   tx = perturbkit.nnx.interleaved(hooked, optax.sgd(0.1), propagate='original')
   assert tx.segments(model, x, y).segments == ('dense_0', 'dense_1', 'dense_2')
-  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
-  graphdef, params, rest = nnx.split(reference, nnx.Param, ...)
-  grads = jax.grad(lambda p: hooked(nnx.merge(graphdef, p, rest), x, y))(params)
-  expected = sgd_step(params_of(reference), nnx_models.pure(grads), 0.1)
-  got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
-  chex.assert_trees_all_close(got, expected, **TOL)
+  expected = sgd_on_jax_grad(hooked, reference, x, y, 0.1)
+  chex.assert_trees_all_close(one_step(tx, model, x, y), expected, **TOL)
   # The other order gives other gradients below dense_1: the test can tell them apart.
   swapped = perturbkit.nnx.with_hooks(perturbkit.nnx.with_hooks(mse, times), plus)
-  other = nnx_models.pure(nnx.grad(swapped)(reference, x, y))
-  assert not np.allclose(other['dense_0']['kernel'], nnx_models.pure(grads)['dense_0']['kernel'],
-                         **TOL)
+  other = sgd_on_jax_grad(swapped, reference, x, y, 0.1)
+  assert not np.allclose(other['dense_0']['kernel'], expected['dense_0']['kernel'], **TOL)
 
 
 @pytest.mark.parametrize('where', ['with_hooks', 'hooks='])
@@ -545,13 +553,9 @@ def test_hooks_on_calls_inside_a_segment_equal_jax_grad_of_the_hooked_loss(where
   tx = perturbkit.nnx.interleaved(loss_fn, optax.sgd(0.1), segments=1, propagate='original',
                                   hooks=hooks)
   assert tx.segments(model, x, y).segments == ('dense_in', 'pair', 'head')
-  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
-  graphdef, params, rest = nnx.split(reference, nnx.Param, ...)
-  grads = jax.grad(lambda p: hooked(nnx.merge(graphdef, p, rest), x, y))(params)
-  expected = sgd_step(params_of(reference), nnx_models.pure(grads), 0.1)
-  got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
-  chex.assert_trees_all_close(got, expected, **TOL)
-  plain = sgd_step(params_of(reference), nnx_models.pure(nnx.grad(mse)(reference, x, y)), 0.1)
+  got = one_step(tx, model, x, y)
+  chex.assert_trees_all_close(got, sgd_on_jax_grad(hooked, reference, x, y, 0.1), **TOL)
+  plain = sgd_on_jax_grad(mse, reference, x, y, 0.1)
   assert not np.allclose(got['dense_in']['kernel'], plain['dense_in']['kernel'], **TOL)
 
 
@@ -583,9 +587,8 @@ def test_hooks_on_calls_inside_a_segment_updated_match_hand_coded_backward(where
   loss_fn, hooks = ((perturbkit.nnx.with_hooks(mse, hook), ()) if where == 'with_hooks'
                     else (mse, (hook,)))
   tx = perturbkit.nnx.interleaved(loss_fn, optax.sgd(lr), segments=1, hooks=hooks)
-  state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
-  got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
-  chex.assert_trees_all_close(got, {'dense_in': w_in, 'pair': w_pair, 'head': w_head}, **TOL)
+  chex.assert_trees_all_close(one_step(tx, model, x, y),
+                              {'dense_in': w_in, 'pair': w_pair, 'head': w_head}, **TOL)
 
 
 def lead(b, ndim):
