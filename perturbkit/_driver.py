@@ -18,13 +18,13 @@ from typing import Any, Callable, Sequence
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
 from perturbkit import _filters
-from perturbkit._errors import (ActivationsUnavailableError, NonScalarLossError,
-                                NoPerturbationPointsError,
+from perturbkit._driver_core import check_loss as _check_loss
+from perturbkit._driver_core import grads_only, point_options
+from perturbkit._errors import (ActivationsUnavailableError, NoPerturbationPointsError,
                                 PerturbationsNotAppliedError, UnperturbedCallsWarning)
 from perturbkit._hooks import Hook, apply_hooks, check_matched
 from perturbkit._interceptor import Call, intercept, suspended
@@ -157,17 +157,6 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   return found, seen
 
 
-def _check_loss(out: Any, has_aux: bool) -> jax.Array:
-  if has_aux:
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError('With has_aux=True the loss function must return (loss, aux).')
-    out = out[0]
-  shape, dtype = jnp.shape(out), jnp.result_type(out)
-  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-    raise NonScalarLossError(shape, dtype)
-  return out
-
-
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                    has_aux: bool = False, hooks: Sequence[Hook] = (),
                    return_activations: bool = False, return_inputs: bool = False,
@@ -223,9 +212,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     >>> grads['perturbations']['layers_2']['__call__'].shape
     (2, 1)
   """
-  points = _filters.as_filter(filter)
-  if strict is None:
-    strict = filter is not None and filter is not True
+  points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
   selected = _interception(points, hooks)
 
@@ -304,10 +291,4 @@ def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None
     [[1.0]]
   """
   vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
-
-  @functools.wraps(loss_fn)
-  def run(variables: Variables, *args, **kwargs):
-    value, grads = vg(variables, *args, **kwargs)
-    return (grads, value[1]) if has_aux else grads
-
-  return run
+  return grads_only(vg, loss_fn, has_aux)

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from perturbkit import _filters, _nnx_filters
-from perturbkit._driver import _check_loss
+from perturbkit import _filters
+from perturbkit._driver_core import check_loss, grads_only, point_options
 from perturbkit._errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
                                 PerturbationStructureError)
 from perturbkit._hooks import Hook, apply_hooks
@@ -199,7 +199,7 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
                           points=points, hooks=hooks, strict=strict)
   out, shapes, found, seen, missed = run(probe=False)
-  _check_loss(out, has_aux)
+  check_loss(out, has_aux)
   ours = {p for point in found for p in point.leaf_paths()}
   reached = [p for p in found if all(q in shapes for q in p.leaf_paths())]
   unreachable = sorted({p.where for p in found if p not in reached} | set(missed))
@@ -284,9 +284,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     >>> grads['params']['layers'][0]['kernel'].shape
     (3, 4)
   """
-  points = _nnx_filters.as_filter(filter)
-  if strict is None:
-    strict = filter is not None and filter is not True
+  points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
   prepare = _selected(points, hooks)
 
@@ -328,7 +326,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       missing = sorted(expected[k].where for k in set(expected) - applied)
       if missing:
         raise NNXPerturbationsNotAppliedError(missing)
-      loss = _check_loss(out, has_aux)
+      loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, activations)
 
@@ -365,13 +363,7 @@ def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None
     [[1.0]]
   """
   vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
-
-  @functools.wraps(loss_fn)
-  def run(model: nnx.Module, *args, **kwargs):
-    value, grads = vg(model, *args, **kwargs)
-    return (grads, value[1]) if has_aux else grads
-
-  return run
+  return grads_only(vg, loss_fn, has_aux)
 
 
 def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:

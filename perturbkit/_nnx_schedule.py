@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit import _nnx_segmentation
-from perturbkit._driver import _check_loss
+from perturbkit._driver_core import check_loss
 from perturbkit._errors import SegmentationError
 from perturbkit._hooks import Hook
 from perturbkit._nnx_segments import params_tree, segmented_loss, with_values
@@ -99,7 +99,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   def differentiable(params, carriers):
     out, new_others = forward(params, carriers)
     aux = out[1] if settings.has_aux else None
-    return _check_loss(out, settings.has_aux), (aux, new_others)
+    return check_loss(out, settings.has_aux), (aux, new_others)
 
   (loss, (aux, new_others)), (grads, carried) = jax.value_and_grad(
       differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
