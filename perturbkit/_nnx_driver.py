@@ -373,7 +373,8 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
   split state, :func:`perturbkit.nnx.value_and_grad`. Every ``nnx.Module``
   among ``fun``'s arguments is instrumented while ``fun`` runs (under
   ``nnx.grad`` those are the transform's own copies); nothing outlives the
-  call.
+  call. Inside the loss of :func:`perturbkit.nnx.interleaved` the hooks act
+  on segment calls and on the calls inside a segment, in every replay of it.
 
   Args:
     fun: A function taking the model (or several) among its arguments.
