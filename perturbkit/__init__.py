@@ -18,6 +18,7 @@ from perturbkit._driver import grad
 from perturbkit._driver import value_and_grad
 from perturbkit._hooks import Hook
 from perturbkit._kfac_errors import KFACLossError
+from perturbkit._kfac_errors import KFACOutputError
 from perturbkit._kfac_errors import KFACShapeError
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
 from perturbkit._kfac_estimator import kfac_estimator
@@ -69,6 +70,7 @@ __all__ = [
     'kfac_segment',
     'KFACLayers',
     'KFACLossError',
+    'KFACOutputError',
     'KFACShapeError',
     'KFACState',
     'KFACUnsupportedLayerError',

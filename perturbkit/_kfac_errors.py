@@ -36,3 +36,17 @@ class KFACShapeError(PerturbkitError, ValueError):
         f'K-FAC layer {layer!r}: {detail}. The K-FAC state was built for another model '
         '(or the model changed). Call `perturbkit.kfac_layers(...)` again on the current '
         'model and re-create the preconditioner and its state with `tx.init(params)`.')
+
+
+class KFACOutputError(PerturbkitError, TypeError):
+  """``predict_fn`` does not return the one floating-point output K-FAC differentiates."""
+
+  def __init__(self, got: str, has_aux: bool):
+    hint = ('With has_aux=True, predict_fn must return (output, aux).' if has_aux else
+            'A model with BatchNorm in train mode (or another mutable collection) returns '
+            '(output, updates) from `model.apply(..., mutable=[...])`: pass '
+            '`has_aux=True` to kfac_estimator, and estimate returns the updates as a fourth '
+            'value.')
+    super().__init__(
+        f'For K-FAC, predict_fn must return one floating-point array (the logits or '
+        f'predictions), got {got}. {hint}')

@@ -19,17 +19,25 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit._driver import value_and_grad
+from perturbkit._kfac_errors import KFACOutputError
 from perturbkit._kfac_layers import KFACLayers, _get_in
 from perturbkit._kfac_losses import OutputLoss, as_output_loss
 from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit._types import Variables
 
 
-def _output_array(output: Any) -> jax.Array:
+def _split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+  """``(output, aux)`` of what ``predict_fn`` returned (``aux`` is ``None`` without
+  ``has_aux``)."""
+  output, aux = result, None
+  if has_aux:
+    if not (isinstance(result, tuple) and len(result) == 2):
+      raise KFACOutputError(f'{type(result).__name__} {jax.tree.map(jnp.shape, result)!r}',
+                            has_aux)
+    output, aux = result
   if not (isinstance(output, jax.Array) and jnp.issubdtype(output.dtype, jnp.inexact)):
-    raise TypeError('For K-FAC, predict_fn must return one floating-point array (the logits '
-                    f'or predictions), got {jax.tree.map(jnp.shape, output)!r}.')
-  return output
+    raise KFACOutputError(repr(jax.tree.map(jnp.shape, output)), has_aux)
+  return output, aux
 
 
 def _cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
@@ -54,7 +62,8 @@ def _cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
 
 
 def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
-                   layers: KFACLayers, *, fisher: str = 'sampled') -> Callable[..., Any]:
+                   layers: KFACLayers, *, fisher: str = 'sampled',
+                   has_aux: bool = False) -> Callable[..., Any]:
   """A function giving the loss, its gradient and the K-FAC factors of one batch.
 
   The factors are the ones in ``perturbkit._kfac_rules``: per layer
@@ -74,10 +83,17 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       backward lane), ``'empirical'`` (the true targets; no extra work) or
       ``'exact'`` (the expectation over labels, one lane per output unit; for
       ``(batch, k)`` outputs).
+    has_aux: ``predict_fn`` returns ``(output, aux)``, e.g. ``model.apply(v, x,
+      train=True, mutable=['batch_stats'])`` for BatchNorm in train mode; ``aux``
+      is returned as a fourth value. (BatchNorm's params have no rule and go
+      to the fallback; the batch statistics couple the examples, and the
+      factors are formed from the true per-example output gradients of that
+      coupled batch, as kfac-jax does.)
 
   Returns:
     ``estimate(variables, inputs, targets, key=None, *, with_stats=True) ->
-    (loss, grads, stats)``: the mean loss at ``targets``, its gradient with
+    (loss, grads, stats)`` (``(loss, grads, stats, aux)`` with ``has_aux``):
+    the mean loss at ``targets``, its gradient with
     respect to ``variables['params']``, and ``{layer: LayerFactors}`` of this
     batch. ``with_stats`` may be a Python bool or a traced boolean scalar
     (``lax.cond``: only the chosen branch runs); without stats the step is a
@@ -89,6 +105,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
 
   Raises:
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
+    KFACOutputError: ``predict_fn`` returns something else than one
+      floating-point array (or ``(output, aux)`` with ``has_aux``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -109,49 +127,56 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
   select = lambda module, method_name: method_name == '__call__' and tuple(module.path) in paths
 
+  def output_shape(variables, inputs):
+    return jax.eval_shape(lambda v, x: _split_output(predict_fn(v, x), has_aux)[0],
+                          variables, inputs).shape
+
   def lane_loss(variables, inputs, targets, key, lane):
-    output = _output_array(predict_fn(variables, inputs))
+    output, aux = _split_output(predict_fn(variables, inputs), has_aux)
     value, table = _cotangents(output_loss, fisher, jax.lax.stop_gradient(output), targets, key)
     cotangent = jax.lax.stop_gradient(table[lane])
-    return jnp.sum(output * cotangent.astype(output.dtype)), value
+    return jnp.sum(output * cotangent.astype(output.dtype)), (value, aux)
 
   grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
 
   def mean_loss(params, variables, inputs, targets):
-    output = _output_array(predict_fn({**variables, 'params': params}, inputs))
-    return jnp.mean(output_loss.nll(output, targets))
+    output, aux = _split_output(predict_fn({**variables, 'params': params}, inputs), has_aux)
+    return jnp.mean(output_loss.nll(output, targets)), aux
 
   def without_stats(variables, inputs, targets):
-    value, param_grads = jax.value_and_grad(mean_loss)(variables['params'], variables, inputs,
-                                                        targets)
+    (value, aux), param_grads = jax.value_and_grad(mean_loss, has_aux=True)(
+        variables['params'], variables, inputs, targets)
     zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
              for name, info in layers.layers.items()}
-    return value, param_grads, zeros
+    return value, param_grads, zeros, aux
 
   def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
     if isinstance(with_stats, bool):
       if with_stats:
-        return with_stats_fn(variables, inputs, targets, key)
-      return without_stats(variables, inputs, targets)
-    if fisher == 'sampled' and key is None:
-      raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
-                      'targets, key).')
-    return jax.lax.cond(jnp.asarray(with_stats, bool),
-                        lambda: with_stats_fn(variables, inputs, targets, key),
-                        lambda: without_stats(variables, inputs, targets))
+        out = with_stats_fn(variables, inputs, targets, key)
+      else:
+        out = without_stats(variables, inputs, targets)
+    else:
+      if fisher == 'sampled' and key is None:
+        raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
+                        'targets, key).')
+      out = jax.lax.cond(jnp.asarray(with_stats, bool),
+                         lambda: with_stats_fn(variables, inputs, targets, key),
+                         lambda: without_stats(variables, inputs, targets))
+    return out if has_aux else out[:3]
 
   def with_stats_fn(variables, inputs, targets, key):
     if fisher == 'empirical':
-      (_, value), grads, captured = grad_fn(variables, inputs, targets, key, 0)
-      examples = jax.eval_shape(predict_fn, variables, inputs).shape[0]
+      (_, (value, aux)), grads, captured = grad_fn(variables, inputs, targets, key, 0)
+      examples = output_shape(variables, inputs)[0]
       # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
       output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
       param_grads = grads['params']
     else:
-      shape = jax.eval_shape(predict_fn, variables, inputs).shape
+      shape = output_shape(variables, inputs)
       lanes = jnp.arange(2 if fisher == 'sampled' else 1 + shape[-1])
-      (_, value), grads, captured = jax.vmap(
+      (_, (value, aux)), grads, captured = jax.vmap(
           grad_fn, in_axes=(None, None, None, None, 0), out_axes=((0, None), 0, None))(
               variables, inputs, targets, key, lanes)
       param_grads = jax.tree.map(lambda g: g[0], grads['params'])
@@ -162,7 +187,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       point_grads = _get_in(output_grads, info.path)
       stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
                                   [point_grads[c] for c in info.calls])
-    return value, param_grads, stats
+    return value, param_grads, stats, aux
 
   return estimate
 

@@ -268,6 +268,57 @@ def test_conv_patches_times_kernel_is_the_conv(kwargs):
 
 # ---------------------------------------------------------------- exact Fisher
 
+class BatchNormNet(nn.Module):
+  """Dense -> BatchNorm (batch statistics in train mode) -> tanh -> Dense."""
+  @nn.compact
+  def __call__(self, x, train):
+    x = nn.Dense(6, name='Dense_0')(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, name='BatchNorm_0')(x)
+    return nn.Dense(4, name='Dense_1')(jnp.tanh(x))
+
+
+def hand_batchnorm_net(params, x, eps):
+  inputs = [x]
+  z = bias(x @ params['Dense_0']['kernel'], params['Dense_0']['bias']) + eps[0]
+  mean = jnp.mean(z, axis=0, keepdims=True)
+  var = jnp.mean((z - mean) ** 2, axis=0, keepdims=True)
+  bn = params['BatchNorm_0']
+  h = jnp.tanh(bias((z - mean) / jnp.sqrt(var + 1e-5) * bn['scale'][None], bn['bias']))
+  inputs.append(h)
+  return bias(h @ params['Dense_1']['kernel'], params['Dense_1']['bias']) + eps[1], inputs
+
+
+def test_batchnorm_in_train_mode_with_has_aux():
+  """BatchNorm's params go to the fallback; the Dense factors are those of the true
+  per-example gradients of the coupled batch, and the batch_stats updates come back."""
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.arange(8) % 4
+  model = BatchNormNet()
+  variables = jax.jit(lambda k, x: model.init(k, x, train=False))(jax.random.key(0), x)
+  train = lambda v, x: model.apply(v, x, train=True, mutable=['batch_stats'])
+  layers = perturbkit.kfac_layers(train, variables, x)
+  assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
+  assert layers.skipped == {'BatchNorm_0': 'BatchNorm has no Kronecker-factor rule'}
+  with pytest.raises(perturbkit.KFACOutputError, match='has_aux=True'):
+    perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers)(variables, x, y,
+                                                                      jax.random.key(2))
+  estimate = perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers,
+                                       fisher='empirical', has_aux=True)
+  loss, grads, stats, updates = jax.jit(estimate)(variables, x, y)
+  inputs, output_grads = hand_factors(hand_batchnorm_net, variables['params'], x,
+                                      lambda logits: y, [(8, 6), (8, 4)])
+  for i, name in enumerate(['Dense_0', 'Dense_1']):
+    assert_factors(stats, name, *dense_reference(inputs[i], output_grads[i], 8))
+  logits, want_updates = train(variables, x)
+  chex.assert_trees_all_close(updates, want_updates, rtol=1e-6)
+  np.testing.assert_allclose(loss, optax.softmax_cross_entropy_with_integer_labels(
+      logits, y).mean(), rtol=1e-6)
+  # Without the statistics (a traced flag): the same loss, gradient and updates.
+  plain = jax.jit(lambda v: estimate(v, x, y, with_stats=jnp.zeros((), bool)))(variables)
+  chex.assert_trees_all_close((plain[0], plain[1], plain[3]), (loss, grads, updates),
+                              rtol=1e-5, atol=1e-7)
+
+
 def test_single_dense_gaussian_kfac_is_the_exact_fisher():
   # Linear-Gaussian output: the Fisher of (W, b) is E[ã ãᵀ] ⊗ I/σ², exactly Kronecker.
   model = nn.Sequential([nn.Dense(3)])
