@@ -7,6 +7,11 @@ empirical factors. With ``'updated'`` the reference is a sweep written out by ha
 in float64 numpy: each layer's factors, damped inverses and step, then the
 cotangent sent to the layer below computed with the layer's NEW kernel.
 """
+import os
+import subprocess
+import sys
+import textwrap
+
 import chex
 import flax.linen as nn
 import jax
@@ -162,3 +167,46 @@ def test_amortised_segment_statistics_and_errors():
   w = variables['params']['Dense_0']
   with pytest.raises(TypeError, match='segment_inputs'):
     alone.update(w, alone.init(w), w)
+
+
+CHILD = textwrap.dedent('''
+    import os
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    import sys
+    import chex, jax, optax
+    from jax.sharding import Mesh, PartitionSpec as P
+    jax.config.update('jax_numpy_rank_promotion', 'raise')
+    sys.path.insert(0, sys.argv[1])
+    import test_kfac_segment as t
+    import perturbkit
+    assert jax.device_count() == 8
+
+    predict, loss_fn, variables, xs, ys = t.problem(2)
+    xs, ys = xs.reshape(1, 16, 3), ys.reshape(1, 16)
+    layers = perturbkit.kfac_layers(predict, variables, xs[0])
+    kfac = dict(damping=t.DAMPING, decay=0.5, inverse_every=1)
+    single = perturbkit.interleaved(loss_fn, t.segment_optimizer(layers, **kfac))
+    parallel = perturbkit.interleaved(
+        loss_fn, t.segment_optimizer(layers, **kfac, axis_name='data'), axis_name='data')
+    mesh = Mesh(jax.devices(), ('data',))
+    step = jax.jit(jax.shard_map(parallel.step, mesh=mesh, in_specs=(P(), P('data'), P('data')),
+                                 out_specs=(P(), P()), check_vma=False))
+    s1, s8 = single.init(variables, xs[0], ys[0]), parallel.init(variables, xs[0], ys[0])
+    for _ in range(2):
+      s1, _ = jax.jit(single.step)(s1, xs[0], ys[0])
+      s8, _ = step(s8, xs[0], ys[0])
+    chex.assert_trees_all_close(s8.opt_state, s1.opt_state, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-4, atol=1e-6)
+    print('KFAC-SEGMENT-MULTIDEVICE-OK')
+''')
+
+
+def test_shard_map_segment_factors_and_steps_equal_one_device():
+  """Each device forms its batch's factors in the sweep; averaged over the axis they are
+  the whole batch's, so 8 devices equal one."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'},
+         'PYTHONPATH': os.pathsep.join([os.path.dirname(here), os.environ.get('PYTHONPATH', '')])}
+  result = subprocess.run([sys.executable, '-c', CHILD, here], capture_output=True, text=True,
+                          env=env, timeout=300)
+  assert 'KFAC-SEGMENT-MULTIDEVICE-OK' in result.stdout, result.stdout + result.stderr[-6000:]
