@@ -34,9 +34,19 @@ class MLP(nn.Module):
     return nn.Dense(4, name='Dense_2')(x)
 
 
-def problem(steps):
-  model = MLP()
-  xs = jax.random.normal(jax.random.key(1), (steps, 8, 3))
+class CNN(nn.Module):
+  """Conv 3x3 SAME -> tanh -> Conv 3x3 stride 2 VALID -> tanh -> Dense."""
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Conv(4, (3, 3), name='Conv_0')(x))
+    x = jnp.tanh(nn.Conv(3, (3, 3), strides=2, padding='VALID', name='Conv_1')(x))
+    return nn.Dense(4, name='Dense_0')(x.reshape(x.shape[0], -1))
+
+
+def problem(steps, model=None):
+  model = MLP() if model is None else model
+  shape = (3,) if isinstance(model, MLP) else (7, 7, 2)
+  xs = jax.random.normal(jax.random.key(1), (steps, 8) + shape)
   ys = jnp.arange(steps * 8).reshape(steps, 8) % 4
   variables = jax.jit(model.init)(jax.random.key(0), xs[0])
   predict = lambda v, x: model.apply(v, x)
@@ -53,23 +63,25 @@ def segment_optimizer(layers, **kfac):
   return optimizer
 
 
-def test_original_equals_whole_model_kfac_on_the_same_factors():
-  predict, loss_fn, variables, xs, ys = problem(3)
+@pytest.mark.parametrize('model', [MLP(), CNN()], ids=['mlp', 'cnn'])
+def test_original_equals_whole_model_kfac_on_the_same_factors(model):
+  predict, loss_fn, variables, xs, ys = problem(3, model)
   layers = perturbkit.kfac_layers(predict, variables, xs[0])
   kfac = dict(damping=DAMPING, decay=0.8, inverse_every=2, stats_every=1)
   tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, **kfac), propagate='original')
   state = tx.init(variables, xs[0], ys[0])
-  assert list(state.opt_state) == ['Dense_0', 'Dense_1', 'Dense_2', perturbkit.REST]
+  assert list(state.opt_state) == sorted(layers.layers) + [perturbkit.REST]
   step = jax.jit(tx.step)
 
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                                fisher='empirical'))
   whole = optax.chain(perturbkit.kfac_preconditioner(layers, **kfac), optax.sgd(LR))
+  whole_update = jax.jit(whole.update)
   params, whole_state = variables['params'], whole.init(variables['params'])
   for x, y in zip(xs, ys):
     state, metrics = step(state, x, y)
     loss, grads, stats = estimate({'params': params}, x, y)
-    updates, whole_state = whole.update(grads, whole_state, params, kfac_stats=stats)
+    updates, whole_state = whole_update(grads, whole_state, params, kfac_stats=stats)
     params = optax.apply_updates(params, updates)
     np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
     for name in layers.layers:
@@ -80,6 +92,8 @@ def test_original_equals_whole_model_kfac_on_the_same_factors():
                                   rtol=1e-4, atol=1e-5)
     chex.assert_trees_all_close(state.params, params, rtol=1e-4, atol=1e-6)
   assert int(state.opt_state['Dense_0'][0].count) == 3
+  assert {info.kind for info in layers.layers.values()} == (
+      {'dense'} if isinstance(model, MLP) else {'conv', 'dense'})
 
 
 def hand_updated_sweep(params, x, y, factors, decay):
