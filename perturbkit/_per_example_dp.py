@@ -27,9 +27,11 @@ import optax
 from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
-from perturbkit._per_example_norms import squared_norms
+from perturbkit._per_example_norms import all_layer_norms, flat_squares
 from perturbkit._per_example_pass import Pass, run_pass
 from perturbkit._per_example_replay import weighted_grad
+from perturbkit._per_example_rules import LayerNorms
+from perturbkit._types import Path
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -37,25 +39,73 @@ def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
   return clip_norm / jnp.maximum(norms, clip_norm)
 
 
-def weighted_sum(result: Pass, weights: jax.Array, params: Any) -> Any:
-  """``sum_i weights[i] ∇term_i``, shaped like ``params``, by one VJP per use."""
+def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array,
+                 params: Any) -> Any:
+  """``sum_i weights[i] ∇term_i``, shaped like ``params``.
+
+  From the per-example gradients where a rule kept them, else by one VJP per use
+  with the output gradient scaled per example (for Dense, one matmul).
+  """
   flat = {}
   for layer in result.layers:
-    total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}
-    for pair in layer.pairs:
-      grads = weighted_grad(pair, layer.params, weights)
-      total = {k: total[k] + grads[k] for k in total}
-    flat.update({layer.path + (k,): v for k, v in total.items()})
+    kept = norms[layer.path].per_example
+    if kept is not None:
+      total = {k: jnp.tensordot(weights.astype(v.dtype), v, axes=1) for k, v in kept.items()}
+    else:
+      total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}
+      for pair in layer.pairs:
+        grads = weighted_grad(pair, layer.params, weights)
+        total = {k: total[k] + grads[k] for k in total}
+    flat.update({layer.path + (k,): v.astype(layer.direct[k].dtype) for k, v in total.items()})
   order = traverse_util.flatten_dict(dict(params))
   return traverse_util.unflatten_dict({k: flat[k] for k in order})
 
 
-def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
-  """Independent ``N(0, stddev²)`` noise for every leaf of ``like``."""
-  leaves, treedef = jax.tree.flatten(like)
+NOISE_CHUNK = 2 ** 14  # elements: the smallest draw a leaf is split into
+NOISE_CHUNKS = 16  # the most draws one leaf is split into
+
+
+def noise_rows(size: int) -> int:
+  """Into how many equal draws a leaf of ``size`` elements is split (1: drawn whole).
+
+  The largest divisor of ``size`` that is at most ``NOISE_CHUNKS`` and leaves
+  draws of at least ``NOISE_CHUNK`` elements.
+  """
+  most = min(NOISE_CHUNKS, size // NOISE_CHUNK)
+  return max((m for m in range(1, most + 1) if size % m == 0), default=1)
+
+
+def add_noise(key: jax.Array, tree: Any, stddev: jax.Array) -> Any:
+  """``tree`` plus independent ``N(0, stddev²)`` noise in every entry.
+
+  The stream: ``key`` is split into one key per leaf (in ``jax.tree.leaves``
+  order); a leaf of ``n`` entries is flattened into ``m = noise_rows(n)`` equal
+  rows, and row ``j`` gets ``jax.random.normal(jax.random.split(leaf_key, m)[j],
+  (n // m,))``. The rows are drawn one after the other and added in place, so a
+  large leaf holds the random bits of one row at a time rather than of the whole
+  leaf (a param-sized buffer or more, next to the clipped sum).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [
-      stddev * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+  out = []
+  for leaf_key, x in zip(keys, leaves):
+    rows = noise_rows(x.size)
+    if rows == 1:
+      out.append(x + stddev.astype(x.dtype) * jax.random.normal(leaf_key, x.shape, x.dtype))
+      continue
+    row_keys = jax.random.split(leaf_key, rows)
+
+    def add_row(j, flat, row_keys=row_keys):
+      draw = jax.random.normal(row_keys[j], flat.shape[1:], flat.dtype)
+      return flat.at[j].add(stddev.astype(flat.dtype) * draw)
+
+    out.append(jax.lax.fori_loop(0, rows, add_row, x.reshape(rows, -1)).reshape(x.shape))
+  return jax.tree.unflatten(treedef, out)
+
+
+def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
+  """The noise :func:`add_noise` adds to a tree shaped like ``like``."""
+  return add_noise(key, jax.tree.map(jnp.zeros_like, like), stddev)
 
 
 def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multiplier: float,
@@ -104,18 +154,18 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   def run(variables, key, *args, **kwargs):
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
-    squares = squared_norms(result, dense_method)
-    norms = jnp.sqrt(functools.reduce(jnp.add, squares.values()))
+    layers = all_layer_norms(result, dense_method)
+    norms = jnp.sqrt(functools.reduce(jnp.add, flat_squares(layers).values()))
     factors = clip_factors(norms, clip_norm)
-    summed = weighted_sum(result, factors, variables['params'])
+    summed = weighted_sum(result, layers, factors, variables['params'])
     count = jnp.asarray(result.num_examples, jnp.float32)
     clipped = jnp.mean((norms > clip_norm).astype(jnp.float32))
     loss = result.loss
     if axis_name is not None:
       summed, count = jax.lax.psum((summed, count), axis_name)
       clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
-    noise = gaussian_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
-    grads = jax.tree.map(lambda s, n: ((s + n) / count).astype(s.dtype), summed, noise)
+    noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
+    grads = jax.tree.map(lambda s: (s / count).astype(s.dtype), noised)
     return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped}
 
   return run

@@ -8,7 +8,8 @@ from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
 from perturbkit._per_example_pass import Pass, run_pass
-from perturbkit._per_example_rules import DENSE_METHODS, sq_norms
+from perturbkit._per_example_rules import DENSE_METHODS, LayerNorms, layer_norms
+from perturbkit._types import Path
 
 
 class PerExampleNorms(NamedTuple):
@@ -24,20 +25,24 @@ class PerExampleNorms(NamedTuple):
   by_param: dict
 
 
-def squared_norms(result: Pass, dense_method: str) -> dict[tuple, jax.Array]:
-  """``{param path: (examples,) squared norm}`` for every param of the pass's layers."""
+def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
+  """Every layer's :class:`LayerNorms`, by module path."""
   if dense_method not in DENSE_METHODS:
     raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
   out = {}
   for layer in result.layers:
     if not layer.pairs:
       zero = jnp.zeros((result.num_examples,), jnp.float32)
-      out.update({layer.path + (k,): zero for k in layer.direct})
-      continue
-    norms = sq_norms(layer.pairs, layer.params, layer.direct, result.num_examples,
-                     dense_method)
-    out.update({layer.path + (k,): v for k, v in norms.items()})
+      out[layer.path] = LayerNorms({k: zero for k in layer.direct})
+    else:
+      out[layer.path] = layer_norms(layer.pairs, layer.params, layer.direct,
+                                    result.num_examples, dense_method)
   return out
+
+
+def flat_squares(layers: dict[Path, LayerNorms]) -> dict[tuple, jax.Array]:
+  """``{param path: (examples,) squared norm}`` for every param of ``layers``."""
+  return {path + (k,): v for path, norms in layers.items() for k, v in norms.squares.items()}
 
 
 def norms_from_squares(squares: dict[tuple, jax.Array]) -> PerExampleNorms:
@@ -107,6 +112,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   def run(variables, *args, **kwargs):
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
-    return result.loss, norms_from_squares(squared_norms(result, dense_method))
+    squares = flat_squares(all_layer_norms(result, dense_method))
+    return result.loss, norms_from_squares(squares)
 
   return run

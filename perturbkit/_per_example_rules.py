@@ -20,8 +20,13 @@ a shared module is the sum over its uses, so the rules never add norms of uses:
   ``sum_t g_t``) are formed per example directly; they are small.
 * ``general``: anything else: each use's call replayed per example (a vmap of its
   own VJP), the uses' per-example gradients summed, then the norm.
+
+Where a rule forms per-example gradients (the general path, direct Conv kernels,
+direct Dense kernels), it returns them too when they take no more memory than
+the calls' inputs and output gradients: the clipped sum of DP-SGD is then a
+weighted sum of them (``sum_i c_i G_i``) instead of one more VJP of each call.
 """
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -33,6 +38,37 @@ from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_replay import Pair, per_example_grads
 
 DENSE_METHODS = ('auto', 'ghost', 'direct')
+
+
+class LayerNorms(NamedTuple):
+  """What a rule gives for one module.
+
+  Attributes:
+    squares: ``{param name: (examples,) squared norms}`` of its own params.
+    per_example: ``{param name: (examples, *shape) gradients}`` where the rule
+      formed them and they are worth keeping (see the module docstring), else ``None``.
+  """
+  squares: dict[str, jax.Array]
+  per_example: dict[str, jax.Array] | None = None
+
+
+def _sq(per_example: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(per_example.reshape(per_example.shape[0], -1)), axis=1)
+
+
+def _size(tree) -> int:
+  return sum(int(np.prod(jnp.shape(t))) for t in jax.tree.leaves(tree))
+
+
+def _kept(pairs: list[Pair], per_example: dict[str, jax.Array]) -> LayerNorms:
+  """Norms of ``per_example``, which are kept when no larger than the calls' arrays.
+
+  Without them, the clipped sum replays each call from its inputs and output
+  gradient, which must then stay in memory until every example's norm is known.
+  """
+  squares = {k: _sq(v) for k, v in per_example.items()}
+  replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
+  return LayerNorms(squares, per_example if _size(per_example) <= replay else None)
 
 
 def _first_input(pair: Pair) -> jax.Array:
@@ -99,30 +135,31 @@ def _where(pair: Pair) -> str:
   return '/'.join(pair.use.path + (pair.use.key,))
 
 
-def linear_sq_norms(a: jax.Array, g: jax.Array, method: str) -> jax.Array:
-  """``‖sum_t a_t g_tᵀ‖²`` per example for ``a`` (B, T, i) and ``g`` (B, T, o)."""
-  tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-  ghost = method == 'ghost' or (method == 'auto' and 2 * tokens * tokens < d_in * d_out)
-  if ghost:
-    aa = jnp.einsum('bti,bsi->bts', a, a)
-    gg = jnp.einsum('bto,bso->bts', g, g)
-    return jnp.sum(aa * gg, axis=(1, 2))
-  per_example = jnp.einsum('bti,bto->bio', a, g)
-  return jnp.sum(per_example * per_example, axis=(1, 2))
+def uses_ghost(tokens: int, d_in: int, d_out: int, method: str) -> bool:
+  """Ghost norm (``T²`` per example) or direct outer product (``d_in·d_out``), by size."""
+  return method == 'ghost' or (method == 'auto' and 2 * tokens * tokens < d_in * d_out)
 
 
-def _bias_sq_norms(g: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.sum(g, axis=1) ** 2, axis=-1)
+def ghost_sq_norms(a: jax.Array, g: jax.Array) -> jax.Array:
+  """``‖sum_t a_t g_tᵀ‖²`` per example for ``a`` (B, T, i) and ``g`` (B, T, o), by ghost norm."""
+  if a.shape[1] == 1:  # one token: ‖a‖²‖g‖²
+    return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(g), axis=(1, 2))
+  aa = jnp.einsum('bti,bsi->bts', a, a)
+  gg = jnp.einsum('bto,bso->bts', g, g)
+  return jnp.sum(aa * gg, axis=(1, 2))
 
 
 def _linear_rule(pairs: list[Pair], params: dict, num_examples: int, method: str,
-                 inputs: Callable[[Pair], jax.Array]) -> dict[str, jax.Array]:
+                 inputs: Callable[[Pair], jax.Array]) -> LayerNorms:
   a = jnp.concatenate([_tokens(inputs(p), num_examples, _where(p)) for p in pairs], axis=1)
   g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in pairs], axis=1)
-  out = {'kernel': linear_sq_norms(a, g, method)}
-  if 'bias' in params:
-    out['bias'] = _bias_sq_norms(g)
-  return out
+  bias = {'bias': jnp.sum(g, axis=1)} if 'bias' in params else {}
+  if not uses_ghost(a.shape[1], a.shape[2], g.shape[2], method):
+    kernel = jnp.einsum('bti,bto->bio', a, g).reshape((num_examples,) + params['kernel'].shape)
+    return _kept(pairs, {'kernel': kernel, **bias})
+  squares = {'kernel': ghost_sq_norms(a, g)}
+  squares.update({k: _sq(v) for k, v in bias.items()})
+  return LayerNorms(squares)
 
 
 def dense_rule(pairs, params, num_examples, method):
@@ -146,16 +183,81 @@ def conv_patches(pair: Pair) -> jax.Array:
 
 
 def _conv_uses_ghost(pairs: list[Pair], params: dict, method: str) -> bool:
-  """Ghost norms on patches when ``2T² < d_in·d_out``; else the direct path (see ``sq_norms``)."""
+  """Ghost norms on patches when ``2T² < d_in·d_out``; else the direct path (see ``layer_norms``)."""
   if method != 'auto':
     return method == 'ghost'
   shapes = [jax.eval_shape(lambda p=p: conv_patches(p)).shape for p in pairs]
   tokens = sum(int(np.prod(shape[1:-1])) for shape in shapes)
-  return 2 * tokens * tokens < shapes[0][-1] * params['kernel'].shape[-1]
+  return uses_ghost(tokens, shapes[0][-1], params['kernel'].shape[-1], method)
 
 
 def conv_rule(pairs, params, num_examples, method):
   return _linear_rule(pairs, params, num_examples, 'ghost', conv_patches)
+
+
+def _conv_options(pair: Pair) -> tuple:
+  m = pair.use.module
+  kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
+  spatial = len(kernel)
+  broadcast = lambda v: (1,) * spatial if v is None else (
+      (v,) * spatial if isinstance(v, int) else tuple(v))
+  return (kernel, broadcast(m.strides), broadcast(m.kernel_dilation),
+          broadcast(m.input_dilation), canonicalize_padding(m.padding, spatial))
+
+
+def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """``reduce`` of each example's conv kernel gradient at each kernel offset, without patches.
+
+  Returns ``reduce(block)`` stacked over the kernel's offsets, where ``block`` is
+  the ``(examples, in, out)`` gradient at one offset ``k``: ``sum_t x[t·stride +
+  k·dilation]ᵀ g_t``, one batched matmul of a strided window of the padded input
+  with ``g``. The offsets run in a ``lax.scan``, so one input-sized window is in
+  memory at a time, not ``prod(kernel)`` of them (the patches).
+  """
+  kernel, strides, dilation, _, padding = _conv_options(pair)
+  x, g = pair.args[0], pair.grad
+  x = x.astype(jnp.promote_types(x.dtype, g.dtype))
+  extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
+  if isinstance(padding, str):
+    padding = jax.lax.padtype_to_pads(x.shape[1:-1], extent, strides, padding)
+  x = jax.lax.pad(x, jnp.zeros((), x.dtype),
+                  [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
+  batch, channels, out_spatial = x.shape[0], x.shape[-1], g.shape[1:-1]
+  tokens = int(np.prod(out_spatial))
+  g = g.reshape(batch, tokens, g.shape[-1])
+  span = [(n - 1) * st + 1 for n, st in zip(out_spatial, strides)]
+  starts = jnp.asarray([[o * d for o, d in zip(offset, dilation)]
+                        for offset in np.ndindex(*kernel)], jnp.int32)
+
+  def block(_, start):
+    zero = jnp.zeros((), jnp.int32)
+    window = jax.lax.dynamic_slice(x, (zero, *start, zero), (batch, *span, channels))
+    window = window[(slice(None), *(slice(None, None, st) for st in strides))]
+    return None, reduce(jnp.einsum('bti,bto->bio', window.reshape(batch, tokens, -1), g))
+
+  return jax.lax.scan(block, None, starts)[1]
+
+
+def conv_direct_rule(pairs, params, num_examples, method):
+  """Direct per-example conv kernel gradients; kept only if smaller than the calls' arrays."""
+  del method
+  for p in pairs:
+    _tokens(p.grad, num_examples, _where(p))  # the examples on axis 0
+  bias = {}
+  if 'bias' in params:
+    bias = {'bias': sum(jnp.sum(p.grad.reshape(num_examples, -1, p.grad.shape[-1]), axis=1)
+                        for p in pairs)}
+  shape = params['kernel'].shape
+  replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
+  keep = num_examples * int(np.prod(shape)) <= replay
+  if len(pairs) == 1 and not keep:
+    # Offsets are disjoint blocks of the kernel: the squares add up over them.
+    squares = {'kernel': jnp.sum(conv_kernel_blocks(pairs[0], _sq), axis=0)}
+    return LayerNorms({**squares, **{k: _sq(v) for k, v in bias.items()}})
+  kernel = sum(conv_kernel_blocks(p, lambda b: b) for p in pairs)  # (offsets, B, in, out)
+  kernel = jnp.moveaxis(kernel, 0, 1).reshape((num_examples,) + shape)
+  squares = {'kernel': _sq(kernel), **{k: _sq(v) for k, v in bias.items()}}
+  return LayerNorms(squares, {'kernel': kernel, **bias} if keep else None)
 
 
 def embed_rule(pairs, params, num_examples, method):
@@ -164,7 +266,7 @@ def embed_rule(pairs, params, num_examples, method):
   g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in pairs], axis=1)
   same = ids[:, :, None] == ids[:, None, :]
   gg = jnp.einsum('btd,bsd->bts', g, g)
-  return {'embedding': jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))}
+  return LayerNorms({'embedding': jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))})
 
 
 def _normalized(pair: Pair, params: dict) -> jax.Array:
@@ -185,11 +287,11 @@ def norm_rule(pairs, params, num_examples, method):
       parts['scale'] = jnp.sum(g * x_hat, axis=1)
     for k in params:
       sums[k] = sums[k] + parts[k] if k in sums else parts[k]
-  return {k: jnp.sum(v * v, axis=-1) for k, v in sums.items()}
+  return LayerNorms({k: jnp.sum(v * v, axis=-1) for k, v in sums.items()})
 
 
 def general_rule(pairs, params_subtree, num_examples, direct):
-  """Squared norms of the ``direct`` params, from per-example VJPs of every use."""
+  """Norms of the ``direct`` params, from per-example VJPs of every use."""
   total = None
   for p in pairs:
     leading = jax.tree.leaves(p.grad)
@@ -200,20 +302,21 @@ def general_rule(pairs, params_subtree, num_examples, direct):
     grads = per_example_grads(p, params_subtree, num_examples)
     grads = {k: grads[k] for k in direct}
     total = grads if total is None else jax.tree.map(jnp.add, total, grads)
-  return {k: jnp.sum(v.reshape(num_examples, -1) ** 2, axis=1) for k, v in total.items()}
+  return _kept(pairs, total)
 
 
 FAST_RULES = {'dense': dense_rule, 'conv': conv_rule, 'embed': embed_rule, 'norm': norm_rule}
 
 
-def sq_norms(pairs: list[Pair], params_subtree: dict, direct: dict, num_examples: int,
-             method: str) -> dict[str, jax.Array]:
-  """``{param name: (examples,) squared norms}`` of one module's own params."""
+def layer_norms(pairs: list[Pair], params_subtree: dict, direct: dict, num_examples: int,
+                method: str) -> LayerNorms:
+  """Squared per-example norms of one module's own params (and, where kept, its per-example grads)."""
   kind = kind_of(pairs)
   if kind == 'general' or set(direct) != set(params_subtree):
     return general_rule(pairs, params_subtree, num_examples, direct)
   if kind == 'conv' and not _conv_uses_ghost(pairs, direct, method):
-    # The direct per-example kernel gradient is the conv's own VJP per example: patches
-    # (prod(kernel) times the input) are never formed.
+    # Patches (prod(kernel) times the input) are never formed for the direct path.
+    if all(d == 1 for p in pairs for d in _conv_options(p)[3]):
+      return conv_direct_rule(pairs, direct, num_examples, method)
     return general_rule(pairs, params_subtree, num_examples, direct)
   return FAST_RULES[kind](pairs, direct, num_examples, method)

@@ -76,6 +76,20 @@ class ConvNet(nn.Module):
     return nn.Dense(3)(x.reshape(x.shape[0], -1))
 
 
+class ConvKinds(nn.Module):
+  """Direct conv kernels of each kind: kept per example (the kernel is smaller than the
+XX
+  conv module called twice, whose uses add up per kernel offset."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(4, (3, 3), strides=(2, 1), padding=((1, 1), (0, 2)))(x))  # kept
+    x = nn.relu(nn.Conv(16, (3, 3), padding='SAME')(x))  # squares only
+    shared = nn.Conv(16, (2, 2), kernel_dilation=(1, 2), padding='SAME', use_bias=False)
+    x = shared(nn.relu(shared(x)))
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
 class SeqModel(nn.Module):
   """Embed -> LayerNorm -> attention (DenseGeneral: general path) -> Dense on tokens -> head."""
   vocab: int = 11
@@ -162,6 +176,23 @@ def test_cnn(method):
   assert_norms_match(classification_loss(model), variables, x, y, dense_method=method)
 
 
+def test_conv_direct_paths():
+  model = ConvKinds()
+  x = jax.random.normal(jax.random.key(0), (3, 6, 5, 2))
+  y = jnp.arange(3) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  assert_norms_match(loss_fn, variables, x, y, dense_method='direct')
+  key = jax.random.key(3)
+  _, total = norms_of(reference_grads(loss_fn, variables, x, y))
+  clip = float(jnp.median(total))
+  dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.5,
+                               dense_method='direct')
+  grads, _ = jax.jit(dp)(variables, key, x, y)
+  want, _, _ = reference_private_grad(loss_fn, variables, key, clip, 0.5, x, y)
+  chex.assert_trees_all_close(grads, want, **TOL)
+
+
 @pytest.mark.parametrize('method', ['ghost', 'direct', 'auto'])
 def test_transformer(method):
   model = SeqModel()
@@ -245,6 +276,17 @@ def test_random_architectures(depth, width, length, bias, norm, conv, method, ba
 # -- DP-SGD ------------------------------------------------------------------------------
 
 
+def documented_noise(key, shape):
+  """The stream ``add_noise`` documents: a leaf of n entries is m rows of n/m draws, where m
+  is the largest divisor of n that is at most 16 and leaves rows of at least 2**14."""
+  n = int(np.prod(shape))
+  rows = max(m for m in range(1, 17) if n % m == 0 and (m == 1 or n // m >= 2 ** 14))
+  if rows == 1:
+    return jax.random.normal(key, shape)
+  draws = [jax.random.normal(k, (n // rows,)) for k in jax.random.split(key, rows)]
+  return jnp.concatenate(draws).reshape(shape)
+
+
 def reference_private_grad(loss_fn, variables, key, clip_norm, noise_multiplier, *args):
   per_example = reference_grads(loss_fn, variables, *args)
   _, total = norms_of(per_example)
@@ -252,17 +294,19 @@ def reference_private_grad(loss_fn, variables, key, clip_norm, noise_multiplier,
   summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
   leaves, treedef = jax.tree.flatten(summed)
   keys = jax.random.split(key, len(leaves))
-  noise = [noise_multiplier * clip_norm * jax.random.normal(k, x.shape, x.dtype)
+  noise = [noise_multiplier * clip_norm * documented_noise(k, x.shape)
            for k, x in zip(keys, leaves)]
   batch = total.shape[0]
   return (jax.tree.unflatten(treedef, [(s + n) / batch for s, n in zip(leaves, noise)]),
           total, jnp.mean(total > clip_norm))
 
 
-@pytest.mark.parametrize('name', ['mlp', 'cnn', 'tied'])
+@pytest.mark.parametrize('name', ['mlp', 'wide', 'cnn', 'tied'])
 def test_private_grad_matches_vmap_grad(name):
   if name == 'mlp':
     model, x = models.MLP(out=3), jax.random.normal(jax.random.key(0), (6, 5))
+  elif name == 'wide':  # kernels whose noise is drawn in 2 and 9 rows
+    model, x = models.MLP((384, 384), out=3), jax.random.normal(jax.random.key(0), (6, 96))
   elif name == 'cnn':
     model, x = ConvNet(), jax.random.normal(jax.random.key(0), (6, 9, 9, 2))
   else:  # a shared Dense (fast path) and a tied embedding (general path)
@@ -303,15 +347,22 @@ def test_dp_sgd_step_is_optax_on_private_grad():
 
 
 def test_noise_has_the_right_scale():
-  """With every example clipped to a tiny norm, the gradient is the noise: std σC/B."""
-  model = models.MLP(features=(32, 32), out=3)
-  x = jax.random.normal(jax.random.key(0), (4, 5))
+  """With every example clipped to a tiny norm, the gradient is the noise: std σC/B.
+
+  The 96x384 kernel's noise is drawn in two rows; they must be independent draws.
+  """
+  model = models.MLP(features=(384, 384), out=3)
+  x = jax.random.normal(jax.random.key(0), (4, 96))
   y = jnp.arange(4) % 3
   variables = model.init(jax.random.key(1), x)
   dp = perturbkit.private_grad(classification_loss(model), clip_norm=1e-6, noise_multiplier=2e5)
   grads, _ = jax.jit(dp)(variables, jax.random.key(0), x, y)
   noise = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
-  np.testing.assert_allclose(jnp.std(noise), 2e5 * 1e-6 / 4, rtol=0.1)
+  np.testing.assert_allclose(jnp.std(noise), 2e5 * 1e-6 / 4, rtol=0.02)
+  np.testing.assert_allclose(jnp.mean(noise), 0.0, atol=0.02 * 2e5 * 1e-6 / 4)
+  rows = grads['Dense_0']['kernel'].reshape(2, -1)
+  np.testing.assert_allclose(jnp.std(rows, axis=1), 2e5 * 1e-6 / 4, rtol=0.03)
+  assert abs(float(jnp.corrcoef(rows)[0, 1])) < 0.03
 
 
 SHARD_MAP_CHILD = textwrap.dedent('''
