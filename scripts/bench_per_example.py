@@ -1,20 +1,26 @@
 """Cost of DP-SGD: perturbkit's one-pass clipping against ``vmap(grad)`` clipping and a plain step.
 
-For an MLP, a CNN and a small Transformer at two batch sizes, three jitted
+For an MLP, a CNN and a small Transformer at two batch sizes, four jitted
 training steps (SGD) are compiled and timed side by side in one run, round-robin:
 
   plain       ``jax.value_and_grad`` + ``optax.sgd``: the non-private step.
+  noised      the plain step plus the Gaussian noise σC of DP-SGD (perturbkit's own draw,
+              ``add_noise``), without clipping: the floor of any DP-SGD step. On CPU, JAX
+              draws threefry random numbers with rolled loops, so for a small model the
+              noise alone can cost more than the plain step.
   vmap_grad   per-example gradients by ``jax.vmap(jax.grad)`` of each example's loss,
               clipped to C, summed, Gaussian noise σC added, averaged, then SGD.
   perturbkit  ``perturbkit.dp_sgd``: norms from the (input, output gradient) pairs of
               one backward pass, clipped sum by one VJP per layer call (book-keeping).
 
 Reported: median step time and its ratio to plain, XLA ``memory_analysis`` bytes
-(argument + output + temp) and their ratio to plain. Before timing, the two private
+(argument + output + temp) and their ratio to plain; perturbkit's ratios to noised
+(what per-example clipping adds on top of the noise). Before timing, the two private
 steps are checked to give the same new params for the same key (exit code 1 if not).
 
   python scripts/bench_per_example.py --out scripts/results/bench_per_example.json
-  python scripts/bench_per_example.py --sizes small      # smoke test, prints only
+  python scripts/bench_per_example.py --sizes small      # prints only
+  python scripts/bench_per_example.py --sizes tiny --models mlp cnn   # the smoke test's run
 """
 import os
 import sys
@@ -32,7 +38,7 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
 
-VARIANTS = ('plain', 'vmap_grad', 'perturbkit')
+VARIANTS = ('plain', 'noised', 'vmap_grad', 'perturbkit')
 LEARNING_RATE = 0.1
 CLIP_NORM = 1.0
 NOISE_MULTIPLIER = 1.0
@@ -41,6 +47,12 @@ TARGETS = {'time': 1.5, 'memory': 1.2}  # perturbkit / plain
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_per_example.json')
 
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    'tiny': {  # the smoke test: one batch size, seconds
+        'mlp': dict(batches=(4,), features=8, widths=(16,), classes=3),
+        'cnn': dict(batches=(3,), image=6, channels=(4,), classes=3),
+        'transformer': dict(batches=(2,), seq=4, features=4, dim=8, depth=1, heads=2,
+                            classes=3),
+    },
     'small': {
         'mlp': dict(batches=(8, 16), features=16, widths=(32, 32), classes=10),
         'cnn': dict(batches=(4, 8), image=8, channels=(8, 8), classes=10),
@@ -74,6 +86,20 @@ def plain_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., An
   def step(params, opt_state, key, x, y):
     del key
     loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def noised_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
+  """The plain step with DP-SGD's noise added to the summed gradient, and no clipping."""
+  def step(params, opt_state, key, x, y):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
+    batch = x.shape[0]
+    summed = jax.tree.map(lambda g: g * batch, grads)
+    noised = perturbkit._per_example_dp.add_noise(
+        key, summed, jnp.asarray(NOISE_MULTIPLIER * CLIP_NORM, jnp.float32))
+    grads = jax.tree.map(lambda g: g / batch, noised)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
   return step
@@ -125,7 +151,8 @@ def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
   params = problem.model.init(kp, problem.x)['params']
   opt_state = optimizer.init(params)
   args = (params, opt_state, kn, problem.x, problem.y)
-  makers = {'plain': plain_step, 'vmap_grad': vmap_grad_step, 'perturbkit': perturbkit_step}
+  makers = {'plain': plain_step, 'noised': noised_step, 'vmap_grad': vmap_grad_step,
+            'perturbkit': perturbkit_step}
   compiled = {v: common.compile_timed(makers[v](loss_fn, optimizer), *args) for v in VARIANTS}
   new_params = {v: compiled[v].call(*args)[0] for v in ('vmap_grad', 'perturbkit')}
   wrong = mismatch(new_params['perturbkit'], new_params['vmap_grad'])
@@ -141,6 +168,8 @@ def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
   base = variants['plain']
   ratios = {f'{v}_{k}': variants[v][f] / base[f]
             for v in VARIANTS[1:] for k, f in (('time', 'median_s'), ('memory', 'sum_bytes'))}
+  ratios.update({f'perturbkit_over_noised_{k}': variants['perturbkit'][f] / variants['noised'][f]
+                 for k, f in (('time', 'median_s'), ('memory', 'sum_bytes'))})
   return {'batch': batch, 'num_params': sum(p.size for p in jax.tree.leaves(params)),
           'private_steps_agree': wrong is None, 'mismatch': wrong, 'variants': variants,
           'ratios': ratios,
@@ -192,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
   for name, runs in results.items():
     for r in runs:
       met = ', '.join(f'{k}={"yes" if ok else "NO"}' for k, ok in r['targets_met'].items())
-      print(f'{name} batch {r["batch"]}: {met}' + (f'  MISMATCH {r["mismatch"]}'
-                                                   if r['mismatch'] else ''))
+      over = r['ratios']
+      print(f'{name} batch {r["batch"]}: {met}; perturbkit / noised: '
+            f'{over["perturbkit_over_noised_time"]:.2f}x time, '
+            f'{over["perturbkit_over_noised_memory"]:.2f}x memory'
+            + (f'  MISMATCH {r["mismatch"]}' if r['mismatch'] else ''))
   all_ok = all(r['private_steps_agree'] for runs in results.values() for r in runs)
   print(f'\nperturbkit == vmap_grad: {"OK" if all_ok else "MISMATCH"}')
   print(f'x time, x mem: ratio to plain. Targets for perturbkit: time <= {TARGETS["time"]}x, '
