@@ -15,6 +15,11 @@ jitted ``lax.scan`` (so an inverse refreshed every ``k`` steps is paid once per
                         (stats_every=1); inverses every k steps.
   kfac_precondition     no statistics and no refresh at all: a gradient and the
                         preconditioning by fixed inverses, the floor of any K-FAC step.
+  interleaved_adam      perturbkit.interleaved (layer-wise segments, propagate='updated')
+                        with adam in every segment.
+  kfac_segments         the same sweep with perturbkit.kfac_segment + sgd in every K-FAC
+                        layer's segment: the factors formed in each segment's backward,
+                        statistics and inverses every k steps.
 
 Reported: ms per step, the ratio to adam, the ratio of each K-FAC variant to
 kfac_precondition (what the statistics and inverses add to a preconditioned
@@ -46,7 +51,8 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
 
-VARIANTS = ('adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition')
+VARIANTS = ('adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition',
+            'interleaved_adam', 'kfac_segments')
 TIME_TARGET = 1.3  # kfac step / adam step, and / the preconditioned step, amortised over k
 NEVER = 2 ** 30
 
@@ -114,6 +120,26 @@ def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str
   return tx, scanned(step, steps)
 
 
+def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | None, k: int,
+                    steps: int):
+  """``(init(params) -> state, run)`` of the interleaved sweep: adam in every segment, or
+  kfac_segment + sgd in the K-FAC layers' segments when ``layers`` is given."""
+  def optimizer(name):
+    if layers is None or name not in layers.layers:
+      return optax.adam(1e-3)
+    return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=1e-2,
+                                               inverse_every=k),
+                       optax.sgd(1e-2, momentum=0.9))
+
+  tx = perturbkit.interleaved(models.cross_entropy(problem.model), optimizer)
+
+  def step(state, key, x, y):
+    del key
+    state, metrics = tx.step(state, x, y)
+    return state, metrics['loss']
+  return (lambda params: tx.init({'params': params}, problem.x, problem.y)), scanned(step, steps)
+
+
 def nbytes(tree: Any) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
@@ -132,12 +158,17 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
           'kfac_sampled_every': kfac_run(problem, layers, 'sampled', k, 1, steps),
           'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER, steps)}
   states = {v: tx.init(params) for v, (tx, _) in runs.items()}
+  for v, kfac_layers in (('interleaved_adam', None), ('kfac_segments', layers)):
+    init, run = interleaved_run(problem, kfac_layers, k, steps)
+    states[v], runs[v] = init(params), (None, run)
   # Start past count 0 with no statistics due, so that this variant never takes them
   # and never refreshes the inverses.
   first = states['kfac_precondition'][0]._replace(count=jnp.ones((), jnp.int32),
                                                   stats_due=jnp.zeros((), bool))
   states['kfac_precondition'] = (first, *states['kfac_precondition'][1:])
   args = {v: ((params, states[v]), ks, problem.x, problem.y) for v in VARIANTS}
+  args.update({v: (states[v], ks, problem.x, problem.y)
+               for v in ('interleaved_adam', 'kfac_segments')})
   compiled = {v: common.compile_timed(runs[v][1], *args[v]) for v in VARIANTS}
   losses = {v: compiled[v].call(*args[v])[1] for v in VARIANTS}
   finite = {v: bool(jnp.all(jnp.isfinite(losses[v]))) for v in VARIANTS}
@@ -154,6 +185,8 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   floor_s = per_step['kfac_precondition']['median_s']
   ratios.update({f'{v}_over_precondition': per_step[v]['median_s'] / floor_s
                  for v in VARIANTS[1:4]})
+  ratios['kfac_segments_over_interleaved_adam'] = (per_step['kfac_segments']['median_s'] /
+                                                   per_step['interleaved_adam']['median_s'])
   refresh_s = common.summarize(samples['inverse_refresh'])['median_s']
   memory = {'params_bytes': nbytes(params), 'adam_state_bytes': nbytes(states['adam']),
             'factor_bytes': nbytes(kfac_state.factors),
@@ -192,7 +225,7 @@ def report(results: dict[str, Any], k: int) -> None:
                    'p25-p75': f'{m["p25_s"] * 1e3:.3f}-{m["p75_s"] * 1e3:.3f}',
                    'x adam': f'{m["median_s"] / r["per_step"]["adam"]["median_s"]:.2f}',
                    'x precond': (f'{m["median_s"] / r["per_step"]["kfac_precondition"]["median_s"]:.2f}'
-                                 if v != 'adam' else '-'),
+                                 if v.startswith('kfac_') and v != 'kfac_segments' else '-'),
                    'temp MiB': f'{r["compiled_memory"][v].get("temp_bytes", 0) / 2**20:.1f}'})
   print(common.format_table(rows, COLUMNS))
   print()
