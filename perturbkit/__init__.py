@@ -38,9 +38,11 @@ from perturbkit._per_example_dp import PrivateState
 from perturbkit._per_example_dp import PrivateTraining
 from perturbkit._per_example_dp import dp_sgd
 from perturbkit._per_example_dp import private_grad
+from perturbkit._per_example_errors import AmbiguousInputError
 from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_errors import ExamplesMixedError
 from perturbkit._per_example_errors import PerExampleError
+from perturbkit._per_example_errors import SharedCallError
 from perturbkit._per_example_errors import UncoveredParamsError
 from perturbkit._per_example_norms import PerExampleNorms
 from perturbkit._per_example_norms import per_example_grad_norms
@@ -94,6 +96,7 @@ __all__ = [
     'UnmatchedFilterError',
     'UnperturbedCallsWarning',
     'wrap',
+    'AmbiguousInputError',
     'check_per_example',
     'dp_sgd',
     'ExamplesAxisError',
@@ -104,5 +107,6 @@ __all__ = [
     'private_grad',
     'PrivateState',
     'PrivateTraining',
+    'SharedCallError',
     'UncoveredParamsError',
 ]

@@ -5,8 +5,10 @@ directly is reached through its own method calls (its *uses*), and each use is
 rebuilt later as ``module.apply({'params': w, ...}, *args, method=...)`` from
 the inputs and output gradient that ``value_and_grad(return_inputs=True)``
 returns. This module records, at trace time, what that rebuild needs beyond the
-arrays: an unbound copy of the module, the method, and the non-array arguments.
-The same run rejects models that mix examples (BatchNorm in training mode).
+arrays: an unbound copy of the module, the method, the non-array arguments, and
+which array inputs are computed from the batched arguments (see
+``_per_example_inputs``). The same run rejects models that mix examples
+(BatchNorm in training mode).
 """
 from typing import Any, Callable, NamedTuple
 
@@ -17,6 +19,8 @@ from flax import traverse_util
 
 from perturbkit import _filters
 from perturbkit._interceptor import Call, intercept
+from perturbkit._per_example_batch import BatchAxes, per_argument
+from perturbkit._per_example_inputs import source_kinds
 from perturbkit._per_example_errors import (ExamplesMixedError, PerExampleError,
                                             UncoveredParamsError)
 from perturbkit._types import Path, Variables
@@ -33,12 +37,16 @@ class Use(NamedTuple):
     method_name: The method called.
     module: An unbound copy of the module, to replay the call with.
     template: ``(args, kwargs)`` with every array replaced by ``None``.
+    sources: For each array leaf of ``(args, kwargs)`` (``jax.tree.leaves``
+      order), what it is computed from (see ``_per_example_inputs.source_kinds``):
+      ``'example'``, ``'shared'`` or ``'constant'``.
   """
   path: Path
   key: str
   method_name: str
   module: nn.Module
   template: Any
+  sources: tuple[str, ...] = ()
 
 
 def _is_array(leaf: Any) -> bool:
@@ -116,12 +124,18 @@ def _mixing_reason(call: Call, batch_stats_owners: set[Path]) -> str | None:
   return None
 
 
+def _array_leaves(tree: Any) -> list[Any]:
+  return [leaf for leaf in jax.tree.leaves(tree) if _is_array(leaf)]
+
+
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-              kwargs: dict) -> dict[Path, list[Use]]:
+              kwargs: dict, batch_axes: BatchAxes = 0) -> dict[Path, list[Use]]:
   """Every outermost call of each param-owning module, in execution order.
 
   A call of a module made inside another call of the same module (a method
   calling ``self.other_method``) is part of the outer use and not recorded.
+  The loss is traced to a jaxpr, whose data dependences say which array inputs
+  of each use come from the arguments batched by ``batch_axes`` (``Use.sources``).
 
   Raises:
     ExamplesMixedError: a call mixes examples (BatchNorm in training mode).
@@ -131,6 +145,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   batch_stats_owners = {p[:-1] for p in traverse_util.flatten_dict(
       dict(variables.get('batch_stats', {})))}
   uses: dict[Path, list[Use]] = {}
+  inputs: list[tuple[Path, int, list[Any]]] = []  # (path, use index, array inputs) by call
   active: list[Path] = []
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
@@ -142,18 +157,28 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     uses.setdefault(call.path, []).append(Use(
         call.path, call.key, call.method_name, call.module.clone(parent=None),
         static_part((call.args, call.kwargs))))
+    inputs.append((call.path, len(uses[call.path]) - 1,
+                   _array_leaves((call.args, call.kwargs))))
     active.append(call.path)
     try:
       return run()
     finally:
       active.pop()
 
-  def traced(variables, *args):
+  def traced(variables, kwargs, *args):
     with intercept(_filters.all_calls, handler):
-      return loss_fn(variables, *args, **kwargs)
+      loss_fn(variables, *args, **kwargs)
+    return [leaf for _, _, leaves in inputs for leaf in leaves]
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
-  jax.eval_shape(traced, plain, *args)
+  jaxpr = jax.make_jaxpr(traced)(plain, kwargs, *args).jaxpr
+  batched = [False] * len(jax.tree.leaves((plain, kwargs)))
+  for arg, axis in zip(args, per_argument(batch_axes, len(args))):
+    batched += [axis is not None and _is_array(leaf) for leaf in jax.tree.leaves(arg)]
+  kinds = iter(source_kinds(jaxpr, batched))
+  for path, index, leaves in inputs:
+    uses[path][index] = uses[path][index]._replace(
+        sources=tuple(next(kinds) for _ in leaves))
   missing = sorted('/'.join(p) or '<root>' for p in owners - set(uses))
   if missing:
     raise UncoveredParamsError(missing)

@@ -43,3 +43,31 @@ class UncoveredParamsError(PerExampleError):
         'root module\'s own params, params read by a parent through `.variables`, and '
         'modules run inside lifted transforms (nn.scan, nn.vmap, nn.remat) are not '
         'supported. Move such params into a submodule.')
+
+
+class AmbiguousInputError(PerExampleError):
+  """A call's input has as many rows as there are examples but is not computed from the batch."""
+
+  def __init__(self, where, index, shape):
+    super().__init__(
+        f'Input {index} of the call {where} has shape {shape}: as many rows as there are '
+        'examples, but it is computed from none of the loss\'s arguments or variables (a '
+        'constant such as `jnp.arange`, or an array the loss closes over). perturbkit cannot '
+        'tell whether its rows are the examples (positions broadcast to the batch) or it is '
+        'shared by all examples and happens to have that many rows, so it does not guess. '
+        'Pass the array as an argument of the loss: batched (`batch_axes` 0) if its rows are '
+        'the examples, or with `batch_axes` None if it is shared.')
+
+
+class SharedCallError(PerExampleError):
+  """A param-owning call has no per-example input, so its output gradient sums over the examples."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'The call {where} has no per-example input: none of its inputs is computed from '
+        'the batched arguments of the loss (`batch_axes`), so its output is the same for '
+        'every example and the gradient at it is already summed over the examples. The '
+        'per-example gradients of its params cannot be separated from that sum. Apply the '
+        'module to per-example inputs (for a positional embedding, pass the positions as '
+        'a batched argument of the loss), and pass the batch to the loss as an argument '
+        'rather than closing over it.')

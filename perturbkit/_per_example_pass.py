@@ -13,6 +13,8 @@ from perturbkit._driver import value_and_grad
 from perturbkit._per_example_batch import BatchAxes, count_examples, reduction_scale
 from perturbkit._per_example_calls import (PERTURBATIONS, Use, direct_params, find_uses,
                                            merge_static, module_variables)
+from perturbkit._per_example_errors import (AmbiguousInputError, ExamplesAxisError,
+                                            SharedCallError)
 from perturbkit._per_example_replay import Pair
 from perturbkit._types import Path, Variables
 
@@ -47,12 +49,35 @@ def _get_in(tree: Any, path: tuple) -> Any:
   return tree
 
 
-def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float) -> Pair | None:
+def check_sources(use: Use, arrays: list[Any], num_examples: int, where: str) -> None:
+  """Every per-example input has the examples on axis 0; no input is ambiguous; one is per-example.
+
+  Raises:
+    ExamplesAxisError: an input computed from the batch has another axis 0.
+    AmbiguousInputError: a constant input has as many rows as there are examples.
+    SharedCallError: no input is computed from the batch.
+  """
+  for index, (array, kind) in enumerate(zip(arrays, use.sources)):
+    rows = jax.numpy.shape(array)[:1]
+    if kind == 'example' and rows != (num_examples,):
+      raise ExamplesAxisError(
+          f'input {index} of the call {where} is computed from the batched arguments but has '
+          f'shape {jax.numpy.shape(array)}, whose axis 0 is not the {num_examples} examples')
+    if kind == 'constant' and rows == (num_examples,):
+      raise AmbiguousInputError(where, index, jax.numpy.shape(array))
+  if 'example' not in use.sources:
+    raise SharedCallError(where)
+
+
+def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
+          num_examples: int) -> Pair | None:
   where = '/'.join(use.path + (use.key,))
   grad = _get_in(grads, use.path + (use.key,))
   if grad is None:
     return None  # no floating-point output: nothing flows back through this call
   args, kwargs = merge_static(_get_in(inputs, use.path + (use.key,)), use.template, where)
+  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
+                num_examples, where)
   grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
   return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
 
@@ -62,13 +87,14 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """The loss and every param-owning module's uses, from one forward and backward pass."""
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  uses = find_uses(loss_fn, variables, args, kwargs)
+  uses = find_uses(loss_fn, variables, args, kwargs, batch_axes)
   selected = lambda module, method_name: tuple(module.path) in uses
   loss, grads, inputs = value_and_grad(loss_fn, filter=selected, return_inputs=True,
                                        strict=False)(variables, *args, **kwargs)
   layers = []
   for path, module_uses in uses.items():
-    pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale) for u in module_uses]
+    pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)
+             for u in module_uses]
     pairs = [p for p in pairs if p is not None]
     params = _get_in(variables['params'], path)
     layers.append(Layer(path, pairs, params, direct_params(variables['params'], path)))

@@ -68,13 +68,16 @@ def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
   """Each example's gradient of the module's params through this use, leading axis examples.
 
   The call is replayed on one example at a time (a batch of one, vmapped), so the
-  transient memory is one layer's gradient per example. Array inputs whose
-  leading axis is not the examples axis are passed whole to every example.
+  transient memory is one layer's gradient per example. The array inputs
+  computed from the batched arguments (``Use.sources``, from the traced loss) are
+  split along axis 0; the others are passed whole to every example.
   """
   leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
   arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-  batched = [jnp.ndim(leaves[i]) > 0 and jnp.shape(leaves[i])[0] == num_examples
-             for i in arrays]
+  batched = [kind == 'example' for kind in pair.use.sources]
+  if len(batched) != len(arrays):
+    raise ValueError(f'{len(arrays)} array inputs, {len(batched)} recorded: '
+                     f'{"/".join(pair.use.path + (pair.use.key,))}')
 
   def one(arrays_i, grad_i):
     full = list(leaves)

@@ -131,6 +131,32 @@ class WithGated(nn.Module):
     return nn.Dense(2)(nn.relu(Gated()(x)))
 
 
+class Mix(nn.Module):
+  """General path with two inputs: per-example rows ``x`` and a ``table`` shared by all."""
+
+  @nn.compact
+  def __call__(self, x, table):
+    w = self.param('w', nn.initializers.normal(1.0), (table.shape[-1], x.shape[-1]))
+    return x * jnp.tanh(jnp.mean(table @ w, axis=0))[None, :]
+
+
+class WithTable(nn.Module):
+  @nn.compact
+  def __call__(self, x, table):
+    return nn.Dense(3)(Mix()(nn.Dense(6)(x), table))
+
+
+class Positions(nn.Module):
+  """Learned positions looked up with ``jnp.arange`` (the same for every example), or given."""
+  given: bool = False
+
+  @nn.compact
+  def __call__(self, x, positions=None):
+    embed = nn.Embed(x.shape[1], x.shape[2])
+    h = embed(positions) if self.given else embed(jnp.arange(x.shape[1]))[None]
+    return nn.Dense(2)(x + h)
+
+
 class RootParam(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -468,6 +494,58 @@ def test_examples_axis_errors():
   v = wrapped.init(jax.random.key(0), x.T)
   with pytest.raises(perturbkit.ExamplesAxisError, match='axis 0'):
     jax.eval_shape(perturbkit.per_example_grad_norms(features_first), v, x)
+
+
+def test_inputs_are_per_example_by_where_they_come_from_not_by_shape():
+  """A shared table with as many rows as examples is passed whole, never split by example."""
+  batch = 4
+  model = WithTable()
+  x = jax.random.normal(jax.random.key(0), (batch, 3))
+  table = jax.random.normal(jax.random.key(1), (batch, 5))  # rows == examples, shared
+  y = jnp.arange(batch) % 3
+  variables = model.init(jax.random.key(2), x, table)
+
+  def loss_fn(v, x, table, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x, table), y).mean()
+
+  def reference(table):
+    one = lambda xi, yi: jax.grad(lambda p: loss_fn({'params': p}, xi[None], table, yi[None]))(
+        variables['params'])
+    return norms_of(jax.vmap(one)(x, y))
+
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, None, 0)))(
+      variables, x, table, y)
+  by_param, total = reference(table)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+
+  # The same table closed over is a constant: with as many rows as examples, it is ambiguous.
+  closed = lambda v, x, y: loss_fn(v, x, table, y)
+  with pytest.raises(perturbkit.AmbiguousInputError, match='Input 1 of the call Mix_0'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(closed), variables, x, y)
+  # With another number of rows it can only be shared.
+  longer = jax.random.normal(jax.random.key(3), (batch + 1, 5))
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(
+      lambda v, x, y: loss_fn(v, x, longer, y)))(variables, x, y)
+  np.testing.assert_allclose(norms.total, reference(longer)[1], **TOL)
+
+
+@pytest.mark.parametrize('length', [3, 4])
+def test_calls_without_per_example_inputs_are_rejected(length):
+  """Positions from ``jnp.arange``: an error whether or not their number equals the batch."""
+  model = Positions()
+  x = jax.random.normal(jax.random.key(0), (4, length, 2))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  error = perturbkit.AmbiguousInputError if length == 4 else perturbkit.SharedCallError
+  with pytest.raises(error, match='Embed_0'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)
+  # Passed as a batched argument of the loss, the positions are per-example.
+  given = Positions(given=True)
+  positions = jnp.broadcast_to(jnp.arange(length), (4, length))
+  variables = given.init(jax.random.key(1), x, positions)
+  assert_norms_match(lambda v, x, p: jnp.mean(given.apply(v, x, p) ** 2), variables, x,
+                     positions)
 
 
 def test_params_outside_a_call_are_rejected():

@@ -1,0 +1,61 @@
+"""Which inputs of a call carry the examples: those computed from the batched arguments.
+
+Each array input of a call is read off the traced computation, never guessed from
+its shape:
+
+* ``'example'``: computed from the loss's batched arguments (``batch_axes``); its
+  axis 0 must be the examples.
+* ``'shared'``: computed from the variables, keyword arguments or arguments with
+  ``batch_axes`` ``None`` only: the same for every example, whatever its shape.
+* ``'constant'``: computed from none of the loss's inputs (``jnp.arange``, a
+  closed-over array). With as many rows as examples it is ambiguous (positions
+  broadcast to the batch, or a table that happens to have that many rows), and
+  ``_per_example_pass`` raises :class:`AmbiguousInputError` rather than guess.
+"""
+from typing import Sequence
+
+from jax.extend import core as jex_core
+
+
+def _single_subjaxpr(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | None:
+  """The jaxpr an equation runs on its own inputs and outputs (jit, checkpoint, custom rules)."""
+  inner = list(jex_core.jaxprs_in_params(eqn.params))
+  if (len(inner) == 1 and len(inner[0].invars) == len(eqn.invars)
+      and len(inner[0].outvars) == len(eqn.outvars)):
+    return inner[0]
+  return None
+
+
+def depends_on(jaxpr: jex_core.Jaxpr, marked: Sequence[bool]) -> list[bool]:
+  """For each output of ``jaxpr``, whether it is computed from an input marked ``True``.
+
+  Data dependence, equation by equation. Inside a call whose sub-jaxpr lines up
+  with the equation (``jit``, ``checkpoint``, ``custom_jvp``/``custom_vjp``) it is
+  followed exactly; through anything else (loops, conditionals) every output of
+  the equation depends on every input, which may call an input per-example that
+  is not, never the other way round. Constants are not marked.
+  """
+  if len(marked) != len(jaxpr.invars):
+    raise ValueError(f'{len(marked)} marks for {len(jaxpr.invars)} jaxpr inputs.')
+  marks = dict(zip(jaxpr.invars, marked))
+
+  def read(var) -> bool:
+    return False if isinstance(var, jex_core.Literal) else marks.get(var, False)
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    inner = _single_subjaxpr(eqn) if any(ins) else None
+    outs = depends_on(inner, ins) if inner is not None else [any(ins)] * len(eqn.outvars)
+    marks.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def source_kinds(jaxpr: jex_core.Jaxpr, batched: Sequence[bool]) -> list[str]:
+  """``'example'``, ``'shared'`` or ``'constant'`` for each output of ``jaxpr``.
+
+  ``batched`` marks the jaxpr inputs that hold examples; every other input is shared.
+  """
+  from_examples = depends_on(jaxpr, batched)
+  from_shared = depends_on(jaxpr, [not b for b in batched])
+  return ['example' if e else 'shared' if s else 'constant'
+          for e, s in zip(from_examples, from_shared)]
