@@ -11,7 +11,7 @@ the already-updated later segments, so its factors are those of the
 update-then-propagate sweep; with ``'original'`` they are the ordinary
 backpropagated ones (the empirical Fisher of :func:`kfac_estimator`).
 """
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +77,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   Raises:
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
       one of the segment's floating-point inputs), or the segment is not one
-      call with one input and one output array.
+      call with one input and one output array holding exactly the layer's
+      params.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -105,6 +106,16 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
         '(an Embed takes integer inputs, which do not reach the segment optimizer); give '
         'this segment another optimizer, or precondition it with kfac_preconditioner')
   info = layer._replace(path=())
+  leaves = {info.param, 'bias'} if info.use_bias else {info.param}
+
+  def check_segment(params: Any) -> None:
+    if not isinstance(params, Mapping) or set(params) != leaves:
+      got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+      raise KFACUnsupportedLayerError(
+          '/'.join(layer.path), f'its segment holds the params {got}, not exactly the layer\'s '
+          f'{sorted(leaves)}; a K-FAC segment is one Dense or Conv call (the default '
+          'layer-wise segments of interleaved, segments=None)')
+
   inner = kfac_preconditioner(KFACLayers({_NAME: info}, {}), damping=damping, decay=decay,
                               inverse_every=inverse_every, stats_every=stats_every,
                               axis_name=axis_name)
@@ -116,10 +127,15 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
       raise TypeError('kfac_segment is the optimizer of a segment of perturbkit.interleaved, '
                       'whose sweep passes segment_inputs= and segment_output_grad=. For a '
                       'whole model use kfac_preconditioner with kfac_estimator.')
+    check_segment(updates)
     zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
     stats = jax.lax.cond(state.stats_due,
                          lambda: segment_factors(info, segment_inputs, segment_output_grad),
                          lambda: zeros)
     return inner.update(updates, state, params, kfac_stats={_NAME: stats})
 
-  return optax.GradientTransformationExtraArgs(inner.init, update)
+  def init(params: Any) -> Any:
+    check_segment(params)
+    return inner.init(params)
+
+  return optax.GradientTransformationExtraArgs(init, update)

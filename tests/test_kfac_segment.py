@@ -181,6 +181,9 @@ def test_amortised_segment_statistics_and_errors():
   w = variables['params']['Dense_0']
   with pytest.raises(TypeError, match='segment_inputs'):
     alone.update(w, alone.init(w), w)
+  # A coarser segment than the layer (here: the whole model) is named, not half-handled.
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='one Dense or Conv call'):
+    alone.init(variables['params'])
 
 
 CHILD = textwrap.dedent('''
