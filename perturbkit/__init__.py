@@ -41,6 +41,7 @@ from perturbkit._per_example_dp import private_grad
 from perturbkit._per_example_errors import AmbiguousInputError
 from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_errors import ExamplesMixedError
+from perturbkit._per_example_errors import InterleavedClippingError
 from perturbkit._per_example_errors import PerExampleError
 from perturbkit._per_example_errors import SharedCallError
 from perturbkit._per_example_errors import UncoveredParamsError
@@ -101,6 +102,7 @@ __all__ = [
     'dp_sgd',
     'ExamplesAxisError',
     'ExamplesMixedError',
+    'InterleavedClippingError',
     'per_example_grad_norms',
     'PerExampleError',
     'PerExampleNorms',

@@ -16,7 +16,10 @@ result is replicated.
 
 The interleaved schedule is not supported: clipping needs each example's norm
 over ALL layers before any layer's update, but the interleaved sweep updates
-the top segments before the gradients of the lower ones exist.
+the top segments before the gradients of the lower ones exist. Combining them
+either way (a ``dp_sgd`` trainer as the optimizer of ``interleaved``, or an
+``interleaved`` trainer as the optimizer of ``dp_sgd``) raises
+:class:`InterleavedClippingError`.
 """
 import functools
 from typing import Any, Callable, NamedTuple
@@ -27,6 +30,7 @@ import optax
 from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
+from perturbkit._per_example_errors import InterleavedClippingError
 from perturbkit._per_example_norms import all_layer_norms, flat_squares
 from perturbkit._per_example_pass import Pass, run_pass
 from perturbkit._per_example_replay import weighted_grad
@@ -187,12 +191,22 @@ class PrivateState(NamedTuple):
 class PrivateTraining(NamedTuple):
   """A pair of pure functions, like ``optax.GradientTransformation``.
 
+  It is a trainer, not an optimizer: passed where ``interleaved`` expects an
+  optimizer (which it calls with a segment name), it raises
+  :class:`InterleavedClippingError`.
+
   Attributes:
     init: ``(variables) -> PrivateState``.
     step: ``(state, key, *args, **kwargs) -> (state, metrics)``; jittable.
   """
   init: Callable[..., PrivateState]
   step: Callable[..., tuple[PrivateState, dict]]
+
+  def __call__(self, *args, **kwargs):
+    raise InterleavedClippingError(
+        'A dp_sgd trainer was used as an optimizer (called with '
+        f'{", ".join(map(repr, args)) or "no arguments"}), e.g. as the optimizer of '
+        '`perturbkit.interleaved`')
 
 
 def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -219,6 +233,11 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
   Returns:
     A :class:`PrivateTraining`.
 
+  Raises:
+    InterleavedClippingError: ``optimizer`` is a trainer such as
+      ``perturbkit.interleaved(...)``: per-example clipping and the interleaved
+      schedule do not combine.
+
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
     >>> import perturbkit
@@ -231,6 +250,14 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> int(state.step), metrics['per_example_norms'].shape
     (1, (4,))
   """
+  if not (callable(getattr(optimizer, 'init', None))
+          and callable(getattr(optimizer, 'update', None))):
+    if callable(getattr(optimizer, 'step', None)):
+      raise InterleavedClippingError(
+          f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
+          '`perturbkit.interleaved(...)`) as its optimizer')
+    raise TypeError(f'optimizer must be an optax.GradientTransformation (init and update), '
+                    f'got {optimizer!r}.')
   grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
                          reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,
                          dense_method=dense_method)

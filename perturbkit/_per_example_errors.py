@@ -71,3 +71,17 @@ class SharedCallError(PerExampleError):
         'module to per-example inputs (for a positional embedding, pass the positions as '
         'a batched argument of the loss), and pass the batch to the loss as an argument '
         'rather than closing over it.')
+
+
+class InterleavedClippingError(PerExampleError):
+  """Per-example clipping (DP-SGD) was combined with the interleaved schedule."""
+
+  def __init__(self, how):
+    super().__init__(
+        f'{how}. DP-SGD clips each example\'s gradient by its norm over ALL layers, which is '
+        'known only when the whole backward pass is done, while the interleaved sweep '
+        'updates each segment as soon as its own gradient exists, before the layers below '
+        'it are reached; the two cannot be combined. Train privately with '
+        '`perturbkit.dp_sgd(loss_fn, optax_optimizer, ...)` (the standard schedule), or use '
+        '`perturbkit.interleaved` without per-example clipping (its `clip_global_norm` clips '
+        'the batch gradient, which gives no privacy).')

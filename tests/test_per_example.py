@@ -557,6 +557,22 @@ def test_params_outside_a_call_are_rejected():
                    variables, x)
 
 
+def test_interleaved_and_clipping_do_not_combine():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  y = jnp.arange(4) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  private = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.InterleavedClippingError, match='interleaved'):
+    perturbkit.interleaved(loss_fn, private).init(variables, x, y)
+  with pytest.raises(perturbkit.InterleavedClippingError, match='interleaved'):
+    perturbkit.dp_sgd(loss_fn, perturbkit.interleaved(loss_fn, optax.sgd(0.1)), clip_norm=1.0,
+                      noise_multiplier=1.0)
+  with pytest.raises(TypeError, match='GradientTransformation'):
+    perturbkit.dp_sgd(loss_fn, optax.sgd, clip_norm=1.0, noise_multiplier=1.0)
+
+
 def test_bad_options():
   model = models.MLP(out=3)
   x = jnp.ones((2, 5))
