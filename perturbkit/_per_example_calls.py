@@ -165,14 +165,21 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     finally:
       active.pop()
 
-  def traced(variables, kwargs, *args):
+  # Keyword arguments are shared; their arrays are jaxpr inputs, the rest (flags) stay static.
+  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
+  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+
+  def traced(variables, kw_arrays, *args):
+    given = iter(kw_arrays)
+    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
+                                      for leaf in kw_leaves])
     with intercept(_filters.all_calls, handler):
-      loss_fn(variables, *args, **kwargs)
+      loss_fn(variables, *args, **kw)
     return [leaf for _, _, leaves in inputs for leaf in leaves]
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
-  jaxpr = jax.make_jaxpr(traced)(plain, kwargs, *args).jaxpr
-  batched = [False] * len(jax.tree.leaves((plain, kwargs)))
+  jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr
+  batched = [False] * len(jax.tree.leaves((plain, kw_arrays)))
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
     batched += [axis is not None and _is_array(leaf) for leaf in jax.tree.leaves(arg)]
   kinds = iter(source_kinds(jaxpr, batched))

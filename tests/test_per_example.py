@@ -530,6 +530,24 @@ def test_inputs_are_per_example_by_where_they_come_from_not_by_shape():
   np.testing.assert_allclose(norms.total, reference(longer)[1], **TOL)
 
 
+def test_keyword_arguments_are_shared_and_flags_stay_static():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = model.init(jax.random.key(1), x)
+  weight = jnp.array([1.0, 2.0, 0.5])
+
+  def loss_fn(v, x, y, *, weight, sharpen):
+    logits = model.apply(v, x) * (3.0 if sharpen else 1.0)  # a Python flag: must stay static
+    return optax.softmax_cross_entropy_with_integer_labels(logits * weight[None], y).mean()
+
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn), static_argnames='sharpen')(
+      variables, x, y, weight=weight, sharpen=True)
+  fixed = lambda v, x, y: loss_fn(v, x, y, weight=weight, sharpen=True)
+  np.testing.assert_allclose(norms.total, norms_of(reference_grads(fixed, variables, x, y))[1],
+                             **TOL)
+
+
 @pytest.mark.parametrize('length', [3, 4])
 def test_calls_without_per_example_inputs_are_rejected(length):
   """Positions from ``jnp.arange``: an error whether or not their number equals the batch."""
