@@ -56,7 +56,10 @@ class AmbiguousInputError(PerExampleError):
         'tell whether its rows are the examples (positions broadcast to the batch) or it is '
         'shared by all examples and happens to have that many rows, so it does not guess. '
         'Pass the array as an argument of the loss: batched (`batch_axes` 0) if its rows are '
-        'the examples, or with `batch_axes` None if it is shared.')
+        'the examples, or with `batch_axes` None if it is shared. (A call run inside a JAX '
+        'transform within the loss, such as `jax.checkpoint` or `jax.jit` around '
+        '`model.apply`, also shows its inputs this way; per-example gradients need the '
+        'calls traced directly.)')
 
 
 class SharedCallError(PerExampleError):
@@ -70,7 +73,8 @@ class SharedCallError(PerExampleError):
         'per-example gradients of its params cannot be separated from that sum. Apply the '
         'module to per-example inputs (for a positional embedding, pass the positions as '
         'a batched argument of the loss), and pass the batch to the loss as an argument '
-        'rather than closing over it.')
+        'rather than closing over it. Calls run inside a JAX transform within the loss '
+        '(`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
 
 
 class InterleavedClippingError(PerExampleError):
