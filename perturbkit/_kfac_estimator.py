@@ -95,9 +95,11 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     (loss, grads, stats)`` (``(loss, grads, stats, aux)`` with ``has_aux``):
     the mean loss at ``targets``, its gradient with
     respect to ``variables['params']``, and ``{layer: LayerFactors}`` of this
-    batch. ``with_stats`` may be a Python bool or a traced boolean scalar
-    (``lax.cond``: only the chosen branch runs); without stats the step is a
-    plain ``jax.value_and_grad`` and the stats are zeros. Pass the
+    batch. ``with_stats`` may be a Python bool or a traced boolean scalar;
+    without stats the step is a plain ``jax.value_and_grad`` and the stats are
+    zeros. With a traced flag the gradient is always that plain one and only
+    the statistics are under ``lax.cond`` (so a step that takes them runs the
+    forward pass twice; the Python ``True`` shares one pass). Pass the
     preconditioner state's ``stats_due`` to take them exactly on the steps
     where :func:`kfac_preconditioner` (``stats_every``) folds them in. Pure and
     jittable; under ``shard_map`` the stats are per device (the preconditioner
@@ -161,12 +163,17 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       if fisher == 'sampled' and key is None:
         raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
                         'targets, key).')
-      out = jax.lax.cond(jnp.asarray(with_stats, bool),
-                         lambda: with_stats_fn(variables, inputs, targets, key),
-                         lambda: without_stats(variables, inputs, targets))
+      # The gradient stays outside the conditional: XLA:CPU runs convolutions inside
+      # control flow several times slower, and most steps take no statistics.
+      value, param_grads, zeros, aux = without_stats(variables, inputs, targets)
+      stats = jax.lax.cond(jnp.asarray(with_stats, bool),
+                           lambda: with_stats_fn(variables, inputs, targets, key,
+                                                 fisher_only=True)[2],
+                           lambda: zeros)
+      out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 
-  def with_stats_fn(variables, inputs, targets, key):
+  def with_stats_fn(variables, inputs, targets, key, fisher_only=False):
     if fisher == 'empirical':
       (_, (value, aux)), grads, captured = grad_fn(variables, inputs, targets, key, 0)
       examples = output_shape(variables, inputs)[0]
@@ -175,12 +182,13 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       param_grads = grads['params']
     else:
       shape = output_shape(variables, inputs)
-      lanes = jnp.arange(2 if fisher == 'sampled' else 1 + shape[-1])
+      # Lane 0 (the training gradient) is left out when only the Fisher lanes are wanted.
+      lanes = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + shape[-1])
       (_, (value, aux)), grads, captured = jax.vmap(
           grad_fn, in_axes=(None, None, None, None, 0), out_axes=((0, None), 0, None))(
               variables, inputs, targets, key, lanes)
       param_grads = jax.tree.map(lambda g: g[0], grads['params'])
-      output_grads = jax.tree.map(lambda g: g[1:], grads['perturbations'])
+      output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
     stats = {}
     for name, info in layers.layers.items():
       calls = _get_in(captured, info.path)

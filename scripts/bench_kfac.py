@@ -1,8 +1,12 @@
 """Cost of a K-FAC step next to an adam step, and the memory of the factors.
 
-For an MLP and a CNN, each variant runs ``--steps`` training steps inside one
-jitted ``lax.scan`` (so an inverse refreshed every ``k`` steps is paid once per
-``k`` steps, as in training); the variants are timed round-robin in one run:
+For an MLP and a CNN, each variant's step is jitted once and a timed sample runs
+``--steps`` steps in a row, the state threaded through (so an inverse refreshed
+every ``k`` steps is paid once per ``k`` steps, as in training). The steps are
+not fused into one ``lax.scan``: XLA:CPU runs convolutions inside control flow
+(a scan's loop, a ``lax.cond``) many times slower (a CNN Adam step 15x), which
+would measure that and not the step. The variants are timed round-robin in one
+run:
 
   adam                  jax.value_and_grad + optax.adam.
   kfac_sampled          the default: fisher='sampled' (a second backward lane at labels
@@ -25,7 +29,7 @@ Reported: ms per step, the ratio to adam, the ratio of each K-FAC variant to
 kfac_precondition (what the statistics and inverses add to a preconditioned
 step), the cost of one refresh of all damped inverses (Cholesky), the bytes of
 the factors and inverses next to those of the params and adam's state, and the
-compiled memory of each variant's scan (``memory_analysis()``: temp bytes).
+compiled memory of each variant's step (``memory_analysis()``: temp bytes).
 
   python scripts/bench_kfac.py --out scripts/results/bench_kfac.json
   python scripts/bench_kfac.py --sizes small --repeats 2      # smoke test; no JSON
@@ -79,18 +83,18 @@ def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> models.Prob
   return models.random_problem(model, shape, size['classes'], key)
 
 
-def scanned(step, steps: int):
-  """``steps`` applications of ``step(carry, key, x, y) -> (carry, loss)`` in one ``lax.scan``.
+def run_steps(compiled, carry, key: jax.Array, x, y, steps: int):
+  """``steps`` calls of the compiled ``step(carry, key, x, y) -> (carry, loss)`` from
+  ``carry``: ``(carry, losses)``. The batch is an argument, not a closed-over
+  constant, so XLA cannot fold the input factors at compile time."""
+  losses = []
+  for step_key in jax.random.split(key, steps):
+    carry, loss = compiled.call(carry, step_key, x, y)
+    losses.append(loss)
+  return carry, jnp.stack(losses)
 
-  The batch is an argument, not a closed-over constant, so XLA cannot fold the
-  input factors at compile time.
-  """
-  def run(carry, key, x, y):
-    return jax.lax.scan(lambda c, k: step(c, k, x, y), carry, jax.random.split(key, steps))
-  return run
 
-
-def adam_run(problem: models.Problem, steps: int):
+def adam_run(problem: models.Problem):
   loss_fn = models.cross_entropy(problem.model)
   tx = optax.adam(1e-3)
 
@@ -100,11 +104,11 @@ def adam_run(problem: models.Problem, steps: int):
     loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
-  return tx, scanned(step, steps)
+  return tx, step
 
 
 def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str, k: int,
-             stats_every: int | None, steps: int):
+             stats_every: int | None):
   predict = lambda v, x: problem.model.apply(v, x)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
   tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=1e-2, inverse_every=k,
@@ -117,11 +121,10 @@ def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str
                                   with_stats=opt_state[0].stats_due)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return (optax.apply_updates(params, updates), opt_state), loss
-  return tx, scanned(step, steps)
+  return tx, step
 
 
-def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | None, k: int,
-                    steps: int):
+def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | None, k: int):
   """``(init(params) -> state, run)`` of the interleaved sweep: adam in every segment, or
   kfac_segment + sgd in the K-FAC layers' segments when ``layers`` is given."""
   def optimizer(name):
@@ -137,7 +140,7 @@ def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | Non
     del key
     state, metrics = tx.step(state, x, y)
     return state, metrics['loss']
-  return (lambda params: tx.init({'params': params}, problem.x, problem.y)), scanned(step, steps)
+  return (lambda params: tx.init({'params': params}, problem.x, problem.y)), step
 
 
 def nbytes(tree: Any) -> int:
@@ -152,14 +155,14 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   params = jax.jit(problem.model.init)(kp, problem.x)['params']
   predict = lambda v, x: problem.model.apply(v, x)
   layers = perturbkit.kfac_layers(predict, {'params': params}, problem.x)
-  runs = {'adam': adam_run(problem, steps),
-          'kfac_sampled': kfac_run(problem, layers, 'sampled', k, None, steps),
-          'kfac_empirical': kfac_run(problem, layers, 'empirical', k, None, steps),
-          'kfac_sampled_every': kfac_run(problem, layers, 'sampled', k, 1, steps),
-          'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER, steps)}
+  runs = {'adam': adam_run(problem),
+          'kfac_sampled': kfac_run(problem, layers, 'sampled', k, None),
+          'kfac_empirical': kfac_run(problem, layers, 'empirical', k, None),
+          'kfac_sampled_every': kfac_run(problem, layers, 'sampled', k, 1),
+          'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER)}
   states = {v: tx.init(params) for v, (tx, _) in runs.items()}
   for v, kfac_layers in (('interleaved_adam', None), ('kfac_segments', layers)):
-    init, run = interleaved_run(problem, kfac_layers, k, steps)
+    init, run = interleaved_run(problem, kfac_layers, k)
     states[v], runs[v] = init(params), (None, run)
   # Start past count 0 with no statistics due, so that this variant never takes them
   # and never refreshes the inverses.
@@ -170,14 +173,14 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   args.update({v: (states[v], ks, problem.x, problem.y)
                for v in ('interleaved_adam', 'kfac_segments')})
   compiled = {v: common.compile_timed(runs[v][1], *args[v]) for v in VARIANTS}
-  losses = {v: compiled[v].call(*args[v])[1] for v in VARIANTS}
+  losses = {v: run_steps(compiled[v], *args[v], steps)[1] for v in VARIANTS}
   finite = {v: bool(jnp.all(jnp.isfinite(losses[v]))) for v in VARIANTS}
 
   kfac_state = states['kfac_sampled'][0]
   refresh = jax.jit(lambda f: jax.tree.map(lambda m: perturbkit.damped_inverse(m, 1e-2), f))
   inverse = common.compile_timed(refresh, kfac_state.factors)
   samples = common.time_round_robin(
-      {**{v: (lambda v=v: compiled[v].call(*args[v])) for v in VARIANTS},
+      {**{v: (lambda v=v: run_steps(compiled[v], *args[v], steps)) for v in VARIANTS},
        'inverse_refresh': lambda: inverse.call(kfac_state.factors)}, repeats)
   per_step = {v: common.summarize([s / steps for s in samples[v]]) for v in VARIANTS}
   adam_s = per_step['adam']['median_s']
@@ -243,7 +246,7 @@ def report(results: dict[str, Any], k: int) -> None:
 def main(argv: list[str] | None = None) -> int:
   extra = argparse.ArgumentParser(add_help=False)
   extra.add_argument('--k', type=int, default=10, help='refresh the inverses every k steps')
-  extra.add_argument('--steps', type=int, default=10, help='steps per timed scan')
+  extra.add_argument('--steps', type=int, default=10, help='steps per timed sample')
   known, rest = extra.parse_known_args(argv)
   k, steps = known.k, known.steps
   args = common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, rest)
