@@ -211,8 +211,10 @@ def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> 
   Returns ``reduce(block)`` stacked over the kernel's offsets, where ``block`` is
   the ``(examples, in, out)`` gradient at one offset ``k``: ``sum_t x[t·stride +
   k·dilation]ᵀ g_t``, one batched matmul of a strided window of the padded input
-  with ``g``. The offsets run in a ``lax.scan``, so one input-sized window is in
-  memory at a time, not ``prod(kernel)`` of them (the patches).
+  with ``g``. The window is gathered from the unpadded input (rows in the padding
+  are zeroed), so no padded copy of the input is made, and the offsets run in a
+  ``lax.scan``, so one window is in memory at a time, not ``prod(kernel)`` of
+  them (the patches).
   """
   kernel, strides, dilation, _, padding = _conv_options(pair)
   x, g = pair.args[0], pair.grad
@@ -220,19 +222,22 @@ def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> 
   extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
   if isinstance(padding, str):
     padding = jax.lax.padtype_to_pads(x.shape[1:-1], extent, strides, padding)
-  x = jax.lax.pad(x, jnp.zeros((), x.dtype),
-                  [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in padding] + [(0, 0, 0)])
-  batch, channels, out_spatial = x.shape[0], x.shape[-1], g.shape[1:-1]
+  batch, out_spatial = x.shape[0], g.shape[1:-1]
   tokens = int(np.prod(out_spatial))
   g = g.reshape(batch, tokens, g.shape[-1])
-  span = [(n - 1) * st + 1 for n, st in zip(out_spatial, strides)]
-  starts = jnp.asarray([[o * d for o, d in zip(offset, dilation)]
+  starts = jnp.asarray([[o * d - lo for o, d, (lo, _) in zip(offset, dilation, padding)]
                         for offset in np.ndindex(*kernel)], jnp.int32)
 
   def block(_, start):
-    zero = jnp.zeros((), jnp.int32)
-    window = jax.lax.dynamic_slice(x, (zero, *start, zero), (batch, *span, channels))
-    window = window[(slice(None), *(slice(None, None, st) for st in strides))]
+    # The window of the padded input, read from the unpadded one: out-of-range rows are zero.
+    window = x
+    for axis, (first, n, st) in enumerate(zip(start, out_spatial, strides), start=1):
+      rows = first + st * jnp.arange(n)
+      inside = (rows >= 0) & (rows < x.shape[axis])
+      window = jnp.take(window, jnp.clip(rows, 0, x.shape[axis] - 1), axis=axis)
+      shape = [1] * window.ndim
+      shape[axis] = n
+      window = window * inside.reshape(shape).astype(window.dtype)
     return None, reduce(jnp.einsum('bti,bto->bio', window.reshape(batch, tokens, -1), g))
 
   return jax.lax.scan(block, None, starts)[1]
