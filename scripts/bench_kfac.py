@@ -16,7 +16,7 @@ run:
   kfac_empirical        the same with fisher='empirical' (the factors from the training
                         gradient's own backward pass).
   kfac_sampled_every    fisher='sampled' with the statistics taken every step
-                        (stats_every=1); inverses every k steps.
+                        (stats_every=1, with_stats=True); inverses every k steps.
   kfac_precondition     no statistics and no refresh at all: a gradient and the
                         preconditioning by fixed inverses, the floor of any K-FAC step.
   interleaved_adam      perturbkit.interleaved (layer-wise segments, propagate='updated')
@@ -117,8 +117,9 @@ def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str
 
   def step(carry, key, x, y):
     params, opt_state = carry
-    loss, grads, stats = estimate({'params': params}, x, y, key,
-                                  with_stats=opt_state[0].stats_due)
+    # Every step: a Python True shares one pass and needs no lax.cond.
+    with_stats = True if stats_every == 1 else opt_state[0].stats_due
+    loss, grads, stats = estimate({'params': params}, x, y, key, with_stats=with_stats)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return (optax.apply_updates(params, updates), opt_state), loss
   return tx, step
