@@ -88,7 +88,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   paths = {name: path for name, path in _segment_paths(model, segmentation.segments)}
   sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
                 settings.propagate, settings.skip_nonfinite)
-  swept: set[str] = set()
+  swept: dict[str, dict] = {}
   groups = group(params, names)
   carriers = {name: carrier(sweep, name, groups[name]) for name in names}
   forward = segmented_loss(settings.loss_fn, graphdef, template, others, args, settings.wrt,

@@ -166,23 +166,20 @@ class Sweep(NamedTuple):
   skip_nonfinite: bool
 
 
-def backward_for(sweep: Sweep, name: str, swept: set | dict) -> Backward:
+def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
   """The backward step of segment ``name``: its optimizer step, inside the sweep.
 
   The step is taken here with either ``propagate`` (the old weights' input
   cotangent for ``'original'``), so that the segment's inputs and output
   cotangent reach its optimizer as extra arguments. ``swept`` records the
-  segment; a dict also records those arguments' shapes for ``finish``.
+  segment with those arguments' shapes, for ``finish``.
   """
   tx = optimizer_for(sweep.optimizer, name)
 
   def backward(g, dw, w, dyn):
     carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
-    if isinstance(swept, dict):
-      swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
-    else:
-      swept.add(name)
+    swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
     new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
                                      sweep.skip_nonfinite, extra_args)
     carried['step'] = (new_w, split_floats(new_opt)[0])
@@ -198,7 +195,7 @@ def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
           'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
 
 
-def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: set | dict,
+def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: Mapping,
            axis_name: str | None) -> tuple[dict, dict, dict]:
   """The step after the sweep: ``(new params, new opt_state, metrics)``.
 
@@ -206,7 +203,7 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
   segments keep the step the sweep took, and only their optimizers' non-float
   state (a step count) is taken here, so XLA drops the rest of that update.
   That update sees zeros for the segment's extra arguments (their shapes are
-  in ``swept`` when it is a dict): only its non-float state is kept, which
+  in ``swept``): only its non-float state is kept, which
   must not depend on their values.
   """
   names = [n for n in sweep.opt_state if n != REST]
@@ -221,9 +218,7 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
     skipped[name] = jnp.logical_not(finite) if sweep.skip_nonfinite else jnp.zeros((), bool)
     if name in swept:
       new_w, floats = carried[name]['step']
-      shapes = swept.get(name) if isinstance(swept, dict) else None
-      extra_args = None if shapes is None else jax.tree.map(
-          lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      extra_args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), swept[name])
       _, fresh = _update(tx, jax.tree.map(lambda x: x * sweep.scale, g), opt, w, extra_args)
       if sweep.skip_nonfinite:
         fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)

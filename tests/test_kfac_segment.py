@@ -227,3 +227,47 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
   result = subprocess.run([sys.executable, '-c', CHILD, here], capture_output=True, text=True,
                           env=env, timeout=300)
   assert 'KFAC-SEGMENT-MULTIDEVICE-OK' in result.stdout, result.stdout + result.stderr[-6000:]
+
+
+def test_nnx_segments_equal_the_linen_twin():
+  """The NNX front end runs the same sweep: K-FAC segments on an NNX MLP, built from
+  hand-written ``LayerInfo``s, equal the Linen twin's, whose layers ``kfac_layers`` found."""
+  from flax import nnx
+  import nnx_models
+
+  class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+      self.Dense_0 = nnx.Linear(3, 6, rngs=rngs)
+      self.Dense_1 = nnx.Linear(6, 5, rngs=rngs)
+      self.Dense_2 = nnx.Linear(5, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.Dense_2(jnp.tanh(self.Dense_1(jnp.tanh(self.Dense_0(x)))))
+
+  model = NNXMLP(nnx.Rngs(0))
+  variables = nnx_models.linen_variables(model)
+  predict, loss_fn, _, xs, ys = problem(2)
+  linen_layers = perturbkit.kfac_layers(predict, variables, xs[0])
+  hand_layers = perturbkit.KFACLayers(
+      layers={f'Dense_{i}': perturbkit.LayerInfo('dense', (f'Dense_{i}',), 'kernel',
+                                                 (din, dout), True, ('__call__',))
+              for i, (din, dout) in enumerate([(3, 6), (6, 5), (5, 4)])},
+      skipped=linen_layers.skipped)
+  assert hand_layers.layers == linen_layers.layers
+  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+  kfac = dict(damping=DAMPING, decay=0.5, inverse_every=1)
+  for propagate in ('updated', 'original'):
+    nnx_tx = perturbkit.nnx.interleaved(nnx_loss, segment_optimizer(hand_layers, **kfac),
+                                        propagate=propagate)
+    linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
+                                      propagate=propagate)
+    s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
+    for x, y in zip(xs, ys):
+      s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
+      s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
+      np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
+    chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
+                                s_linen.params, rtol=1e-5, atol=1e-6)
+    for name in hand_layers.layers:
+      chex.assert_trees_all_close(s_nnx.opt_state[name][0].factors,
+                                  s_linen.opt_state[name][0].factors, rtol=1e-5, atol=1e-6)
