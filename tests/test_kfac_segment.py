@@ -21,17 +21,9 @@ import optax
 import pytest
 
 import perturbkit
+from test_kfac import MLP
 
 LR, DAMPING = 0.2, 0.1
-
-
-class MLP(nn.Module):
-  """Dense -> tanh -> Dense -> tanh -> Dense."""
-  @nn.compact
-  def __call__(self, x):
-    x = jnp.tanh(nn.Dense(6, name='Dense_0')(x))
-    x = jnp.tanh(nn.Dense(5, name='Dense_1')(x))
-    return nn.Dense(4, name='Dense_2')(x)
 
 
 class CNN(nn.Module):
