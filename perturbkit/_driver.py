@@ -18,7 +18,6 @@ from typing import Any, Callable, Sequence
 
 import flax
 import jax
-import numpy as np
 from flax import traverse_util
 
 from perturbkit import _filters
@@ -28,8 +27,9 @@ from perturbkit._errors import (ActivationsUnavailableError, NoPerturbationPoint
                                 PerturbationsNotAppliedError, UnperturbedCallsWarning)
 from perturbkit._hooks import Hook, apply_hooks, check_matched
 from perturbkit._interceptor import Call, intercept, suspended
-from perturbkit._points import (COLLECTION, PointShape, add_perturbation, differentiable_part,
-                               has_differentiable_leaf, inside_lifted_transform)
+from perturbkit._points import (COLLECTION, PointShape, add_perturbation, array_part,
+                               differentiable_part, has_differentiable_leaf,
+                               inside_lifted_transform)
 from perturbkit._types import CallFilter, Variables
 
 
@@ -57,11 +57,6 @@ def _get_in(tree: Any, path: tuple) -> Any:
 def nested(flat: dict[tuple, Any]) -> dict:
   """A nested dict from ``{path: value}`` (values may themselves be trees)."""
   return traverse_util.unflatten_dict(flat) if flat else {}
-
-
-def array_part(tree: Any) -> Any:
-  """The array leaves of ``tree`` (a call's inputs), laid out as ``differentiable_part`` does."""
-  return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
 
 
 def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,

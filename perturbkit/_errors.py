@@ -107,7 +107,8 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
 
   def __init__(self, where):
     super().__init__(
-        f'return_activations=True cannot return the output of {where}: it runs inside a '
+        f'return_activations=True (or return_inputs=True) cannot return the output (or '
+        f'inputs) of {where}: it runs inside a '
         'lifted transform (nn.remat, nn.jit, nn.scan, ...), whose intermediate values do '
         'not exist outside it. Exclude such calls with the filter, or leave '
         'return_activations off (their activation gradients are still returned).')

@@ -35,7 +35,8 @@ from perturbkit._nnx_calls import Call, NNXPath, instrument
 from perturbkit._nnx_errors import (CaptureConflictError, NNXNoPerturbationPointsError,
                                     NNXPerturbationsNotAppliedError,
                                     NNXUnperturbedCallsWarning, UnmappedPerturbationError)
-from perturbkit._points import differentiable_part, has_differentiable_leaf, leaf_dtypes
+from perturbkit._points import (array_part, differentiable_part, has_differentiable_leaf,
+                               leaf_dtypes)
 from perturbkit._types import CallFilter
 
 # One entry of the flat perturbation list: module path + perturb name.
@@ -219,8 +220,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                    has_aux: bool = False, hooks: Sequence[Hook] = (),
-                   return_activations: bool = False, strict: bool | None = None
-                   ) -> Callable[..., Any]:
+                   return_activations: bool = False, return_inputs: bool = False,
+                   strict: bool | None = None) -> Callable[..., Any]:
   """Parameter gradients and every activation gradient of an NNX model, in one backward pass.
 
   ``loss_fn(model, *args, **kwargs)`` is the ordinary NNX loss on the
@@ -253,6 +254,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       it, before the hook transforms it for the layers below.
     return_activations: Also return the outputs of the selected calls, in a
       tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
+    return_inputs: Also return the inputs of the selected calls, at the same
+      paths, each as ``(args, kwargs)`` with every leaf that is not an array
+      (a Python flag, ``None``, an ``nnx.Rngs``) replaced by ``None``:
+      ``(value, grads, inputs)``, or ``(value, grads, acts, inputs)`` with
+      both, as in the Linen :func:`perturbkit.value_and_grad`. A call's input
+      ``a`` next to the gradient ``g`` at its output is what curvature
+      (K-FAC) and per-example methods need.
     strict: Whether a selected call without floating-point output is an error
       (default: only when a filter is given).
 
@@ -267,8 +275,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     UnmappedPerturbationError: a selected call runs inside ``nnx.vmap`` with
       the module's state broadcast.
     UninstrumentableModuleError: a submodule's class cannot be instrumented.
-    ActivationsUnavailableError: ``return_activations`` for a call inside an
-      NNX transform.
+    ActivationsUnavailableError: ``return_activations`` or ``return_inputs``
+      for a call inside an NNX transform.
 
   Example:
     >>> import jax.numpy as jnp
@@ -283,6 +291,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     (2, 1)
     >>> grads['params']['layers'][0]['kernel'].shape
     (3, 4)
+    >>> _, _, inputs = perturbkit.nnx.value_and_grad(loss_fn, return_inputs=True)(model, x)
+    >>> args, kwargs = inputs['layers'][2]['__call__']
+    >>> args[0].shape, kwargs
+    ((2, 4), {})
   """
   points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
@@ -303,7 +315,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
     def differentiable(model, perturbations, args, kwargs):
       applied: set[tuple] = set()
-      activations: list[tuple[tuple, Any]] = []
+      captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
 
       def handler(call: Call, run: Callable[[], Any]) -> Any:
         output, selected = prepare(call, run())
@@ -313,10 +325,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
         store = _perturbation_store(call)
         if store is None or any(n not in store for n in point.names):
           return output
+        path = call.path + (call.key,)
+        if (return_activations or return_inputs) and call.copied:
+          raise ActivationsUnavailableError(call.name)
         if return_activations:
-          if call.copied:
-            raise ActivationsUnavailableError(call.name)
-          activations.append((call.path + (call.key,), differentiable_part(output)))
+          captured['activations'].append((path, differentiable_part(output)))
+        if return_inputs:
+          captured['inputs'].append((path, array_part((call.args, call.kwargs))))
         applied.add((call.path, call.key))
         return _perturb(call.module, call.key, output)
 
@@ -328,10 +343,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
         raise NNXPerturbationsNotAppliedError(missing)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
-      return loss, (aux, activations)
+      return loss, (aux, captured)
 
     zeros = [jnp.zeros(found.shapes[p].shape, found.shapes[p].dtype) for p in order]
-    (loss, (aux, activations)), (g_params, g_points) = nnx.value_and_grad(
+    (loss, (aux, captured)), (g_params, g_points) = nnx.value_and_grad(
         differentiable, argnums=(0, 1), has_aux=True)(model, zeros, args, kwargs)
     by_path = dict(zip(order, g_points))
     reported = [(point.path + (point.key,),
@@ -340,9 +355,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     reported += [(p, by_path[p]) for p in found.hand_placed]
     value = (loss, aux) if has_aux else loss
     grads = {'params': g_params, 'perturbations': _nested(reported)}
-    if return_activations:
-      return value, grads, _nested(activations)
-    return value, grads
+    extras = ((_nested(captured['activations']),) if return_activations else ()) + (
+        (_nested(captured['inputs']),) if return_inputs else ())
+    return (value, grads, *extras)
 
   return run
 

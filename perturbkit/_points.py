@@ -11,6 +11,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from perturbkit._errors import NonDifferentiableOutputError, PerturbationStructureError
 
@@ -41,6 +42,13 @@ def differentiable_part(tree: Any, keep: Callable[[Any], bool] = _is_inexact_arr
   if leaves and all(keep(leaf) for leaf in leaves):
     return tree
   return tuple(leaf for leaf in leaves if keep(leaf)) or None
+
+
+def array_part(tree: Any) -> Any:
+  """The array leaves of ``tree`` (a call's ``(args, kwargs)``), laid out as
+  ``differentiable_part`` does: every leaf that is not an array (a Python flag,
+  ``None``, a module) becomes ``None``."""
+  return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
 
 
 def has_differentiable_leaf(tree: Any) -> bool:
