@@ -11,8 +11,10 @@ Example:
   >>> dense_only = filters.by_type(nn.Dense)
   >>> shallow = filters.all_of(filters.by_depth(max_depth=2), filters.by_method('__call__'))
 """
+import contextlib
 import fnmatch
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 import flax.linen as nn
 
@@ -51,13 +53,40 @@ def by_type(*types: type) -> CallFilter:
   return lambda module, method_name: isinstance(module, types)
 
 
+class _LinenPrefix(threading.local):
+  """The path of the Linen module being replayed as its own ``apply`` in this thread."""
+
+  def __init__(self):
+    self.path: tuple = ()
+
+
+_LINEN_PREFIX = _LinenPrefix()
+
+
+@contextlib.contextmanager
+def linen_path_prefix(prefix: Sequence[str]) -> Iterator[None]:
+  """Inside the block, a Linen module's path starts with ``prefix``.
+
+  A segment is replayed as a fresh ``apply`` of its module, where Flax gives the
+  calls inside paths relative to it; with its path as ``prefix``, filters see
+  them under their paths in the whole model, as in an ordinary call.
+  """
+  previous = _LINEN_PREFIX.path
+  _LINEN_PREFIX.path = tuple(prefix)
+  try:
+    yield
+  finally:
+    _LINEN_PREFIX.path = previous
+
+
 def module_path(module) -> tuple | None:
-  """The module's path: a Linen module's ``.path``, or, for an NNX module, its
-  attribute path in the model (``('layers', 0)``), which it carries only while
-  perturbkit runs it (``None`` otherwise)."""
+  """The module's path: a Linen module's ``.path`` (in a segment replay, with the
+  segment's path before it), or, for an NNX module, its attribute path in the
+  model (``('layers', 0)``), which it carries only while perturbkit runs it
+  (``None`` otherwise)."""
   path_of = getattr(type(module), '_perturbkit_path_of', None)
   if path_of is None:
-    return tuple(module.path)
+    return _LINEN_PREFIX.path + tuple(module.path)
   path = path_of(module)
   return None if path is None else tuple(path)
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 
+from perturbkit._filters import linen_path_prefix, module_path
 from perturbkit._types import CallFilter, Path
 
 
@@ -41,8 +42,8 @@ class Call:
 
   @property
   def path(self) -> Path:
-    """The module's path, the same as its params' key path."""
-    return tuple(self.module.path)
+    """The module's path in the model, the same as its params' key path."""
+    return module_path(self.module)
 
   @property
   def name(self) -> str:
@@ -51,6 +52,9 @@ class Call:
 
 
 Handler = Callable[[Call, Callable[[], Any]], Any]
+# A transparent block's filter and handler: what a replay of a module needs to
+# hand the calls inside it to that block's handler again.
+ReplayHook = tuple[CallFilter, 'Handler']
 RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple, dict], Any]
 
 
@@ -178,6 +182,40 @@ def intercept(filter: CallFilter, on_call: Handler,
       yield
   finally:
     _LOCAL.states.remove(state)
+
+
+def open_hooks() -> tuple[ReplayHook, ...]:
+  """The transparent blocks (backward hooks) that see the calls made now, outermost first.
+
+  A handler that replays its module as a fresh ``apply`` (a segment) takes these
+  when it is called and gives them to :func:`replaying`, also for replays that
+  run after the blocks have closed (a custom VJP's backward pass).
+  """
+  return tuple((s.filter, s.on_call) for s in _LOCAL.states if s.transparent and not s.suspended)
+
+
+@contextlib.contextmanager
+def replaying(prefix: Path, hooks: tuple[ReplayHook, ...]) -> Iterator[None]:
+  """A replay of the module at ``prefix`` as its own ``apply``.
+
+  Every block open in this thread passes the replay's calls through (opaque
+  ones would intercept them a second time, transparent ones would see them
+  under paths relative to the module), and ``hooks`` (from :func:`open_hooks`)
+  are opened again for them, with the module's path before every path, so
+  that they see the calls as in an ordinary run of the whole model.
+  """
+  states = list(_LOCAL.states)
+  for s in states:
+    s.suspended += 1
+  try:
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(linen_path_prefix(prefix))
+      for filter, on_call in hooks:
+        stack.enter_context(intercept(filter, on_call, transparent=True))
+      yield
+  finally:
+    for s in states:
+      s.suspended -= 1
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit._errors import SegmentationError, SharedSegmentError
-from perturbkit._interceptor import Call, intercept, suspended
+from perturbkit._interceptor import Call, intercept, open_hooks, replaying
 from perturbkit._points import COLLECTION
 from perturbkit._segment_vjp import Backward, segment_call, split_floats
 
@@ -48,10 +48,12 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
   mutable = [c for c in others if module.is_mutable_collection(c)]
   rngs = dict(module.scope.rngs)
   dynamic, rebuild = split_floats((call.args, call.kwargs))
+  # Taken now: the backward pass may replay the call after the hook blocks closed.
+  hooks = open_hooks()
 
   def pure(w, dyn):
     args, kwargs = rebuild(dyn)
-    with suspended():
+    with replaying(call.path, hooks):
       out, state = unbound.apply({'params': w, **others}, *args, rngs=rngs, mutable=mutable,
                                  method=call.method_name, **kwargs)
     return out, dict(state)

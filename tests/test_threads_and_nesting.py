@@ -175,3 +175,101 @@ def test_nested_hooks_on_a_segment_apply_in_the_order_of_a_plain_call():
   grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
   want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
+
+
+class _Inner(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(4)(x))
+    return nn.Dense(4)(h)
+
+
+class _Outer(nn.Module):
+  """``Dense_0`` at the top and ``Blk_0/Dense_0`` inside a block: one name, two paths."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(4)(x))
+    h = _Inner(name='Blk_0')(h)
+    return nn.Dense(1)(h)
+
+
+def _hook_on(fn, x):
+  """An identity whose VJP applies ``fn`` to the cotangent, written apart from perturbkit."""
+  identity = jax.custom_vjp(lambda x: x)
+  identity.defvjp(lambda x: (x, None), lambda _, g: (fn(g),))
+  return identity(x)
+
+
+_OUTER_HOOK = lambda g: 3.0 * g
+_INNER_HOOK = lambda g: jnp.sin(5.0 * g) + 0.1 * g
+
+
+# Which hooks a test inserts: on the top-level `Dense_0` (before the fix it also
+# hit `Blk_0/Dense_0`, silently) and on `Blk_0/Dense_0` (before: unmatched).
+_HOOK_SETS = {
+    'outer': {'Dense_0': _OUTER_HOOK},
+    'both': {'Dense_0': _OUTER_HOOK, 'Blk_0/Dense_0': _INNER_HOOK},
+}
+
+
+def _outer_problem(hooks):
+  model = _Outer()
+  variables = model.init(jax.random.key(2), X)
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+  hooked = perturbkit.with_hooks(loss_fn, *[
+      perturbkit.backward_hook(fn, perturbkit.filters.by_path(path)) for path, fn in hooks.items()])
+  return variables, hooked
+
+
+@pytest.mark.parametrize('hooks', list(_HOOK_SETS))
+def test_hooks_by_path_inside_a_segment_see_full_paths_with_original(hooks):
+  variables, hooked = _outer_problem(_HOOK_SETS[hooks])
+  tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='original')
+  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
+  grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
+  chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
+
+
+def _dense(p, x):
+  return x @ p['kernel'] + p['bias'][None, :]
+
+
+def _updated_step(params, lr, hooks):
+  """One ``propagate='updated'`` sgd step walked back by hand, one segment at a time."""
+  def sgd(w, dw):
+    return jax.tree.map(lambda w, d: w - lr * d, w, dw)
+
+  def segment(fn, w, x, g):
+    """dw at the old weights, the step, the input cotangent at the new weights."""
+    dw = jax.vjp(fn, w, x)[1](g)[0]
+    new = sgd(w, dw)
+    return new, jax.vjp(fn, new, x)[1](g)[1]
+
+  def hooked(path, a):
+    return _hook_on(hooks[path], a) if path in hooks else a
+
+  def block(p, h):
+    return _dense(p['Dense_1'], jnp.tanh(hooked('Blk_0/Dense_0', _dense(p['Dense_0'], h))))
+
+  a0 = _dense(params['Dense_0'], X)
+  h0 = jnp.tanh(a0)
+  b = block(params['Blk_0'], h0)
+  out = _dense(params['Dense_1'], b)
+  g_out = jax.grad(lambda o: jnp.mean((o - Y) ** 2))(out)
+  new = {}
+  new['Dense_1'], g_b = segment(_dense, params['Dense_1'], b, g_out)
+  new['Blk_0'], g_h0 = segment(block, params['Blk_0'], h0, g_b)
+  g_a0 = hooks['Dense_0'](g_h0 * (1 - h0 ** 2))
+  new['Dense_0'], _ = segment(_dense, params['Dense_0'], X, g_a0)
+  return new
+
+
+@pytest.mark.parametrize('hooks', list(_HOOK_SETS))
+def test_hooks_by_path_inside_a_segment_see_full_paths_with_updated(hooks):
+  variables, hooked = _outer_problem(_HOOK_SETS[hooks])
+  tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='updated')
+  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
+  want = _updated_step(variables['params'], 0.1, _HOOK_SETS[hooks])
+  chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
