@@ -18,8 +18,10 @@ VARIANT_KEYS = {'median_s', 'p25_s', 'p75_s', 'samples_s', 'lower_s', 'compile_s
 
 def test_small_run_writes_results_and_original_matches_standard(tmp_path):
   out = tmp_path / 'results' / 'bench_interleaved.json'
+  # Two of the three models keep the suite short: Dense-layer and block segments.
   run = subprocess.run([sys.executable, SCRIPT, '--sizes', 'small', '--repeats', '2',
-                        '--out', str(out)], capture_output=True, text=True, timeout=300)
+                        '--models', 'mlp', 'transformer', '--out', str(out)],
+                       capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
   assert 'original == standard: OK' in run.stdout
 
@@ -28,7 +30,7 @@ def test_small_run_writes_results_and_original_matches_standard(tmp_path):
   assert data['config']['sizes'] == 'small'
   assert data['config']['repeats'] == 2
   assert data['all_ok'] is True
-  assert set(data['models']) == {'mlp', 'cnn', 'transformer'}
+  assert set(data['models']) == {'mlp', 'transformer'}
   for name, model in data['models'].items():
     assert set(model) == {'size', 'depths', 'targets_met'}, name
     assert model['targets_met']['original_equals_standard'] is True, name
