@@ -64,7 +64,7 @@ _LINEN_PREFIX = _LinenPrefix()
 
 
 @contextlib.contextmanager
-def linen_path_prefix(prefix: Sequence[str]) -> Iterator[None]:
+def _linen_path_prefix(prefix: Sequence[str]) -> Iterator[None]:
   """Inside the block, a Linen module's path starts with ``prefix``.
 
   A segment is replayed as a fresh ``apply`` of its module, where Flax gives the

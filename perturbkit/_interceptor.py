@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 
-from perturbkit._filters import linen_path_prefix, module_path
+from perturbkit._filters import _linen_path_prefix, module_path
 from perturbkit._types import CallFilter, Path
 
 
@@ -209,7 +209,7 @@ def replaying(prefix: Path, hooks: tuple[ReplayHook, ...]) -> Iterator[None]:
     s.suspended += 1
   try:
     with contextlib.ExitStack() as stack:
-      stack.enter_context(linen_path_prefix(prefix))
+      stack.enter_context(_linen_path_prefix(prefix))
       for filter, on_call in hooks:
         stack.enter_context(intercept(filter, on_call, transparent=True))
       yield
