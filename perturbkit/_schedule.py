@@ -7,7 +7,7 @@ Which calls are segments is ``_segmentation``; how a segment updates itself in
 the backward pass is ``_segment_vjp``; the optimizer bookkeeping is ``_sweep``.
 This file wires them into a pure ``init``/``step`` pair.
 """
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax
 import jax
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from perturbkit import _segmentation
 from perturbkit._driver import _check_loss
 from perturbkit._errors import SegmentationError, StateMismatchError
+from perturbkit._hooks import Hook, with_hooks
 from perturbkit._interceptor import suspended
 from perturbkit._points import COLLECTION
 from perturbkit._segments import segmented_loss
@@ -51,7 +52,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                 segments: int | CallFilter | None = None, propagate: str = 'updated',
                 axis_name: str | None = None, has_aux: bool = False,
                 clip_global_norm: float | None = None,
-                skip_nonfinite: bool = True) -> Interleaved:
+                skip_nonfinite: bool = True, hooks: Sequence[Hook] = ()) -> Interleaved:
   """Interleaved update-then-propagate training for an unmodified Linen model.
 
   Segments are submodule calls, processed in reverse order of execution. For
@@ -108,6 +109,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       ``metrics['segment_skipped'][name]`` / ``metrics['skipped']`` report it
       (default); if false, the step is applied as it is and only
       ``metrics['nonfinite'][name]`` reports it.
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`), the same as
+      passing ``with_hooks(loss_fn, *hooks)`` as the loss: a hooked call's hook
+      transforms the cotangent its segment's ``dw`` and input cotangent see,
+      also for calls inside a segment (matched by their full path) and in the
+      ``'updated'`` replay.
 
   Returns:
     An :class:`Interleaved` with pure ``init`` and ``step``.
@@ -128,6 +134,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
     raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  if hooks:
+    loss_fn = with_hooks(loss_fn, *hooks)
 
   def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
     if not args:

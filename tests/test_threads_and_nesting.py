@@ -217,14 +217,14 @@ def _outer_problem(hooks):
   model = _Outer()
   variables = model.init(jax.random.key(2), X)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
-  hooked = perturbkit.with_hooks(loss_fn, *[
-      perturbkit.backward_hook(fn, perturbkit.filters.by_path(path)) for path, fn in hooks.items()])
-  return variables, hooked
+  hook_list = [perturbkit.backward_hook(fn, perturbkit.filters.by_path(path))
+               for path, fn in hooks.items()]
+  return variables, perturbkit.with_hooks(loss_fn, *hook_list), loss_fn, hook_list
 
 
 @pytest.mark.parametrize('hooks', list(_HOOK_SETS))
 def test_hooks_by_path_inside_a_segment_see_full_paths_with_original(hooks):
-  variables, hooked = _outer_problem(_HOOK_SETS[hooks])
+  variables, hooked, _, _ = _outer_problem(_HOOK_SETS[hooks])
   tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='original')
   state, _ = tx.step(tx.init(variables, X, Y), X, Y)
   grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
@@ -266,10 +266,15 @@ def _updated_step(params, lr, hooks):
   return new
 
 
+@pytest.mark.parametrize('route', ['with_hooks', 'hooks='])
 @pytest.mark.parametrize('hooks', list(_HOOK_SETS))
-def test_hooks_by_path_inside_a_segment_see_full_paths_with_updated(hooks):
-  variables, hooked = _outer_problem(_HOOK_SETS[hooks])
-  tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='updated')
+def test_hooks_by_path_inside_a_segment_see_full_paths_with_updated(hooks, route):
+  variables, hooked, loss_fn, hook_list = _outer_problem(_HOOK_SETS[hooks])
+  if route == 'with_hooks':
+    tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='updated')
+  else:
+    tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), segments=1, propagate='updated',
+                                hooks=hook_list)
   state, _ = tx.step(tx.init(variables, X, Y), X, Y)
   want = _updated_step(variables['params'], 0.1, _HOOK_SETS[hooks])
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
