@@ -1,4 +1,5 @@
-"""perturbkit for Flax NNX: activation gradients and backward hooks for unmodified NNX models.
+"""perturbkit for Flax NNX: activation gradients, backward hooks, interleaved training and
+K-FAC for unmodified NNX models.
 
 ``perturbkit.nnx.value_and_grad(loss_fn)`` mirrors ``nnx.value_and_grad``:
 ``loss_fn(model, *args)`` is the ordinary NNX loss, and the result holds the
@@ -16,6 +17,9 @@ from perturbkit._nnx_errors import NNXPerturbationsNotAppliedError as Perturbati
 from perturbkit._nnx_errors import NNXUnperturbedCallsWarning as UnperturbedCallsWarning
 from perturbkit._nnx_errors import UninstrumentableModuleError
 from perturbkit._nnx_errors import UnmappedPerturbationError
+from perturbkit._nnx_kfac_estimator import kfac_estimator
+from perturbkit._nnx_kfac_layers import kfac_layers
+from perturbkit._nnx_kfac_preconditioner import kfac_preconditioner
 from perturbkit._nnx_schedule import InterleavedOptimizer
 from perturbkit._nnx_schedule import InterleavedState
 from perturbkit._nnx_schedule import interleaved
@@ -28,6 +32,9 @@ __all__ = [
     'interleaved',
     'InterleavedOptimizer',
     'InterleavedState',
+    'kfac_estimator',
+    'kfac_layers',
+    'kfac_preconditioner',
     'NoPerturbationPointsError',
     'PerturbationsNotAppliedError',
     'SegmentInTransformError',

@@ -3,11 +3,14 @@ factors and the preconditioned steps, against inputs captured by hand and the Li
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import nnx_models as M
 import perturbkit
+from test_kfac import CNN, MLP
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -68,3 +71,160 @@ def test_return_inputs_inside_an_nnx_transform_is_refused():
   with pytest.raises(perturbkit.ActivationsUnavailableError):
     perturbkit.nnx.value_and_grad(M.mse, return_inputs=True)(
         M.ScanMLP(rngs=nnx.Rngs(0)), M.random_batch((2, 4)))
+
+
+# --- NNX twins of test_kfac's Linen MLP and CNN (same attribute names, same weights) -------
+
+
+class NNXMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.Dense_0 = nnx.Linear(3, 6, rngs=rngs)
+    self.Dense_1 = nnx.Linear(6, 5, rngs=rngs)
+    self.Dense_2 = nnx.Linear(5, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.Dense_2(jnp.tanh(self.Dense_1(jnp.tanh(self.Dense_0(x)))))
+
+
+class NNXCNN(nnx.Module):
+  def __init__(self, rngs):
+    self.Conv_0 = nnx.Conv(2, 4, (3, 3), rngs=rngs)
+    self.Conv_1 = nnx.Conv(4, 3, (3, 3), strides=2, padding='VALID', rngs=rngs)
+    self.Dense_0 = nnx.Linear(27, 5, rngs=rngs)
+
+  def __call__(self, x):
+    x = jnp.tanh(self.Conv_1(jnp.tanh(self.Conv_0(x))))
+    return self.Dense_0(x.reshape(x.shape[0], -1))
+
+
+def twins(kind):
+  """``(nnx_model, linen_model, linen_variables, x, y)`` with the same weights."""
+  if kind == 'mlp':
+    model, linen, x = NNXMLP(nnx.Rngs(0)), MLP(), jax.random.normal(jax.random.key(1), (8, 3))
+  else:
+    model, linen = NNXCNN(nnx.Rngs(0)), CNN()
+    x = jax.random.normal(jax.random.key(1), (4, 7, 7, 2))
+  y = jnp.arange(x.shape[0]) % (4 if kind == 'mlp' else 5)
+  return model, linen, M.linen_variables(model), x, y
+
+
+def linen_kfac(linen, variables, x):
+  predict = lambda v, inputs: linen.apply(v, inputs)
+  return predict, perturbkit.kfac_layers(predict, variables, x)
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'cnn'])
+def test_layers_equal_the_linen_twins(kind):
+  model, linen, variables, x, _ = twins(kind)
+  assert perturbkit.nnx.kfac_layers(model, x) == linen_kfac(linen, variables, x)[1]
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'cnn'])
+@pytest.mark.parametrize('fisher', ['sampled', 'empirical'])
+def test_factors_and_gradients_equal_the_linen_twins(kind, fisher):
+  """Same weights, same key: the NNX estimator's loss, param gradients and factors are
+  the Linen estimator's, eagerly and under ``nnx.jit``; the model is left as it was."""
+  model, linen, variables, x, y = twins(kind)
+  predict, linen_layers = linen_kfac(linen, variables, x)
+  key = jax.random.key(2)
+  want = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers,
+                                           fisher=fisher))(variables, x, y, key)
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy',
+                                           perturbkit.nnx.kfac_layers(model, x), fisher=fisher)
+  # Eagerly too, once: the eager path is the slow one to run.
+  runs = (nnx.jit(estimate),) + ((estimate,) if (kind, fisher) == ('mlp', 'empirical') else ())
+  for run in runs:
+    loss, grads, stats = run(model, x, y, key)
+    np.testing.assert_allclose(loss, want[0], rtol=1e-6)
+    assert isinstance(grads, nnx.State)
+    chex.assert_trees_all_close(M.pure(grads), want[1], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(stats, want[2], rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(M.pure(nnx.state(model, nnx.Param)), variables['params'],
+                              rtol=0, atol=0)
+
+
+def test_traced_with_stats_and_the_preconditioner_state():
+  """``with_stats=state.stats_due`` (a traced flag): the statistics on the due steps
+  only, and the same gradient on every step."""
+  model, linen, variables, x, y = twins('mlp')
+  predict, linen_layers = linen_kfac(linen, variables, x)
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))
+  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers)(
+      variables, x, y, jax.random.key(3))
+  for due in (True, False):
+    loss, grads, stats = estimate(model, x, y, jax.random.key(3), with_stats=jnp.asarray(due))
+    chex.assert_trees_all_close(M.pure(grads), want[1], rtol=1e-5, atol=1e-6)
+    expected = want[2] if due else jax.tree.map(jnp.zeros_like, want[2])
+    chex.assert_trees_all_close(stats, expected, rtol=2e-5, atol=1e-6)
+
+
+def linen_steps(kind, steps, kfac):
+  _, linen, variables, x, y = twins(kind)
+  predict, layers = linen_kfac(linen, variables, x)
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, **kfac), optax.sgd(0.2, momentum=0.5))
+  params, opt_state = variables['params'], tx.init(variables['params'])
+  losses = []
+  for i in range(steps):
+    loss, grads, stats = estimate({'params': params}, x, y, jax.random.key(i),
+                                  with_stats=opt_state[0].stats_due)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    params = optax.apply_updates(params, updates)
+    losses.append(loss)
+  return params, opt_state[0].factors, losses
+
+
+KFAC = dict(damping=0.05, decay=0.5, inverse_every=2, stats_every=1)
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'cnn'])
+def test_nnx_optimizer_steps_equal_the_linen_twins(kind):
+  """``nnx.Optimizer`` with the NNX preconditioner, ``optimizer.update(model, grads,
+  kfac_stats=stats)`` inside ``nnx.jit``: the Linen twin's params after 3 steps."""
+  steps = 3
+  want_params, want_factors, want_losses = linen_steps(kind, steps, KFAC)
+  model, _, _, x, y = twins(kind)
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
+  tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, **KFAC),
+                   optax.sgd(0.2, momentum=0.5))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, key):
+    loss, grads, stats = estimate(model, x, y, key, with_stats=optimizer.opt_state[0].stats_due)
+    optimizer.update(model, grads, kfac_stats=stats)
+    return loss
+
+  losses = [step(model, optimizer, jax.random.key(i)) for i in range(steps)]
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert abs(float(losses[-1]) - float(losses[0])) > 1e-3
+  # The two Conv modules round differently in float32 (~1e-7), and the damped inverses
+  # (λ = 0.05) magnify that: the CNN's params agree to ~2e-6 after three steps.
+  tol = dict(rtol=1e-5, atol=1e-6) if kind == 'mlp' else dict(rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_close(M.pure(nnx.state(model, nnx.Param)), want_params, **tol)
+  chex.assert_trees_all_close(nnx.as_pure(optimizer.opt_state[0].factors), want_factors,
+                              rtol=2e-5, atol=1e-6)
+
+
+def test_plain_optax_on_the_param_state_equals_the_linen_twin():
+  """Plain optax on ``nnx.state(model, nnx.Param)`` (``Param`` leaves in and out), then
+  ``nnx.update(model, optax.apply_updates(params, updates))``."""
+  steps = 3
+  want_params, _, _ = linen_steps('mlp', steps, KFAC)
+  model, _, _, x, y = twins('mlp')
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))
+  tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, **KFAC),
+                   optax.sgd(0.2, momentum=0.5))
+  opt_state = tx.init(nnx.state(model, nnx.Param))
+  for i in range(steps):
+    _, grads, stats = estimate(model, x, y, jax.random.key(i),
+                               with_stats=opt_state[0].stats_due)
+    params = nnx.state(model, nnx.Param)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    assert isinstance(updates, nnx.State)
+    nnx.update(model, optax.apply_updates(params, updates))
+  chex.assert_trees_all_close(M.pure(nnx.state(model, nnx.Param)), want_params,
+                              rtol=1e-5, atol=1e-6)
