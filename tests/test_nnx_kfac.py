@@ -10,7 +10,7 @@ from flax import nnx
 
 import nnx_models as M
 import perturbkit
-from test_kfac import CNN, MLP
+from test_kfac import CNN, MLP, SequenceModel
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -228,3 +228,53 @@ def test_plain_optax_on_the_param_state_equals_the_linen_twin():
     nnx.update(model, optax.apply_updates(params, updates))
   chex.assert_trees_all_close(M.pure(nnx.state(model, nnx.Param)), want_params,
                               rtol=1e-5, atol=1e-6)
+
+
+class NNXSequenceModel(nnx.Module):
+  """The NNX twin of ``test_kfac.SequenceModel``: Embed -> Dense on (N, T, .) -> Dense."""
+
+  def __init__(self, rngs):
+    self.Embed_0 = nnx.Embed(11, 6, rngs=rngs)
+    self.Dense_0 = nnx.Linear(6, 7, rngs=rngs)
+    self.Dense_1 = nnx.Linear(7, 3, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = jnp.tanh(self.Dense_0(jnp.tanh(self.Embed_0(tokens))))
+    return self.Dense_1(h.mean(axis=1))
+
+
+def test_embed_and_sequence_dense_factors_equal_the_linen_twin():
+  model = NNXSequenceModel(nnx.Rngs(0))
+  variables = M.linen_variables(model)
+  tokens = jax.random.randint(jax.random.key(1), (5, 4), 0, 11)
+  y = jnp.arange(5) % 3
+  predict, linen_layers = linen_kfac(SequenceModel(), variables, tokens)
+  layers = perturbkit.nnx.kfac_layers(model, tokens)
+  assert layers == linen_layers
+  assert layers.layers['Embed_0'].kind == 'embed'
+  key = jax.random.key(2)
+  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers)(
+      variables, tokens, y, key)
+  _, grads, stats = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))(
+      model, tokens, y, key)
+  chex.assert_trees_all_close(M.pure(grads), want[1], rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(stats, want[2], rtol=2e-5, atol=1e-6)
+
+
+def test_layers_without_a_rule_are_listed_or_refused():
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)),
+                         nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+  x = jnp.ones((2, 3))
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert sorted(layers.layers) == ['layers/0', 'layers/2']
+  assert layers.layers['layers/0'].path == ('layers', 0)
+  assert layers.skipped == {'layers/1': 'LayerNorm has no Kronecker-factor rule'}
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='LayerNorm'):
+    perturbkit.nnx.kfac_layers(
+        model, x, filter=perturbkit.nnx.filters.by_type(nnx.Linear, nnx.LayerNorm))
+  only = perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_path('layers/2'))
+  assert list(only.layers) == ['layers/2']
+  assert only.skipped == {'layers/0': 'not selected by the filter',
+                          'layers/1': 'not selected by the filter'}
+  scanned = perturbkit.nnx.kfac_layers(M.ScanMLP(rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
+  assert 'inside an NNX transform' in scanned.skipped['blocks/linear']
