@@ -278,3 +278,32 @@ def test_layers_without_a_rule_are_listed_or_refused():
                           'layers/1': 'not selected by the filter'}
   scanned = perturbkit.nnx.kfac_layers(M.ScanMLP(rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
   assert 'inside an NNX transform' in scanned.skipped['blocks/linear']
+
+
+def test_batchnorm_dropout_model_with_predict_and_has_aux():
+  """BatchNorm in train mode and Dropout, through ``predict=``: the factors of the Linen
+  twin (which returns its batch statistics as ``aux``), and the model's own batch
+  statistics updated once, to the Linen twin's new ones."""
+  model = M.CNN(channels=2, rngs=nnx.Rngs(0))
+  variables = M.linen_variables(model)
+  x = jax.random.normal(jax.random.key(1), (4, 5, 5, 2))
+  y = jnp.arange(4) % 3
+  dropout_key, key = jax.random.key(7), jax.random.key(2)
+  linen = M.LinenCNN()
+  predict = lambda v, x: linen.apply(v, x, dropout_key, mutable=['batch_stats'])
+  linen_layers = perturbkit.kfac_layers(lambda v, x: predict(v, x)[0], variables, x)
+  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers,
+                                   has_aux=True)(variables, x, y, key)
+  nnx_predict = lambda m, x: (m(x, dropout_key=dropout_key), jnp.zeros(()))
+  layers = perturbkit.nnx.kfac_layers(model, x, predict=lambda m, x: nnx_predict(m, x)[0])
+  assert layers == linen_layers
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
+                                           predict=nnx_predict, has_aux=True)
+  loss, grads, stats, aux = nnx.jit(estimate)(model, x, y, key)
+  np.testing.assert_allclose(loss, want[0], rtol=1e-6)
+  chex.assert_trees_all_close(M.pure(grads), want[1], rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(stats, want[2], rtol=2e-5, atol=1e-6)
+  chex.assert_trees_all_close(M.pure(nnx.state(model, nnx.BatchStat)),
+                              want[3]['batch_stats'], rtol=1e-6, atol=1e-7)
+  assert not np.allclose(want[3]['batch_stats']['norm']['mean'],
+                         variables['batch_stats']['norm']['mean'])
