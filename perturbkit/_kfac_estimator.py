@@ -11,7 +11,10 @@ unbatched, so the backward pass is the only part done once per lane. With
 The statistics can be skipped on most steps (``with_stats=False``, or a traced
 flag such as the preconditioner state's ``stats_due``): such a step is a plain
 ``jax.value_and_grad`` of the loss, with no interception, no Fisher lane and no
-factor products, and its stats are zeros that the preconditioner does not use.
+factor products, and its stats are NaN: the preconditioner does not use them on
+the steps where its ``stats_due`` is false, and folded in by mistake (a step
+without statistics where they were due) they turn the factors NaN at once
+rather than quietly pulling them towards zero.
 """
 from typing import Any, Callable
 
@@ -24,6 +27,17 @@ from perturbkit._kfac_layers import KFACLayers, _get_in
 from perturbkit._kfac_losses import OutputLoss, as_output_loss
 from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit._types import Variables
+
+
+def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
+  """The stats of a step that took none: NaN factors of every layer's shapes.
+
+  The preconditioner folds stats only where its ``stats_due`` is true; NaN makes
+  a step without statistics on such a step show at once (NaN factors and
+  updates) instead of quietly pulling the running factors towards zero.
+  """
+  return {name: LayerFactors(*(jnp.full(s, jnp.nan, jnp.float32) for s in factor_shapes(info)))
+          for name, info in layers.layers.items()}
 
 
 def _split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
@@ -97,7 +111,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     respect to ``variables['params']``, and ``{layer: LayerFactors}`` of this
     batch. ``with_stats`` may be a Python bool or a traced boolean scalar;
     without stats the step is a plain ``jax.value_and_grad`` and the stats are
-    zeros. With a traced flag the gradient is always that plain one and only
+    NaN (never to be folded in). With a traced flag the gradient is always that plain one and only
     the statistics are under ``lax.cond`` (so a step that takes them runs the
     forward pass twice; the Python ``True`` shares one pass). Pass the
     preconditioner state's ``stats_due`` to take them exactly on the steps
@@ -148,9 +162,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   def without_stats(variables, inputs, targets):
     (value, aux), param_grads = jax.value_and_grad(mean_loss, has_aux=True)(
         variables['params'], variables, inputs, targets)
-    zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
-             for name, info in layers.layers.items()}
-    return value, param_grads, zeros, aux
+    return value, param_grads, absent_stats(layers), aux
 
   def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
@@ -165,11 +177,11 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
                         'targets, key).')
       # The gradient stays outside the conditional: XLA:CPU runs convolutions inside
       # control flow several times slower, and most steps take no statistics.
-      value, param_grads, zeros, aux = without_stats(variables, inputs, targets)
+      value, param_grads, absent, aux = without_stats(variables, inputs, targets)
       stats = jax.lax.cond(jnp.asarray(with_stats, bool),
                            lambda: with_stats_fn(variables, inputs, targets, key,
                                                  fisher_only=True)[2],
-                           lambda: zeros)
+                           lambda: absent)
       out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

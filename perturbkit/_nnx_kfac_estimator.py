@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from perturbkit._kfac_estimator import _cotangents, _split_output
+from perturbkit._kfac_estimator import _cotangents, _split_output, absent_stats
 from perturbkit._kfac_layers import KFACLayers, _get_in
 from perturbkit._kfac_losses import as_output_loss
-from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
+from perturbkit._kfac_rules import batch_factors, call_input
 from perturbkit._nnx_calls import path_of
 from perturbkit._nnx_driver import value_and_grad
 from perturbkit._nnx_kfac_layers import call_model
@@ -101,9 +101,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   def without_stats(model, inputs, targets):
     (value, aux), param_grads = nnx.value_and_grad(mean_loss, has_aux=True)(
         model, inputs, targets)
-    zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
-             for name, info in layers.layers.items()}
-    return value, param_grads, zeros, aux
+    return value, param_grads, absent_stats(layers), aux
 
   def with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=False):
     """``(value, param_grads, stats, aux, new_state)`` from the pure ``state``."""
@@ -156,11 +154,11 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     else:
       # As in the Linen estimator: the gradient stays outside the conditional, and the
       # statistics' forward pass runs on the state from before this step.
-      value, param_grads, zeros, aux = without_stats(model, inputs, targets)
+      value, param_grads, absent, aux = without_stats(model, inputs, targets)
       stats = jax.lax.cond(jnp.asarray(with_stats, bool),
                            lambda: with_stats_fn(graphdef, state, inputs, targets, key,
                                                  fisher_only=True)[2],
-                           lambda: zeros)
+                           lambda: absent)
     out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

@@ -24,6 +24,9 @@ run:
   kfac_segments         the same sweep with perturbkit.kfac_segment + sgd in every K-FAC
                         layer's segment: the factors formed in each segment's backward,
                         statistics and inverses every k steps.
+  kfac_host_switch      kfac_sampled without the lax.cond: two jitted steps, with_stats=True
+                        and with_stats=False, picked in Python (the statistics one on every
+                        k-th step, when the preconditioner's stats_due is true).
 
 Reported: ms per step, the ratio to adam, the ratio of each K-FAC variant to
 kfac_precondition (what the statistics and inverses add to a preconditioned
@@ -56,7 +59,7 @@ import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
 
 VARIANTS = ('adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition',
-            'interleaved_adam', 'kfac_segments')
+            'interleaved_adam', 'kfac_segments', 'kfac_host_switch')
 TIME_TARGET = 1.3  # kfac step / adam step, and / the preconditioned step, amortised over k
 NEVER = 2 ** 30
 # The update-then-propagate sweep with K-FAC segments diverged at the whole-model damping
@@ -113,7 +116,7 @@ def adam_run(problem: models.Problem):
 
 
 def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str, k: int,
-             stats_every: int | None):
+             stats_every: int | None, with_stats: bool | None = None):
   predict = lambda v, x: problem.model.apply(v, x)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
   tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=1e-2, inverse_every=k,
@@ -122,9 +125,10 @@ def kfac_run(problem: models.Problem, layers: perturbkit.KFACLayers, fisher: str
 
   def step(carry, key, x, y):
     params, opt_state = carry
-    # Every step: a Python True shares one pass and needs no lax.cond.
-    with_stats = True if stats_every == 1 else opt_state[0].stats_due
-    loss, grads, stats = estimate({'params': params}, x, y, key, with_stats=with_stats)
+    # A Python bool (every step, or a step picked in Python) needs no lax.cond.
+    flag = with_stats if with_stats is not None else (
+        True if stats_every == 1 else opt_state[0].stats_due)
+    loss, grads, stats = estimate({'params': params}, x, y, key, with_stats=flag)
     updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
     return (optax.apply_updates(params, updates), opt_state), loss
   return tx, step
@@ -149,6 +153,24 @@ def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | Non
   return (lambda params: tx.init({'params': params}, problem.x, problem.y)), step
 
 
+class HostSwitch:
+  """Two compiled steps picked in Python: the one with statistics on every ``k``-th call.
+
+  Calls are counted from the state's count 0 and a timed sample is a multiple of
+  ``k`` steps, so the statistics step runs exactly when ``stats_due`` is true.
+  """
+
+  def __init__(self, with_stats: common.CompiledFn, without: common.CompiledFn, k: int):
+    self.with_stats, self.without, self.k, self.calls = with_stats, without, k, 0
+    self.compile_s = with_stats.compile_s + without.compile_s
+    self.memory = max(with_stats.memory, without.memory, key=lambda m: m.get('temp_bytes', 0))
+
+  def call(self, *args):
+    fn = self.with_stats if self.calls % self.k == 0 else self.without
+    self.calls += 1
+    return fn.call(*args)
+
+
 def nbytes(tree: Any) -> int:
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
@@ -165,7 +187,8 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
           'kfac_sampled': kfac_run(problem, layers, 'sampled', k, None),
           'kfac_empirical': kfac_run(problem, layers, 'empirical', k, None),
           'kfac_sampled_every': kfac_run(problem, layers, 'sampled', k, 1),
-          'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER)}
+          'kfac_precondition': kfac_run(problem, layers, 'sampled', NEVER, NEVER),
+          'kfac_host_switch': kfac_run(problem, layers, 'sampled', k, None, with_stats=True)}
   states = {v: tx.init(params) for v, (tx, _) in runs.items()}
   for v, kfac_layers in (('interleaved_adam', None), ('kfac_segments', layers)):
     init, run = interleaved_run(problem, kfac_layers, k)
@@ -179,6 +202,9 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   args.update({v: (states[v], ks, problem.x, problem.y)
                for v in ('interleaved_adam', 'kfac_segments')})
   compiled = {v: common.compile_timed(runs[v][1], *args[v]) for v in VARIANTS}
+  no_stats = kfac_run(problem, layers, 'sampled', k, None, with_stats=False)[1]
+  compiled['kfac_host_switch'] = HostSwitch(
+      compiled['kfac_host_switch'], common.compile_timed(no_stats, *args['kfac_host_switch']), k)
   losses = {v: run_steps(compiled[v], *args[v], steps)[1] for v in VARIANTS}
   finite = {v: bool(jnp.all(jnp.isfinite(losses[v]))) for v in VARIANTS}
 
@@ -193,7 +219,7 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   ratios = {f'{v}_over_adam': per_step[v]['median_s'] / adam_s for v in VARIANTS[1:]}
   floor_s = per_step['kfac_precondition']['median_s']
   ratios.update({f'{v}_over_precondition': per_step[v]['median_s'] / floor_s
-                 for v in VARIANTS[1:4]})
+                 for v in (*VARIANTS[1:4], 'kfac_host_switch')})
   ratios['kfac_segments_over_interleaved_adam'] = (per_step['kfac_segments']['median_s'] /
                                                    per_step['interleaved_adam']['median_s'])
   refresh_s = common.summarize(samples['inverse_refresh'])['median_s']
@@ -217,9 +243,9 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
                  (memory['factor_bytes'] + memory['inverse_bytes']) / memory['params_bytes']},
       'targets_met': {
           **{f'{v}_le_{TIME_TARGET}x_adam': ratios[f'{v}_over_adam'] <= TIME_TARGET
-             for v in ('kfac_sampled', 'kfac_empirical')},
+             for v in ('kfac_sampled', 'kfac_empirical', 'kfac_host_switch')},
           **{f'{v}_le_{TIME_TARGET}x_precondition': ratios[f'{v}_over_precondition'] <=
-             TIME_TARGET for v in ('kfac_sampled', 'kfac_empirical')}},
+             TIME_TARGET for v in ('kfac_sampled', 'kfac_empirical', 'kfac_host_switch')}},
   }
 
 
@@ -256,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
   extra.add_argument('--steps', type=int, default=10, help='steps per timed sample')
   known, rest = extra.parse_known_args(argv)
   k, steps = known.k, known.steps
+  if steps % k:
+    raise SystemExit(f'--steps ({steps}) must be a multiple of --k ({k}): kfac_host_switch '
+                     'counts its calls to know when the statistics are due.')
   args = common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, rest)
   key = jax.random.key(0)
   results = {}

@@ -12,7 +12,7 @@ import sys
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts',
                       'bench_kfac.py')
 VARIANTS = ['adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition',
-            'interleaved_adam', 'kfac_segments']
+            'interleaved_adam', 'kfac_segments', 'kfac_host_switch']
 
 
 def test_small_run_writes_results_and_every_variant_is_finite(tmp_path):

@@ -5,6 +5,7 @@ by hand with an explicit perturbation argument ``eps`` added to each layer's
 output, so ``g = d(sum of per-example losses)/d eps`` and the layer inputs are
 captured explicitly; ``A`` and ``G`` are then formed with numpy.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -469,7 +470,8 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
       _, reference = every.update(full_grads, reference, params, kfac_stats=full_stats)
       taken += 1
     else:
-      chex.assert_trees_all_close(stats, jax.tree.map(jnp.zeros_like, full_stats))
+      # A step without statistics returns NaN stats, which the state does not fold in.
+      assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(stats))
     chex.assert_trees_all_close(state.factors, reference.factors, rtol=1e-5, atol=1e-6)
     if i in (0, 6):
       chex.assert_trees_all_close(state.inverses, reference.inverses, rtol=1e-4, atol=1e-5)
@@ -479,6 +481,34 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
       expected = np.asarray(inverses.a, np.float64) @ theta @ np.asarray(inverses.g, np.float64)
       np.testing.assert_allclose(updates[name]['kernel'], expected[:-1], rtol=1e-4, atol=1e-6)
   assert taken == 3 and int(reference.count) == 3
+
+
+def test_two_jitted_steps_picked_in_python_equal_the_traced_flag():
+  """The host switch (one jitted step with statistics, one without, picked with
+  ``bool(state.stats_due)``) gives the traced-flag path's updates and states; a
+  step without statistics where they were due turns the factors NaN, not zero."""
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jnp.arange(8) % 4
+  variables, predict, layers = setup(MLP(), x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  params = variables['params']
+  tx = perturbkit.kfac_preconditioner(layers, damping=0.1, inverse_every=3)
+
+  def step(state, x, key, with_stats):
+    _, grads, stats = estimate(variables, x, y, key, with_stats=with_stats)
+    return tx.update(grads, state, params, kfac_stats=stats)
+
+  traced = jax.jit(lambda state, x, key: step(state, x, key, state.stats_due))
+  switch = {flag: jax.jit(functools.partial(step, with_stats=flag)) for flag in (True, False)}
+  a = b = tx.init(params)
+  for i in range(6):
+    xi, key = x * (1 + 0.1 * i), jax.random.key(i)
+    out_a, a = traced(a, xi, key)
+    out_b, b = switch[bool(b.stats_due)](b, xi, key)
+    chex.assert_trees_all_close((out_a, a), (out_b, b), rtol=1e-5, atol=1e-6)
+  assert bool(b.stats_due)
+  _, wrong = switch[False](b, x, jax.random.key(9))
+  assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(wrong.factors))
 
 
 def test_jitted_training_step_traces_once_and_lowers_the_loss():
