@@ -294,16 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                                   jax.random.fold_in(key, i))
   report(results, k)
   all_ok = all(r['ok'] for r in results.values())
-  if args.out:
-    common.write_json(args.out, {
-        'benchmark': 'kfac',
-        'config': {'sizes': args.sizes, 'repeats': args.repeats, 'k': k, 'steps': steps,
-                   'variants': list(VARIANTS), 'time_target': TIME_TARGET},
-        'environment': common.environment(),
-        'all_ok': all_ok,
-        'models': results,
-    })
-    print(f'\nwrote {args.out}')
+  common.write_results(args.out, 'kfac',
+                       {'sizes': args.sizes, 'repeats': args.repeats, 'k': k, 'steps': steps,
+                        'variants': list(VARIANTS), 'time_target': TIME_TARGET},
+                       results, all_ok)
   return 0 if all_ok else 1
 
 

@@ -230,17 +230,12 @@ def main(argv: list[str] | None = None) -> int:
   print(f'\nperturbkit == vmap_grad: {"OK" if all_ok else "MISMATCH"}')
   print(f'x time, x mem: ratio to plain. Targets for perturbkit: time <= {TARGETS["time"]}x, '
         f'arg+out+temp bytes <= {TARGETS["memory"]}x.')
-  if args.out:
-    common.write_json(args.out, {
-        'benchmark': 'per_example',
-        'config': {'sizes': args.sizes, 'repeats': args.repeats, 'clip_norm': CLIP_NORM,
-                   'noise_multiplier': NOISE_MULTIPLIER, 'optimizer': f'sgd({LEARNING_RATE})',
-                   'tolerance': TOLERANCE, 'targets': TARGETS, 'variants': list(VARIANTS)},
-        'environment': common.environment(),
-        'all_ok': all_ok,
-        'models': results,
-    })
-    print(f'wrote {args.out}')
+  common.write_results(args.out, 'per_example',
+                       {'sizes': args.sizes, 'repeats': args.repeats, 'clip_norm': CLIP_NORM,
+                        'noise_multiplier': NOISE_MULTIPLIER,
+                        'optimizer': f'sgd({LEARNING_RATE})', 'tolerance': TOLERANCE,
+                        'targets': TARGETS, 'variants': list(VARIANTS)},
+                       results, all_ok)
   return 0 if all_ok else 1
 
 
