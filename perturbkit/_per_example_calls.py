@@ -10,6 +10,7 @@ which array inputs are computed from the batched arguments (see
 ``_per_example_inputs``). The same run rejects models that mix examples
 (BatchNorm in training mode).
 """
+import copy
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -20,7 +21,8 @@ from flax import traverse_util
 from perturbkit import _filters
 from perturbkit._interceptor import Call, intercept
 from perturbkit._per_example_batch import BatchAxes, per_argument
-from perturbkit._per_example_inputs import source_kinds
+from perturbkit._per_example_inputs import needed_inputs, source_kinds
+from perturbkit._per_example_nested import nested_applies, nested_params
 from perturbkit._per_example_errors import (ExamplesMixedError, PerExampleError,
                                             UncoveredParamsError)
 from perturbkit._types import Path, Variables
@@ -47,6 +49,54 @@ class Use(NamedTuple):
   module: nn.Module
   template: Any
   sources: tuple[str, ...] = ()
+
+
+class ReadUse(NamedTuple):
+  """A nested ``apply`` inside the loss (a tied head), as recorded while tracing.
+
+  Attributes:
+    index: Its place among the nested applies, in execution order.
+    method_name: The method called on its root module.
+    module: An unbound copy of that module.
+    template: ``(args, kwargs)`` with every array replaced by ``None``.
+    sources: What each array input is computed from (as ``Use.sources``).
+    outputs: The shapes of its floating-point outputs (leaves of :func:`float_part`).
+    out_tree: The tree structure of ``float_part`` of its output.
+    owners: The paths of the param-owning modules its params are computed from.
+  """
+  index: int
+  method_name: str
+  module: nn.Module
+  template: Any
+  sources: tuple[str, ...]
+  outputs: tuple[jax.ShapeDtypeStruct, ...]
+  out_tree: Any
+  owners: frozenset
+
+
+def float_part(tree: Any) -> Any:
+  """``tree``'s floating-point arrays in plain tuples, lists and dicts; ``None`` elsewhere."""
+  if isinstance(tree, jax.Array):
+    return tree if jax.numpy.issubdtype(tree.dtype, jax.numpy.inexact) else None
+  if type(tree) in (tuple, list):
+    return type(tree)(float_part(t) for t in tree)
+  if isinstance(tree, dict):
+    return {k: float_part(v) for k, v in tree.items()}
+  return None
+
+
+def add_to_floats(tree: Any, delta: Any) -> Any:
+  """``tree`` with ``delta`` (shaped like ``float_part(tree)``) added to its float arrays."""
+  if isinstance(tree, jax.Array):
+    return tree if delta is None else tree + delta
+  if type(tree) in (tuple, list):
+    return type(tree)(add_to_floats(t, d) for t, d in zip(tree, delta))
+  if isinstance(tree, dict):
+    out = copy.copy(tree)
+    for k, v in tree.items():
+      out[k] = add_to_floats(v, delta[k])
+    return out
+  return tree
 
 
 def _is_array(leaf: Any) -> bool:
@@ -129,23 +179,29 @@ def _array_leaves(tree: Any) -> list[Any]:
 
 
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-              kwargs: dict, batch_axes: BatchAxes = 0) -> dict[Path, list[Use]]:
-  """Every outermost call of each param-owning module, in execution order.
+              kwargs: dict, batch_axes: BatchAxes = 0
+              ) -> tuple[dict[Path, list[Use]], list[ReadUse]]:
+  """Every outermost call of each param-owning module, in execution order, and the reads.
 
   A call of a module made inside another call of the same module (a method
   calling ``self.other_method``) is part of the outer use and not recorded.
   The loss is traced to a jaxpr, whose data dependences say which array inputs
   of each use come from the arguments batched by ``batch_axes`` (``Use.sources``).
+  A nested ``apply`` whose params are computed from the model's params (a tied
+  LM head, see ``_per_example_reads``) is a :class:`ReadUse`.
 
   Raises:
     ExamplesMixedError: a call mixes examples (BatchNorm in training mode).
     UncoveredParamsError: a module owns params but is never called.
+    PerExampleError: a nested ``apply`` is given params computed from the batch.
   """
   owners = owner_paths(variables['params'])
   batch_stats_owners = {p[:-1] for p in traverse_util.flatten_dict(
       dict(variables.get('batch_stats', {})))}
   uses: dict[Path, list[Use]] = {}
   inputs: list[tuple[Path, int, list[Any]]] = []  # (path, use index, array inputs) by call
+  reads: list[ReadUse] = []
+  read_arrays: list[tuple[list[Any], list[Any]]] = []  # (array inputs, params) by read
   active: list[Path] = []
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
@@ -165,6 +221,15 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     finally:
       active.pop()
 
+  def on_nested(index, module, method_name, a, kw, run):
+    out = run()
+    floats, out_tree = jax.tree.flatten(float_part(out))
+    reads.append(ReadUse(index, method_name, module.clone(parent=None), static_part((a, kw)),
+                         (), tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+                         out_tree, frozenset()))
+    read_arrays.append((_array_leaves((a, kw)), jax.tree.leaves(nested_params(module))))
+    return out
+
   # Keyword arguments are shared; their arrays are jaxpr inputs, the rest (flags) stay static.
   kw_leaves, kw_tree = jax.tree.flatten(kwargs)
   kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
@@ -173,9 +238,11 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     given = iter(kw_arrays)
     kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
                                       for leaf in kw_leaves])
-    with intercept(_filters.all_calls, handler):
+    with intercept(_filters.all_calls, handler), nested_applies(on_nested):
       loss_fn(variables, *args, **kw)
-    return [leaf for _, _, leaves in inputs for leaf in leaves]
+    return ([leaf for _, _, leaves in inputs for leaf in leaves]
+            + [leaf for arrays, _ in read_arrays for leaf in arrays]
+            + [leaf for _, params in read_arrays for leaf in params])
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
   jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr
@@ -186,7 +253,30 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   for path, index, leaves in inputs:
     uses[path][index] = uses[path][index]._replace(
         sources=tuple(next(kinds) for _ in leaves))
+  reads = [r._replace(sources=tuple(next(kinds) for _ in arrays))
+           for r, (arrays, _) in zip(reads, read_arrays)]
+  param_leaves = [('params',) + tuple(k.key for k in path) for path, _ in
+                  jax.tree_util.tree_flatten_with_path(plain.get('params', {}))[0]]
+  variable_leaves = [tuple(getattr(k, 'key', k) for k in path) for path, _ in
+                     jax.tree_util.tree_flatten_with_path(plain)[0]]
+  assert set(param_leaves) <= set(variable_leaves)
+  start = len(jaxpr.outvars) - sum(len(params) for _, params in read_arrays)
+  for i, (read, (_, params)) in enumerate(zip(list(reads), read_arrays)):
+    params_kinds = [next(kinds) for _ in params]
+    where = f'the nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
+    if 'example' in params_kinds:
+      raise PerExampleError(
+          f'{where} inside the loss is given params computed from the batched arguments; '
+          'per-example gradients need params shared by all examples. Compute them from the '
+          'variables only, or call the module as a submodule instead.')
+    wanted = [False] * len(jaxpr.outvars)
+    wanted[start:start + len(params)] = [True] * len(params)
+    start += len(params)
+    needed = needed_inputs(jaxpr, wanted)
+    read_owners = frozenset(path[1:-1] for path, n in zip(variable_leaves, needed)
+                            if n and path[0] == 'params')
+    reads[i] = read._replace(owners=read_owners & owners)
   missing = sorted('/'.join(p) or '<root>' for p in owners - set(uses))
   if missing:
     raise UncoveredParamsError(missing)
-  return uses
+  return uses, [r for r in reads if r.owners]

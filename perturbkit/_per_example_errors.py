@@ -56,7 +56,13 @@ class AmbiguousInputError(PerExampleError):
         'tell whether its rows are the examples (positions broadcast to the batch) or it is '
         'shared by all examples and happens to have that many rows, so it does not guess. '
         'Pass the array as an argument of the loss: batched (`batch_axes` 0) if its rows are '
-        'the examples, or with `batch_axes` None if it is shared. (A call run inside a JAX '
+        'the examples, or with `batch_axes` None if it is shared. Arrays made with '
+        '`jnp.zeros_like(ids)` or `jnp.ones_like(ids)` are such constants too: they do not '
+        'read the values of `ids`. For Hugging Face models this is usually an id array left '
+        'to its default or made inside the loss, e.g. `position_ids` (position_embeddings) '
+        'or `token_type_ids` (token_type_embeddings): build it outside the loss, e.g. '
+        '`jnp.broadcast_to(jnp.arange(length), ids.shape)` or `jnp.zeros_like(ids)`, pass it '
+        'to the loss as a batched argument, and from there to the model. (A call run inside a JAX '
         'transform within the loss, such as `jax.checkpoint` or `jax.jit` around '
         '`model.apply`, also shows its inputs this way; per-example gradients need the '
         'calls traced directly.)')
@@ -73,8 +79,11 @@ class SharedCallError(PerExampleError):
         'per-example gradients of its params cannot be separated from that sum. Apply the '
         'module to per-example inputs (for a positional embedding, pass the positions as '
         'a batched argument of the loss), and pass the batch to the loss as an argument '
-        'rather than closing over it. Calls run inside a JAX transform within the loss '
-        '(`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
+        'rather than closing over it. A layer applied inside the model to positions it '
+        'builds itself from a fixed length (Whisper\'s encoder looks up '
+        '`jnp.arange(max_source_positions)`) cannot be given per-example inputs; its '
+        'per-example gradients are not available. Calls run inside a JAX transform within '
+        'the loss (`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
 
 
 class InterleavedClippingError(PerExampleError):

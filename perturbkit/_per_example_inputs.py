@@ -59,3 +59,19 @@ def source_kinds(jaxpr: jex_core.Jaxpr, batched: Sequence[bool]) -> list[str]:
   from_shared = depends_on(jaxpr, [not b for b in batched])
   return ['example' if e else 'shared' if s else 'constant'
           for e, s in zip(from_examples, from_shared)]
+
+
+def needed_inputs(jaxpr: jex_core.Jaxpr, wanted: Sequence[bool]) -> list[bool]:
+  """For each input of ``jaxpr``, whether an output marked in ``wanted`` is computed from it.
+
+  The reverse of :func:`depends_on`, equation by equation from the last; through a
+  nested jaxpr every input of the equation is taken to feed every output.
+  """
+  if len(wanted) != len(jaxpr.outvars):
+    raise ValueError(f'{len(wanted)} marks for {len(jaxpr.outvars)} jaxpr outputs.')
+  needed = {v for v, w in zip(jaxpr.outvars, wanted)
+            if w and not isinstance(v, jex_core.Literal)}
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+  return [v in needed for v in jaxpr.invars]

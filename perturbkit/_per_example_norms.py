@@ -8,6 +8,7 @@ from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
 from perturbkit._per_example_pass import Pass, run_pass
+from perturbkit._per_example_reads import grads_with_reads, per_example_sq
 from perturbkit._per_example_rules import DENSE_METHODS, LayerNorms, layer_norms
 from perturbkit._types import Path
 
@@ -31,7 +32,11 @@ def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
     raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
   out = {}
   for layer in result.layers:
-    if not layer.pairs:
+    if layer.reads:  # params also used by nested applies (a tied head): formed in full
+      grads = grads_with_reads(layer.path, layer.pairs, layer.params, layer.direct,
+                               list(layer.reads), result.num_examples)
+      out[layer.path] = LayerNorms({k: per_example_sq(v) for k, v in grads.items()}, grads)
+    elif not layer.pairs:
       zero = jnp.zeros((result.num_examples,), jnp.float32)
       out[layer.path] = LayerNorms({k: zero for k in layer.direct})
     else:

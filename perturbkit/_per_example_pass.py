@@ -11,11 +11,16 @@ import jax
 
 from perturbkit._driver import value_and_grad
 from perturbkit._per_example_batch import BatchAxes, count_examples, reduction_scale
-from perturbkit._per_example_calls import (PERTURBATIONS, Use, direct_params, find_uses,
-                                           merge_static, module_variables)
+from perturbkit._per_example_calls import (PERTURBATIONS, ReadUse, Use, add_to_floats,
+                                           direct_params, find_uses, merge_static,
+                                           module_variables)
 from perturbkit._per_example_errors import (AmbiguousInputError, ExamplesAxisError,
                                             SharedCallError)
+from perturbkit._per_example_nested import (nested_applies, nested_others, nested_params,
+                                            params_of_reads)
+from perturbkit._per_example_reads import READS, Read
 from perturbkit._per_example_replay import Pair
+from perturbkit._points import array_part
 from perturbkit._types import Path, Variables
 
 
@@ -27,11 +32,13 @@ class Layer(NamedTuple):
     pairs: Its uses with their arrays, in execution order.
     params: The module's whole params subtree (children included).
     direct: The params it owns itself, ``{name: array}``.
+    reads: The nested applies whose params are computed from its own (a tied head).
   """
   path: Path
   pairs: list[Pair]
   params: Any
   direct: dict[str, jax.Array]
+  reads: tuple[Read, ...] = ()
 
 
 class Pass(NamedTuple):
@@ -82,20 +89,82 @@ def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
   return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
 
 
+def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[..., Any]:
+  """The loss with a zero perturbation on each read's outputs, taken from ``params[READS]``.
+
+  Returns ``(loss, [(array part of (args, kwargs), params, other collections) by read])``.
+  """
+  by_index = {r.index: i for i, r in enumerate(reads)}
+
+  def run(variables, *args, **kwargs):
+    params = dict(variables['params'])
+    deltas = params.pop(READS)
+    found: list[Any] = [None] * len(reads)
+
+    def on_nested(index, module, method_name, a, kw, call):
+      del method_name
+      out = call()
+      if index not in by_index:
+        return out
+      i = by_index[index]
+      found[i] = (array_part((a, kw)), nested_params(module), nested_others(module))
+      return add_to_floats(out, jax.tree.unflatten(reads[i].out_tree, deltas[i]))
+
+    with nested_applies(on_nested):
+      loss = loss_fn({**variables, 'params': params}, *args, **kwargs)
+    return loss, found
+
+  return run
+
+
+def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_examples: int,
+          pullback: Callable[[Any], Any]) -> Read:
+  """One nested apply as a :class:`Read`: its call's pair and the pullback to the variables."""
+  arrays, params, others = found
+  where = f'nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
+  args, kwargs = merge_static(arrays, read.template, where)
+  use = Use((), where, read.method_name, read.module, read.template, read.sources)
+  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
+                num_examples, where)
+  grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]
+  # The cotangent of the replayed call's floating-point outputs (``call_output``).
+  grad = jax.tree.unflatten(read.out_tree, grad)
+  return Read(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback)
+
+
 def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
              reduction: str, batch_axes: BatchAxes) -> Pass:
   """The loss and every param-owning module's uses, from one forward and backward pass."""
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  uses = find_uses(loss_fn, variables, args, kwargs, batch_axes)
+  uses, reads = find_uses(loss_fn, variables, args, kwargs, batch_axes)
   selected = lambda module, method_name: tuple(module.path) in uses
-  loss, grads, inputs = value_and_grad(loss_fn, filter=selected, return_inputs=True,
-                                       strict=False)(variables, *args, **kwargs)
+  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
+  (loss, found), grads, inputs = value_and_grad(
+      _with_reads(loss_fn, reads), filter=selected, return_inputs=True, strict=False,
+      has_aux=True)({**variables, 'params': {**variables['params'], READS: zeros}},
+                    *args, **kwargs)
+  read_grads = grads['params'][READS]
+  pulled = []
+  if reads:
+    given, pullback = jax.vjp(params_of_reads(loss_fn, variables, args, kwargs),
+                              variables['params'])
+
+    def pull(index, cotangent):
+      # The VJP of every nested apply's params at once, zero but for the one at ``index``.
+      full = [cotangent if j == index else jax.tree.map(jax.numpy.zeros_like, p)
+              for j, p in enumerate(given)]
+      return pullback(full)[0]
+
+    pulled = [_read(r, f, g, scale, num_examples, lambda c, i=r.index: pull(i, c))
+              for r, f, g in zip(reads, found, read_grads)]
   layers = []
   for path, module_uses in uses.items():
     pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)
              for u in module_uses]
     pairs = [p for p in pairs if p is not None]
     params = _get_in(variables['params'], path)
-    layers.append(Layer(path, pairs, params, direct_params(variables['params'], path)))
+    layer_reads = tuple(p for p, r in zip(pulled, reads) if path in r.owners)
+    layers.append(Layer(path, pairs, params, direct_params(variables['params'], path),
+                        layer_reads))
   return Pass(loss, num_examples, layers)

@@ -9,9 +9,8 @@ module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from perturbkit._per_example_calls import Use
+from perturbkit._per_example_calls import Use, float_part
 
 
 class Pair(NamedTuple):
@@ -32,16 +31,6 @@ class Pair(NamedTuple):
   variables: dict
 
 
-def _float_part(tree: Any) -> Any:
-  if isinstance(tree, jax.Array):
-    return tree if jnp.issubdtype(tree.dtype, jnp.inexact) else None
-  if type(tree) in (tuple, list):
-    return type(tree)(_float_part(t) for t in tree)
-  if isinstance(tree, dict):
-    return {k: _float_part(v) for k, v in tree.items()}
-  return None
-
-
 def call_output(pair: Pair, params: Any, args: tuple | None = None,
                 kwargs: dict | None = None) -> Any:
   """The floating-point outputs of the use, replayed with ``params`` (the module's subtree)."""
@@ -49,7 +38,7 @@ def call_output(pair: Pair, params: Any, args: tuple | None = None,
   kwargs = pair.kwargs if kwargs is None else kwargs
   out = pair.use.module.apply({**pair.variables, 'params': params}, *args,
                               method=pair.use.method_name, **kwargs)
-  return _float_part(out)
+  return float_part(out)
 
 
 def _scaled(tree: Any, weights: jax.Array) -> Any:

@@ -1,0 +1,78 @@
+"""Nested ``apply`` calls inside a loss: found, and their params as a function of the variables.
+
+A nested ``apply`` (``self.lm_head.apply({'params': {'kernel': w.T}}, h)``) is not a
+submodule call, so the interceptor of the model's calls does not see it; this
+module finds the outermost ones by a Flax method interceptor of its own, counting
+them in execution order (see ``_per_example_reads`` for what they are used for).
+"""
+import contextlib
+from typing import Any, Callable, Iterator
+
+import flax.linen as nn
+import jax
+
+# ``(index, module, method_name, args, kwargs, run) -> output`` for each outermost nested apply.
+NestedHandler = Callable[[int, nn.Module, str, tuple, dict, Callable[[], Any]], Any]
+
+
+@contextlib.contextmanager
+def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
+  """Hands every outermost ``apply`` made inside another ``apply`` to ``on_nested``.
+
+  The index counts them in execution order. ``apply`` calls nested inside a
+  nested one run as they are (they are part of its replay).
+  """
+  roots: list[Any] = []  # the scopes of the applies running now, outermost first
+  count = [0]
+
+  def interceptor(next_fun, args, kwargs, context):
+    module, method_name = context.module, context.method_name
+    run = lambda: next_fun(*args, **kwargs)
+    # Submodule calls, and a root calling its own methods, are part of the running apply.
+    if (module.scope is None or module.path or method_name == 'setup'
+        or any(module.scope is scope for scope in roots)):
+      return run()
+    roots.append(module.scope)
+    try:
+      if len(roots) != 2:
+        return run()
+      index = count[0]
+      count[0] += 1
+      return on_nested(index, module, method_name, args, kwargs, run)
+    finally:
+      roots.pop()
+
+  with nn.intercept_methods(interceptor):
+    yield
+
+
+def nested_params(module: nn.Module) -> Any:
+  """The params a nested ``apply`` was given, as plain dicts."""
+  return jax.tree.map(lambda x: x, dict(module.variables.get('params', {})))
+
+
+def nested_others(module: nn.Module) -> dict:
+  """The nested ``apply``'s collections other than params."""
+  return {c: v for c, v in module.variables.items() if c != 'params'}
+
+
+def params_of_reads(loss_fn: Callable[..., Any], variables: dict, args: tuple,
+                    kwargs: dict) -> Callable[[Any], list[Any]]:
+  """``params -> [params given to each nested apply]``, by a forward run of the loss.
+
+  Only its VJP is used; everything but the reads' own computation is dead code
+  under ``jax.jit``.
+  """
+  def run(params):
+    found: list[Any] = []
+
+    def on_nested(index, module, method_name, a, kw, call):
+      del index, method_name, a, kw
+      found.append(nested_params(module))
+      return call()
+
+    with nested_applies(on_nested):
+      loss_fn({**variables, 'params': params}, *args, **kwargs)
+    return found
+
+  return run

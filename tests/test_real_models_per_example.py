@@ -1,0 +1,259 @@
+"""Per-example gradient norms and DP-SGD on unmodified Hugging Face Flax models.
+
+The reference is ``jax.vmap(jax.grad)`` of the same loss on each example alone (a batch of
+one): it shares nothing with perturbkit's rules. Each loss is a mean over examples of one term
+per example (each example's mean token loss); position and token-type ids are passed as
+arguments of the loss, since ids built inside the model or the loss (``jnp.arange``,
+``jnp.zeros_like``) cannot be told apart from per-example inputs (tested below).
+
+* GPT-2: its LM head is tied to ``wte`` through a nested ``apply`` (a read outside the
+  embedding's call): the per-example gradient of ``wte`` is the sum of both uses before the
+  norm. Its ``FlaxConv1D`` layers go through the general path.
+* BERT, ViT (Conv patch embedding), Llama (RMSNorm, rotary positions), ResNet with BatchNorm
+  in eval mode: norms equal the reference; in train mode, ``ExamplesMixedError``.
+* ``private_grad`` / ``dp_sgd``: one step with a fixed key equals clipping the reference's
+  per-example gradients, summing, adding the documented noise stream and dividing by B.
+* Whisper: its encoder's position embedding is looked up at ``jnp.arange`` inside the model,
+  shared by all examples: ``SharedCallError``, naming it.
+"""
+import dataclasses
+from typing import Any, Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hf_models
+import perturbkit
+
+pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
+
+TOL = dict(rtol=2e-4, atol=1e-6)
+B = 3  # examples: not the sequence length, nor HF's batch of 2
+
+
+def _ids(seed=0):
+  return jax.random.randint(jax.random.key(seed), (B, hf_models.SEQ), 3, hf_models.VOCAB)
+
+
+def _positions():
+  return jnp.broadcast_to(jnp.arange(hf_models.SEQ), (B, hf_models.SEQ))
+
+
+def _pixels():
+  return jax.random.normal(jax.random.key(1), (B, hf_models.IMAGE, hf_models.IMAGE, 3))
+
+
+def _token_losses(logits, ids):
+  """Each example's mean next-token loss, ``(examples,)``."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean(1)
+
+
+def _causal_lm(module):
+  def loss_fn(variables, ids, mask, positions):
+    return _token_losses(module.apply(variables, ids, mask, positions).logits, ids).mean()
+  return loss_fn, (_ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
+
+
+def _bert(module):
+  def loss_fn(variables, ids, mask, token_types, positions, target):
+    out = module.apply(variables, ids, mask, token_types, positions)
+    terms = (jnp.mean((out.last_hidden_state - target) ** 2, axis=(1, 2))
+             + jnp.mean(out.pooler_output ** 2, axis=1))
+    return terms.mean()
+  target = jax.random.normal(jax.random.key(2), (B, hf_models.SEQ, hf_models.WIDTH))
+  mask = jnp.ones((B, hf_models.SEQ), jnp.int32)
+  return loss_fn, (_ids(), mask, jnp.zeros((B, hf_models.SEQ), jnp.int32), _positions(), target)
+
+
+def _vit(module):
+  def loss_fn(variables, pixels, target):
+    out = module.apply(variables, pixels)
+    terms = (jnp.mean((out.last_hidden_state - target) ** 2, axis=(1, 2))
+             + jnp.mean(out.pooler_output ** 2, axis=1))
+    return terms.mean()
+  target = jax.random.normal(jax.random.key(2), (B, (hf_models.IMAGE // 8) ** 2 + 1,
+                                                 hf_models.WIDTH))
+  return loss_fn, (_pixels(), target)
+
+
+def _resnet(module):
+  def loss_fn(variables, pixels, labels):
+    logits = module.apply(variables, pixels, deterministic=True).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  return loss_fn, (_pixels(), jnp.array([0, 2, 1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """A model, a per-example loss, a batch, and the reference per-example gradients."""
+  name: str
+  module: Any
+  variables: dict
+  loss_fn: Callable[..., Any]
+  batch: tuple
+  per_example: Any  # (examples, ...) per leaf, by vmap(grad)
+
+
+PROBLEMS = {'gpt2': ('gpt2', _causal_lm), 'bert': ('bert', _bert), 'vit': ('vit', _vit),
+            'llama': ('llama', _causal_lm), 'resnet_eval': ('resnet', _resnet)}
+
+
+def reference_grads(loss_fn, variables, *batch):
+  """Each example's params gradient: the loss of that example alone, by ``jax.grad``."""
+  def one(*example):
+    alone = [x[None] for x in example]
+    return jax.grad(lambda p: loss_fn({**variables, 'params': p}, *alone))(variables['params'])
+  return jax.jit(jax.vmap(one))(*batch)
+
+
+def norms_of(per_example):
+  """``(examples,)`` norms per leaf and in total."""
+  sq = jax.tree.map(lambda g: jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1), per_example)
+  return jax.tree.map(jnp.sqrt, sq), jnp.sqrt(sum(jax.tree.leaves(sq)))
+
+
+def strictness(model: str):
+  return next(c for c in hf_models.CASES.values() if c.model == model).strictness()
+
+
+@pytest.fixture(scope='module', params=sorted(PROBLEMS))
+def problem(request) -> Problem:
+  model, make = PROBLEMS[request.param]
+  hf = hf_models.hf_model(model)
+  loss_fn, batch = make(hf.module)
+  with strictness(model):
+    per_example = reference_grads(loss_fn, hf.variables, *batch)
+  return Problem(request.param, hf.module, hf.variables, loss_fn, batch, per_example)
+
+
+def test_norms_equal_vmap_grad(problem):
+  with strictness(PROBLEMS[problem.name][0]):
+    loss, norms = jax.jit(perturbkit.per_example_grad_norms(problem.loss_fn))(
+        problem.variables, *problem.batch)
+  by_param, total = norms_of(problem.per_example)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  for name, layer in norms.by_layer.items():
+    node = by_param
+    for key in name.split('/') if name else ():
+      node = node[key]
+    own = [v for v in node.values() if not isinstance(v, dict)]
+    np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  assert np.isfinite(float(loss))
+  if problem.name == 'gpt2':
+    # The tied embedding: its lookup and the LM head's nested apply, summed before the norm;
+    # the head's part is most of it, so leaving it out would be far off.
+    wte = by_param['transformer']['wte']['embedding']
+    np.testing.assert_allclose(norms.by_param['transformer']['wte']['embedding'], wte, **TOL)
+
+
+# -- DP-SGD ------------------------------------------------------------------------------
+
+def documented_noise(key, shape):
+  """``add_noise``'s stream: a leaf of n entries is m rows of n/m draws, m the largest divisor
+  of n that is at most 16 and leaves rows of at least 2**14 (one row for these tiny models)."""
+  n = int(np.prod(shape))
+  rows = max(m for m in range(1, 17) if n % m == 0 and (m == 1 or n // m >= 2 ** 14))
+  if rows == 1:
+    return jax.random.normal(key, shape)
+  draws = [jax.random.normal(k, (n // rows,)) for k in jax.random.split(key, rows)]
+  return jnp.concatenate(draws).reshape(shape)
+
+
+def reference_private_grad(per_example, key, clip_norm, noise_multiplier):
+  """Clip each example's whole gradient to ``clip_norm``, sum, add ``σC·ξ``, divide by B."""
+  _, total = norms_of(per_example)
+  factors = jnp.minimum(1.0, clip_norm / total)
+  summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
+  leaves, treedef = jax.tree.flatten(summed)
+  keys = jax.random.split(key, len(leaves))
+  noised = [s + noise_multiplier * clip_norm * documented_noise(k, s.shape)
+            for s, k in zip(leaves, keys)]
+  return jax.tree.unflatten(treedef, [x / total.shape[0] for x in noised]), total
+
+
+@pytest.mark.parametrize('problem', ['gpt2', 'llama', 'vit'], indirect=True)
+def test_one_private_step_equals_clipped_vmap_grad(problem):
+  """``private_grad`` (for ViT, a ``dp_sgd`` step with SGD) at a clip norm that clips two of
+  the three examples. GPT-2's tied embedding keeps its per-example gradients (lookup and LM
+  head summed); Llama's and ViT's layers are clipped by replayed VJPs and Dense matmuls."""
+  key, sigma, lr = jax.random.key(7), 0.7, 0.1
+  _, total = norms_of(problem.per_example)
+  low, middle, _ = sorted(np.asarray(total))
+  clip = float(low + middle) / 2  # two of the three examples are clipped
+  want, want_norms = jax.jit(reference_private_grad, static_argnums=(2, 3))(
+      problem.per_example, key, clip, sigma)
+  with strictness(PROBLEMS[problem.name][0]):
+    if problem.name == 'vit':
+      tx = perturbkit.dp_sgd(problem.loss_fn, optax.sgd(lr), clip_norm=clip,
+                             noise_multiplier=sigma)
+      state, metrics = jax.jit(tx.step)(tx.init(problem.variables), key, *problem.batch)
+      assert int(state.step) == 1
+      want_params = jax.tree.map(lambda p, g: p - lr * g, problem.variables['params'], want)
+      chex.assert_trees_all_close(state.variables['params'], want_params, **TOL)
+    else:
+      dp = perturbkit.private_grad(problem.loss_fn, clip_norm=clip, noise_multiplier=sigma)
+      grads, metrics = jax.jit(dp)(problem.variables, key, *problem.batch)
+      chex.assert_trees_all_close(grads, want, **TOL)
+  np.testing.assert_allclose(metrics['per_example_norms'], want_norms, **TOL)
+  np.testing.assert_allclose(metrics['fraction_clipped'], 2 / 3)
+
+
+# -- What is refused, and what the messages say ------------------------------------------
+
+def test_resnet_batchnorm_in_training_mode_is_refused():
+  hf = hf_models.hf_model('resnet')
+  pixels, labels = _pixels(), jnp.array([0, 2, 1])
+
+  def loss_fn(variables, pixels, labels):
+    out, _ = hf.module.apply(variables, pixels, deterministic=False, mutable=['batch_stats'])
+    return optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean()
+
+  with pytest.raises(perturbkit.ExamplesMixedError, match='BatchNorm in training mode'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, pixels, labels)
+  dp = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.ExamplesMixedError, match='BatchNorm in training mode'):
+    jax.eval_shape(dp, hf.variables, jax.random.key(0), pixels, labels)
+
+
+def test_bert_ids_made_inside_the_loss_or_model_name_what_to_pass():
+  """Token types from ``jnp.zeros_like(ids)`` in the loss, or position ids left to the model's
+  default (``jnp.arange`` broadcast to the batch): ambiguous, and the message says to pass them."""
+  hf = hf_models.hf_model('bert')
+  ids, mask = _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32)
+
+  def zeros_like_types(variables, ids, mask, positions):
+    out = hf.module.apply(variables, ids, mask, jnp.zeros_like(ids), positions)
+    return jnp.mean(out.last_hidden_state ** 2)
+
+  def default_positions(variables, ids, mask, token_types):
+    out = hf.module.apply(variables, ids, mask, token_types, None)
+    return jnp.mean(out.last_hidden_state ** 2)
+
+  with pytest.raises(perturbkit.AmbiguousInputError,
+                     match=r'(?s)embeddings/token_type_embeddings/__call__.*`token_type_ids`'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(zeros_like_types), hf.variables, ids, mask,
+                   _positions())
+  with pytest.raises(perturbkit.AmbiguousInputError,
+                     match=r'(?s)embeddings/position_embeddings/__call__.*`position_ids`'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(default_positions), hf.variables, ids,
+                   mask, jnp.zeros_like(ids))
+
+
+def test_whisper_encoder_positions_are_shared():
+  """Whisper's encoder looks its position embedding up at ``jnp.arange`` inside the model."""
+  hf = hf_models.hf_model('whisper')
+  features = jax.random.normal(jax.random.key(3), (B, 8, 2 * hf_models.SEQ))
+
+  def loss_fn(variables, features, ids, mask, positions):
+    logits = hf.module.apply(variables, features, ids, mask, positions).logits
+    return _token_losses(logits, ids).mean()
+
+  with strictness('whisper'), pytest.raises(perturbkit.SharedCallError,
+                                            match='model/encoder/embed_positions/__call__'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, features,
+                   _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
