@@ -5,13 +5,14 @@ from perturbkit._errors import PerturbkitError
 class KFACUnsupportedLayerError(PerturbkitError, TypeError):
   """A call selected for K-FAC has no Kronecker-factor rule."""
 
-  def __init__(self, where: str, reason: str):
+  def __init__(self, where: str, reason: str, exclude: str | None = None):
+    exclude = exclude or '`perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`'
     super().__init__(
         f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
         '`nn.Dense`, `nn.Conv` (feature_group_count=1) and `nn.Embed` `__call__`s outside '
-        'lifted transforms. Leave the filter at its default (unsupported layers are then '
-        'listed in `layers.skipped` and their params go to the fallback transform) or '
-        'exclude the call, e.g. `perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`.')
+        'lifted transforms whose params no other code reads. Leave the filter at its '
+        'default (unsupported layers are then listed in `layers.skipped` and their params '
+        f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
 
 
 class KFACLossError(PerturbkitError, ValueError):

@@ -5,6 +5,9 @@ Kronecker-factor rule (``_kfac_rules``). A module that owns params but has no
 rule (LayerNorm, BatchNorm, a grouped Conv, ``Embed.attend``, a layer inside a
 lifted transform, the root's own ``self.param``) is listed in
 ``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
+So is a Dense/Conv/Embed whose params the model also reads outside its calls
+(a tied LM head on the transposed embedding): its calls' factors would not
+cover that part of the gradient (``_kfac_reads``).
 """
 from typing import Any, Callable, NamedTuple
 
@@ -18,12 +21,19 @@ from perturbkit import _filters
 from perturbkit._driver import value_and_grad
 from perturbkit._errors import NoPerturbationPointsError
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
+from perturbkit._kfac_reads import outside_reads
 from perturbkit._kfac_rules import LayerInfo, describe, unsupported_reason
 from perturbkit._points import inside_lifted_transform
 from perturbkit._types import CallFilter, Variables
 
 _LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), where its '
            'inputs are not available')
+
+
+def _outside_reason(what: set[str]) -> str:
+  return ('its params are also read outside its calls (by ' + ', '.join(sorted(what)) +
+          '), e.g. tied weights such as an LM head on the transposed embedding: K-FAC '
+          'has no factors for that part of their gradient')
 
 
 class KFACLayers(NamedTuple):
@@ -55,7 +65,9 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
 
   Runs ``predict_fn`` abstractly (``jax.eval_shape``: no FLOPs) and records
-  every submodule call.
+  every submodule call, then traces it once more to check that each layer's
+  params are read by its own calls only (a tied embedding that an LM head
+  also multiplies by is skipped, with the reads named).
 
   Args:
     predict_fn: ``(variables, inputs) -> output``, e.g.
@@ -70,7 +82,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
 
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
-      module that owns params.
+      module that owns params, or a layer whose params are also read outside
+      its calls.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -131,4 +144,14 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       skipped[name] = 'not selected by the filter'
     else:
       skipped[name] = 'its params are not used through a call of its own'
-  return KFACLayers(layers, skipped)
+  reads = outside_reads(predict_fn, variables, inputs,
+                        {info.path: name for name, info in layers.items() if info.path})
+  for name, what in reads.items():
+    if user is not None:
+      raise KFACUnsupportedLayerError(
+          name, _outside_reason(what),
+          exclude=f'`perturbkit.filters.all_of(your_filter, perturbkit.filters.negate('
+                  f'perturbkit.filters.by_path({name!r})))`')
+    del layers[name]
+    skipped[name] = _outside_reason(what)
+  return KFACLayers(layers, dict(sorted(skipped.items())))
