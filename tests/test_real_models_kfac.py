@@ -1,0 +1,475 @@
+"""Whole-model K-FAC on unmodified Hugging Face Flax models (tiny configs built in code).
+
+BERT (Dense + Embed, token-classification logits), ViT (Conv patch embedding + Dense, image
+logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers) and ResNet in train mode (Conv + Dense,
+BatchNorm through ``has_aux``), each with the ordinary softmax cross-entropy:
+
+* ``kfac_layers`` against the module tree seen by an interceptor written here: every
+  Dense/Conv/Embed owner is a layer of its kind and shape, every other owner is skipped with its
+  type named; GPT-2's tied ``wte`` (also read by the LM head) is skipped with the read named and
+  refused when a filter selects it;
+* the estimator's A and G of three layers per model (empirical Fisher on the true labels, and
+  sampled with a fixed key) against a reference without perturbkit: the layer inputs captured by
+  an ``nn.intercept_methods`` interceptor, the per-example output gradients from explicit deltas
+  that interceptor adds to the call's output, A and G formed in numpy with the documented
+  conventions (A sums over locations and averages over examples; G averages over every row; an
+  Embed's A is the token counts over examples; a Conv's rows are its patches);
+* jitted ``kfac_preconditioner`` + optax steps: the first update of a layer is
+  ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` of the returned factors, and two steps lower the loss.
+"""
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hf_models
+import perturbkit
+
+pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
+
+TOL = dict(rtol=1e-4, atol=1e-6)
+DAMPING, LR = 0.1, 0.05
+RULES = {nn.Dense: 'dense', nn.Conv: 'conv', nn.Embed: 'embed'}
+
+
+@dataclasses.dataclass(frozen=True)
+class KFACCase:
+  """A model, its prediction, a batch with labels and the layers checked by hand.
+
+  Attributes:
+    name: Key into ``hf_models.CASES`` (for the model and its rank-promotion setting).
+    predict: ``(module) -> predict_fn(variables, inputs)``.
+    batch: ``() -> (inputs, labels)``.
+    checked: Module paths of the layers whose factors are checked by hand.
+    stepped: The layer whose first preconditioned update is checked by hand.
+    has_aux: ``predict_fn`` returns ``(logits, mutated collections)``.
+    tied: Owners read outside their calls (skipped with the read named).
+  """
+  name: str
+  predict: Callable[[nn.Module], Callable[..., Any]]
+  batch: Callable[[], tuple]
+  checked: tuple[str, ...]
+  stepped: str
+  has_aux: bool = False
+  tied: tuple[str, ...] = ()
+
+
+def _labels(n, classes, seed=7):
+  return jax.random.randint(jax.random.key(seed), (hf_models.BATCH,) + n, 0, classes)
+
+
+def _bert_predict(module):
+  # Token classification on the hidden states (WIDTH classes).
+  def predict(variables, ids):
+    mask = jnp.ones_like(ids)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return module.apply(variables, ids, mask, jnp.zeros_like(ids), positions).last_hidden_state
+  return predict
+
+
+def _vit_predict(module):
+  return lambda variables, pixels: module.apply(variables, pixels).pooler_output
+
+
+def _gpt2_predict(module):
+  # Next-token logits; the labels are the ids shifted by one.
+  def predict(variables, ids):
+    mask = jnp.ones_like(ids)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return module.apply(variables, ids, mask, positions).logits[:, :-1]
+  return predict
+
+
+def _resnet_predict(module):
+  def predict(variables, pixels):
+    out, updates = module.apply(variables, pixels, deterministic=False, mutable=['batch_stats'])
+    return out.logits, updates
+  return predict
+
+
+def _token_batch():
+  ids = hf_models._tokens()[0]
+  return ids, _labels((hf_models.SEQ,), hf_models.WIDTH)
+
+
+def _gpt2_batch():
+  ids = hf_models._tokens()[0]
+  return ids, ids[:, 1:]
+
+
+def _image_batch():
+  return hf_models._image(), _labels((), 3)
+
+
+CASES = {c.name: c for c in [
+    KFACCase('bert', _bert_predict, _token_batch,
+             ('embeddings/word_embeddings', 'encoder/layer/0/attention/self/query',
+              'encoder/layer/1/output/dense'), 'encoder/layer/0/attention/self/query'),
+    KFACCase('vit', _vit_predict, _image_batch,
+             ('embeddings/patch_embeddings/projection',
+              'encoder/layer/0/attention/attention/value', 'encoder/layer/1/intermediate/dense'),
+             'encoder/layer/1/intermediate/dense'),
+    KFACCase('gpt2', _gpt2_predict, _gpt2_batch, ('transformer/wpe',), 'transformer/wpe',
+             tied=('transformer/wte',)),
+    KFACCase('resnet_train', _resnet_predict, _image_batch,
+             ('resnet/embedder/embedder/convolution',
+              'resnet/encoder/stages/1/layers/0/shortcut/convolution', 'classifier/1'),
+             'classifier/1', has_aux=True),
+]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  case: KFACCase
+  hf: hf_models.Case
+  predict: Callable[..., Any]
+  variables: dict
+  inputs: jax.Array
+  labels: jax.Array
+  layers: perturbkit.KFACLayers
+
+
+@functools.cache
+def build(name: str) -> Setup:
+  """The model, its K-FAC layers and batch, once per process."""
+  case = CASES[name]
+  hf_case = hf_models.CASES[case.name]
+  hf = hf_models.hf_model(hf_case.model)
+  predict = case.predict(hf.module)
+  inputs, labels = case.batch()
+  with hf_case.strictness():
+    layers = perturbkit.kfac_layers(predict, hf.variables, inputs)
+  return Setup(case, hf_case, predict, hf.variables, inputs, labels, layers)
+
+
+@pytest.fixture(scope='module', params=list(CASES))
+def built(request) -> Setup:
+  return build(request.param)
+
+
+@pytest.fixture
+def setup(built: Setup):
+  with built.hf.strictness():
+    yield built
+
+
+# --- The reference: a module tree and explicit deltas of our own ------------------------------
+
+def _called(module: nn.Module, method_name: str) -> bool:
+  return module.scope is not None and bool(module.path) and method_name.isidentifier()
+
+
+def module_tree(s: Setup) -> dict[str, tuple[nn.Module, set]]:
+  """``{path: (a bound module, {method names called})}`` of every submodule call."""
+  seen: dict = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    if _called(context.module, context.method_name) and context.method_name != 'setup':
+      name = '/'.join(context.module.path)
+      seen.setdefault(name, (context.module, set()))[1].add(context.method_name)
+    return next_fun(*args, **kwargs)
+
+  def run(variables, inputs):
+    with nn.intercept_methods(interceptor):
+      return s.predict(variables, inputs)
+
+  jax.eval_shape(run, s.variables, s.inputs)
+  return seen
+
+
+def _logits(s: Setup, out):
+  return out[0] if s.case.has_aux else out
+
+
+def _nll_sum(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  inputs: dict       # {path: the call's input}
+  outputs: dict      # {path: the call's output}
+  modules: dict      # {path: (kind, kernel_size, strides, padding)} static attributes
+  g_true: dict       # {path: d(sum of per-example losses at the labels)/d delta}
+  g_sampled: dict    # the same at labels drawn from the model with KEY
+  param_grads: Any   # jax.grad of the mean loss
+
+
+KEY = jax.random.key(11)
+
+
+def reference(s: Setup) -> Reference:
+  """Inputs, outputs and per-example output gradients of the checked calls, without perturbkit."""
+  checked = {tuple(p.split('/')) for p in s.case.checked}
+  modules: dict = {}
+
+  def forward(variables, deltas):
+    inputs, outputs = {}, {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      module = context.module
+      path = tuple(module.path) if module.scope is not None else None
+      if context.method_name != '__call__' or path not in checked:
+        return next_fun(*args, **kwargs)
+      name = '/'.join(path)
+      assert name not in inputs, f'{name} is called twice'
+      out = next_fun(*args, **kwargs)
+      inputs[name], outputs[name] = (args[0] if args else kwargs['inputs']), out
+      kind = next(k for t, k in RULES.items() if isinstance(module, t))
+      if kind == 'conv':
+        modules[name] = (kind, module.kernel_size, module.strides, module.padding)
+      else:
+        modules[name] = (kind,)
+      return out if deltas is None else out + deltas[name]
+
+    with nn.intercept_methods(interceptor):
+      out = s.predict(variables, s.inputs)
+    return _logits(s, out), (inputs, outputs)
+
+  @jax.jit
+  def run(variables, labels):
+    logits, (inputs, outputs) = forward(variables, None)
+    zeros = jax.tree.map(jnp.zeros_like, outputs)
+    sampled = jax.random.categorical(KEY, logits.astype(jnp.float32), axis=-1)
+    # One backward pass gives the param gradients and the deltas' at the true labels.
+    summed = lambda p, d, y: _nll_sum(forward({**variables, 'params': p}, d)[0], y)
+    param_grads, g_true = jax.grad(summed, argnums=(0, 1))(variables['params'], zeros, labels)
+    g_sampled = jax.grad(summed, argnums=1)(variables['params'], zeros, sampled)
+    param_grads = jax.tree.map(lambda g: g / labels.shape[0], param_grads)
+    return inputs, outputs, g_true, g_sampled, param_grads
+
+  inputs, outputs, g_true, g_sampled, param_grads = run(s.variables, s.labels)
+  return Reference(inputs, outputs, modules, g_true, g_sampled, param_grads)
+
+
+def _pairs(value, n):
+  return (value,) * n if isinstance(value, int) else tuple(value)
+
+
+def hand_patches(x, kernel_size, strides, padding) -> np.ndarray:
+  """``(N, out_h, out_w, kh*kw*C)`` windows of an NHWC input, in the HWIO kernel's order."""
+  kernel_size, strides = _pairs(kernel_size, 2), _pairs(strides or 1, 2)
+  if padding == 'VALID':
+    pads = [(0, 0)] * 2
+  elif padding == 'SAME':
+    pads = []
+    for size, k, s in zip(x.shape[1:3], kernel_size, strides):
+      total = max((-(-size // s) - 1) * s + k - size, 0)
+      pads.append((total // 2, total - total // 2))
+  else:
+    pads = [(p, p) if isinstance(p, int) else tuple(p) for p in _pairs(padding, 2)]
+  x = np.pad(np.asarray(x, np.float64), [(0, 0), *pads, (0, 0)])
+  (kh, kw), (sh, sw) = kernel_size, strides
+  oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+  windows = [x[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw, :]
+             for i in range(kh) for j in range(kw)]
+  return np.stack(windows, axis=3).reshape(x.shape[0], oh, ow, -1)
+
+
+def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.ndarray, ...]:
+  """A and G of one layer from the captured input and per-example output gradients."""
+  kind = ref.modules[name][0]
+  x = np.asarray(ref.inputs[name])
+  g = np.asarray(grads[name], np.float64)
+  g = g.reshape(-1, g.shape[-1])
+  examples = x.shape[0]
+  params = s.variables['params']
+  for k in name.split('/'):
+    params = params[k]
+  if kind == 'embed':
+    a = np.bincount(x.ravel(), minlength=params['embedding'].shape[0]) / examples
+    return a, g.T @ g / g.shape[0]
+  if kind == 'conv':
+    _, size, strides, padding = ref.modules[name]
+    rows = hand_patches(x, size, strides, padding)
+    kernel = np.asarray(params['kernel'], np.float64)
+    conv = rows @ kernel.reshape(-1, kernel.shape[-1]) + (
+        np.asarray(params['bias']) if 'bias' in params else 0.0)
+    # The hand patches are the convolution: the model's own output.
+    np.testing.assert_allclose(conv, ref.outputs[name], rtol=1e-4, atol=1e-5, err_msg=name)
+  else:
+    rows = x
+  rows = np.asarray(rows, np.float64).reshape(-1, rows.shape[-1])
+  if 'bias' in params:
+    rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+  return rows.T @ rows / examples, g.T @ g / g.shape[0]
+
+
+def assert_close(got, want, what):
+  want = np.asarray(want, np.float64)
+  scale = float(np.max(np.abs(want)))
+  assert scale > 0, f'{what}: the reference is all zeros'
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5 * scale,
+                             err_msg=what)
+
+
+# --- kfac_layers -------------------------------------------------------------------------------
+
+def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup):
+  s = setup
+  tree = module_tree(s)
+  owners = hf_models.direct_owners(s.variables['params'])
+  expected_layers, expected_skipped = {}, {}
+  for owner in owners:
+    module, methods = tree[owner]
+    kind = next((k for t, k in RULES.items() if isinstance(module, t)), None)
+    if owner in s.case.tied:
+      continue
+    if kind is None:
+      expected_skipped[owner] = f'{type(module).__name__} has no Kronecker-factor rule'
+      continue
+    assert methods == {'__call__'}, (owner, methods)
+    params = s.variables['params']
+    for k in owner.split('/'):
+      params = params[k]
+    param = 'embedding' if kind == 'embed' else 'kernel'
+    expected_layers[owner] = (kind, params[param].shape, 'bias' in params)
+  got = {name: (info.kind, info.kernel_shape, info.use_bias)
+         for name, info in s.layers.layers.items()}
+  assert got == expected_layers
+  assert {k: v for k, v in s.layers.skipped.items() if k not in s.case.tied} == expected_skipped
+  assert all(s.layers.layers[name].calls == ('__call__',) for name in s.layers.layers)
+  for name in s.case.tied:
+    assert 'read outside its calls (by transpose)' in s.layers.skipped[name]
+    assert name not in s.layers.layers
+
+
+def test_gpt2_tied_embedding_and_conv1d_are_named_not_guessed():
+  """GPT-2's ``FlaxConv1D`` has no rule and is listed as such; its ``wte`` embedding is also the
+  transposed LM-head kernel, so K-FAC factors of its ``__call__`` would miss part of its
+  gradient: skipped by default, and an error when a filter selects it."""
+  s = build('gpt2')
+  conv1d = [n for n, r in s.layers.skipped.items() if r == 'FlaxConv1D has no Kronecker-factor rule']
+  assert len(conv1d) == 4 * hf_models.LAYERS, s.layers.skipped
+  assert list(s.layers.layers) == ['transformer/wpe']
+  filters = perturbkit.filters
+  with s.hf.strictness():
+    with pytest.raises(perturbkit.KFACUnsupportedLayerError,
+                       match=r"transformer/wte.*read outside its calls \(by transpose\)"
+                             r".*filters\.negate\(perturbkit\.filters\.by_path"):
+      perturbkit.kfac_layers(s.predict, s.variables, s.inputs, filter=filters.by_type(nn.Embed))
+    # The fix the error suggests: leave the tied embedding out of the filter.
+    only = perturbkit.kfac_layers(
+        s.predict, s.variables, s.inputs,
+        filter=filters.all_of(filters.by_type(nn.Embed),
+                              filters.negate(filters.by_path('transformer/wte'))))
+  assert list(only.layers) == ['transformer/wpe']
+  assert only.skipped['transformer/wte'] == 'not selected by the filter'
+
+
+def test_batchnorm_in_train_mode_needs_has_aux():
+  s = build('resnet_train')
+  estimate = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers)
+  with pytest.raises(perturbkit.KFACOutputError, match='has_aux=True'):
+    jax.eval_shape(lambda v: estimate(v, s.inputs, s.labels, KEY), s.variables)
+
+
+# --- factors -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def ref(built: Setup) -> Reference:
+  with built.hf.strictness():
+    return reference(built)
+
+
+def _tx(s: Setup):
+  return optax.chain(perturbkit.kfac_preconditioner(s.layers, damping=DAMPING, inverse_every=1,
+                                                    stats_every=1),
+                     optax.sgd(LR))
+
+
+@pytest.fixture(scope='module')
+def steps(built: Setup):
+  """Three calls of one jitted sampled-Fisher K-FAC step (two updates, then the loss)."""
+  s = built
+  estimate = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
+                                       has_aux=s.case.has_aux)
+  tx = _tx(s)
+
+  @jax.jit
+  def step(variables, opt_state, key):
+    out = estimate(variables, s.inputs, s.labels, key)
+    loss, grads, stats = out[:3]
+    updates, opt_state = tx.update(grads, opt_state, variables['params'], kfac_stats=stats)
+    new = {**variables, 'params': optax.apply_updates(variables['params'], updates)}
+    if s.case.has_aux:
+      new.update(out[3])
+    return loss, grads, stats, updates, opt_state, new
+
+  with built.hf.strictness():
+    variables, opt_state = s.variables, tx.init(s.variables['params'])
+    results = []
+    for _ in range(3):
+      results.append(step(variables, opt_state, KEY))
+      variables, opt_state = results[-1][5], results[-1][4]
+  return results
+
+
+def test_sampled_factors_and_gradient_equal_the_explicit_delta_reference(setup, ref, steps):
+  s = setup
+  _, grads, stats, *_ = steps[0]
+  chex.assert_trees_all_close(grads, ref.param_grads, **TOL)
+  for name in s.case.checked:
+    a, g = hand_factors(s, ref, name, ref.g_sampled)
+    assert_close(stats[name].a, a, f'{name}.a')
+    assert_close(stats[name].g, g, f'{name}.g (sampled)')
+
+
+def test_empirical_factors_equal_the_explicit_delta_reference(setup, ref):
+  s = setup
+  estimate = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
+                                       fisher='empirical', has_aux=s.case.has_aux)
+  out = jax.jit(estimate)(s.variables, s.inputs, s.labels)
+  loss, grads, stats = out[:3]
+  chex.assert_trees_all_close(grads, ref.param_grads, **TOL)
+  for name in s.case.checked:
+    a, g = hand_factors(s, ref, name, ref.g_true)
+    assert_close(stats[name].a, a, f'{name}.a')
+    assert_close(stats[name].g, g, f'{name}.g (empirical)')
+  if s.case.has_aux:
+    assert set(out[3]) == {'batch_stats'}
+
+
+# --- preconditioner + optax --------------------------------------------------------------------
+
+def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, steps):
+  s = setup
+  (loss0, grads, _, updates, opt_state, _), (loss1, *_), (loss2, *_) = steps
+  info = s.layers.layers[s.case.stepped]
+  factors = opt_state[0].factors[s.case.stepped]
+  layer_grads, layer_updates = grads, updates
+  for k in info.path:
+    layer_grads, layer_updates = layer_grads[k], layer_updates[k]
+  grad = np.asarray(layer_grads[info.param], np.float64)
+  theta = grad.reshape(-1, grad.shape[-1])
+  if info.use_bias:
+    theta = np.concatenate([theta, np.asarray(layer_grads['bias'])[None]], axis=0)
+  a, g = np.asarray(factors.a, np.float64), np.asarray(factors.g, np.float64)
+  eye = lambda n: np.eye(n)
+  g_inv = np.linalg.inv(g + DAMPING * eye(len(g)))
+  if info.kind == 'embed':
+    want = (theta / (a + DAMPING)[:, None]) @ g_inv
+  else:
+    want = np.linalg.solve(a + DAMPING * eye(len(a)), theta) @ g_inv
+  got = np.asarray(layer_updates[info.param], np.float64).reshape(-1, grad.shape[-1])
+  if info.use_bias:
+    got = np.concatenate([got, np.asarray(layer_updates['bias'])[None]], axis=0)
+  assert_close(-got / LR, want, f'{s.case.stepped} preconditioned update')
+  # Everything that is not a K-FAC layer (LayerNorm, FlaxConv1D, a tied embedding) takes the
+  # plain gradient through the fallback.
+  owned = {info.path for info in s.layers.layers.values()}
+  flat_g = jax.tree_util.tree_flatten_with_path(grads)[0]
+  flat_u = jax.tree.leaves(updates)
+  for (path, g_leaf), u_leaf in zip(flat_g, flat_u):
+    keys = tuple(k.key for k in path)
+    if keys[:-1] not in owned:
+      np.testing.assert_allclose(u_leaf, -LR * g_leaf, rtol=1e-6, atol=1e-9,
+                                 err_msg='/'.join(keys))
+  assert float(loss1) < float(loss0) and float(loss2) < float(loss1), (loss0, loss1, loss2)
