@@ -8,17 +8,29 @@ The NNX counterpart of ``_kfac_layers``: every submodule call of
 ``'embed'``, with the same param names (``kernel``/``bias``/``embedding``) and
 the same factors as their Linen twins (``_kfac_rules``). Others are listed in
 ``KFACLayers.skipped`` with the reason.
-"""
-from typing import Any, Callable
 
+So is a layer whose params the model also reads outside its own calls (a tied
+LM head ``h @ self.embed.embedding[...].T``, a kernel reused by hand, a loss
+term on it): its calls' factors would not cover that part of the gradient.
+The reads are found as for the interleaved schedule's segments: one more
+abstract run in which every call of a layer is replayed as a ``custom_vjp``
+function named after it (``_nnx_segments.run_segment``), then
+``_consumers.reads_outside`` on the jaxpr.
+"""
+from typing import Any, Callable, Mapping
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit import _filters
+from perturbkit._consumers import reads_outside
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
-from perturbkit._kfac_layers import KFACLayers
+from perturbkit._kfac_layers import KFACLayers, _outside_reason
 from perturbkit._kfac_rules import ConvGeometry, LayerInfo, _hashable, _tuple
-from perturbkit._nnx_calls import Call, NNXPath, instrument
+from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
+from perturbkit._nnx_segments import params_tree, run_segment, segment_name, with_values
+from perturbkit._segment_choice import flat_leaf_owners
 from perturbkit._types import CallFilter
 
 _IN_TRANSFORM = ('it runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat), where its '
@@ -81,13 +93,57 @@ def _recorded_calls(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Modul
   return calls
 
 
+def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
+                  paths: Mapping[NNXPath, str]) -> dict[str, set[str]]:
+  """``{layer name: {primitives}}`` reading a layer's params outside its own calls.
+
+  Args:
+    model: The ``nnx.Module`` (left untouched: a copy is traced).
+    inputs: An example batch.
+    predict: ``(model, inputs) -> output``.
+    paths: ``{module path: layer name}`` of the layers to check; every
+      ``__call__`` of these modules is one named call (the same name as its
+      segment in the interleaved schedule).
+
+  Returns:
+    The layers whose params something else reads (another method such as
+    ``attend``, an inline ``kernel[...].T``, another module's call), with what
+    reads them; a layer absent from the result is used through its calls only.
+  """
+  if not paths:
+    return {}
+  graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  # Only traced forward: the backward steps are never called.
+  no_backward = lambda *_: (None, ())
+
+  def traced(params):
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    modules = dict(submodules(copy))
+    plain = {path: nnx.graphdef(modules[path]) for path in paths if path in modules}
+
+    def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      if call.copied or call.method_name != '__call__' or call.path not in plain:
+        return run()
+      return run_segment(call, plain[call.path], nnx.Param, no_backward, ())
+
+    with instrument([copy], on_call):
+      return predict(copy, inputs)
+
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(traced)(params)
+  return reads_outside(jaxpr, flat_leaf_owners(params, [segment_name(p) for p in paths]))
+
+
 def kfac_layers(model: nnx.Module, inputs: Any, *,
                 predict: Callable[[nnx.Module, Any], Any] | None = None,
                 filter: CallFilter | None = None) -> KFACLayers:
   """The Linear, Conv and Embed calls of an unmodified NNX model, for K-FAC.
 
   Runs ``predict(model, inputs)`` abstractly (``nnx.eval_shape``: no FLOPs, the
-  model's state unchanged) and records every submodule call.
+  model's state unchanged) and records every submodule call, then traces it
+  once more to check that each layer's params are read by its own calls only
+  (an embedding that an LM head also multiplies by, ``h @ embed.embedding[...].T``
+  or ``embed.attend(h)``, is skipped with the reads named).
 
   Args:
     model: The ``nnx.Module``.
@@ -105,7 +161,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
 
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
-      module that owns params.
+      module that owns params, or a layer whose params are also read outside
+      its calls.
 
   Example:
     >>> import jax.numpy as jnp
@@ -154,4 +211,15 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
       skipped[name] = 'not selected by the filter'
     else:
       skipped[name] = 'its params are not used through a call of its own'
-  return KFACLayers(layers, skipped)
+  reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)
+                                                 for info in layers.values() if info.path})
+  for name, what in reads.items():
+    if user is not None:
+      raise KFACUnsupportedLayerError(
+          name, _outside_reason(what),
+          exclude=f'`perturbkit.nnx.filters.all_of(your_filter, perturbkit.nnx.filters.negate('
+                  f'perturbkit.nnx.filters.by_path({name!r})))`')
+    del layers[name]
+    skipped[name] = _outside_reason(what)
+  return KFACLayers(layers, {layer_name(o): skipped[layer_name(o)] for o in owners
+                             if layer_name(o) in skipped})

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,6 +286,75 @@ def test_layers_without_a_rule_are_listed_or_refused():
                           'layers/1': 'not selected by the filter'}
   scanned = perturbkit.nnx.kfac_layers(M.ScanMLP(rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
   assert 'inside an NNX transform' in scanned.skipped['blocks/linear']
+
+
+
+class NNXTiedHead(nnx.Module):
+  """Embed -> Linear -> an LM head on the embedding: inline ``h @ E.T`` or ``embed.attend``."""
+
+  def __init__(self, rngs, attend=False):
+    self.embed = nnx.Embed(11, 4, rngs=rngs)
+    self.hidden = nnx.Linear(4, 4, rngs=rngs)
+    self.use_attend = attend
+
+  def __call__(self, tokens):
+    h = jnp.tanh(self.hidden(self.embed(tokens)))
+    return self.embed.attend(h) if self.use_attend else h @ self.embed.embedding[...].T
+
+
+class LinenTiedHead(nn.Module):
+  """The Linen twin of ``NNXTiedHead`` (inline transpose)."""
+
+  def setup(self):
+    self.embed = nn.Embed(11, 4)
+    self.hidden = nn.Dense(4)
+
+  def __call__(self, tokens):
+    h = jnp.tanh(self.hidden(self.embed(tokens)))
+    return h @ self.embed.embedding.T
+
+
+TOKENS = jnp.array([[0, 1, 2], [3, 4, 5]])
+
+
+def test_tied_embedding_read_by_an_inline_transpose_is_skipped_as_in_linen():
+  """The LM head's ``h @ E.T`` share of the embedding gradient has no factors: the embed is
+  skipped with the read named, the same entries as the Linen twin's, and refused when a
+  filter selects it. A loss term on a kernel in ``predict`` is a read outside as well."""
+  model = NNXTiedHead(nnx.Rngs(0))
+  layers = perturbkit.nnx.kfac_layers(model, TOKENS)
+  assert list(layers.layers) == ['hidden']
+  assert 'read outside its calls (by transpose)' in layers.skipped['embed']
+  linen = LinenTiedHead()
+  assert layers == perturbkit.kfac_layers(lambda v, x: linen.apply(v, x),
+                                          M.linen_variables(model), TOKENS)
+  for selecting in (perturbkit.nnx.filters.by_type(nnx.Embed, nnx.Linear),
+                    perturbkit.nnx.filters.by_path('embed')):
+    with pytest.raises(perturbkit.KFACUnsupportedLayerError,
+                       match=r"embed was selected.*read outside its calls \(by transpose\)"
+                             r".*perturbkit\.nnx\.filters\.negate"):
+      perturbkit.nnx.kfac_layers(model, TOKENS, filter=selecting)
+  only = perturbkit.nnx.kfac_layers(model, TOKENS, filter=perturbkit.nnx.filters.by_path('hidden'))
+  assert list(only.layers) == ['hidden'] and only.skipped == {
+      'embed': 'not selected by the filter'}
+  penalized = perturbkit.nnx.kfac_layers(
+      model, TOKENS, predict=lambda m, x: m(x) + jnp.sum(m.hidden.kernel[...] ** 2))
+  assert list(penalized.layers) == []
+  assert 'read outside its calls (by integer_pow)' in penalized.skipped['hidden']
+
+
+def test_tied_embedding_through_attend_is_skipped_or_refused():
+  """``embed.attend(h)`` has no rule (skipped, refused when selected); a filter that
+  selects only the embed's ``__call__`` still does not get it preconditioned, since
+  ``attend`` reads the embedding outside that call."""
+  model = NNXTiedHead(nnx.Rngs(0), attend=True)
+  layers = perturbkit.nnx.kfac_layers(model, TOKENS)
+  assert list(layers.layers) == ['hidden']
+  assert layers.skipped == {'embed': 'Embed.attend has no Kronecker-factor rule (only __call__)'}
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='attend'):
+    perturbkit.nnx.kfac_layers(model, TOKENS, filter=perturbkit.nnx.filters.by_type(nnx.Embed))
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='read outside its calls'):
+    perturbkit.nnx.kfac_layers(model, TOKENS, filter=perturbkit.nnx.filters.by_method('__call__'))
 
 
 def test_batchnorm_dropout_model_with_predict_and_has_aux():
