@@ -199,7 +199,9 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
   for owner in owners:
     name = layer_name(owner)
     if owner in selected_unsupported:
-      raise KFACUnsupportedLayerError(name, selected_unsupported[owner])
+      raise KFACUnsupportedLayerError(
+          name, selected_unsupported[owner],
+          exclude='`perturbkit.nnx.filters.by_type(nnx.Linear, nnx.Conv, nnx.Embed)`')
     if owner in unsupported:
       skipped[name] = unsupported[owner]
     elif owner in supported:
