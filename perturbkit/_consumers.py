@@ -9,7 +9,7 @@ equation that takes the param as an operand is a read outside the segment.
 Calls to nested jaxprs (``jit``, ``remat``, ``scan``, ``cond``, ...) are
 followed into their bodies.
 """
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from jax.extend import core as jex_core
 
@@ -47,13 +47,22 @@ def _custom_vjp_name(eqn) -> str:
   return str(getattr(info, 'func_name', '') or eqn.params.get('name', ''))
 
 
-def reads_outside(jaxpr: Any, owner_of: dict[int, str]) -> dict[str, set[str]]:
+def reads_outside(jaxpr: Any, owner_of: dict[int, str], *,
+                  spared: Mapping[str, int] | None = None) -> dict[str, set[str]]:
   """The equations reading each segment's params outside its own call.
 
   Args:
     jaxpr: A (closed) jaxpr whose inputs include the params.
     owner_of: Maps an input position of ``jaxpr`` to the name of the segment
       owning that param leaf.
+    spared: With it, only reads that reach the jaxpr's outputs count, and the
+      reads it accounts for are not reads: ``{custom_vjp function name: n}``
+      names calls whose first ``n`` operands (after their constants) are
+      params computed from the model's (a nested ``apply`` on a tied weight,
+      handled by the caller); what only flows into those operands is not a
+      read. A named call of one segment that is given another's params (a
+      module calling its child) is followed into, so that only what it does
+      with them counts.
 
   Returns:
     ``{segment name: {primitive names}}`` for each segment read elsewhere; a
@@ -62,7 +71,11 @@ def reads_outside(jaxpr: Any, owner_of: dict[int, str]) -> dict[str, set[str]]:
   jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
   found: dict[str, set[str]] = {}
   owners = {jaxpr.invars[i]: name for i, name in owner_of.items()}
-  _walk(jaxpr, owners, lambda name, what: found.setdefault(name, set()).add(what))
+  report = lambda name, what: found.setdefault(name, set()).add(what)
+  if spared is None:
+    _walk(jaxpr, owners, report)
+  else:
+    _walk_live(jaxpr, owners, [True] * len(jaxpr.outvars), spared, report)
   return found
 
 
@@ -88,4 +101,81 @@ def _walk(jaxpr, owners: dict, report: Callable[[str, str], None]):
       _walk(body, inner, report)
   for v in jaxpr.outvars:
     if isinstance(v, jex_core.Var) and v in owners:
+      report(owners[v], 'output')
+
+
+def _spared_operands(eqn, spared: Mapping[str, int]) -> range:
+  """The operand positions of ``eqn`` that ``spared`` accounts for."""
+  if eqn.primitive.name != 'custom_vjp_call':
+    return range(0)
+  n = spared.get(_custom_vjp_name(eqn))
+  if n is None:
+    return range(0)
+  start = eqn.params.get('num_consts', 0)
+  return range(start, start + n)
+
+
+def _body_outputs(eqn, body, live_out: list[bool]) -> list[bool]:
+  """Which outputs of a nested jaxpr reach the equation's live outputs (all, if unsure)."""
+  if eqn.primitive.name in ('scan', 'while') or len(body.outvars) != len(eqn.outvars):
+    return [True] * len(body.outvars)
+  return list(live_out)
+
+
+def _live_vars(jaxpr, live_out: list[bool], spared: Mapping[str, int]) -> set:
+  """The variables of ``jaxpr`` that its live outputs are computed from."""
+  live = {v for v, keep in zip(jaxpr.outvars, live_out)
+          if keep and isinstance(v, jex_core.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    outs = [v in live for v in eqn.outvars]
+    if not any(outs):
+      continue
+    needed = [True] * len(eqn.invars)
+    for i in _spared_operands(eqn, spared):
+      needed[i] = False
+    bodies = _sub_jaxprs(eqn)
+    if bodies and not _spared_operands(eqn, spared):
+      needed = [False] * len(eqn.invars)
+      for body, operands in bodies:
+        inner = _live_vars(body, _body_outputs(eqn, body, outs), spared)
+        offset = len(eqn.invars) - len(operands)
+        needed[:offset] = [True] * offset
+        for i, b in enumerate(body.invars):
+          needed[offset + i] = needed[offset + i] or b in inner
+    live.update(v for v, keep in zip(eqn.invars, needed)
+                if keep and isinstance(v, jex_core.Var))
+  return live
+
+
+def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, int],
+               report: Callable[[str, str], None]):
+  live = _live_vars(jaxpr, live_out, spared)
+  for eqn in jaxpr.eqns:
+    read = {i: owners[v] for i, v in enumerate(eqn.invars)
+            if isinstance(v, jex_core.Var) and v in owners}
+    outs = [v in live for v in eqn.outvars]
+    if not read or not any(outs):
+      continue  # reads nothing, or nothing it computes reaches the outputs
+    for i in _spared_operands(eqn, spared):
+      read.pop(i, None)
+    if eqn.primitive.name == 'custom_vjp_call':
+      own = _custom_vjp_name(eqn)
+      read = {i: name for i, name in read.items() if own != segment_function_name(name)}
+      if read and not own.startswith(SEGMENT_PREFIX):
+        for name in read.values():
+          report(name, f'custom_vjp_call {own}')
+        continue
+    if not read:
+      continue
+    bodies = _sub_jaxprs(eqn)
+    if not bodies:
+      for name in read.values():
+        report(name, eqn.primitive.name)
+      continue
+    for body, operands in bodies:
+      offset = len(eqn.invars) - len(operands)
+      inner = {b: read[offset + i] for i, b in enumerate(body.invars) if offset + i in read}
+      _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report)
+  for v, keep in zip(jaxpr.outvars, live_out):
+    if keep and isinstance(v, jex_core.Var) and v in owners:
       report(owners[v], 'output')

@@ -8,36 +8,18 @@ preconditioning the sum with the call's factors would be a guess. Such reads
 are found in the jaxpr of one abstract run, in which every call of a layer is
 a ``custom_vjp`` function named after the layer that takes the params as an
 explicit argument: any other equation reading them is a read outside the
-calls (``_consumers.reads_outside``).
+calls (``_param_reads``, ``_consumers.reads_outside``).
 """
 from typing import Any, Callable, Mapping
 
 import flax
 import jax
 
-from perturbkit._consumers import reads_outside, segment_function_name
+from perturbkit._consumers import reads_outside
 from perturbkit._interceptor import Call, intercept
+from perturbkit._param_reads import named_call
 from perturbkit._segment_choice import flat_leaf_owners
-from perturbkit._segment_vjp import split_floats
 from perturbkit._types import Path, Variables
-
-
-def _named_call(name: str, call: Call, run: Callable[[], Any]) -> Any:
-  """The call as a ``custom_vjp`` function of its params, named after the layer."""
-  unbound, variables = call.module.unbind()
-  others = {c: v for c, v in variables.items() if c != 'params'}
-  dynamic, rebuild = split_floats((call.args, call.kwargs))
-
-  def pure(w, dyn):
-    args, kwargs = rebuild(dyn)
-    return unbound.apply({'params': w, **others}, *args, method=call.method_name, **kwargs)
-
-  pure.__name__ = segment_function_name(name)
-  function = jax.custom_vjp(pure)
-  # Only traced forward (the jaxpr is inspected, never differentiated).
-  function.defvjp(lambda w, dyn: (pure(w, dyn), None), lambda res, g: (None, None))
-  del run
-  return function(flax.core.unfreeze(variables.get('params', {})), dynamic)
 
 
 def outside_reads(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
@@ -61,7 +43,9 @@ def outside_reads(predict_fn: Callable[[Variables, Any], Any], variables: Variab
                                         and tuple(module.path) in paths)
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
-    return _named_call(paths[tuple(call.path)], call, run)
+    del run  # replayed as a named call instead
+    return named_call(paths[tuple(call.path)], call.module, call.method_name, call.args,
+                      call.kwargs, call.path)
 
   def traced(params, others, inputs):
     with intercept(select, on_call):
