@@ -42,6 +42,7 @@ from perturbkit._per_example_errors import AmbiguousInputError
 from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_errors import ExamplesMixedError
 from perturbkit._per_example_errors import InterleavedClippingError
+from perturbkit._per_example_errors import ParamsReadOutsideError
 from perturbkit._per_example_errors import PerExampleError
 from perturbkit._per_example_errors import SharedCallError
 from perturbkit._per_example_errors import UncoveredParamsError
@@ -103,6 +104,7 @@ __all__ = [
     'ExamplesAxisError',
     'ExamplesMixedError',
     'InterleavedClippingError',
+    'ParamsReadOutsideError',
     'per_example_grad_norms',
     'PerExampleError',
     'PerExampleNorms',

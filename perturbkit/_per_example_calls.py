@@ -23,6 +23,7 @@ from perturbkit._interceptor import Call, intercept
 from perturbkit._per_example_batch import BatchAxes, per_argument
 from perturbkit._per_example_inputs import needed_inputs, source_kinds
 from perturbkit._per_example_nested import nested_applies, nested_params
+from perturbkit._per_example_outside import check_reads
 from perturbkit._per_example_errors import (ExamplesMixedError, PerExampleError,
                                             UncoveredParamsError)
 from perturbkit._types import Path, Variables
@@ -193,6 +194,8 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   Raises:
     ExamplesMixedError: a call mixes examples (BatchNorm in training mode).
     UncoveredParamsError: a module owns params but is never called.
+    ParamsReadOutsideError: a module's params are read outside its calls and outside
+      nested applies (``_per_example_outside``).
     PerExampleError: a nested ``apply`` is given params computed from the batch.
   """
   owners = owner_paths(variables['params'])
@@ -279,4 +282,5 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   missing = sorted('/'.join(p) or '<root>' for p in owners - set(uses))
   if missing:
     raise UncoveredParamsError(missing)
+  check_reads(loss_fn, plain, args, kwargs, owners)
   return uses, [r for r in reads if r.owners]

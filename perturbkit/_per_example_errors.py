@@ -45,6 +45,26 @@ class UncoveredParamsError(PerExampleError):
         'supported. Move such params into a submodule.')
 
 
+class ParamsReadOutsideError(PerExampleError):
+  """A module's params are also read outside its calls, a part of their gradient no call sees."""
+
+  def __init__(self, reads):
+    listed = '; '.join(f'{name} (read by {", ".join(sorted(what))})'
+                       for name, what in sorted(reads.items()))
+    super().__init__(
+        f'The params of {listed} are also read outside the calls of the module that owns '
+        'them. Per-example gradients are built from each call\'s input and output gradient '
+        '(and from nested `module.apply({"params": f(params)}, ...)` calls, such as a tied LM '
+        'head), so the part of the gradient flowing through any other read would be missing '
+        'from the norms and from the clipping. Such reads are the weights used inline in '
+        'another module (`h @ self.embed.variables["params"]["embedding"].T`), a kernel '
+        'reused by hand, or a penalty on the weights (L2) inside the loss. Compute a weight '
+        'penalty outside the per-example loss (add its gradient to the result, or use '
+        '`optax.add_decayed_weights`); use a tied or shared weight through a call of its '
+        'module (`embed.attend(h)`, the same `nn.Dense` called twice) or through a nested '
+        '`head.apply({"params": {"kernel": w.T}}, h)`.')
+
+
 class AmbiguousInputError(PerExampleError):
   """A call's input has as many rows as there are examples but is not computed from the batch."""
 

@@ -6,6 +6,7 @@ module finds the outermost ones by a Flax method interceptor of its own, countin
 them in execution order (see ``_per_example_reads`` for what they are used for).
 """
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import flax.linen as nn
@@ -15,14 +16,40 @@ import jax
 NestedHandler = Callable[[int, nn.Module, str, tuple, dict, Callable[[], Any]], Any]
 
 
+class _Replays(threading.local):
+  """Whether a replay (:func:`replay`) is about to start its ``apply`` in this thread."""
+
+  def __init__(self):
+    self.pending = False
+
+
+_REPLAYS = _Replays()
+
+
+@contextlib.contextmanager
+def replay() -> Iterator[None]:
+  """The ``apply`` started next in this block is a replay of one of the model's calls.
+
+  perturbkit replays a call as an ``apply`` of its module; :func:`nested_applies`
+  treats that ``apply`` as part of the running one, not as a nested apply of the model.
+  """
+  previous, _REPLAYS.pending = _REPLAYS.pending, True
+  try:
+    yield
+  finally:
+    _REPLAYS.pending = previous
+
+
 @contextlib.contextmanager
 def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
   """Hands every outermost ``apply`` made inside another ``apply`` to ``on_nested``.
 
   The index counts them in execution order. ``apply`` calls nested inside a
-  nested one run as they are (they are part of its replay).
+  nested one run as they are (they are part of its replay), and so do the
+  replays of calls started under :func:`replay`.
   """
   roots: list[Any] = []  # the scopes of the applies running now, outermost first
+  replays: list[Any] = []  # those of them that are replays of the model's calls
   count = [0]
 
   def interceptor(next_fun, args, kwargs, context):
@@ -33,14 +60,18 @@ def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
         or any(module.scope is scope for scope in roots)):
       return run()
     roots.append(module.scope)
+    if _REPLAYS.pending:
+      _REPLAYS.pending = False
+      replays.append(module.scope)
     try:
-      if len(roots) != 2:
+      if len(roots) - len(replays) != 2 or replays and replays[-1] is module.scope:
         return run()
       index = count[0]
       count[0] += 1
       return on_nested(index, module, method_name, args, kwargs, run)
     finally:
-      roots.pop()
+      if replays and replays[-1] is roots.pop():
+        replays.pop()
 
   with nn.intercept_methods(interceptor):
     yield

@@ -100,6 +100,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     ExamplesAxisError: the arguments or a layer's activations disagree on the
       number of examples.
     UncoveredParamsError: params read outside a call of the module owning them.
+    ParamsReadOutsideError: a module's params are also read outside its calls (inline, a
+      weight penalty in the loss), other than through a nested apply.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
