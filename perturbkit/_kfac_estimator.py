@@ -40,6 +40,23 @@ def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
           for name, info in layers.layers.items()}
 
 
+def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
+                ) -> dict[str, LayerFactors]:
+  """Each layer's batch factors from its calls' captured inputs and output gradients.
+
+  ``captured`` is ``return_inputs``' tree of each call's ``(args, kwargs)`` and
+  ``output_grads`` the activation gradients with the lanes leading, both keyed
+  by module path and per-call key.
+  """
+  stats = {}
+  for name, info in layers.layers.items():
+    calls = _get_in(captured, info.path)
+    point_grads = _get_in(output_grads, info.path)
+    stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
+                                [point_grads[c] for c in info.calls])
+  return stats
+
+
 def _split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
   """``(output, aux)`` of what ``predict_fn`` returned (``aux`` is ``None`` without
   ``has_aux``)."""
@@ -201,13 +218,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
               variables, inputs, targets, key, lanes)
       param_grads = jax.tree.map(lambda g: g[0], grads['params'])
       output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
-    stats = {}
-    for name, info in layers.layers.items():
-      calls = _get_in(captured, info.path)
-      point_grads = _get_in(output_grads, info.path)
-      stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
-                                  [point_grads[c] for c in info.calls])
-    return value, param_grads, stats, aux
+    return value, param_grads, layer_stats(layers, captured, output_grads), aux
 
   return estimate
 

@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from perturbkit._kfac_estimator import _cotangents, _split_output, absent_stats
-from perturbkit._kfac_layers import KFACLayers, _get_in
+from perturbkit._kfac_estimator import _cotangents, _split_output, absent_stats, layer_stats
+from perturbkit._kfac_layers import KFACLayers
 from perturbkit._kfac_losses import as_output_loss
-from perturbkit._kfac_rules import batch_factors, call_input
 from perturbkit._nnx_calls import path_of
 from perturbkit._nnx_driver import value_and_grad
 from perturbkit._nnx_kfac_layers import call_model
@@ -125,13 +124,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
           lanes, out_axes=((None, None), 0, None, None))(lane_ids)
       param_grads = jax.tree.map(lambda g: g[0], grads['params'])
       output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
-    stats = {}
-    for name, info in layers.layers.items():
-      calls = _get_in(captured, info.path)
-      point_grads = _get_in(output_grads, info.path)
-      stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
-                                  [point_grads[c] for c in info.calls])
-    return value, param_grads, stats, aux, new_state
+    return value, param_grads, layer_stats(layers, captured, output_grads), aux, new_state
 
   def estimate(model: nnx.Module, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):

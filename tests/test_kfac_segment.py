@@ -226,15 +226,7 @@ def test_nnx_segments_equal_the_linen_twin():
   hand-written ``LayerInfo``s, equal the Linen twin's, whose layers ``kfac_layers`` found."""
   from flax import nnx
   import nnx_models
-
-  class NNXMLP(nnx.Module):
-    def __init__(self, rngs):
-      self.Dense_0 = nnx.Linear(3, 6, rngs=rngs)
-      self.Dense_1 = nnx.Linear(6, 5, rngs=rngs)
-      self.Dense_2 = nnx.Linear(5, 4, rngs=rngs)
-
-    def __call__(self, x):
-      return self.Dense_2(jnp.tanh(self.Dense_1(jnp.tanh(self.Dense_0(x)))))
+  from test_nnx_kfac import NNXMLP  # test_kfac's MLP written in NNX
 
   model = NNXMLP(nnx.Rngs(0))
   variables = nnx_models.linen_variables(model)
