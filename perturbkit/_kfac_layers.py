@@ -36,6 +36,25 @@ def _outside_reason(what: set[str]) -> str:
           'has no factors for that part of their gradient')
 
 
+def skip_outside_reads(layers: dict, skipped: dict, reads: dict[str, set[str]],
+                       user_filter: bool, filters: str) -> None:
+  """Moves the layers whose params are read outside their calls from ``layers`` to ``skipped``.
+
+  With a filter of the user's (``user_filter``) such a layer was asked for by
+  name or kind, so it is refused instead, with the exclusion written in the
+  ``filters`` module the user's front end has (``'perturbkit.filters'`` or
+  ``'perturbkit.nnx.filters'``).
+  """
+  for name, what in reads.items():
+    if user_filter:
+      raise KFACUnsupportedLayerError(
+          name, _outside_reason(what),
+          exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
+                  f'{filters}.by_path({name!r})))`')
+    del layers[name]
+    skipped[name] = _outside_reason(what)
+
+
 class KFACLayers(NamedTuple):
   """The layers K-FAC preconditions and the param owners it leaves out.
 
@@ -146,12 +165,5 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(predict_fn, variables, inputs,
                         {info.path: name for name, info in layers.items() if info.path})
-  for name, what in reads.items():
-    if user is not None:
-      raise KFACUnsupportedLayerError(
-          name, _outside_reason(what),
-          exclude=f'`perturbkit.filters.all_of(your_filter, perturbkit.filters.negate('
-                  f'perturbkit.filters.by_path({name!r})))`')
-    del layers[name]
-    skipped[name] = _outside_reason(what)
+  skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.filters')
   return KFACLayers(layers, dict(sorted(skipped.items())))

@@ -26,7 +26,7 @@ from flax import nnx
 from perturbkit import _filters
 from perturbkit._consumers import reads_outside
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
-from perturbkit._kfac_layers import KFACLayers, _outside_reason
+from perturbkit._kfac_layers import KFACLayers, skip_outside_reads
 from perturbkit._kfac_rules import ConvGeometry, LayerInfo, _hashable, _tuple
 from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
 from perturbkit._nnx_segments import params_tree, run_segment, segment_name, with_values
@@ -215,13 +215,6 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)
                                                  for info in layers.values() if info.path})
-  for name, what in reads.items():
-    if user is not None:
-      raise KFACUnsupportedLayerError(
-          name, _outside_reason(what),
-          exclude=f'`perturbkit.nnx.filters.all_of(your_filter, perturbkit.nnx.filters.negate('
-                  f'perturbkit.nnx.filters.by_path({name!r})))`')
-    del layers[name]
-    skipped[name] = _outside_reason(what)
+  skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.nnx.filters')
   return KFACLayers(layers, {layer_name(o): skipped[layer_name(o)] for o in owners
                              if layer_name(o) in skipped})

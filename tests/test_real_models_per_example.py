@@ -27,6 +27,7 @@ import optax
 import pytest
 
 import hf_models
+from test_per_example import documented_noise
 import perturbkit
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
@@ -152,17 +153,6 @@ def test_norms_equal_vmap_grad(problem):
 
 
 # -- DP-SGD ------------------------------------------------------------------------------
-
-def documented_noise(key, shape):
-  """``add_noise``'s stream: a leaf of n entries is m rows of n/m draws, m the largest divisor
-  of n that is at most 16 and leaves rows of at least 2**14 (one row for these tiny models)."""
-  n = int(np.prod(shape))
-  rows = max(m for m in range(1, 17) if n % m == 0 and (m == 1 or n // m >= 2 ** 14))
-  if rows == 1:
-    return jax.random.normal(key, shape)
-  draws = [jax.random.normal(k, (n // rows,)) for k in jax.random.split(key, rows)]
-  return jnp.concatenate(draws).reshape(shape)
-
 
 def reference_private_grad(per_example, key, clip_norm, noise_multiplier):
   """Clip each example's whole gradient to ``clip_norm``, sum, add ``σC·ξ``, divide by B."""
