@@ -15,9 +15,8 @@ convolution, several calls of one module) are treated as locations, as Grosse &
 Martens (2016) do for convolutions: ``A`` SUMS over the ``T = M/N`` locations of
 an example and ``G`` AVERAGES over them, so ``A ⊗ G`` approximates the Fisher
 block ``E[Σ_t Σ_t' (ã_t ã_t'ᵀ) ⊗ (g_t g_t'ᵀ)]`` under their independence
-assumptions. A Conv's rows are its input patches
-(``lax.conv_general_dilated_patches``), reordered to the flattened kernel's
-``(*kernel_size, in_features)`` order. An Embed's ``ã`` is a one-hot row, so
+assumptions. A Conv's rows are its input patches (``perturbkit._conv_patches``),
+in the flattened kernel's ``(*kernel_size, in_features)`` order. An Embed's ``ã`` is a one-hot row, so
 ``A`` is diagonal: ``A = diag(token counts) / N``.
 """
 from typing import Any, NamedTuple
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
+
+from perturbkit._conv_patches import conv_patches as patches_of
 
 KINDS = ('dense', 'conv', 'embed')
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -124,7 +125,7 @@ def conv_patches(geometry: ConvGeometry, x: jax.Array) -> jax.Array:
   ``patches @ kernel.reshape(-1, features)`` is the convolution (without bias):
   the patch features are in the flattened kernel's ``(*kernel_size, in)`` order.
   Padding follows ``nn.Conv`` (``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'``
-  pad the input first).
+  pad the input first); see ``perturbkit._conv_patches``.
   """
   size = geometry.kernel_size
   spatial = len(size)
@@ -137,18 +138,8 @@ def conv_patches(geometry: ConvGeometry, x: jax.Array) -> jax.Array:
   elif padding == 'CAUSAL':
     x = jnp.pad(x, [(0, 0), (geometry.kernel_dilation[0] * (size[0] - 1), 0), (0, 0)])
     padding = 'VALID'
-  ndim = spatial + 2
-  channels_last = (0, ndim - 1) + tuple(range(1, ndim - 1))
-  numbers = jax.lax.ConvDimensionNumbers(
-      channels_last, (ndim - 1, ndim - 2) + tuple(range(ndim - 2)), channels_last)
-  patches = jax.lax.conv_general_dilated_patches(
-      x, size, geometry.strides, padding, lhs_dilation=geometry.input_dilation,
-      rhs_dilation=geometry.kernel_dilation, dimension_numbers=numbers, precision=_HIGHEST)
-  # The patch features come out channel-major: (in, *kernel_size).
-  taps, channels = int(np.prod(size)), x.shape[-1]
-  out = patches.shape[:-1]
-  return jnp.swapaxes(patches.reshape(out + (channels, taps)), -1, -2).reshape(
-      out + (taps * channels,))
+  return patches_of(x, size, geometry.strides, padding, geometry.input_dilation,
+                    geometry.kernel_dilation)
 
 
 def _examples(x: jax.Array, batch_ndim: int) -> int:

@@ -11,9 +11,9 @@ a shared module is the sum over its uses, so the rules never add norms of uses:
   (``d_in·d_out`` per example) is chosen by size, as book-keeping does: ghost when
   ``2T² < d_in·d_out``.
 * ``conv``: a convolution is a Dense layer on its patches
-  (``jax.lax.conv_general_dilated_patches``), one token per output position: the
-  ghost norm runs on the patches; the direct per-example gradient is the conv's
-  own VJP per example (as the general path), which never forms the patches.
+  (``perturbkit._conv_patches``), one token per output position: the ghost norm
+  runs on the patches; the direct per-example kernel gradient is formed offset by
+  offset (``conv_kernel_blocks``), which never forms the patches.
 * ``embed``: row ``v`` of an example's embedding gradient is the sum of ``g_t``
   over its tokens with id ``v``: ``sum_{t,s} [id_t = id_s] (g_t·g_s)``.
 * ``norm``: LayerNorm/RMSNorm scale and bias gradients (``sum_t g_t ⊙ x̂_t`` and
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
+from perturbkit._conv_patches import conv_patches as patches_of
 from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_replay import Pair, per_example_grads
 
@@ -167,19 +168,11 @@ def dense_rule(pairs, params, num_examples, method):
 
 
 def conv_patches(pair: Pair) -> jax.Array:
-  """The conv's input patches, ``(examples, *out_spatial, in_features * prod(kernel))``."""
-  m = pair.use.module
+  """The conv's input patches, ``(examples, *out_spatial, prod(kernel) * in_features)``."""
+  kernel, strides, dilation, input_dilation, padding = _conv_options(pair)
   x = pair.args[0]
-  kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
-  spatial = len(kernel)
-  broadcast = lambda v: (1,) * spatial if v is None else (
-      (v,) * spatial if isinstance(v, int) else tuple(v))
-  letters = 'DHW'[3 - spatial:]
   x = x.astype(jnp.promote_types(x.dtype, pair.grad.dtype))
-  return jax.lax.conv_general_dilated_patches(
-      x, kernel, broadcast(m.strides), canonicalize_padding(m.padding, spatial),
-      lhs_dilation=broadcast(m.input_dilation), rhs_dilation=broadcast(m.kernel_dilation),
-      dimension_numbers=(f'N{letters}C', f'{letters}IO', f'N{letters}C'))
+  return patches_of(x, kernel, strides, padding, input_dilation, dilation)
 
 
 def _conv_uses_ghost(pairs: list[Pair], params: dict, method: str) -> bool:

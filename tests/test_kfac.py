@@ -249,11 +249,15 @@ def test_shared_dense_calls_are_pooled_as_locations():
     dict(features=2, kernel_size=(3, 3), padding='CIRCULAR', kernel_dilation=2),
     dict(features=2, kernel_size=(3, 3), padding=((2, 0), (1, 1)), input_dilation=2),
     dict(features=2, kernel_size=(3,), padding='CAUSAL'),
+    dict(features=2, kernel_size=(3, 2), strides=(2, 3), padding='SAME', kernel_dilation=(1, 2)),
+    dict(features=2, kernel_size=(2, 3), padding=((0, 1), (-1, 2)), use_bias=False),
+    dict(features=2, kernel_size=(2, 2, 3), strides=(1, 2, 1), padding='SAME'),
+    dict(features=2, kernel_size=(4,), strides=3, padding='REFLECT'),
 ])
 def test_conv_patches_times_kernel_is_the_conv(kwargs):
   from perturbkit._kfac_rules import conv_patches
   conv = nn.Conv(**kwargs)
-  shape = (2, 6, 3) if len(kwargs['kernel_size']) == 1 else (2, 6, 5, 3)
+  shape = (2,) + (6, 5, 4)[:len(kwargs['kernel_size'])] + (3,)
   x = jax.random.normal(jax.random.key(0), shape)
   variables, _, layers = setup(nn.Sequential([conv]), x)
   params = variables['params']['layers_0']
