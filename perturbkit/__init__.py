@@ -43,6 +43,7 @@ from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_errors import ExamplesMixedError
 from perturbkit._per_example_errors import InterleavedClippingError
 from perturbkit._per_example_errors import ParamsReadOutsideError
+from perturbkit._per_example_errors import RandomCallError
 from perturbkit._per_example_errors import PerExampleError
 from perturbkit._per_example_errors import SharedCallError
 from perturbkit._per_example_errors import UncoveredParamsError
@@ -105,6 +106,7 @@ __all__ = [
     'ExamplesMixedError',
     'InterleavedClippingError',
     'ParamsReadOutsideError',
+    'RandomCallError',
     'per_example_grad_norms',
     'PerExampleError',
     'PerExampleNorms',

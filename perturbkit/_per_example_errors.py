@@ -106,6 +106,21 @@ class SharedCallError(PerExampleError):
         'the loss (`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
 
 
+class RandomCallError(PerExampleError):
+  """A call replayed per example draws random numbers (dropout inside a param-owning module)."""
+
+  def __init__(self, where, detail):
+    super().__init__(
+        f'The call {where} draws random numbers ({detail}) and its params have no fast '
+        'per-example rule, so their per-example gradients come from replaying the call on '
+        'its own. A replay cannot draw the random numbers the batched forward pass drew '
+        '(its dropout mask), so its gradients would not be those of the loss. Make the call '
+        'deterministic for the per-example step (e.g. `deterministic=True` for the dropout '
+        'inside this module), or draw the randomness outside the module that owns the '
+        'params (dropout applied by the parent to the module\'s output, or to its input, '
+        'is supported: it is part of the recorded forward pass).')
+
+
 class InterleavedClippingError(PerExampleError):
   """Per-example clipping (DP-SGD) was combined with the interleaved schedule."""
 

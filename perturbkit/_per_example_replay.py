@@ -8,9 +8,11 @@ module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
 """
 from typing import Any, NamedTuple
 
+import flax.errors
 import jax
 
 from perturbkit._per_example_calls import Use, float_part
+from perturbkit._per_example_errors import RandomCallError
 
 
 class Pair(NamedTuple):
@@ -33,11 +35,26 @@ class Pair(NamedTuple):
 
 def call_output(pair: Pair, params: Any, args: tuple | None = None,
                 kwargs: dict | None = None) -> Any:
-  """The floating-point outputs of the use, replayed with ``params`` (the module's subtree)."""
+  """The floating-point outputs of the use, replayed with ``params`` (the module's subtree).
+
+  Raises:
+    RandomCallError: the call draws random numbers: Flax RNG streams (the replay
+      is given none: it could not reproduce the batched forward pass's draws) or
+      a typed PRNG key among its arguments. (A raw ``uint32`` key cannot be told
+      from data; a call drawing from one is replayed with the same key and a
+      batch of one, which draws other numbers.)
+  """
   args = pair.args if args is None else args
   kwargs = pair.kwargs if kwargs is None else kwargs
-  out = pair.use.module.apply({**pair.variables, 'params': params}, *args,
-                              method=pair.use.method_name, **kwargs)
+  where = '/'.join(pair.use.path + (pair.use.key,))
+  if any(hasattr(leaf, 'dtype') and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+         for leaf in jax.tree.leaves((args, kwargs))):
+    raise RandomCallError(where, 'it is given a PRNG key')
+  try:
+    out = pair.use.module.apply({**pair.variables, 'params': params}, *args,
+                                method=pair.use.method_name, **kwargs)
+  except flax.errors.InvalidRngError as err:
+    raise RandomCallError(where, str(err).split(' (https://')[0]) from err
   return float_part(out)
 
 
