@@ -21,9 +21,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+import flax
+from flax import traverse_util
+
 from perturbkit._driver import value_and_grad
+from perturbkit._kfac_checks import (abstract, check_calls, check_kernel_shapes,
+                                     refuse_outside_reads, signature)
 from perturbkit._kfac_errors import KFACOutputError
 from perturbkit._kfac_layers import KFACLayers, _get_in
+from perturbkit._kfac_reads import outside_reads
 from perturbkit._kfac_losses import OutputLoss, as_output_loss
 from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit._types import Variables
@@ -50,11 +56,21 @@ def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
   """
   stats = {}
   for name, info in layers.layers.items():
-    calls = _get_in(captured, info.path)
+    calls = _find(captured, info.path)
+    check_calls(name, info.calls, calls)
     point_grads = _get_in(output_grads, info.path)
     stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
                                 [point_grads[c] for c in info.calls])
   return stats
+
+
+def _find(tree: Any, path: tuple) -> Any:
+  """The subtree at ``path``, or ``None`` where there is none."""
+  for name in path:
+    if not isinstance(tree, dict) or name not in tree:
+      return None
+    tree = tree[name]
+  return tree
 
 
 def _split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
@@ -140,6 +156,12 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
     KFACOutputError: ``predict_fn`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
+    KFACShapeError: ``layers`` name a weight the model does not have, of
+      another shape, or other calls than the model makes (checked once per
+      input signature, while tracing).
+    KFACUnsupportedLayerError: a layer's params are also read outside its
+      calls by this ``predict_fn`` (layers built by hand or for another
+      predict function; ``kfac_layers`` skips such layers).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -159,6 +181,21 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   if not paths:
     raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
   select = lambda module, method_name: method_name == '__call__' and tuple(module.path) in paths
+  checked = set()
+
+  def check_layers(variables, inputs):
+    """The layers' kernels and calls against the model, once per input signature."""
+    key = signature((variables, inputs))
+    if key in checked:
+      return
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+    check_kernel_shapes(layers, {
+        name: getattr(flat.get(info.path + (info.param,)), 'shape', None)
+        for name, info in layers.layers.items()})
+    reads = outside_reads(predict_fn, abstract(variables), abstract(inputs),
+                          {info.path: name for name, info in layers.layers.items() if info.path})
+    refuse_outside_reads(reads, 'perturbkit.kfac_layers')
+    checked.add(key)
 
   def output_shape(variables, inputs):
     return jax.eval_shape(lambda v, x: _split_output(predict_fn(v, x), has_aux)[0],
@@ -183,6 +220,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
 
   def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
+    check_layers(variables, inputs)
     if isinstance(with_stats, bool):
       if with_stats:
         out = with_stats_fn(variables, inputs, targets, key)

@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit._kfac_checks import check_kernel_shapes, refuse_outside_reads, signature
 from perturbkit._kfac_estimator import _cotangents, _split_output, absent_stats, layer_stats
 from perturbkit._kfac_layers import KFACLayers
 from perturbkit._kfac_losses import as_output_loss
-from perturbkit._nnx_calls import path_of
+from perturbkit._nnx_calls import path_of, submodules
 from perturbkit._nnx_driver import value_and_grad
-from perturbkit._nnx_kfac_layers import call_model
+from perturbkit._nnx_kfac_layers import call_model, outside_reads
 
 
 def kfac_estimator(loss: Any, layers: KFACLayers, *,
@@ -61,6 +62,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     KFACLossError: ``loss`` has no distribution to sample from.
     KFACOutputError: ``predict`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
+    KFACShapeError, KFACUnsupportedLayerError: ``layers`` do not describe the
+      model (as for :func:`perturbkit.kfac_estimator`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -81,6 +84,23 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   if not paths:
     raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
   select = lambda module, method_name: method_name == '__call__' and path_of(module) in paths
+  checked = set()
+
+  def check_layers(model, inputs):
+    """The layers' kernels and calls against the model, once per input signature."""
+    key = signature((nnx.graphdef(model), nnx.state(model), inputs))
+    if key in checked:
+      return
+    modules = dict(submodules(model))
+    shapes = {}
+    for name, info in layers.layers.items():
+      weight = getattr(modules.get(info.path), info.param, None)
+      shapes[name] = None if weight is None else jnp.shape(weight[...])
+    check_kernel_shapes(layers, shapes)
+    reads = outside_reads(model, inputs, predict,
+                          {info.path: name for name, info in layers.layers.items()})
+    refuse_outside_reads(reads, 'perturbkit.nnx.kfac_layers')
+    checked.add(key)
 
   def output(model, inputs):
     return _split_output(predict(model, inputs), has_aux)
@@ -133,6 +153,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     if fisher == 'sampled' and key is None and with_stats is not False:
       raise TypeError("fisher='sampled' needs a PRNG key: estimate(model, inputs, targets, "
                       'key).')
+    check_layers(model, inputs)
     # Plain arrays: Variables made outside would be at another trace level than the
     # lanes' vmap and the conditional, where the model is rebuilt from them.
     graphdef, state = nnx.split(model)

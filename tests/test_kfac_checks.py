@@ -1,0 +1,118 @@
+"""The K-FAC estimators refuse layers that do not describe the model they run.
+
+``kfac_layers`` skips a layer whose params the model also reads outside its
+calls; layers built by hand, or for another model or predict function, reach
+the estimator unchecked otherwise, and their factors would precondition a
+gradient they do not describe.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import perturbkit
+
+TOKENS = jnp.array([[0, 1, 2], [3, 4, 5]])
+LABELS = jnp.array([[1, 2, 3], [4, 5, 6]])
+X = jnp.ones((2, 3))
+Y = jnp.zeros((2,), jnp.int32)
+
+
+class TiedHead(nn.Module):
+  """Embed -> Dense -> an LM head on the embedding, ``h @ E.T`` (or an untied Dense head)."""
+  tied: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(11, 4)
+    h = jnp.tanh(nn.Dense(4, name='hidden')(embed(tokens)))
+    return h @ embed.embedding.T if self.tied else nn.Dense(11, name='head')(h)
+
+
+class Twice(nn.Module):
+  """One Dense applied once, or twice (the second call missing from layers made for once)."""
+  twice: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.Dense(3)
+    h = dense(x)
+    return dense(jnp.tanh(h)) if self.twice else h
+
+
+def _estimate(model, layers, variables, inputs, targets):
+  predict = lambda v, x: model.apply(v, x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  return jax.jit(estimate)(variables, inputs, targets, jax.random.key(0))
+
+
+def test_hand_built_layers_with_a_tied_embedding_are_refused():
+  untied, tied = TiedHead(tied=False), TiedHead()
+  variables = tied.init(jax.random.key(0), TOKENS)
+  predict = lambda v, x: tied.apply(v, x)
+  assert list(perturbkit.kfac_layers(predict, variables, TOKENS).layers) == ['hidden']
+  # The untied twin's layers include the embedding; its factors would miss the head's share.
+  twin = untied.init(jax.random.key(0), TOKENS)
+  layers = perturbkit.kfac_layers(lambda v, x: untied.apply(v, x), twin, TOKENS)
+  layers = perturbkit.KFACLayers({k: v for k, v in layers.layers.items() if k != 'head'}, {})
+  assert sorted(layers.layers) == ['Embed_0', 'hidden']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError,
+                     match=r'Embed_0 was selected.*read outside its calls \(by transpose\).*'
+                           r'perturbkit\.kfac_layers'):
+    _estimate(tied, layers, variables, TOKENS, LABELS)
+  # The same layers on the untied model (reads through the calls only) are fine.
+  _, _, stats = _estimate(untied, layers, twin, TOKENS, LABELS)
+  assert stats['Embed_0'].a.shape == (11,)
+
+
+def test_layers_of_another_model_are_a_shape_error():
+  wide = nn.Sequential([nn.Dense(5)])
+  layers = perturbkit.kfac_layers(lambda v, x: wide.apply(v, x),
+                                  wide.init(jax.random.key(0), X), X)
+  renamed = perturbkit.KFACLayers(
+      {'Dense_0': layers.layers['layers_0']._replace(path=('Dense_0',))}, {})
+  seq = nn.Sequential([nn.Dense(3)])
+  with pytest.raises(perturbkit.KFACShapeError, match=r"layers_0.*\(3, 3\) in the model, "
+                                                      r"\(3, 5\) in the layers"):
+    _estimate(seq, layers, seq.init(jax.random.key(0), X), X, Y)
+  with pytest.raises(perturbkit.KFACShapeError, match="Dense_0.*no 'kernel' param"):
+    _estimate(seq, renamed, seq.init(jax.random.key(0), X), X, Y)
+
+
+def test_a_call_left_out_of_the_layers_is_a_shape_error():
+  once, twice = Twice(), Twice(twice=True)
+  variables = once.init(jax.random.key(0), X)
+  layers = perturbkit.kfac_layers(lambda v, x: once.apply(v, x), variables, X)
+  assert layers.layers['Dense_0'].calls == ('__call__',)
+  with pytest.raises(perturbkit.KFACShapeError,
+                     match=r"Dense_0.*calls it as \['__call__', '__call__#1'\]"):
+    _estimate(twice, layers, variables, X, Y)
+  both = perturbkit.kfac_layers(lambda v, x: twice.apply(v, x), variables, X)
+  _, _, stats = _estimate(twice, both, variables, X, Y)
+  assert stats['Dense_0'].g.shape == (3, 3)
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, width, rngs):
+    self.hidden = nnx.Linear(3, width, rngs=rngs)
+    self.out = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.hidden(x)))
+
+
+def test_nnx_estimator_refuses_a_penalized_predict_and_another_model():
+  model = NNXNet(4, nnx.Rngs(0))
+  layers = perturbkit.nnx.kfac_layers(model, X)
+  assert sorted(layers.layers) == ['hidden', 'out']
+  penalized = lambda m, x: m(x) + jnp.sum(m.hidden.kernel[...] ** 2)
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, predict=penalized)
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError,
+                     match=r'hidden was selected.*\(by integer_pow\).*perturbkit\.nnx\.kfac_layers'):
+    nnx.jit(estimate)(model, X, Y, jax.random.key(0))
+  plain = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
+  with pytest.raises(perturbkit.KFACShapeError, match=r'hidden.*\(3, 6\) in the model'):
+    nnx.jit(plain)(NNXNet(6, nnx.Rngs(0)), X, Y, jax.random.key(0))
+  _, _, stats = nnx.jit(plain)(model, X, Y, jax.random.key(0))
+  assert stats['hidden'].a.shape == (4, 4)
