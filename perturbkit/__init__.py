@@ -42,6 +42,7 @@ from perturbkit._per_example_errors import AmbiguousInputError
 from perturbkit._per_example_errors import ExamplesAxisError
 from perturbkit._per_example_errors import ExamplesMixedError
 from perturbkit._per_example_errors import InterleavedClippingError
+from perturbkit._per_example_errors import OptaxPrivacyError
 from perturbkit._per_example_errors import ParamsReadOutsideError
 from perturbkit._per_example_errors import RandomCallError
 from perturbkit._per_example_errors import PerExampleError
@@ -105,6 +106,7 @@ __all__ = [
     'ExamplesAxisError',
     'ExamplesMixedError',
     'InterleavedClippingError',
+    'OptaxPrivacyError',
     'ParamsReadOutsideError',
     'RandomCallError',
     'per_example_grad_norms',

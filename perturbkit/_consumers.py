@@ -5,7 +5,9 @@ with the gradient that flows back through the segment's own call. A param read
 anywhere else (a tied LM head reading the embedding matrix, an L2 term on the
 weights) would be missing from that step, so every such read must be found.
 Each segment call is one named ``custom_vjp_call`` equation; any other
-equation that takes the param as an operand is a read outside the segment.
+equation that takes the param as an operand, and whose result carries gradient
+to the outputs (not only through ``stop_gradient``), is a read outside the
+segment.
 Calls to nested jaxprs (``jit``, ``remat``, ``scan``, ``cond``, ...) are
 followed into their bodies.
 """
@@ -14,6 +16,9 @@ from typing import Any, Callable, Mapping
 from jax.extend import core as jex_core
 
 SEGMENT_PREFIX = 'perturbkit_segment:'
+# Equations whose outputs carry no gradient to their operands: a param read only
+# through them adds nothing to its gradient, so it is not a read outside.
+NO_GRADIENT = frozenset({'stop_gradient'})
 
 
 def segment_function_name(name: str) -> str:
@@ -55,14 +60,16 @@ def reads_outside(jaxpr: Any, owner_of: dict[int, str], *,
     jaxpr: A (closed) jaxpr whose inputs include the params.
     owner_of: Maps an input position of ``jaxpr`` to the name of the segment
       owning that param leaf.
-    spared: With it, only reads that reach the jaxpr's outputs count, and the
-      reads it accounts for are not reads: ``{custom_vjp function name: n}``
+    spared: The reads it accounts for are not reads: ``{custom_vjp function name: n}``
       names calls whose first ``n`` operands (after their constants) are
       params computed from the model's (a nested ``apply`` on a tied weight,
       handled by the caller); what only flows into those operands is not a
       read. A named call of one segment that is given another's params (a
       module calling its child) is followed into, so that only what it does
       with them counts.
+
+  A read that reaches the outputs only through ``stop_gradient`` (or not at
+  all) is not a read: it adds nothing to the gradient.
 
   Returns:
     ``{segment name: {primitive names}}`` for each segment read elsewhere; a
@@ -80,10 +87,12 @@ def reads_outside(jaxpr: Any, owner_of: dict[int, str], *,
 
 
 def _walk(jaxpr, owners: dict, report: Callable[[str, str], None]):
+  live = _live_vars(jaxpr, [True] * len(jaxpr.outvars), {})
   for eqn in jaxpr.eqns:
     read = {owners[v] for v in eqn.invars if isinstance(v, jex_core.Var) and v in owners}
-    if not read:
-      continue
+    if (not read or eqn.primitive.name in NO_GRADIENT
+        or not any(v in live for v in eqn.outvars)):
+      continue  # reads nothing, or carries no gradient to the outputs (stop_gradient)
     if eqn.primitive.name == 'custom_vjp_call':
       own = _custom_vjp_name(eqn)
       for name in read:
@@ -130,7 +139,7 @@ def _live_vars(jaxpr, live_out: list[bool], spared: Mapping[str, int]) -> set:
     outs = [v in live for v in eqn.outvars]
     if not any(outs):
       continue
-    needed = [True] * len(eqn.invars)
+    needed = [eqn.primitive.name not in NO_GRADIENT] * len(eqn.invars)
     for i in _spared_operands(eqn, spared):
       needed[i] = False
     bodies = _sub_jaxprs(eqn)
@@ -154,8 +163,8 @@ def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, i
     read = {i: owners[v] for i, v in enumerate(eqn.invars)
             if isinstance(v, jex_core.Var) and v in owners}
     outs = [v in live for v in eqn.outvars]
-    if not read or not any(outs):
-      continue  # reads nothing, or nothing it computes reaches the outputs
+    if not read or not any(outs) or eqn.primitive.name in NO_GRADIENT:
+      continue  # reads nothing, nothing it computes reaches the outputs, or no gradient
     for i in _spared_operands(eqn, spared):
       read.pop(i, None)
     if eqn.primitive.name == 'custom_vjp_call':

@@ -30,6 +30,7 @@ import optax
 from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
+from perturbkit._optax_privacy import refuse_optax_privacy
 from perturbkit._per_example_errors import InterleavedClippingError
 from perturbkit._per_example_norms import all_layer_norms, flat_squares
 from perturbkit._per_example_pass import Pass, run_pass
@@ -237,6 +238,9 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     InterleavedClippingError: ``optimizer`` is a trainer such as
       ``perturbkit.interleaved(...)``: per-example clipping and the interleaved
       schedule do not combine.
+    OptaxPrivacyError: (from ``init``) ``optimizer`` contains
+      ``optax.contrib.differentially_private_aggregate``, which expects
+      per-example gradients.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -263,8 +267,10 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
                          dense_method=dense_method)
 
   def init(variables) -> PrivateState:
-    return PrivateState(jnp.zeros((), jnp.int32), dict(variables),
-                        optimizer.init(variables['params']))
+    opt_state = optimizer.init(variables['params'])
+    refuse_optax_privacy(opt_state, '`perturbkit.dp_sgd`',
+                         'the mean gradient dp_sgd has already clipped and noised')
+    return PrivateState(jnp.zeros((), jnp.int32), dict(variables), opt_state)
 
   def step(state: PrivateState, key: jax.Array, *args, **kwargs):
     grads, metrics = grad_fn(state.variables, key, *args, **kwargs)

@@ -121,6 +121,21 @@ class RandomCallError(PerExampleError):
         'is supported: it is part of the recorded forward pass).')
 
 
+class OptaxPrivacyError(PerExampleError):
+  """optax's per-example DP transformation was given gradients without an examples axis."""
+
+  def __init__(self, where, given):
+    super().__init__(
+        f'{where} was given an optimizer containing `optax.contrib.'
+        'differentially_private_aggregate` (or `optax.contrib.dpsgd`), which clips and '
+        'noises per-example gradients: it takes the first axis of every gradient leaf for '
+        f'the examples. It would receive {given} and clip rows of the weight gradients '
+        'instead. For DP-SGD on an unmodified model use `perturbkit.dp_sgd(loss_fn, '
+        'optax_optimizer, clip_norm=..., noise_multiplier=...)` with a plain optax optimizer '
+        '(it clips and noises itself), or `perturbkit.private_grad`. The interleaved '
+        'schedule does not combine with per-example clipping.')
+
+
 class InterleavedClippingError(PerExampleError):
   """Per-example clipping (DP-SGD) was combined with the interleaved schedule."""
 

@@ -16,6 +16,7 @@ import optax
 from flax import traverse_util
 
 from perturbkit._errors import OptimizerStateError
+from perturbkit._optax_privacy import refuse_optax_privacy
 from perturbkit._segment_vjp import Backward, split_floats
 from perturbkit._types import PyTree
 
@@ -86,9 +87,17 @@ def ungroup(groups: Mapping[str, PyTree]) -> dict:
 
 
 def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str]) -> dict:
-  """One optimizer state per group."""
-  return {name: optimizer_for(optimizer, name).init(w)
-          for name, w in group(params, names).items()}
+  """One optimizer state per group.
+
+  Raises:
+    OptaxPrivacyError: a group's optimizer contains optax's per-example DP
+      transformation, which the sweep would hand batch gradients.
+  """
+  states = {name: optimizer_for(optimizer, name).init(w)
+            for name, w in group(params, names).items()}
+  refuse_optax_privacy(states, 'The interleaved schedule',
+                       "each segment's batch gradient (summed over the examples)")
+  return states
 
 
 def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping):

@@ -5,7 +5,8 @@ penalty, by another module) adds a part of the gradient that per-example
 gradients built call by call would miss; each such model raises
 ``ParamsReadOutsideError`` naming the layer and the reading primitive. Shared
 modules, methods such as ``attend`` and nested applies on tied weights are
-covered and must still give the norms of ``jax.vmap(jax.grad)``.
+covered and must still give the norms of ``jax.vmap(jax.grad)``, as must a
+read under ``jax.lax.stop_gradient`` (it adds nothing to the gradient).
 """
 import flax.linen as nn
 import jax
@@ -50,6 +51,20 @@ class Reuse(nn.Module):
     first = nn.Dense(5)
     h = nn.tanh(first(x))
     return nn.Dense(2)(h @ first.variables['params']['kernel'].T)
+
+
+class StoppedReuse(nn.Module):
+  """``Reuse`` with the second use under ``stop_gradient``: no gradient, so not a read."""
+  transpose_first: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    first = nn.Dense(5)
+    h = nn.tanh(first(x))
+    kernel = first.variables['params']['kernel']
+    stopped = (jax.lax.stop_gradient(kernel.T) if self.transpose_first
+               else jax.lax.stop_gradient(kernel).T)
+    return nn.Dense(2)(h @ stopped)
 
 
 class Shared(nn.Module):
@@ -99,8 +114,10 @@ def test_reads_outside_the_calls_are_refused(model, inputs, penalty, layer, prim
                    variables, jax.random.key(3), inputs)
 
 
-@pytest.mark.parametrize('model, inputs', [(NestedTied(), IDS), (Shared(), IDS)],
-                         ids=['nested_tied_head', 'shared_attend_child'])
+@pytest.mark.parametrize('model, inputs', [
+    (NestedTied(), IDS), (Shared(), IDS), (StoppedReuse(), X),
+    (StoppedReuse(transpose_first=True), X)],
+    ids=['nested_tied_head', 'shared_attend_child', 'stop_gradient', 'transpose_stop_gradient'])
 def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
   variables = model.init(jax.random.key(2), inputs)
   loss_fn = _loss(model)
