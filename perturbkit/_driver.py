@@ -30,6 +30,7 @@ from perturbkit._interceptor import Call, intercept, suspended
 from perturbkit._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
                                inside_lifted_transform)
+from perturbkit._trees import get_in
 from perturbkit._types import CallFilter, Variables
 
 
@@ -46,12 +47,6 @@ def _with_collection(mutable: Any) -> Any:
     deny = [deny] if isinstance(deny, str) else list(deny)
     return flax.core.DenyList([d for d in deny if d != COLLECTION])
   return [*mutable, COLLECTION]
-
-
-def _get_in(tree: Any, path: tuple) -> Any:
-  for name in path:
-    tree = tree[name]
-  return tree
 
 
 def nested(flat: dict[tuple, Any]) -> dict:
@@ -121,7 +116,7 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     created = new.get(COLLECTION, {})
     calls.update(reached)
     for path in reached:
-      found[path] = PointShape.of(_get_in(created, path))
+      found[path] = PointShape.of(get_in(created, path))
     for path, value in traverse_util.flatten_dict(created).items():
       if not any(path[:len(p)] == p for p in reached):
         found[path] = PointShape.of(value)

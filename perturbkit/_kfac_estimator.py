@@ -18,20 +18,20 @@ rather than quietly pulling them towards zero.
 """
 from typing import Any, Callable
 
+import flax
 import jax
 import jax.numpy as jnp
-
-import flax
 from flax import traverse_util
 
 from perturbkit._driver import value_and_grad
 from perturbkit._kfac_checks import (abstract, check_calls, check_kernel_shapes,
                                      refuse_outside_reads, signature)
 from perturbkit._kfac_errors import KFACOutputError
-from perturbkit._kfac_layers import KFACLayers, _get_in
-from perturbkit._kfac_reads import outside_reads
+from perturbkit._kfac_layers import KFACLayers
 from perturbkit._kfac_losses import OutputLoss, as_output_loss
+from perturbkit._kfac_reads import outside_reads
 from perturbkit._kfac_rules import LayerFactors, batch_factors, call_input, factor_shapes
+from perturbkit._trees import find_in, get_in
 from perturbkit._types import Variables
 
 
@@ -56,21 +56,12 @@ def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
   """
   stats = {}
   for name, info in layers.layers.items():
-    calls = _find(captured, info.path)
+    calls = find_in(captured, info.path)
     check_calls(name, info.calls, calls)
-    point_grads = _get_in(output_grads, info.path)
+    point_grads = get_in(output_grads, info.path)
     stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
                                 [point_grads[c] for c in info.calls])
   return stats
-
-
-def _find(tree: Any, path: tuple) -> Any:
-  """The subtree at ``path``, or ``None`` where there is none."""
-  for name in path:
-    if not isinstance(tree, dict) or name not in tree:
-      return None
-    tree = tree[name]
-  return tree
 
 
 def _split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:

@@ -7,7 +7,10 @@ lifted transform, the root's own ``self.param``) is listed in
 ``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
 So is a Dense/Conv/Embed whose params the model also reads outside its calls
 (a tied LM head on the transposed embedding): its calls' factors would not
-cover that part of the gradient (``_kfac_reads``).
+cover that part of the gradient (``_kfac_reads``); and one with a call whose
+output every example shares (a position table the model looks up with
+``jnp.arange``): the gradient at it is summed over the examples
+(``_kfac_examples``).
 """
 from typing import Any, Callable, NamedTuple
 
@@ -20,10 +23,13 @@ from flax import traverse_util
 from perturbkit import _filters
 from perturbkit._driver import value_and_grad
 from perturbkit._errors import NoPerturbationPointsError
+from perturbkit._interceptor import intercept
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
+from perturbkit._kfac_examples import num_examples, shared_input_reasons, skip_shared_inputs
 from perturbkit._kfac_reads import outside_reads
-from perturbkit._kfac_rules import LayerInfo, describe, unsupported_reason
+from perturbkit._kfac_rules import LayerInfo, call_input, describe, unsupported_reason
 from perturbkit._points import inside_lifted_transform
+from perturbkit._trees import get_in
 from perturbkit._types import CallFilter, Variables
 
 _LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), where its '
@@ -73,20 +79,16 @@ def _float_sum(tree: Any) -> jax.Array:
   return sum(leaves, jnp.zeros((), jnp.float32))
 
 
-def _get_in(tree: Any, path: tuple) -> Any:
-  for name in path:
-    tree = tree[name]
-  return tree
-
-
 def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
                 inputs: Any, *, filter: CallFilter | None = None) -> KFACLayers:
   """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
 
   Runs ``predict_fn`` abstractly (``jax.eval_shape``: no FLOPs) and records
-  every submodule call, then traces it once more to check that each layer's
+  every submodule call, then traces it twice more: to check that each layer's
   params are read by its own calls only (a tied embedding that an LM head
-  also multiplies by is skipped, with the reads named).
+  also multiplies by is skipped, with the reads named), and that each call's
+  input carries the examples (a position table looked up with positions the
+  model builds itself, shared by every example, is skipped).
 
   Args:
     predict_fn: ``(variables, inputs) -> output``, e.g.
@@ -101,8 +103,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
 
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
-      module that owns params, or a layer whose params are also read outside
-      its calls.
+      module that owns params, a layer whose params are also read outside
+      its calls, or one with a call every example shares.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -157,7 +159,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     elif owner in supported:
       module = supported[owner]
       param = 'embedding' if isinstance(module, nn.Embed) else 'kernel'
-      calls = tuple(k for k in _get_in(points, owner) if k.startswith('__call__'))
+      calls = tuple(k for k in get_in(points, owner) if k.startswith('__call__'))
       layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
@@ -166,4 +168,34 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   reads = outside_reads(predict_fn, variables, inputs,
                         {info.path: name for name, info in layers.items() if info.path})
   skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.filters')
+  skip_shared_inputs(layers, skipped, _shared_inputs(predict_fn, variables, inputs, layers),
+                     user is not None, 'perturbkit.filters')
   return KFACLayers(layers, dict(sorted(skipped.items())))
+
+
+def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
+                   inputs: Any, layers: dict[str, LayerInfo]) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call whose input does not carry the
+  examples (``_kfac_examples``), from one abstract trace."""
+  names = {info.path: name for name, info in layers.items()}
+  recorded: list[tuple[str, tuple]] = []
+  select = lambda module, method_name: (method_name == '__call__'
+                                        and tuple(module.path) in names)
+
+  def traced(variables, inputs):
+    captured = []
+
+    def on_call(call, run):
+      x = call_input(call.args, call.kwargs)
+      recorded.append((names[tuple(call.path)], tuple(jnp.shape(x))))
+      captured.append(x)
+      return run()
+
+    with intercept(select, on_call):
+      predict_fn(variables, inputs)
+    return captured
+
+  jaxpr = jax.make_jaxpr(traced)(variables, inputs)
+  batched = ([False] * len(jax.tree.leaves(variables))
+             + [True] * len(jax.tree.leaves(inputs)))
+  return shared_input_reasons(jaxpr, batched, recorded, num_examples(inputs))

@@ -15,7 +15,9 @@ term on it): its calls' factors would not cover that part of the gradient.
 The reads are found as for the interleaved schedule's segments: one more
 abstract run in which every call of a layer is replayed as a ``custom_vjp``
 function named after it (``_nnx_segments.run_segment``), then
-``_consumers.reads_outside`` on the jaxpr.
+``_consumers.reads_outside`` on the jaxpr. A layer with a call whose input
+does not carry the examples (a position table looked up with ``jnp.arange``
+inside the model) is skipped as in Linen (``_kfac_examples``).
 """
 from typing import Any, Callable, Mapping
 
@@ -26,6 +28,7 @@ from flax import nnx
 from perturbkit import _filters
 from perturbkit._consumers import reads_outside
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
+from perturbkit._kfac_examples import num_examples, shared_input_reasons, skip_shared_inputs
 from perturbkit._kfac_layers import KFACLayers, skip_outside_reads
 from perturbkit._kfac_rules import ConvGeometry, LayerInfo, _hashable, _tuple
 from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
@@ -134,6 +137,35 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
   return reads_outside(jaxpr, flat_leaf_owners(params, [segment_name(p) for p in paths]))
 
 
+def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
+                  layers: Mapping[str, LayerInfo]) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call whose input does not carry the
+  examples (``_kfac_examples``), from one abstract trace of a copy of the model."""
+  names = {info.path: name for name, info in layers.items()}
+  graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  recorded: list[tuple[str, tuple]] = []
+
+  def traced(params, inputs):
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    captured = []
+
+    def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      if not call.copied and call.method_name == '__call__' and call.path in names:
+        x = call.args[0] if call.args else call.kwargs['inputs']
+        recorded.append((names[call.path], tuple(jnp.shape(x))))
+        captured.append(x)
+      return run()
+
+    with instrument([copy], on_call, transparent=True):
+      predict(copy, inputs)
+    return captured
+
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(traced)(params, inputs)
+  batched = [False] * len(jax.tree.leaves(params)) + [True] * len(jax.tree.leaves(inputs))
+  return shared_input_reasons(jaxpr, batched, recorded, num_examples(inputs))
+
+
 def kfac_layers(model: nnx.Module, inputs: Any, *,
                 predict: Callable[[nnx.Module, Any], Any] | None = None,
                 filter: CallFilter | None = None) -> KFACLayers:
@@ -161,8 +193,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
 
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
-      module that owns params, or a layer whose params are also read outside
-      its calls.
+      module that owns params, a layer whose params are also read outside
+      its calls, or one with a call every example shares.
 
   Example:
     >>> import jax.numpy as jnp
@@ -216,5 +248,7 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
   reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)
                                                  for info in layers.values() if info.path})
   skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.nnx.filters')
+  skip_shared_inputs(layers, skipped, shared_inputs(model, inputs, predict, layers),
+                     user is not None, 'perturbkit.nnx.filters')
   return KFACLayers(layers, {layer_name(o): skipped[layer_name(o)] for o in owners
                              if layer_name(o) in skipped})

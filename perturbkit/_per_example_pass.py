@@ -21,6 +21,7 @@ from perturbkit._per_example_nested import (nested_applies, nested_others, neste
 from perturbkit._per_example_reads import READS, Read
 from perturbkit._per_example_replay import Pair
 from perturbkit._points import array_part
+from perturbkit._trees import find_in
 from perturbkit._types import Path, Variables
 
 
@@ -48,14 +49,6 @@ class Pass(NamedTuple):
   layers: list[Layer]
 
 
-def _get_in(tree: Any, path: tuple) -> Any:
-  for name in path:
-    if not isinstance(tree, dict) or name not in tree:
-      return None
-    tree = tree[name]
-  return tree
-
-
 def check_sources(use: Use, arrays: list[Any], num_examples: int, where: str) -> None:
   """Every per-example input has the examples on axis 0; no input is ambiguous; one is per-example.
 
@@ -79,10 +72,10 @@ def check_sources(use: Use, arrays: list[Any], num_examples: int, where: str) ->
 def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
           num_examples: int) -> Pair | None:
   where = '/'.join(use.path + (use.key,))
-  grad = _get_in(grads, use.path + (use.key,))
+  grad = find_in(grads, use.path + (use.key,))
   if grad is None:
     return None  # no floating-point output: nothing flows back through this call
-  args, kwargs = merge_static(_get_in(inputs, use.path + (use.key,)), use.template, where)
+  args, kwargs = merge_static(find_in(inputs, use.path + (use.key,)), use.template, where)
   check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
                 num_examples, where)
   grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
@@ -163,7 +156,7 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)
              for u in module_uses]
     pairs = [p for p in pairs if p is not None]
-    params = _get_in(variables['params'], path)
+    params = find_in(variables['params'], path)
     layer_reads = tuple(p for p, r in zip(pulled, reads) if path in r.owners)
     layers.append(Layer(path, pairs, params, direct_params(variables['params'], path),
                         layer_reads))

@@ -473,3 +473,41 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
       np.testing.assert_allclose(u_leaf, -LR * g_leaf, rtol=1e-6, atol=1e-9,
                                  err_msg='/'.join(keys))
   assert float(loss1) < float(loss0) and float(loss2) < float(loss1), (loss0, loss1, loss2)
+
+
+# --- Position tables every example shares -------------------------------------------------------
+
+def _clip_predict(module):
+  def predict(variables, batch):
+    ids, pixels = batch
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return module.apply(variables, ids, pixels, jnp.ones_like(ids), positions).logits_per_image
+  return predict
+
+
+def _whisper_predict(module):
+  def predict(variables, batch):
+    features, ids = batch
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return module.apply(variables, features, ids, jnp.ones_like(ids), positions).logits
+  return predict
+
+
+@pytest.mark.parametrize('name, predict, shared', [
+    ('clip', _clip_predict, 'vision_model/embeddings/position_embedding'),
+    ('whisper', _whisper_predict, 'model/encoder/embed_positions')])
+def test_position_tables_the_model_looks_up_itself_are_skipped(name, predict, shared):
+  """CLIP's vision positions (a ``(1, patches)`` id buffer) and Whisper's encoder positions
+  (``jnp.arange`` inside the model) are outputs every example shares: the gradient at them sums
+  over the examples, so K-FAC skips them; the text/decoder positions passed per example stay."""
+  hf_case = hf_models.CASES[name]
+  hf = hf_models.hf_model(hf_case.model)
+  ids = hf_models._tokens()[0]
+  batch = ((ids, hf_models._image()) if name == 'clip' else
+           (jax.random.normal(jax.random.key(3), (hf_models.BATCH, 8, 2 * hf_models.SEQ)), ids))
+  with hf_case.strictness():
+    layers = perturbkit.kfac_layers(predict(hf.module), hf.variables, batch)
+  assert 'is neither computed from the batch' in layers.skipped[shared]
+  per_example = {'clip': 'text_model/embeddings/position_embedding',
+                 'whisper': 'model/decoder/embed_positions'}[name]
+  assert layers.layers[per_example].kind == 'embed'
