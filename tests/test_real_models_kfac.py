@@ -477,25 +477,21 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
 
 # --- Position tables every example shares -------------------------------------------------------
 
-def _clip_predict(module):
-  def predict(variables, batch):
-    ids, pixels = batch
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return module.apply(variables, ids, pixels, jnp.ones_like(ids), positions).logits_per_image
-  return predict
-
-
-def _whisper_predict(module):
-  def predict(variables, batch):
-    features, ids = batch
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return module.apply(variables, features, ids, jnp.ones_like(ids), positions).logits
-  return predict
+def _pair_predict(ids_index, output):
+  """``predict(variables, batch)`` of a model taking two batched arrays, one of them token ids
+  (their positions passed per example), returning ``output`` of its result."""
+  def make(module):
+    def predict(variables, batch):
+      ids = batch[ids_index]
+      positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+      return getattr(module.apply(variables, *batch, jnp.ones_like(ids), positions), output)
+    return predict
+  return make
 
 
 @pytest.mark.parametrize('name, predict, shared', [
-    ('clip', _clip_predict, 'vision_model/embeddings/position_embedding'),
-    ('whisper', _whisper_predict, 'model/encoder/embed_positions')])
+    ('clip', _pair_predict(0, 'logits_per_image'), 'vision_model/embeddings/position_embedding'),
+    ('whisper', _pair_predict(1, 'logits'), 'model/encoder/embed_positions')], ids=['clip', 'whisper'])
 def test_position_tables_the_model_looks_up_itself_are_skipped(name, predict, shared):
   """CLIP's vision positions (a ``(1, patches)`` id buffer) and Whisper's encoder positions
   (``jnp.arange`` inside the model) are outputs every example shares: the gradient at them sums
