@@ -247,3 +247,30 @@ def test_whisper_encoder_positions_are_shared():
                                             match='model/encoder/embed_positions/__call__'):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, features,
                    _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
+
+
+def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks():
+  """GPT-2 trained with its dropout on (``deterministic=False``): the norms are those of the
+  batched pass's own masks, each example's row of the Jacobian of the per-example losses
+  (``vmap(grad)`` would draw other masks, one batch of one at a time)."""
+  hf = hf_models.hf_model('gpt2')
+  ids, mask, positions = _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions()
+  key = jax.random.key(5)
+
+  def terms(variables, ids, mask, positions, key):
+    logits = hf.module.apply(variables, ids, mask, positions, deterministic=False,
+                             rngs={'dropout': key}).logits
+    return _token_losses(logits, ids)
+
+  loss_fn = lambda *args: terms(*args).mean()
+  with strictness('gpt2'):
+    _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0, 0, None)))(
+        hf.variables, ids, mask, positions, key)
+    rows = jax.jit(jax.jacrev(lambda p: terms({**hf.variables, 'params': p}, ids, mask,
+                                                positions, key)))(hf.variables['params'])
+    deterministic_loss, _ = _causal_lm(hf.module)
+    without_dropout = reference_grads(deterministic_loss, hf.variables, ids, mask, positions)
+  _, total = norms_of(rows)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  # The masks matter: the same model without dropout has other norms.
+  assert not np.allclose(norms.total, norms_of(without_dropout)[1], rtol=1e-3)
