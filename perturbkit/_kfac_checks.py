@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from perturbkit._kfac_errors import KFACShapeError, KFACUnsupportedLayerError
-from perturbkit._kfac_layers import KFACLayers, _outside_reason
+from perturbkit._kfac_layers import KFACLayers, outside_reason
 
 
 def signature(tree: Any) -> tuple:
@@ -57,6 +57,6 @@ def refuse_outside_reads(reads: dict[str, set[str]], builder: str) -> None:
   calls; ``builder`` names the ``kfac_layers`` that would have skipped it."""
   for name, what in sorted(reads.items()):
     raise KFACUnsupportedLayerError(
-        name, _outside_reason(what),
+        name, outside_reason(what),
         exclude=f'by building the layers with `{builder}` on this model and predict '
                 'function, which leaves such a layer to the fallback')

@@ -36,7 +36,7 @@ _LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), wher
            'inputs are not available')
 
 
-def _outside_reason(what: set[str]) -> str:
+def outside_reason(what: set[str]) -> str:
   return ('its params are also read outside its calls (by ' + ', '.join(sorted(what)) +
           '), e.g. tied weights such as an LM head on the transposed embedding: K-FAC '
           'has no factors for that part of their gradient')
@@ -54,11 +54,11 @@ def skip_outside_reads(layers: dict, skipped: dict, reads: dict[str, set[str]],
   for name, what in reads.items():
     if user_filter:
       raise KFACUnsupportedLayerError(
-          name, _outside_reason(what),
+          name, outside_reason(what),
           exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
                   f'{filters}.by_path({name!r})))`')
     del layers[name]
-    skipped[name] = _outside_reason(what)
+    skipped[name] = outside_reason(what)
 
 
 class KFACLayers(NamedTuple):
