@@ -1,8 +1,9 @@
 """Whole-model K-FAC on unmodified Hugging Face Flax models (tiny configs built in code).
 
 BERT (Dense + Embed, token-classification logits), ViT (Conv patch embedding + Dense, image
-logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers) and ResNet in train mode (Conv + Dense,
-BatchNorm through ``has_aux``), each with the ordinary softmax cross-entropy:
+logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers), Llama (bias-free Dense, RMSNorm, untied
+LM head) and ResNet in train mode (Conv + Dense, BatchNorm through ``has_aux``), each with the
+ordinary softmax cross-entropy:
 
 * ``kfac_layers`` against the module tree seen by an interceptor written here: every
   Dense/Conv/Embed owner is a layer of its kind and shape, every other owner is skipped with its
@@ -78,8 +79,8 @@ def _vit_predict(module):
   return lambda variables, pixels: module.apply(variables, pixels).pooler_output
 
 
-def _gpt2_predict(module):
-  # Next-token logits; the labels are the ids shifted by one.
+def _causal_lm_predict(module):
+  # Next-token logits (GPT-2, Llama); the labels are the ids shifted by one.
   def predict(variables, ids):
     mask = jnp.ones_like(ids)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
@@ -99,7 +100,7 @@ def _token_batch():
   return ids, _labels((hf_models.SEQ,), hf_models.WIDTH)
 
 
-def _gpt2_batch():
+def _next_token_batch():
   ids = hf_models._tokens()[0]
   return ids, ids[:, 1:]
 
@@ -116,8 +117,11 @@ CASES = {c.name: c for c in [
              ('embeddings/patch_embeddings/projection',
               'encoder/layer/0/attention/attention/value', 'encoder/layer/1/intermediate/dense'),
              'encoder/layer/1/intermediate/dense'),
-    KFACCase('gpt2', _gpt2_predict, _gpt2_batch, ('transformer/wpe',), 'transformer/wpe',
+    KFACCase('gpt2', _causal_lm_predict, _next_token_batch, ('transformer/wpe',), 'transformer/wpe',
              tied=('transformer/wte',)),
+    KFACCase('llama', _causal_lm_predict, _next_token_batch,
+             ('model/embed_tokens', 'model/layers/0/self_attn/q_proj', 'lm_head'),
+             'model/layers/1/mlp/down_proj'),
     KFACCase('resnet_train', _resnet_predict, _image_batch,
              ('resnet/embedder/embedder/convolution',
               'resnet/encoder/stages/1/layers/0/shortcut/convolution', 'classifier/1'),
