@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 
-from perturbkit._kfac_errors import KFACUnsupportedLayerError
 from perturbkit._per_example_inputs import depends_on
 
 
@@ -30,16 +29,19 @@ def num_examples(inputs: Any) -> int | None:
   return None
 
 
-def shared_input_reasons(jaxpr: Any, batched: list[bool], recorded: list[tuple[str, tuple]],
-                         examples: int | None) -> dict[str, str]:
+def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
+                         recorded: list[tuple[str, tuple]]) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call that does not see the examples.
 
   Args:
-    jaxpr: A closed jaxpr whose outputs are the recorded calls' inputs, in order.
-    batched: For each jaxpr input, whether it is part of the batch.
+    jaxpr: A closed jaxpr of ``(shared, inputs)`` whose outputs are the recorded
+      calls' inputs, in order.
+    shared: Its first argument, the same for every example (the model's variables).
+    inputs: Its second argument, the batch.
     recorded: ``(layer name, input shape)`` of each output of ``jaxpr``.
-    examples: The batch size.
   """
+  examples = num_examples(inputs)
+  batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}
   for (name, shape), dependent in zip(recorded, from_batch):
@@ -51,18 +53,3 @@ def shared_input_reasons(jaxpr: Any, batched: list[bool], recorded: list[tuple[s
               'inside the model): the gradient at its output is summed over the examples, '
               'and K-FAC needs each example\'s')
   return reasons
-
-
-def skip_shared_inputs(layers: dict, skipped: dict, reasons: dict[str, str], user_filter: bool,
-                       filters: str) -> None:
-  """Moves the layers in ``reasons`` from ``layers`` to ``skipped`` (refused when the
-  user's filter selected them; ``filters`` names the front end's filters module)."""
-  for name, reason in reasons.items():
-    if name not in layers:
-      continue
-    if user_filter:
-      raise KFACUnsupportedLayerError(
-          name, reason, exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
-                                f'{filters}.by_path({name!r})))`')
-    del layers[name]
-    skipped[name] = reason

@@ -25,7 +25,7 @@ from perturbkit._driver import value_and_grad
 from perturbkit._errors import NoPerturbationPointsError
 from perturbkit._interceptor import intercept
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
-from perturbkit._kfac_examples import num_examples, shared_input_reasons, skip_shared_inputs
+from perturbkit._kfac_examples import shared_input_reasons
 from perturbkit._kfac_reads import outside_reads
 from perturbkit._kfac_rules import LayerInfo, call_input, describe, unsupported_reason
 from perturbkit._points import inside_lifted_transform
@@ -42,23 +42,22 @@ def outside_reason(what: set[str]) -> str:
           'has no factors for that part of their gradient')
 
 
-def skip_outside_reads(layers: dict, skipped: dict, reads: dict[str, set[str]],
-                       user_filter: bool, filters: str) -> None:
-  """Moves the layers whose params are read outside their calls from ``layers`` to ``skipped``.
+def skip_layers(layers: dict, skipped: dict, reasons: dict[str, str], user_filter: bool,
+                filters: str) -> None:
+  """Moves the layers in ``reasons`` from ``layers`` to ``skipped``, with their reasons.
 
   With a filter of the user's (``user_filter``) such a layer was asked for by
   name or kind, so it is refused instead, with the exclusion written in the
   ``filters`` module the user's front end has (``'perturbkit.filters'`` or
   ``'perturbkit.nnx.filters'``).
   """
-  for name, what in reads.items():
+  for name, reason in reasons.items():
     if user_filter:
       raise KFACUnsupportedLayerError(
-          name, outside_reason(what),
-          exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
-                  f'{filters}.by_path({name!r})))`')
+          name, reason, exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
+                                f'{filters}.by_path({name!r})))`')
     del layers[name]
-    skipped[name] = outside_reason(what)
+    skipped[name] = reason
 
 
 class KFACLayers(NamedTuple):
@@ -167,9 +166,10 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(predict_fn, variables, inputs,
                         {info.path: name for name, info in layers.items() if info.path})
-  skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.filters')
-  skip_shared_inputs(layers, skipped, _shared_inputs(predict_fn, variables, inputs, layers),
-                     user is not None, 'perturbkit.filters')
+  skip_layers(layers, skipped, {name: outside_reason(what) for name, what in reads.items()},
+              user is not None, 'perturbkit.filters')
+  skip_layers(layers, skipped, _shared_inputs(predict_fn, variables, inputs, layers),
+              user is not None, 'perturbkit.filters')
   return KFACLayers(layers, dict(sorted(skipped.items())))
 
 
@@ -196,6 +196,4 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
     return captured
 
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
-  batched = ([False] * len(jax.tree.leaves(variables))
-             + [True] * len(jax.tree.leaves(inputs)))
-  return shared_input_reasons(jaxpr, batched, recorded, num_examples(inputs))
+  return shared_input_reasons(jaxpr, variables, inputs, recorded)

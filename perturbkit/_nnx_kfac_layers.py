@@ -28,9 +28,9 @@ from flax import nnx
 from perturbkit import _filters
 from perturbkit._consumers import reads_outside
 from perturbkit._kfac_errors import KFACUnsupportedLayerError
-from perturbkit._kfac_examples import num_examples, shared_input_reasons, skip_shared_inputs
-from perturbkit._kfac_layers import KFACLayers, skip_outside_reads
-from perturbkit._kfac_rules import ConvGeometry, LayerInfo, _hashable, _tuple
+from perturbkit._kfac_examples import shared_input_reasons
+from perturbkit._kfac_layers import KFACLayers, outside_reason, skip_layers
+from perturbkit._kfac_rules import ConvGeometry, LayerInfo, _hashable, _tuple, call_input
 from perturbkit._nnx_calls import Call, NNXPath, instrument, submodules
 from perturbkit._nnx_segments import params_tree, run_segment, segment_name, with_values
 from perturbkit._segment_choice import flat_leaf_owners
@@ -151,7 +151,7 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
       if not call.copied and call.method_name == '__call__' and call.path in names:
-        x = call.args[0] if call.args else call.kwargs['inputs']
+        x = call_input(call.args, call.kwargs)
         recorded.append((names[call.path], tuple(jnp.shape(x))))
         captured.append(x)
       return run()
@@ -162,8 +162,7 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
-  batched = [False] * len(jax.tree.leaves(params)) + [True] * len(jax.tree.leaves(inputs))
-  return shared_input_reasons(jaxpr, batched, recorded, num_examples(inputs))
+  return shared_input_reasons(jaxpr, params, inputs, recorded)
 
 
 def kfac_layers(model: nnx.Module, inputs: Any, *,
@@ -247,8 +246,9 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)
                                                  for info in layers.values() if info.path})
-  skip_outside_reads(layers, skipped, reads, user is not None, 'perturbkit.nnx.filters')
-  skip_shared_inputs(layers, skipped, shared_inputs(model, inputs, predict, layers),
-                     user is not None, 'perturbkit.nnx.filters')
+  skip_layers(layers, skipped, {name: outside_reason(what) for name, what in reads.items()},
+              user is not None, 'perturbkit.nnx.filters')
+  skip_layers(layers, skipped, shared_inputs(model, inputs, predict, layers),
+              user is not None, 'perturbkit.nnx.filters')
   return KFACLayers(layers, {layer_name(o): skipped[layer_name(o)] for o in owners
                              if layer_name(o) in skipped})
