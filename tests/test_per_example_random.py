@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import perturbkit
+from test_per_example import norms_of
 
 X = jax.random.normal(jax.random.key(0), (6, 5))
 Y = jnp.arange(6) % 3
@@ -73,8 +74,8 @@ def _jacobian_rows(model, variables, key):
 
 
 def _norms(tree):
-  return np.sqrt(sum(np.sum(np.reshape(leaf, (leaf.shape[0], -1)) ** 2, axis=1)
-                     for leaf in jax.tree.leaves(tree)))
+  """Each example's total norm of a tree of per-example gradients."""
+  return norms_of(tree)[1]
 
 
 def test_dropout_between_layers_gives_the_norms_of_the_same_masks():

@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import hf_models
-from test_per_example import documented_noise
+from test_per_example import documented_noise, norms_of
 import perturbkit
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
@@ -109,12 +109,6 @@ def reference_grads(loss_fn, variables, *batch):
     alone = [x[None] for x in example]
     return jax.grad(lambda p: loss_fn({**variables, 'params': p}, *alone))(variables['params'])
   return jax.jit(jax.vmap(one))(*batch)
-
-
-def norms_of(per_example):
-  """``(examples,)`` norms per leaf and in total."""
-  sq = jax.tree.map(lambda g: jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1), per_example)
-  return jax.tree.map(jnp.sqrt, sq), jnp.sqrt(sum(jax.tree.leaves(sq)))
 
 
 def strictness(model: str):
