@@ -215,9 +215,10 @@ def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> 
   extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilation)]
   if isinstance(padding, str):
     padding = jax.lax.padtype_to_pads(x.shape[1:-1], extent, strides, padding)
-  batch, out_spatial = x.shape[0], g.shape[1:-1]
-  tokens = int(np.prod(out_spatial))
-  g = g.reshape(batch, tokens, g.shape[-1])
+  out_spatial = g.shape[1:-1]
+  # Contracted over its spatial axes as it is: the bias sum reads the same array, so XLA
+  # materializes the output gradient once (a reshaped copy would be a second buffer).
+  spatial = tuple(range(1, g.ndim - 1))
   starts = jnp.asarray([[o * d - lo for o, d, (lo, _) in zip(offset, dilation, padding)]
                         for offset in np.ndindex(*kernel)], jnp.int32)
 
@@ -231,7 +232,8 @@ def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> 
       shape = [1] * window.ndim
       shape[axis] = n
       window = window * inside.reshape(shape).astype(window.dtype)
-    return None, reduce(jnp.einsum('bti,bto->bio', window.reshape(batch, tokens, -1), g))
+    block = jax.lax.dot_general(window, g, ((spatial, spatial), ((0,), (0,))))  # (B, in, out)
+    return None, reduce(block)
 
   return jax.lax.scan(block, None, starts)[1]
 
@@ -243,7 +245,7 @@ def conv_direct_rule(pairs, params, num_examples, method):
     _tokens(p.grad, num_examples, _where(p))  # the examples on axis 0
   bias = {}
   if 'bias' in params:
-    bias = {'bias': sum(jnp.sum(p.grad.reshape(num_examples, -1, p.grad.shape[-1]), axis=1)
+    bias = {'bias': sum(jnp.sum(p.grad, axis=tuple(range(1, p.grad.ndim - 1)))
                         for p in pairs)}
   shape = params['kernel'].shape
   replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
