@@ -22,6 +22,7 @@ from perturbkit import _filters
 from perturbkit._interceptor import Call, intercept
 from perturbkit._per_example_batch import BatchAxes, per_argument
 from perturbkit._per_example_inputs import needed_inputs, source_kinds
+from perturbkit._per_example_mixing import mixing
 from perturbkit._per_example_nested import nested_applies, nested_params
 from perturbkit._per_example_outside import check_reads
 from perturbkit._per_example_errors import (ExamplesMixedError, PerExampleError,
@@ -181,15 +182,17 @@ def _array_leaves(tree: Any) -> list[Any]:
 
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
               kwargs: dict, batch_axes: BatchAxes = 0
-              ) -> tuple[dict[Path, list[Use]], list[ReadUse]]:
-  """Every outermost call of each param-owning module, in execution order, and the reads.
+              ) -> tuple[dict[Path, list[Use]], list[ReadUse], str | None]:
+  """Every outermost call of each param-owning module, in execution order, the reads, the mixing.
 
   A call of a module made inside another call of the same module (a method
   calling ``self.other_method``) is part of the outer use and not recorded.
   The loss is traced to a jaxpr, whose data dependences say which array inputs
   of each use come from the arguments batched by ``batch_axes`` (``Use.sources``).
   A nested ``apply`` whose params are computed from the model's params (a tied
-  LM head, see ``_per_example_reads``) is a :class:`ReadUse`.
+  LM head, see ``_per_example_reads``) is a :class:`ReadUse`. The third value says
+  how the loss mixes examples on its differentiable path (``_per_example_mixing``),
+  or is ``None``; the caller raises, after its checks of the examples' axes.
 
   Raises:
     ExamplesMixedError: a call mixes examples (BatchNorm in training mode).
@@ -242,16 +245,23 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
                                       for leaf in kw_leaves])
     with intercept(_filters.all_calls, handler), nested_applies(on_nested):
-      loss_fn(variables, *args, **kw)
+      loss = loss_fn(variables, *args, **kw)
     return ([leaf for _, _, leaves in inputs for leaf in leaves]
             + [leaf for arrays, _ in read_arrays for leaf in arrays]
-            + [leaf for _, params in read_arrays for leaf in params])
+            + [leaf for _, params in read_arrays for leaf in params]
+            + [jax.numpy.asarray(loss)])  # last: for `mixing`
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
   jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr
   batched = [False] * len(jax.tree.leaves((plain, kw_arrays)))
+  example_axes: list[int | None] = [None] * len(batched)
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
-    batched += [axis is not None and _is_array(leaf) for leaf in jax.tree.leaves(arg)]
+    for leaf in jax.tree.leaves(arg):
+      batched.append(axis is not None and _is_array(leaf))
+      example_axes.append(axis % jax.numpy.ndim(leaf) if batched[-1] else None)
+  live = [getattr(path[0], 'key', None) == 'params'
+          for path, _ in jax.tree_util.tree_flatten_with_path(plain)[0]]
+  mixed = mixing(jaxpr, example_axes, live + [False] * (len(example_axes) - len(live)))
   kinds = iter(source_kinds(jaxpr, batched))
   for path, index, leaves in inputs:
     uses[path][index] = uses[path][index]._replace(
@@ -263,7 +273,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   variable_leaves = [tuple(getattr(k, 'key', k) for k in path) for path, _ in
                      jax.tree_util.tree_flatten_with_path(plain)[0]]
   assert set(param_leaves) <= set(variable_leaves)
-  start = len(jaxpr.outvars) - sum(len(params) for _, params in read_arrays)
+  start = len(jaxpr.outvars) - 1 - sum(len(params) for _, params in read_arrays)
   for i, (read, (_, params)) in enumerate(zip(list(reads), read_arrays)):
     params_kinds = [next(kinds) for _ in params]
     where = f'the nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
@@ -283,4 +293,4 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   if missing:
     raise UncoveredParamsError(missing)
   check_reads(loss_fn, plain, args, kwargs, owners)
-  return uses, [r for r in reads if r.owners]
+  return uses, [r for r in reads if r.owners], mixed

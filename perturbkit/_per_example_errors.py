@@ -13,10 +13,11 @@ class ExamplesMixedError(PerExampleError):
     super().__init__(
         f'Per-example gradients are not defined for this loss: {detail}. They exist only '
         'when the loss is a sum or mean of one term per example, each term depending on '
-        'its own example alone. BatchNorm in training mode, or a loss over batch '
-        'statistics, makes every term depend on the whole batch. Use a per-example '
-        'normalization instead (nn.LayerNorm, nn.GroupNorm), or BatchNorm with '
-        '`use_running_average=True`.')
+        'its own example alone. BatchNorm in training mode, a loss over batch '
+        'statistics or over pairs of examples (a contrastive loss) makes every term '
+        'depend on the whole batch. Use a per-example normalization instead '
+        '(nn.LayerNorm, nn.GroupNorm), or BatchNorm with `use_running_average=True`; a '
+        'pairwise loss has no per-example gradients.')
 
 
 class ExamplesAxisError(PerExampleError):

@@ -96,7 +96,10 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     A function ``(variables, *args, **kwargs) -> (loss, PerExampleNorms)``; jittable.
 
   Raises:
-    ExamplesMixedError: the model mixes examples (BatchNorm in training mode).
+    ExamplesMixedError: the model mixes examples (BatchNorm in training mode), or the
+      loss does where gradients flow (a contrastive loss over the batch, a batch
+      statistic of the activations, a nonlinear function of the batch's sum); found
+      while tracing (``_per_example_mixing``).
     ExamplesAxisError: the arguments or a layer's activations disagree on the
       number of examples.
     UncoveredParamsError: params read outside a call of the module owning them.

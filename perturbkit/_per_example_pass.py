@@ -15,7 +15,7 @@ from perturbkit._per_example_calls import (PERTURBATIONS, ReadUse, Use, add_to_f
                                            direct_params, find_uses, merge_static,
                                            module_variables)
 from perturbkit._per_example_errors import (AmbiguousInputError, ExamplesAxisError,
-                                            SharedCallError)
+                                            ExamplesMixedError, SharedCallError)
 from perturbkit._per_example_nested import (nested_applies, nested_others, nested_params,
                                             params_of_reads)
 from perturbkit._per_example_reads import READS, Read
@@ -130,7 +130,7 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """The loss and every param-owning module's uses, from one forward and backward pass."""
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  uses, reads = find_uses(loss_fn, variables, args, kwargs, batch_axes)
+  uses, reads, mixed = find_uses(loss_fn, variables, args, kwargs, batch_axes)
   selected = lambda module, method_name: tuple(module.path) in uses
   zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
   (loss, found), grads, inputs = value_and_grad(
@@ -160,4 +160,6 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     layer_reads = tuple(p for p, r in zip(pulled, reads) if path in r.owners)
     layers.append(Layer(path, pairs, params, direct_params(variables['params'], path),
                         layer_reads))
+  if mixed:  # after the pairs: an examples axis in the wrong place is named as such first
+    raise ExamplesMixedError(mixed)
   return Pass(loss, num_examples, layers)
