@@ -1,7 +1,8 @@
 """Cost of DP-SGD: perturbkit's one-pass clipping against ``vmap(grad)`` clipping and a plain step.
 
 For an MLP, a CNN and a small Transformer at two batch sizes, four jitted
-training steps (SGD) are compiled and timed side by side in one run, round-robin:
+training steps (SGD) are compiled and timed side by side in one run, round-robin (vmap_grad
+after the other three, whose caches its large working set would otherwise evict):
 
   plain       ``jax.value_and_grad`` + ``optax.sgd``: the non-private step.
   noised      the plain step plus the Gaussian noise σC of DP-SGD (perturbkit's own draw,
@@ -156,8 +157,12 @@ def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
   compiled = {v: common.compile_timed(makers[v](loss_fn, optimizer), *args) for v in VARIANTS}
   new_params = {v: compiled[v].call(*args)[0] for v in ('vmap_grad', 'perturbkit')}
   wrong = mismatch(new_params['perturbkit'], new_params['vmap_grad'])
-  samples = common.time_round_robin({v: (lambda c=compiled[v]: c.call(*args)) for v in VARIANTS},
+  # vmap(grad) is timed on its own after the others: its working set (up to hundreds of MB)
+  # evicts theirs, and taken in turn with them it slowed every step by up to 2x.
+  thunks = {v: (lambda c=compiled[v]: c.call(*args)) for v in VARIANTS}
+  samples = common.time_round_robin({v: thunks[v] for v in VARIANTS if v != 'vmap_grad'},
                                     repeats)
+  samples.update(common.time_round_robin({'vmap_grad': thunks['vmap_grad']}, repeats))
   variants = {}
   for v in VARIANTS:
     memory = compiled[v].memory
