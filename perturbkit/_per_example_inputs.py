@@ -17,7 +17,7 @@ from typing import Sequence
 from jax.extend import core as jex_core
 
 
-def _single_subjaxpr(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | None:
+def single_subjaxpr(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | None:
   """The jaxpr an equation runs on its own inputs and outputs (jit, checkpoint, custom rules)."""
   inner = list(jex_core.jaxprs_in_params(eqn.params))
   if (len(inner) == 1 and len(inner[0].invars) == len(eqn.invars)
@@ -44,7 +44,7 @@ def depends_on(jaxpr: jex_core.Jaxpr, marked: Sequence[bool]) -> list[bool]:
 
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    inner = _single_subjaxpr(eqn) if any(ins) else None
+    inner = single_subjaxpr(eqn) if any(ins) else None
     outs = depends_on(inner, ins) if inner is not None else [any(ins)] * len(eqn.outvars)
     marks.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]

@@ -28,6 +28,8 @@ import numpy as np
 import jax
 from jax.extend import core as jex_core
 
+from perturbkit._per_example_inputs import single_subjaxpr
+
 SUMMED = 'summed'
 UNKNOWN = 'unknown'
 
@@ -295,21 +297,13 @@ RULES = {
 }
 
 
-def _sub_jaxpr(eqn) -> jex_core.Jaxpr | None:
-  inner = list(jex_core.jaxprs_in_params(eqn.params))
-  if (len(inner) == 1 and len(inner[0].invars) == len(eqn.invars)
-      and len(inner[0].outvars) == len(eqn.outvars)):
-    return inner[0]
-  return None
-
-
 def _eqn_states(eqn, states: list[State]) -> list[State]:
   name = eqn.primitive.name
   if name == 'stop_gradient':
     return [State(states[0].axis)]
   if name in PASS_THROUGH:
     return list(states[:len(eqn.outvars)])
-  inner = _sub_jaxpr(eqn)
+  inner = single_subjaxpr(eqn)
   if inner is not None:
     return walk(inner, states)
   if name in ELEMENTWISE:
