@@ -140,3 +140,29 @@ def test_pairing_with_a_stop_gradient_side_keeps_the_live_examples():
     a, _ = MODEL.apply(v, x, y)
     return jnp.sum(jnp.tanh(a @ b_all.T))
   assert_norms(loss_fn, term)
+
+
+class Centered(nn.Module):
+  """Subtracts the batch mean of its activations: a batch statistic without BatchNorm."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    return h - jnp.mean(h, axis=0, keepdims=True)
+
+
+class WithCentered(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(Centered(name='block')(x))
+
+
+def test_mixing_inside_the_model_is_refused_where_it_happens():
+  model = WithCentered()
+  variables = model.init(jax.random.key(0), X)
+  loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  with pytest.raises(perturbkit.ExamplesMixedError, match='`sub` in WithCentered/block'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X)
+  with pytest.raises(perturbkit.ExamplesMixedError):
+    perturbkit.check_per_example(loss_fn, variables, X)
