@@ -191,11 +191,13 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   of each use come from the arguments batched by ``batch_axes`` (``Use.sources``).
   A nested ``apply`` whose params are computed from the model's params (a tied
   LM head, see ``_per_example_reads``) is a :class:`ReadUse`. The third value says
-  how the loss mixes examples on its differentiable path (``_per_example_mixing``),
-  or is ``None``; the caller raises, after its checks of the examples' axes.
+  how the loss mixes examples where gradients flow (``_per_example_mixing``) when a
+  layer call also sees the examples on an axis other than 0, else ``None``: the
+  caller raises it after its examples-axis checks, which name the axis problem.
 
   Raises:
-    ExamplesMixedError: a call mixes examples (BatchNorm in training mode).
+    ExamplesMixedError: a call mixes examples (BatchNorm in training mode), or the loss
+      does where gradients flow (``_per_example_mixing``).
     UncoveredParamsError: a module owns params but is never called.
     ParamsReadOutsideError: a module's params are read outside its calls and outside
       nested applies (``_per_example_outside``).
@@ -261,7 +263,11 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
       example_axes.append(axis % jax.numpy.ndim(leaf) if batched[-1] else None)
   live = [getattr(path[0], 'key', None) == 'params'
           for path, _ in jax.tree_util.tree_flatten_with_path(plain)[0]]
-  mixed = mixing(jaxpr, example_axes, live + [False] * (len(example_axes) - len(live)))
+  mixed, misplaced = mixing(jaxpr, example_axes,
+                            live + [False] * (len(example_axes) - len(live)),
+                            sum(len(leaves) for _, _, leaves in inputs))
+  if mixed and not misplaced:  # the most basic error: no example has a gradient of its own
+    raise ExamplesMixedError(mixed)
   kinds = iter(source_kinds(jaxpr, batched))
   for path, index, leaves in inputs:
     uses[path][index] = uses[path][index]._replace(
@@ -293,4 +299,4 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   if missing:
     raise UncoveredParamsError(missing)
   check_reads(loss_fn, plain, args, kwargs, owners)
-  return uses, [r for r in reads if r.owners], mixed
+  return uses, [r for r in reads if r.owners], mixed if misplaced else None

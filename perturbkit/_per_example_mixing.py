@@ -6,7 +6,9 @@ jaxpr of the loss is walked once, following for every value:
 
 * where its examples are: on one axis (``int``), summed over (:data:`SUMMED`),
   not at all (``None``), or no longer known (:data:`UNKNOWN`, after an
-  operation the walk does not follow: loops, gathers it cannot read, ...);
+  operation the walk does not follow: loops, gathers it cannot read, ...); rows
+  of the examples axis picked by per-example indices (``x[arange(B), ids]``)
+  are taken to be each example's own;
 * whether it depends on the params (``live``): only such values carry
   gradients, so mixing among values computed from the data alone (normalizing
   the inputs by their batch mean, dividing by the batch's token count) is fine;
@@ -280,6 +282,13 @@ def _gather(eqn, states):
     b = dims.start_indices_batching_dims[k]
     if indices.axis in (None, b) and b < index_axes:
       return _combine(states, batch_out[b])
+  if (isinstance(operand.axis, int) and isinstance(indices.axis, int)
+      and indices.axis < index_axes and operand.axis in dims.collapsed_slice_dims
+      and operand.axis in dims.start_index_map):
+    # x[arange(B), ids] (CLIP's text pooling): rows of the examples axis picked by per-example
+    # indices are taken to be each example's own. A permutation of the examples would pass
+    # unnoticed here, but nothing is refused on this assumption.
+    return _combine(states, batch_out[indices.axis])
   if operand.axis is None and indices.axis is None:
     return _combine(states, None)
   return _combine(states, UNKNOWN)
@@ -332,16 +341,22 @@ def walk(jaxpr: jex_core.Jaxpr, states: Sequence[State]) -> list[State]:
   return [read(v) for v in jaxpr.outvars]
 
 
-def mixing(jaxpr: jex_core.Jaxpr, example_axes: Sequence[int | None],
-           live: Sequence[bool]) -> str | None:
-  """How the loss, ``jaxpr``'s last output, mixes examples on its differentiable path, if it does.
+def mixing(jaxpr: jex_core.Jaxpr, example_axes: Sequence[int | None], live: Sequence[bool],
+           call_inputs: int = 0) -> tuple[str | None, bool]:
+  """How the loss, ``jaxpr``'s last output, mixes examples where gradients flow, if it does.
 
   Args:
-    jaxpr: The traced loss; its last output is the loss.
+    jaxpr: The traced loss; its first ``call_inputs`` outputs are the array inputs of
+      the recorded layer calls, its last output is the loss.
     example_axes: For each input, the axis of its examples, or ``None``.
     live: For each input, whether it is a param.
+    call_inputs: How many of the first outputs are layer-call inputs.
 
   Returns:
-    A sentence for :class:`ExamplesMixedError`, or ``None``.
+    ``(mixed, misplaced)``: a sentence for :class:`ExamplesMixedError` or ``None``,
+    and whether a layer call sees the examples on an axis other than 0 (then the
+    mixing may only be that axis's doing, and the examples-axis error is the one to give).
   """
-  return walk(jaxpr, [State(axis, p) for axis, p in zip(example_axes, live)])[-1].mixed
+  states = walk(jaxpr, [State(axis, p) for axis, p in zip(example_axes, live)])
+  misplaced = any(isinstance(s.axis, int) and s.axis != 0 for s in states[:call_inputs])
+  return states[-1].mixed, misplaced

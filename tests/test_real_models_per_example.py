@@ -15,6 +15,8 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
   per-example gradients, summing, adding the documented noise stream and dividing by B.
 * Whisper: its encoder's position embedding is looked up at ``jnp.arange`` inside the model,
   shared by all examples: ``SharedCallError``, naming it.
+* CLIP: its contrastive loss pairs the batch's texts with its images: ``ExamplesMixedError``,
+  found while tracing.
 """
 import dataclasses
 from typing import Any, Callable
@@ -268,3 +270,16 @@ def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks():
   np.testing.assert_allclose(norms.total, total, **TOL)
   # The masks matter: the same model without dropout has other norms.
   assert not np.allclose(norms.total, norms_of(without_dropout)[1], rtol=1e-3)
+
+
+def test_clip_contrastive_loss_is_refused():
+  """CLIP's loss pairs every text with every image of the batch (``logits_per_text``): no
+  example has a gradient of its own. Found while tracing, before CLIP's other obstacles
+  (its root-level ``logit_scale``, its vision position ids shared by all examples)."""
+  case = hf_models.CASES['clip']
+  hf = hf_models.hf_model(case.model)
+  loss_fn, batch = case.make(hf.module)
+  with case.strictness(), pytest.raises(perturbkit.ExamplesMixedError, match='contrastive'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, *batch)
+  with case.strictness(), pytest.raises(perturbkit.ExamplesMixedError):  # the value check agrees
+    perturbkit.check_per_example(loss_fn, hf.variables, *batch)
