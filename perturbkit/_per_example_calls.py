@@ -255,14 +255,14 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
   jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr
-  batched = [False] * len(jax.tree.leaves((plain, kw_arrays)))
-  example_axes: list[int | None] = [None] * len(batched)
+  example_axes: list[int | None] = [None] * len(jax.tree.leaves((plain, kw_arrays)))
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
-    for leaf in jax.tree.leaves(arg):
-      batched.append(axis is not None and _is_array(leaf))
-      example_axes.append(axis % jax.numpy.ndim(leaf) if batched[-1] else None)
-  live = [getattr(path[0], 'key', None) == 'params'
-          for path, _ in jax.tree_util.tree_flatten_with_path(plain)[0]]
+    example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and _is_array(leaf)
+                     else None for leaf in jax.tree.leaves(arg)]
+  batched = [axis is not None for axis in example_axes]
+  variable_leaves = [tuple(getattr(k, 'key', k) for k in path) for path, _ in
+                     jax.tree_util.tree_flatten_with_path(plain)[0]]
+  live = [path[0] == 'params' for path in variable_leaves]
   mixed, misplaced = mixing(jaxpr, example_axes,
                             live + [False] * (len(example_axes) - len(live)),
                             sum(len(leaves) for _, _, leaves in inputs))
@@ -276,8 +276,6 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
            for r, (arrays, _) in zip(reads, read_arrays)]
   param_leaves = [('params',) + tuple(k.key for k in path) for path, _ in
                   jax.tree_util.tree_flatten_with_path(plain.get('params', {}))[0]]
-  variable_leaves = [tuple(getattr(k, 'key', k) for k in path) for path, _ in
-                     jax.tree_util.tree_flatten_with_path(plain)[0]]
   assert set(param_leaves) <= set(variable_leaves)
   start = len(jaxpr.outvars) - 1 - sum(len(params) for _, params in read_arrays)
   for i, (read, (_, params)) in enumerate(zip(list(reads), read_arrays)):

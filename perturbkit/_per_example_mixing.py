@@ -52,7 +52,7 @@ BINARY = {'add', 'sub', 'mul', 'div', 'max', 'min', 'pow', 'rem', 'atan2', 'next
           'eq', 'ne', 'lt', 'le', 'gt', 'ge', 'and', 'or', 'xor', 'select_n', 'clamp',
           'add_any'}
 ELEMENTWISE = UNARY | BINARY
-# Linear in a summed value, given which operands may be live (None: any).
+# Linear in each operand: a live sum over the examples stays a sum through them.
 LINEAR = {'neg', 'convert_element_type', 'reduce_precision', 'copy', 'copy_p', 'add', 'sub',
           'add_any', 'real', 'imag', 'conj'}
 PASS_THROUGH = {'optimization_barrier', 'sharding_constraint'}
@@ -77,6 +77,17 @@ def _ndim(var: Any) -> int:
   return len(getattr(var.aval, 'shape', ()))
 
 
+def _batch_statistic(eqn) -> str:
+  return (f'{_where(eqn)} combines each example with a sum over all examples computed from '
+          'the params (a batch statistic)')
+
+
+def _over_examples(eqn) -> str:
+  name = eqn.primitive.name
+  return (f'{_where(eqn)} takes {ORDER.get(name, name)} over the examples of an array '
+          'computed from the params')
+
+
 def _combine(states: Sequence[State], axis: Any, mixed: str | None = None) -> State:
   """``axis`` for the output; live and the first mixing from the inputs (or ``mixed``)."""
   first = mixed or next((s.mixed for s in states if s.mixed), None)
@@ -98,9 +109,7 @@ def _elementwise(eqn, states: list[State]) -> State:
     return _combine(states, live.pop() if live else UNKNOWN)
   if examples:
     if any(s.live for s in summed):
-      return _combine(states, examples[0].axis,
-                      f'{_where(eqn)} combines each example with a sum over all examples '
-                      'computed from the params (a batch statistic)')
+      return _combine(states, examples[0].axis, _batch_statistic(eqn))
     return _combine(states, examples[0].axis)
   if summed:
     live = [i for i, s in enumerate(states) if s.live]
@@ -155,13 +164,9 @@ def _reduce(eqn, states):
   axes = tuple(eqn.params['axes'])
   if s.axis not in axes:
     return _combine(states, s.axis - sum(a < s.axis for a in axes))
-  name = eqn.primitive.name
-  if name == 'reduce_sum':
+  if eqn.primitive.name == 'reduce_sum':
     return _combine(states, SUMMED)
-  if s.live:
-    return _combine(states, UNKNOWN, f'{_where(eqn)} takes {ORDER.get(name, name)} over the '
-                                     'examples of an array computed from the params')
-  return _combine(states, UNKNOWN)
+  return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
 
 
 def _along_axis(eqn, states):
@@ -169,9 +174,7 @@ def _along_axis(eqn, states):
   s = states[0]
   axis = eqn.params.get('axis', eqn.params.get('dimension'))
   if isinstance(s.axis, int) and s.axis == axis % _ndim(eqn.invars[0]):
-    mixed = (f'{_where(eqn)} takes {ORDER.get(eqn.primitive.name)} over the examples of an '
-             'array computed from the params') if s.live else None
-    return _combine(states, UNKNOWN, mixed)
+    return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
   return _combine(states, s.axis)
 
 
@@ -208,9 +211,7 @@ def _dot_general(eqn, states):
   if where[0] or where[1]:
     kind, index = where[0] or where[1]
     other = right if where[0] else left
-    mixed = (f'{_where(eqn)} combines each example with a sum over all examples computed '
-             'from the params (a batch statistic)'
-             if other.axis == SUMMED and other.live else None)
+    mixed = _batch_statistic(eqn) if other.axis == SUMMED and other.live else None
     return _combine(states, SUMMED if kind == 'contract' else index, mixed)
   if SUMMED in (left.axis, right.axis):
     mixed = (f'{_where(eqn)} multiplies two sums over the examples, so the loss is not a sum '
