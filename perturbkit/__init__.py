@@ -14,6 +14,15 @@ from perturbkit._errors import SharedSegmentError
 from perturbkit._errors import StateMismatchError
 from perturbkit._errors import UnmatchedFilterError
 from perturbkit._errors import UnperturbedCallsWarning
+from perturbkit._errors import MissingHasAuxError
+from perturbkit._errors import HasAuxOutputError
+from perturbkit._errors import LossNotCallableError
+from perturbkit._errors import WrongFrontEndError
+from perturbkit._errors import NotVariablesError
+from perturbkit._errors import UninitializedStateError
+from perturbkit._errors import InputMismatchError
+from perturbkit._errors import NotAnOptimizerError
+from perturbkit._errors import KFACTargetsError
 from perturbkit._driver import grad
 from perturbkit._driver import value_and_grad
 from perturbkit._hooks import Hook
@@ -99,6 +108,15 @@ __all__ = [
     'StateMismatchError',
     'UnmatchedFilterError',
     'UnperturbedCallsWarning',
+    'MissingHasAuxError',
+    'HasAuxOutputError',
+    'LossNotCallableError',
+    'WrongFrontEndError',
+    'NotVariablesError',
+    'UninitializedStateError',
+    'InputMismatchError',
+    'NotAnOptimizerError',
+    'KFACTargetsError',
     'wrap',
     'AmbiguousInputError',
     'check_per_example',

@@ -14,17 +14,19 @@
 """
 import functools
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import flax
+import flax.linen as nn
 import jax
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 from perturbkit import _filters
 from perturbkit._driver_core import check_loss as _check_loss
-from perturbkit._driver_core import grads_only, point_options
+from perturbkit._driver_core import check_loss_fn, describe, grads_only, point_options
 from perturbkit._errors import (ActivationsUnavailableError, NoPerturbationPointsError,
-                                PerturbationsNotAppliedError, UnperturbedCallsWarning)
+                                NotVariablesError, PerturbationsNotAppliedError,
+                                UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit._hooks import Hook, apply_hooks, check_matched
 from perturbkit._interceptor import Call, intercept, suspended
 from perturbkit._points import (COLLECTION, PointShape, add_perturbation, array_part,
@@ -47,6 +49,38 @@ def _with_collection(mutable: Any) -> Any:
     deny = [deny] if isinstance(deny, str) else list(deny)
     return flax.core.DenyList([d for d in deny if d != COLLECTION])
   return [*mutable, COLLECTION]
+
+
+def check_variables(variables: Any, function: str):
+  """Raises a named error unless ``variables`` are Linen variables with a ``'params'`` collection.
+
+  Args:
+    variables: What the user passed where the model's variables go.
+    function: The public function, for the message (``'perturbkit.value_and_grad'``).
+
+  Raises:
+    WrongFrontEndError: ``variables`` is an NNX model.
+    NotVariablesError: ``variables`` is anything else that is not Linen variables.
+  """
+  if isinstance(variables, Mapping) and 'params' in variables:
+    return
+  if isinstance(variables, nnx.Module):
+    raise WrongFrontEndError(
+        function, f'an nnx.Module ({type(variables).__name__})',
+        f'For an NNX model use {function.replace("perturbkit.", "perturbkit.nnx.", 1)}, '
+        'whose loss function takes the module itself: `loss_fn(model, *args)`.')
+  if isinstance(variables, nn.Module):
+    got = f'the Linen module {type(variables).__name__}'
+    hint = ('Pass its variables, `variables = model.init(key, *args)`, and call '
+            '`model.apply(variables, ...)` in the loss function.')
+  elif isinstance(variables, Mapping):
+    got = f"{describe(variables)} and no 'params'"
+    hint = ("If it is `variables['params']`, pass the whole dict instead: "
+            "`{'params': params, **other_collections}`.")
+  else:
+    got = describe(variables)
+    hint = 'Pass `variables = model.init(key, *args)`.'
+  raise NotVariablesError(function, got, hint)
 
 
 def nested(flat: dict[tuple, Any]) -> dict:
@@ -188,6 +222,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
   Raises:
     NonScalarLossError: the loss is not a real scalar.
+    MissingHasAuxError: the loss function returned ``(loss, aux)`` (or another
+      tuple, list or dict) without ``has_aux=True``.
+    HasAuxOutputError: ``has_aux=True`` and the loss function returned no pair.
+    LossNotCallableError: ``loss_fn`` is not callable.
+    WrongFrontEndError: the variables are an NNX model (use
+      ``perturbkit.nnx.value_and_grad``).
+    NotVariablesError: the first argument is not Linen variables with ``'params'``.
     NoPerturbationPointsError: the filter selects no call.
     PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
 
@@ -202,14 +243,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     >>> grads['perturbations']['layers_2']['__call__'].shape
     (2, 1)
   """
+  check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
   points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
   selected = _interception(points, hooks)
 
   @functools.wraps(loss_fn)
   def run(variables: Variables, *args, **kwargs):
-    if 'params' not in variables:
-      raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+    check_variables(variables, 'perturbkit.value_and_grad')
     # Inside another perturbkit function's loss, this level sees only its own
     # calls, and the outer level does not see them (see the README, "Nesting").
     with suspended():
@@ -280,5 +321,6 @@ def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None
     >>> g['perturbations']['layers_1']['__call__'].tolist()
     [[1.0]]
   """
+  check_loss_fn(loss_fn, 'perturbkit.grad', '(variables, *args) -> loss')
   vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
   return grads_only(vg, loss_fn, has_aux)

@@ -126,3 +126,91 @@ class UnperturbedCallsWarning(UserWarning):
         'gradients add `"perturbations": <axis>` to the transform\'s `variable_axes` '
         '(e.g. `nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
         'to silence this, exclude the calls with the filter.')
+
+
+class MissingHasAuxError(NonScalarLossError):
+  """The loss function returned a tuple, list or dict where a scalar loss was expected."""
+
+  def __init__(self, returned: str, has_aux_option: bool = True):
+    fix = ('If it returns `(loss, aux)`, pass `has_aux=True`; otherwise return the loss alone, '
+           'e.g. `jnp.mean(...)`.' if has_aux_option else
+           'This function takes no auxiliary output (it has no has_aux option): return the '
+           'loss alone and compute the other values separately.')
+    PerturbkitError.__init__(
+        self, f'The loss function must return a real scalar, but it returned {returned}. {fix}')
+
+
+class HasAuxOutputError(PerturbkitError, TypeError):
+  """With ``has_aux=True`` the loss function did not return a ``(loss, aux)`` pair."""
+
+  def __init__(self, returned: str):
+    super().__init__(
+        f'With has_aux=True the loss function must return a pair `(loss, aux)`, but it '
+        f'returned {returned}. Return the tuple `(loss, aux)`, or drop has_aux=True if the '
+        'function returns the loss alone.')
+
+
+class LossNotCallableError(PerturbkitError, TypeError):
+  """The loss function given is not callable (often: its value was passed instead)."""
+
+  def __init__(self, function: str, got: str, signature: str):
+    super().__init__(
+        f'{function} takes the loss function itself, a callable `{signature}`, but it was '
+        f'given {got}. Pass the function, not its value: `{function}(loss_fn)`, not '
+        f'`{function}(loss_fn(...))`.')
+
+
+class WrongFrontEndError(PerturbkitError, TypeError):
+  """A Linen function was given an NNX model, or an NNX function a Linen one."""
+
+  def __init__(self, function: str, got: str, use: str):
+    api = 'NNX' if function.startswith('perturbkit.nnx.') else 'Linen'
+    super().__init__(f'{function} is for Flax {api} models, but it was given {got}. {use}')
+
+
+class NotVariablesError(PerturbkitError, TypeError):
+  """A Linen function was given something other than the model's variables."""
+
+  def __init__(self, function: str, got: str, hint: str):
+    super().__init__(
+        f"{function} takes the model's variables, the dict `model.init(key, *args)` returns "
+        f"(with a 'params' collection), but it was given {got}. {hint}")
+
+
+class UninitializedStateError(PerturbkitError, TypeError):
+  """``step`` was given something other than the state ``init`` returns."""
+
+  def __init__(self, got: str, init_call: str):
+    super().__init__(
+        f'`step` takes the state that `init` returns, but it was given {got}. Call '
+        f'`state = {init_call}` first and pass that state to `step`, then the state each '
+        'step returns to the next: `state, metrics = trainer.step(state, *args)`.')
+
+
+class InputMismatchError(PerturbkitError, ValueError):
+  """``step`` was given inputs of other shapes than those the state was initialised with."""
+
+  def __init__(self, changes: list[str], init_call: str):
+    super().__init__(
+        f'The inputs differ from those the state was initialised with: {"; ".join(changes)}. '
+        'The state\'s params were made for the inputs given to `init`, and the model cannot '
+        'run on these. Pass inputs of the shapes given to `init` (a different batch size is '
+        'fine); if the model is meant to take the new inputs, build its variables and '
+        f'state for them: `state = {init_call}`.')
+
+
+class NotAnOptimizerError(PerturbkitError, TypeError):
+  """The optimizer is not an optax transformation or a function returning one."""
+
+  def __init__(self, got: str, hint: str = ''):
+    super().__init__(
+        'The optimizer must be an `optax.GradientTransformation` (e.g. `optax.adam(1e-3)`) '
+        f'or a function `segment_name -> GradientTransformation`, but {got}.'
+        + (f' {hint}' if hint else ''))
+
+
+class KFACTargetsError(PerturbkitError, ValueError):
+  """Targets that do not fit a K-FAC output loss (e.g. one-hot labels for the categorical)."""
+
+  def __init__(self, loss: str, want: str, got: str, fix: str):
+    super().__init__(f'The K-FAC loss {loss} takes targets {want}, but it got {got}. {fix}')

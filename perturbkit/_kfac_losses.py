@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from perturbkit._errors import KFACTargetsError
 from perturbkit._kfac_errors import KFACLossError
 
 FISHER_KINDS = ('sampled', 'empirical', 'exact')
@@ -41,6 +42,33 @@ def _per_example(losses: jax.Array) -> jax.Array:
   return losses.reshape(losses.shape[0], -1).sum(axis=1)
 
 
+def _check_labels(logits: jax.Array, labels: Any):
+  """Raises :class:`KFACTargetsError` unless ``labels`` are class indices for ``logits``."""
+  want_shape = tuple(logits.shape[:-1])
+  shape, dtype = jnp.shape(labels), jnp.result_type(labels)
+  if jnp.issubdtype(dtype, jnp.integer) and shape == want_shape:
+    return
+  if shape == tuple(logits.shape):
+    fix = 'For one-hot labels pass the indices, `jnp.argmax(one_hot, axis=-1)`.'
+  elif shape == want_shape:
+    fix = 'Cast them to integers, e.g. `labels.astype(jnp.int32)`.'
+  else:
+    fix = (f'Give one class index per example (and position): labels of shape {want_shape} '
+           f'for logits of shape {tuple(logits.shape)}.')
+  raise KFACTargetsError('softmax_cross_entropy', f'integer class indices of shape {want_shape}',
+                         f'{dtype} labels of shape {shape}', fix)
+
+
+def _check_targets(output: jax.Array, targets: Any, name: str):
+  """Raises :class:`KFACTargetsError` unless ``targets`` have the output's shape."""
+  shape = jnp.shape(targets)
+  if shape != tuple(output.shape):
+    raise KFACTargetsError(
+        name, f"of the output's shape {tuple(output.shape)}", f'targets of shape {shape}',
+        'Reshape them to the output\'s shape (e.g. `y[:, None]` for one output feature); '
+        'broadcasting would compare every example with every target.')
+
+
 def categorical_output() -> OutputLoss:
   """Softmax cross-entropy on logits ``(batch, ..., classes)`` with integer labels.
 
@@ -48,7 +76,9 @@ def categorical_output() -> OutputLoss:
   per-example loss sums over any axes between the batch and the classes.
 
   Returns:
-    An :class:`OutputLoss`.
+    An :class:`OutputLoss`, whose ``nll`` raises :class:`KFACTargetsError` for
+    labels that are not integer class indices of the logits' shape without its
+    last axis (one-hot labels, float labels).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -60,6 +90,7 @@ def categorical_output() -> OutputLoss:
     (2,)
   """
   def nll(logits, labels):
+    _check_labels(logits, labels)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
     picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     return -_per_example(picked)
@@ -86,7 +117,8 @@ def gaussian_output(variance: float = 1.0) -> OutputLoss:
     variance: The variance of the predictive Gaussian.
 
   Returns:
-    An :class:`OutputLoss`.
+    An :class:`OutputLoss`, whose ``nll`` raises :class:`KFACTargetsError` for
+    targets of another shape than the output.
 
   Example:
     >>> import jax.numpy as jnp
@@ -98,6 +130,7 @@ def gaussian_output(variance: float = 1.0) -> OutputLoss:
     raise ValueError(f'The variance must be positive, got {variance}.')
 
   def nll(output, targets):
+    _check_targets(output, targets, f'squared_error(variance={variance})')
     return _per_example(jnp.square(output - targets) / (2.0 * variance))
 
   def sample(key, output):

@@ -20,16 +20,17 @@ capture and returned under their own names.
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit import _filters
-from perturbkit._driver_core import check_loss, grads_only, point_options
+from perturbkit._driver_core import check_loss, check_loss_fn, grads_only, point_options
 from perturbkit._errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
-                                PerturbationStructureError)
+                                PerturbationStructureError, WrongFrontEndError)
 from perturbkit._hooks import Hook, apply_hooks
 from perturbkit._nnx_calls import Call, NNXPath, instrument
 from perturbkit._nnx_errors import (CaptureConflictError, NNXNoPerturbationPointsError,
@@ -41,6 +42,29 @@ from perturbkit._types import CallFilter
 
 # One entry of the flat perturbation list: module path + perturb name.
 PointPath = tuple[str | int, ...]
+
+
+def check_module(model: Any, function: str):
+  """Raises a named error unless ``model`` is an ``nnx.Module``.
+
+  Args:
+    model: What the user passed where the model goes.
+    function: The public function, for the message (``'perturbkit.nnx.value_and_grad'``).
+
+  Raises:
+    WrongFrontEndError: ``model`` is a Linen module or Linen variables.
+    TypeError: ``model`` is anything else that is not an ``nnx.Module``.
+  """
+  if isinstance(model, nnx.Module):
+    return
+  if isinstance(model, (Mapping, nn.Module)):
+    got = (f'the Linen module {type(model).__name__}' if isinstance(model, nn.Module) else
+           f'a {type(model).__name__} (Linen variables?)')
+    raise WrongFrontEndError(
+        function, got,
+        f'For a Linen model use {function.replace("perturbkit.nnx.", "perturbkit.", 1)}, '
+        'whose loss function takes the variables and calls `model.apply(variables, ...)`.')
+  raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
 
 
 def _is_inexact(leaf: Any) -> bool:
@@ -269,6 +293,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
   Raises:
     NonScalarLossError: the loss is not a real scalar.
+    MissingHasAuxError: the loss function returned ``(loss, aux)`` (or another
+      tuple, list or dict) without ``has_aux=True``.
+    HasAuxOutputError: ``has_aux=True`` and the loss function returned no pair.
+    LossNotCallableError: ``loss_fn`` is not callable.
+    WrongFrontEndError: the model is a Linen module or Linen variables (use
+      ``perturbkit.value_and_grad``).
     NoPerturbationPointsError: the filter selects no call (the NNX subclass).
     PerturbationsNotAppliedError: a point found while tracing was not reached
       when differentiating (the NNX subclass).
@@ -296,14 +326,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     >>> args[0].shape, kwargs
     ((2, 4), {})
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.value_and_grad', '(model, *args) -> loss')
   points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
   prepare = _selected(points, hooks)
 
   @functools.wraps(loss_fn)
   def run(model: nnx.Module, *args, **kwargs):
-    if not isinstance(model, nnx.Module):
-      raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+    check_module(model, 'perturbkit.nnx.value_and_grad')
     found = discover(loss_fn, model, args, kwargs, points=points, hooks=hooks,
                      strict=strict, has_aux=has_aux)
     if found.unreachable:
@@ -377,6 +407,7 @@ def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None
     >>> grads['perturbations']['layers'][1]['__call__'].tolist()
     [[1.0]]
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.grad', '(model, *args) -> loss')
   vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
   return grads_only(vg, loss_fn, has_aux)
 

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit import _nnx_segmentation
-from perturbkit._driver_core import check_loss
-from perturbkit._errors import SegmentationError
+from perturbkit._driver_core import check_loss, check_loss_fn, describe
+from perturbkit._errors import PerturbkitError, SegmentationError, UninitializedStateError
 from perturbkit._hooks import Hook
+from perturbkit._nnx_driver import check_module
 from perturbkit._nnx_segments import params_tree, segmented_loss, with_values
 from perturbkit._schedule import Interleaved
 from perturbkit._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
-                               clip_scale, finish, group, init_opt_state)
+                               check_optimizer, clip_scale, finish, group, init_opt_state,
+                               input_mismatch, input_shapes)
 from perturbkit._types import CallFilter
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
@@ -201,22 +203,40 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
     raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
+  check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
                        clip_global_norm, skip_nonfinite, tuple(hooks))
+  # What `init` was last given, only to word the error of a step that fails on other inputs.
+  at_init: dict = {}
 
   def segmentation(model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
     _check_model(model)
     return _segmentation(settings, model, args, segments)
 
   def init(model: nnx.Module, *args) -> InterleavedState:
+    opt_state = init_opt_state_of(settings, model, args)
     graphdef, variables = nnx.split(model)
-    return InterleavedState(jnp.zeros((), jnp.int32), graphdef, variables,
-                            init_opt_state_of(settings, model, args), jnp.zeros((), jnp.float32))
+    at_init['shapes'] = input_shapes(args)
+    return InterleavedState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state,
+                            jnp.zeros((), jnp.float32))
 
   def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    if not isinstance(state, InterleavedState):
+      raise UninitializedStateError(
+          (f'an nnx.Module ({type(state).__name__}), the model itself'
+           if isinstance(state, nnx.Module) else describe(state)),
+          _INIT_CALL)
     model = state.model()
-    new_params, new_others, opt_state, norm, metrics = _train(
-        settings, model, state.opt_state, state.grad_norm, args)
+    try:
+      new_params, new_others, opt_state, norm, metrics = _train(
+          settings, model, state.opt_state, state.grad_norm, args)
+    except (TypeError, ValueError) as error:
+      mismatch = None if isinstance(error, PerturbkitError) else input_mismatch(
+          at_init.get('shapes'), args, _INIT_CALL)
+      if mismatch is not None:
+        raise mismatch from error
+      raise
     nnx.update(model, new_params, new_others)
     graphdef, variables = nnx.split(model)
     return InterleavedState(state.step + 1, graphdef, variables, opt_state, norm), metrics
@@ -224,9 +244,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   return Interleaved(init, step, segmentation)
 
 
+_INIT_CALL = 'trainer.init(model, *args)'
+
+
 def _check_model(model: Any):
-  if not isinstance(model, nnx.Module):
-    raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+  check_module(model, 'perturbkit.nnx.interleaved')
 
 
 def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
@@ -299,6 +321,8 @@ class InterleavedOptimizer(nnx.Pytree):
     """
     if propagate not in ('updated', 'original'):
       raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+    check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
+    check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
                               clip_global_norm, skip_nonfinite, tuple(hooks))
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))

@@ -7,21 +7,24 @@ Which calls are segments is ``_segmentation``; how a segment updates itself in
 the backward pass is ``_segment_vjp``; the optimizer bookkeeping is ``_sweep``.
 This file wires them into a pure ``init``/``step`` pair.
 """
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import flax
 import jax
 import jax.numpy as jnp
 
 from perturbkit import _segmentation
-from perturbkit._driver import _check_loss
-from perturbkit._errors import SegmentationError, StateMismatchError
+from perturbkit._driver import _check_loss, check_variables
+from perturbkit._driver_core import check_loss_fn, describe
+from perturbkit._errors import (PerturbkitError, SegmentationError, StateMismatchError,
+                                UninitializedStateError)
 from perturbkit._hooks import Hook, with_hooks
 from perturbkit._interceptor import suspended
 from perturbkit._points import COLLECTION
 from perturbkit._segments import segmented_loss
 from perturbkit._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
-                               check_opt_state, clip_scale, finish, group, init_opt_state)
+                               check_opt_state, check_optimizer, clip_scale, finish, group,
+                               init_opt_state, input_mismatch, input_shapes)
 from perturbkit._types import CallFilter, Variables
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
@@ -41,9 +44,15 @@ class Interleaved(NamedTuple):
   segments: Callable[..., _segmentation.Segmentation]
 
 
+_INIT_CALL = 'trainer.init(variables, *args)'
+
+
+def _is_variables(value: Any) -> bool:
+  return isinstance(value, Mapping) and 'params' in value
+
+
 def _plain(variables: Variables) -> dict:
-  if 'params' not in variables:
-    raise TypeError("The variables must have a 'params' collection, as model.init returns.")
+  check_variables(variables, 'perturbkit.interleaved')
   variables = flax.core.unfreeze(variables)
   return {c: v for c, v in variables.items() if c != COLLECTION}
 
@@ -118,6 +127,17 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   Returns:
     An :class:`Interleaved` with pure ``init`` and ``step``.
 
+  Raises:
+    NotAnOptimizerError: ``optimizer`` is not an optax transformation (or a
+      function returning one).
+    WrongFrontEndError: ``init`` was given an NNX model (use
+      ``perturbkit.nnx.interleaved``).
+    UninitializedStateError: ``step`` was given something other than the
+      state ``init`` returns (the variables themselves).
+    InputMismatchError: ``step``'s inputs differ from ``init``'s beyond the
+      batch size and the model cannot run on them.
+    StateMismatchError: the state's params do not fit the loss's model.
+
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
     >>> import perturbkit
@@ -134,8 +154,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
     raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
+  check_optimizer(optimizer)
   if hooks:
     loss_fn = with_hooks(loss_fn, *hooks)
+  # What `init` was last given, only to word the error of a step that fails on other inputs.
+  at_init: dict = {}
 
   def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
     if not args:
@@ -149,11 +173,16 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   def init(variables: Variables, *args) -> InterleavedState:
     variables = _plain(variables)
     names = list(segmentation(variables, *args).segments)
+    at_init['shapes'] = input_shapes(args)
     return InterleavedState(jnp.zeros((), jnp.int32), variables,
                             init_opt_state(optimizer, variables['params'], names),
                             jnp.zeros((), jnp.float32))
 
   def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    if not isinstance(state, InterleavedState):
+      raise UninitializedStateError(
+          describe(state) + (' (the model variables?)' if _is_variables(state) else ''),
+          _INIT_CALL)
     with suspended():
       return _step(state, args)
 
@@ -165,8 +194,15 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     # The state's segments must still pass every check on this loss and batch.
     try:
       _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
-    except flax.errors.ScopeParamShapeError as error:
-      raise StateMismatchError(str(error).split('(https')[0].strip()) from error
+    except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
+      if isinstance(error, PerturbkitError):
+        raise
+      mismatch = input_mismatch(at_init.get('shapes'), args, _INIT_CALL)
+      if mismatch is not None:
+        raise mismatch from error
+      if isinstance(error, flax.errors.ScopeParamShapeError):
+        raise StateMismatchError(str(error).split('(https')[0].strip()) from error
+      raise
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite)
     swept: dict[str, dict] = {}

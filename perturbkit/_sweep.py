@@ -8,14 +8,15 @@ steps the sweep took, and assembles the new params, optimizer state and
 metrics. A front end (Linen today) decides which calls are segments and runs
 them through ``_segment_vjp.segment_call``.
 """
-from typing import Callable, Mapping, NamedTuple
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit._errors import OptimizerStateError
+from perturbkit._errors import InputMismatchError, NotAnOptimizerError, OptimizerStateError
 from perturbkit._optax_privacy import refuse_optax_privacy
 from perturbkit._segment_vjp import Backward, split_floats
 from perturbkit._types import PyTree
@@ -46,14 +47,30 @@ class InterleavedState(NamedTuple):
     return self.variables['params']
 
 
+def check_optimizer(optimizer: Any):
+  """Raises :class:`NotAnOptimizerError` unless ``optimizer`` can be an :data:`Optimizer`.
+
+  A function from optax itself (``optax.adam`` rather than ``optax.adam(1e-3)``)
+  is refused too: called with a segment name it would take the name as its
+  learning rate.
+  """
+  if isinstance(optimizer, optax.GradientTransformation):
+    return
+  if not callable(optimizer):
+    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})')
+  if inspect.isfunction(optimizer) and optimizer.__module__.split('.')[0] == 'optax':
+    raise NotAnOptimizerError(
+        f'it is the function optax.{optimizer.__name__}',
+        f'Call it to make the transformation, e.g. `optax.{optimizer.__name__}(1e-3)`.')
+
+
 def optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformation:
   """The optax transformation of group ``name``."""
   if isinstance(optimizer, optax.GradientTransformation):
     return optimizer
   tx = optimizer(name)
   if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(f'The optimizer function returned {tx!r} for segment {name!r}; it must '
-                    'return an optax.GradientTransformation.')
+    raise NotAnOptimizerError(f'the function returned {tx!r:.60} for segment {name!r}')
   return tx
 
 
@@ -128,6 +145,46 @@ def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping):
           f'The optimizer state of {name!r} does not match its params: it has '
           f'{len(got_leaves)} leaves, the optimizer makes {len(want_leaves)}. Build the state '
           'with `init` for the same params and optimizer.')
+
+
+def _argument_name(path: tuple) -> str:
+  return f'argument {path[0].idx}{jax.tree_util.keystr(path[1:])}'
+
+
+def input_shapes(args: tuple) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shape and dtype of every array in ``args``, by ``'argument 0'``-style names."""
+  return {_argument_name(path): jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
+          if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype')}
+
+
+def _shown(leaf: jax.ShapeDtypeStruct | None) -> str:
+  return 'absent' if leaf is None else f'shape {leaf.shape} ({leaf.dtype})'
+
+
+def input_mismatch(at_init: Mapping[str, jax.ShapeDtypeStruct] | None, args: tuple,
+                   init_call: str) -> InputMismatchError | None:
+  """The error for ``step`` inputs that differ from ``init``'s beyond the batch size, if any.
+
+  Only a failing step asks this, to tell inputs of the wrong shape from a
+  state of another model; the leading axis (the batch size) may differ.
+
+  Args:
+    at_init: ``input_shapes`` of the arguments ``init`` was given (``None``:
+      unknown, e.g. for a state from another process).
+    args: The arguments ``step`` was given.
+    init_call: How to call ``init``, for the message.
+  """
+  if at_init is None:
+    return None
+  now = input_shapes(args)
+  changes = []
+  for name in [*at_init, *(n for n in now if n not in at_init)]:
+    before, after = at_init.get(name), now.get(name)
+    if before is None or after is None or len(before.shape) != len(after.shape) or (
+        before.shape[1:] != after.shape[1:]):
+      changes.append(f'{name} had {_shown(before)} at init, now {_shown(after)}')
+  return InputMismatchError(changes, init_call) if changes else None
 
 
 def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:

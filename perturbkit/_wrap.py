@@ -3,10 +3,11 @@ import warnings
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
+from flax import nnx
 
 from perturbkit import _filters
 from perturbkit._errors import (PerturbationStructureError, UnmatchedFilterError,
-                                UnperturbedCallsWarning)
+                                UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit._interceptor import intercept
 from perturbkit._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit._types import CallFilter
@@ -140,6 +141,11 @@ def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
     >>> variables['perturbations']['layers_0']['__call__'].shape
     (1, 4)
   """
+  if isinstance(module, nnx.Module):
+    raise WrongFrontEndError(
+        'perturbkit.wrap', f'an nnx.Module ({type(module).__name__})',
+        'NNX models need no wrapping: `perturbkit.nnx.value_and_grad(loss_fn)(model, *args)` '
+        'gives the activation gradients of the unmodified model.')
   if not isinstance(module, nn.Module):
     raise TypeError(f'wrap takes a flax.linen.Module, got {type(module).__name__}.')
   if module.scope is not None:

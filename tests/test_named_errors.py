@@ -1,0 +1,267 @@
+"""Plausible mistakes on the public entry points raise a named error whose message has the fix.
+
+Each test makes the mistake, checks the error class and that the message says
+how to fix it, then applies that fix and checks the result against an
+independent reference where there is one.
+"""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import models
+import nnx_models
+import perturbkit
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+X = jax.random.normal(jax.random.key(1), (4, 3))
+
+
+@pytest.fixture(name='linen')
+def _linen():
+  model = models.MLP()
+  return model, model.init(jax.random.key(0), X)
+
+
+@pytest.fixture(name='nnx_model')
+def _nnx_model():
+  return nnx_models.MLP(rngs=nnx.Rngs(0))
+
+
+def _linen_loss(model):
+  return lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+
+
+def _linen_aux_loss(model):
+  return lambda v, x: (jnp.mean(model.apply(v, x) ** 2), {'mean': jnp.mean(x)})
+
+
+def _nnx_aux_loss(model, x):
+  return jnp.mean(model(x) ** 2), {'mean': jnp.mean(x)}
+
+
+# --- 1. (loss, aux) returned without has_aux=True ----------------------------------------
+
+
+@pytest.mark.parametrize('make', [perturbkit.value_and_grad, perturbkit.grad])
+def test_linen_aux_without_has_aux(linen, make):
+  model, variables = linen
+  with pytest.raises(perturbkit.MissingHasAuxError,
+                     match=r'returned a tuple of 2\. .*pass `has_aux=True`'):
+    make(_linen_aux_loss(model))(variables, X)
+  # The fix: has_aux=True gives the gradient of the loss alone.
+  (loss, aux), grads = perturbkit.value_and_grad(_linen_aux_loss(model), has_aux=True)(
+      variables, X)
+  want_loss, want = jax.value_and_grad(_linen_loss(model))(variables, X)
+  chex.assert_trees_all_close((loss, grads['params']), (want_loss, want['params']), **TOL)
+  chex.assert_trees_all_close(aux['mean'], jnp.mean(X), **TOL)
+
+
+def test_missing_has_aux_is_a_non_scalar_loss_error(linen):
+  model, variables = linen
+  with pytest.raises(perturbkit.NonScalarLossError, match='has_aux=True'):
+    perturbkit.value_and_grad(lambda v, x: [_linen_loss(model)(v, x)] * 3)(variables, X)
+  with pytest.raises(perturbkit.MissingHasAuxError, match=r"dict with keys \['loss'\]"):
+    perturbkit.value_and_grad(lambda v, x: {'loss': _linen_loss(model)(v, x)})(variables, X)
+
+
+def test_has_aux_without_a_pair(linen):
+  model, variables = linen
+  with pytest.raises(perturbkit.HasAuxOutputError,
+                     match=r'returned an array of shape \(\).*drop has_aux=True'):
+    perturbkit.value_and_grad(_linen_loss(model), has_aux=True)(variables, X)
+
+
+def test_linen_interleaved_aux_without_has_aux(linen):
+  model, variables = linen
+  trainer = perturbkit.interleaved(_linen_aux_loss(model), optax.sgd(0.1))
+  with pytest.raises(perturbkit.MissingHasAuxError, match='pass `has_aux=True`'):
+    trainer.step(trainer.init(variables, X), X)
+  trainer = perturbkit.interleaved(_linen_aux_loss(model), optax.sgd(0.1), has_aux=True,
+                                   propagate='original')
+  _, metrics = trainer.step(trainer.init(variables, X), X)
+  chex.assert_trees_all_close(metrics['loss'], _linen_loss(model)(variables, X), **TOL)
+  chex.assert_trees_all_close(metrics['aux']['mean'], jnp.mean(X), **TOL)
+
+
+def test_nnx_aux_without_has_aux(nnx_model):
+  with pytest.raises(perturbkit.MissingHasAuxError, match='pass `has_aux=True`'):
+    perturbkit.nnx.value_and_grad(_nnx_aux_loss)(nnx_model, X)
+  trainer = perturbkit.nnx.interleaved(_nnx_aux_loss, optax.sgd(0.1))
+  with pytest.raises(perturbkit.MissingHasAuxError, match='pass `has_aux=True`'):
+    trainer.step(trainer.init(nnx_model, X), X)
+  (loss, _), grads = perturbkit.nnx.value_and_grad(_nnx_aux_loss, has_aux=True)(nnx_model, X)
+  want_loss, want = nnx.value_and_grad(nnx_models.mse)(nnx_model, X)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(nnx_models.pure(grads['params']), nnx_models.pure(want), **TOL)
+
+
+def test_scalar_loss_helper_without_a_has_aux_option():
+  from perturbkit._driver_core import scalar_loss
+  with pytest.raises(perturbkit.MissingHasAuxError, match='return the loss alone'):
+    scalar_loss((jnp.zeros(()), 1.0), has_aux_option=False)
+  with pytest.raises(perturbkit.MissingHasAuxError, match='is a `return` missing'):
+    scalar_loss(None)
+
+
+# --- 2. the other front end's model ----------------------------------------------------
+
+
+def test_nnx_model_to_linen_functions(nnx_model):
+  with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.nnx.value_and_grad'):
+    perturbkit.value_and_grad(nnx_models.mse)(nnx_model, X)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.nnx.interleaved'):
+    perturbkit.interleaved(nnx_models.mse, optax.sgd(0.1)).init(nnx_model, X)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='perturbkit.nnx.value_and_grad'):
+    perturbkit.wrap(nnx_model)
+  # The fix.
+  _, grads = perturbkit.nnx.value_and_grad(nnx_models.mse)(nnx_model, X)
+  want = nnx.grad(nnx_models.mse)(nnx_model, X)
+  chex.assert_trees_all_close(nnx_models.pure(grads['params']), nnx_models.pure(want), **TOL)
+
+
+def test_linen_model_to_nnx_functions(linen):
+  model, variables = linen
+  with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.value_and_grad'):
+    perturbkit.nnx.value_and_grad(_linen_loss(model))(variables, X)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.interleaved'):
+    perturbkit.nnx.interleaved(_linen_loss(model), optax.sgd(0.1)).init(variables, X)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.value_and_grad'):
+    perturbkit.nnx.value_and_grad(_linen_loss(model))(model, X)
+
+
+def test_not_variables(linen):
+  model, variables = linen
+  with pytest.raises(perturbkit.NotVariablesError, match='pass the whole dict'):
+    perturbkit.value_and_grad(_linen_loss(model))(variables['params'], X)
+  with pytest.raises(perturbkit.NotVariablesError, match=r'model\.init\(key, \*args\)'):
+    perturbkit.value_and_grad(_linen_loss(model))(model, X)
+  with pytest.raises(perturbkit.NotVariablesError, match='pass the whole dict'):
+    perturbkit.interleaved(_linen_loss(model), optax.sgd(0.1)).init(variables['params'], X)
+
+
+# --- 3. labels the K-FAC categorical loss cannot take ---------------------------------
+
+
+def test_one_hot_labels_to_categorical_output():
+  logits = jax.random.normal(jax.random.key(2), (4, 5))
+  labels = jnp.array([0, 3, 1, 4])
+  one_hot = jax.nn.one_hot(labels, 5)
+  nll = perturbkit.categorical_output().nll
+  with pytest.raises(perturbkit.KFACTargetsError, match=r'jnp\.argmax\(one_hot, axis=-1\)'):
+    nll(logits, one_hot)
+  with pytest.raises(perturbkit.KFACTargetsError, match=r'labels\.astype\(jnp\.int32\)'):
+    nll(logits, labels.astype(jnp.float32))
+  with pytest.raises(perturbkit.KFACTargetsError, match=r'labels of shape \(4,\)'):
+    nll(logits, labels[:3])
+  # The fix, against optax's cross-entropy on the one-hot labels.
+  chex.assert_trees_all_close(nll(logits, jnp.argmax(one_hot, axis=-1)),
+                              optax.softmax_cross_entropy(logits, one_hot), **TOL)
+
+
+def test_targets_of_another_shape_to_gaussian_output():
+  output, targets = jnp.ones((4, 1)), jnp.zeros((4,))
+  with pytest.raises(perturbkit.KFACTargetsError, match=r'y\[:, None\]'):
+    perturbkit.gaussian_output().nll(output, targets)
+  chex.assert_trees_all_close(perturbkit.gaussian_output().nll(output, targets[:, None]),
+                              jnp.full((4,), 0.5), **TOL)
+
+
+def test_one_hot_labels_to_kfac_estimator():
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), X)
+  predict = lambda v, x: model.apply(v, x)
+  layers = perturbkit.kfac_layers(predict, variables, X)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  labels = jnp.array([0, 3, 1, 4])
+  with pytest.raises(perturbkit.KFACTargetsError, match='argmax'):
+    estimate(variables, X, jax.nn.one_hot(labels, 5), jax.random.key(1))
+  loss, _, _ = estimate(variables, X, labels, jax.random.key(1))
+  want = optax.softmax_cross_entropy_with_integer_labels(predict(variables, X), labels).mean()
+  chex.assert_trees_all_close(loss, want, **TOL)
+
+
+# --- 4. the variables (or the model) instead of the state ------------------------------
+
+
+def test_variables_to_linen_step(linen):
+  model, variables = linen
+  trainer = perturbkit.interleaved(_linen_loss(model), optax.sgd(0.1))
+  with pytest.raises(perturbkit.UninitializedStateError,
+                     match=r'model variables\?.*state = trainer\.init\(variables, \*args\)'):
+    trainer.step(variables, X)
+  with pytest.raises(perturbkit.UninitializedStateError, match='trainer.init'):
+    jax.jit(trainer.step)(variables, X)
+  state, _ = trainer.step(trainer.init(variables, X), X)
+  assert int(state.step) == 1
+
+
+def test_model_to_nnx_step(nnx_model):
+  trainer = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1))
+  with pytest.raises(perturbkit.UninitializedStateError,
+                     match=r'the model itself.*state = trainer\.init\(model, \*args\)'):
+    trainer.step(nnx_model, X)
+  state, _ = trainer.step(trainer.init(nnx_model, X), X)
+  assert int(state.step) == 1
+
+
+# --- 5. inputs of another shape than at init --------------------------------------------
+
+
+def test_linen_step_on_inputs_of_another_width(linen):
+  model, variables = linen
+  trainer = perturbkit.interleaved(_linen_loss(model), optax.sgd(0.1))
+  state = trainer.init(variables, X)
+  with pytest.raises(perturbkit.InputMismatchError,
+                     match=r'argument 0 had shape \(4, 3\) \(float32\) at init, now shape '
+                           r'\(4, 5\).*a different batch size is fine'):
+    trainer.step(state, jnp.ones((4, 5)))
+  # Another batch size is not a mismatch.
+  trainer.step(state, jnp.ones((7, 3)))
+
+
+def test_nnx_step_on_inputs_of_another_width(nnx_model):
+  trainer = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1))
+  state = trainer.init(nnx_model, X)
+  with pytest.raises(perturbkit.InputMismatchError,
+                     match=r'argument 0 had shape \(4, 3\) \(float32\) at init, now shape '
+                           r'\(4, 5\).*trainer\.init\(model, \*args\)'):
+    jax.jit(trainer.step)(state, jnp.ones((4, 5)))
+  trainer.step(state, jnp.ones((7, 3)))
+
+
+def test_state_of_another_model_is_still_a_state_mismatch(linen):
+  model, variables = linen
+  trainer = perturbkit.interleaved(_linen_loss(model), optax.sgd(0.1))
+  state = trainer.init(variables, X)
+  wide = models.MLP(features=(6, 6))
+  with pytest.raises(perturbkit.StateMismatchError, match='Build the state with `init`'):
+    perturbkit.interleaved(_linen_loss(wide), optax.sgd(0.1)).step(state, X)
+
+
+# --- Other arguments of the wrong kind ---------------------------------------------------
+
+
+def test_loss_function_not_callable(linen):
+  model, variables = linen
+  value = _linen_loss(model)(variables, X)
+  with pytest.raises(perturbkit.LossNotCallableError, match=r'not `perturbkit\.grad\(loss_fn'):
+    perturbkit.grad(value)
+  with pytest.raises(perturbkit.LossNotCallableError, match='Pass the function'):
+    perturbkit.nnx.value_and_grad(value)
+  with pytest.raises(perturbkit.LossNotCallableError, match='Pass the function'):
+    perturbkit.interleaved(value, optax.sgd(0.1))
+
+
+def test_not_an_optimizer(linen):
+  model, _ = linen
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r'optax\.adam\(1e-3\)'):
+    perturbkit.interleaved(_linen_loss(model), 0.1)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r'Call it.*optax\.sgd\(1e-3\)'):
+    perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd)
+  trainer = perturbkit.interleaved(_linen_loss(model), lambda name: 0.1)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match='the function returned 0.1'):
+    trainer.init(model.init(jax.random.key(0), X), X)
