@@ -27,6 +27,7 @@ from perturbkit._per_example_nested import nested_applies, nested_params
 from perturbkit._per_example_outside import check_reads
 from perturbkit._per_example_errors import (ExamplesMixedError, PerExampleError,
                                             UncoveredParamsError)
+from perturbkit._points import inside_lifted_transform
 from perturbkit._types import Path, Variables
 
 PERTURBATIONS = 'perturbations'
@@ -180,6 +181,35 @@ def _array_leaves(tree: Any) -> list[Any]:
   return [leaf for leaf in jax.tree.leaves(tree) if _is_array(leaf)]
 
 
+class _Reads(NamedTuple):
+  """Where each read was made, to tell what its replay adds to what others already give.
+
+  Attributes:
+    inside: By read, the owners whose uses ran around it (their replays carry its gradient).
+    top: By read, the position of the top-level apply it ran in (``None`` for top-level ones).
+    lifted: The owners called inside a lifted transform (``nn.remat``, ``nn.scan``, ...).
+    everything: The top-level applies (positions) in which a nested apply ran inside a
+      lifted transform, whose params cannot be traced back there: they cover every owner.
+  """
+  inside: list[frozenset]
+  top: list[int | None]
+  lifted: set[Path]
+  everything: set[int]
+
+
+def read_owners(needed: frozenset, where: _Reads, position: int,
+                covers: dict[int, frozenset]) -> frozenset:
+  """The owners to whose uses' per-example gradients the read at ``position`` adds its own.
+
+  A top-level apply (a unit) adds to those it ``covers``; a nested apply, to those
+  its params are computed from (``needed``), less the owners whose use it runs
+  inside and those its unit covers: their replays already carry its gradient.
+  """
+  if where.top[position] is None:
+    return covers.get(position, frozenset())
+  return needed - where.inside[position] - covers.get(where.top[position], frozenset())
+
+
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
               kwargs: dict, batch_axes: BatchAxes = 0
               ) -> tuple[dict[Path, list[Use]], list[ReadUse], str | None]:
@@ -190,7 +220,11 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   The loss is traced to a jaxpr, whose data dependences say which array inputs
   of each use come from the arguments batched by ``batch_axes`` (``Use.sources``).
   A nested ``apply`` whose params are computed from the model's params (a tied
-  LM head, see ``_per_example_reads``) is a :class:`ReadUse`. The third value says
+  LM head, see ``_per_example_reads``) is a :class:`ReadUse`, for the owners
+  whose calls it does not run inside. A module called inside a lifted transform
+  (``nn.remat``, ``nn.scan``) has no use of its own (its inputs live inside the
+  transform); the top-level ``apply`` it runs in is a :class:`ReadUse` for it
+  instead, replacing its uses and reads inside that apply. The third value says
   how the loss mixes examples where gradients flow (``_per_example_mixing``) when a
   layer call also sees the examples on an axis other than 0, else ``None``: the
   caller raises it after its examples-axis checks, which name the axis problem.
@@ -207,20 +241,36 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   batch_stats_owners = {p[:-1] for p in traverse_util.flatten_dict(
       dict(variables.get('batch_stats', {})))}
   uses: dict[Path, list[Use]] = {}
+  use_top: dict[tuple[Path, int], int | None] = {}  # the top-level apply of each use
   inputs: list[tuple[Path, int, list[Any]]] = []  # (path, use index, array inputs) by call
   reads: list[ReadUse] = []
   read_arrays: list[tuple[list[Any], list[Any]]] = []  # (array inputs, params) by read
+  where = _Reads([], [], set(), set())
   active: list[Path] = []
+  tops: list[int] = []  # the position of the running top-level apply, when recorded
+  lifted_depth = [0]
+  lifted_calls = [0]  # of owners, inside lifted transforms
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     reason = _mixing_reason(call, batch_stats_owners)
     if reason:
       raise ExamplesMixedError(reason)
+    if inside_lifted_transform(call.module):
+      if call.path in owners:
+        where.lifted.add(call.path)
+        uses.setdefault(call.path, [])
+        lifted_calls[0] += 1
+      lifted_depth[0] += 1
+      try:
+        return run()
+      finally:
+        lifted_depth[0] -= 1
     if call.path not in owners or call.path in active:
       return run()
     uses.setdefault(call.path, []).append(Use(
         call.path, call.key, call.method_name, call.module.clone(parent=None),
         static_part((call.args, call.kwargs))))
+    use_top[(call.path, len(uses[call.path]) - 1)] = tops[-1] if tops else None
     inputs.append((call.path, len(uses[call.path]) - 1,
                    _array_leaves((call.args, call.kwargs))))
     active.append(call.path)
@@ -229,13 +279,41 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     finally:
       active.pop()
 
-  def on_nested(index, module, method_name, a, kw, run):
-    out = run()
+  def record(index, module, method_name, a, kw, out, top):
     floats, out_tree = jax.tree.flatten(float_part(out))
     reads.append(ReadUse(index, method_name, module.clone(parent=None), static_part((a, kw)),
                          (), tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
                          out_tree, frozenset()))
     read_arrays.append((_array_leaves((a, kw)), jax.tree.leaves(nested_params(module))))
+    where.inside.append(frozenset(active))
+    where.top.append(top)
+
+  def on_nested(index, module, method_name, a, kw, run):
+    out = run()
+    if lifted_depth[0]:  # its inputs live inside the transform: its unit covers everything
+      where.everything.add(tops[-1])
+    else:
+      record(index, module, method_name, a, kw, out, tops[-1])
+    return out
+
+  def on_top(index, module, method_name, a, kw, run):
+    # Recorded before it runs, so that the uses and reads inside it know their unit.
+    tops.append(len(reads))
+    record(index, module, method_name, a, kw, None, None)
+    arrays, before = read_arrays[-1], lifted_calls[0]
+    read_arrays[-1] = ([], [])
+    try:
+      out = run()
+    finally:
+      position = tops.pop()
+    if lifted_calls[0] > before or position in where.everything:
+      # A unit: its inputs and params are jaxpr outputs (only then: a loss may run its
+      # applies inside a JAX transform of its own, where they would leak).
+      floats, out_tree = jax.tree.flatten(float_part(out))
+      read_arrays[position] = arrays
+      reads[position] = reads[position]._replace(
+          outputs=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+          out_tree=out_tree)
     return out
 
   # Keyword arguments are shared; their arrays are jaxpr inputs, the rest (flags) stay static.
@@ -246,7 +324,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     given = iter(kw_arrays)
     kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
                                       for leaf in kw_leaves])
-    with intercept(_filters.all_calls, handler), nested_applies(on_nested):
+    with intercept(_filters.all_calls, handler), nested_applies(on_nested, on_top):
       loss = loss_fn(variables, *args, **kw)
     return ([leaf for _, _, leaves in inputs for leaf in leaves]
             + [leaf for arrays, _ in read_arrays for leaf in arrays]
@@ -278,21 +356,29 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
                   jax.tree_util.tree_flatten_with_path(plain.get('params', {}))[0]]
   assert set(param_leaves) <= set(variable_leaves)
   start = len(jaxpr.outvars) - 1 - sum(len(params) for _, params in read_arrays)
-  for i, (read, (_, params)) in enumerate(zip(list(reads), read_arrays)):
-    params_kinds = [next(kinds) for _ in params]
-    where = f'the nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
-    if 'example' in params_kinds:
-      raise PerExampleError(
-          f'{where} inside the loss is given params computed from the batched arguments; '
-          'per-example gradients need params shared by all examples. Compute them from the '
-          'variables only, or call the module as a submodule instead.')
+  needed_owners, params_kinds = [], []
+  for _, params in read_arrays:
+    params_kinds.append([next(kinds) for _ in params])
     wanted = [False] * len(jaxpr.outvars)
     wanted[start:start + len(params)] = [True] * len(params)
     start += len(params)
     needed = needed_inputs(jaxpr, wanted)
-    read_owners = frozenset(path[1:-1] for path, n in zip(variable_leaves, needed)
-                            if n and path[0] == 'params')
-    reads[i] = read._replace(owners=read_owners & owners)
+    needed_owners.append(owners & frozenset(
+        path[1:-1] for path, n in zip(variable_leaves, needed) if n and path[0] == 'params'))
+  covers = {i: needed_owners[i] & (owners if i in where.everything else where.lifted)
+            for i, top in enumerate(where.top) if top is None}
+  for i, read in enumerate(reads):
+    reads[i] = read._replace(owners=read_owners(needed_owners[i], where, i, covers))
+    if reads[i].owners and 'example' in params_kinds[i]:
+      name = f'the nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
+      raise PerExampleError(
+          f'{name} inside the loss is given params computed from the batched arguments; '
+          'per-example gradients need params shared by all examples. Compute them from the '
+          'variables only, or call the module as a submodule instead.')
+  # A unit's replay carries the gradients of every use of the owners it covers.
+  uses = {path: [u for i, u in enumerate(module_uses)
+                 if path not in covers.get(use_top[(path, i)], frozenset())]
+          for path, module_uses in uses.items()}
   missing = sorted('/'.join(p) or '<root>' for p in owners - set(uses))
   if missing:
     raise UncoveredParamsError(missing)

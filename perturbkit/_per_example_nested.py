@@ -4,6 +4,8 @@ A nested ``apply`` (``self.lm_head.apply({'params': {'kernel': w.T}}, h)``) is n
 submodule call, so the interceptor of the model's calls does not see it; this
 module finds the outermost ones by a Flax method interceptor of its own, counting
 them in execution order (see ``_per_example_reads`` for what they are used for).
+The loss's own top-level applies can be handed over too, in the same count: they
+are how the params of modules called inside lifted transforms get their gradients.
 """
 import contextlib
 import threading
@@ -11,6 +13,9 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
+from flax.linen.module import TestScope as SetupCheckScope
+
+from perturbkit._points import COLLECTION
 
 # ``(index, module, method_name, args, kwargs, run) -> output`` for each outermost nested apply.
 NestedHandler = Callable[[int, nn.Module, str, tuple, dict, Callable[[], Any]], Any]
@@ -41,12 +46,14 @@ def replay() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
+def nested_applies(on_nested: NestedHandler,
+                   on_top: NestedHandler | None = None) -> Iterator[None]:
   """Hands every outermost ``apply`` made inside another ``apply`` to ``on_nested``.
 
-  The index counts them in execution order. ``apply`` calls nested inside a
-  nested one run as they are (they are part of its replay), and so do the
-  replays of calls started under :func:`replay`.
+  With ``on_top``, every top-level ``apply`` (the loss's own ``model.apply``) is
+  handed to it. The index counts both in execution order. ``apply`` calls nested
+  inside a nested one run as they are (they are part of its replay), and so do
+  the replays of calls started under :func:`replay`.
   """
   roots: list[Any] = []  # the scopes of the applies running now, outermost first
   replays: list[Any] = []  # those of them that are replays of the model's calls
@@ -55,8 +62,10 @@ def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
   def interceptor(next_fun, args, kwargs, context):
     module, method_name = context.module, context.method_name
     run = lambda: next_fun(*args, **kwargs)
-    # Submodule calls, and a root calling its own methods, are part of the running apply.
+    # Submodule calls, and a root calling its own methods, are part of the running apply;
+    # a lifted module's check of its ``setup`` (run on a ``TestScope``) is no apply at all.
     if (module.scope is None or module.path or method_name == 'setup'
+        or isinstance(module.scope, SetupCheckScope)
         or any(module.scope is scope for scope in roots)):
       return run()
     roots.append(module.scope)
@@ -64,11 +73,12 @@ def nested_applies(on_nested: NestedHandler) -> Iterator[None]:
       _REPLAYS.pending = False
       replays.append(module.scope)
     try:
-      if len(roots) - len(replays) != 2 or replays and replays[-1] is module.scope:
+      handler = {1: on_top, 2: on_nested}.get(len(roots) - len(replays))
+      if handler is None or replays and replays[-1] is module.scope:
         return run()
       index = count[0]
       count[0] += 1
-      return on_nested(index, module, method_name, args, kwargs, run)
+      return handler(index, module, method_name, args, kwargs, run)
     finally:
       if replays and replays[-1] is roots.pop():
         replays.pop()
@@ -83,27 +93,29 @@ def nested_params(module: nn.Module) -> Any:
 
 
 def nested_others(module: nn.Module) -> dict:
-  """The nested ``apply``'s collections other than params."""
-  return {c: v for c, v in module.variables.items() if c != 'params'}
+  """The ``apply``'s collections other than params (and perturbkit's perturbations)."""
+  return {c: v for c, v in module.variables.items() if c not in ('params', COLLECTION)}
 
 
 def params_of_reads(loss_fn: Callable[..., Any], variables: dict, args: tuple,
-                    kwargs: dict) -> Callable[[Any], list[Any]]:
-  """``params -> [params given to each nested apply]``, by a forward run of the loss.
+                    kwargs: dict, indices: list[int]) -> Callable[[Any], list[Any]]:
+  """``params -> [params given to the apply at each of indices]``, by a forward run of the loss.
 
+  The indices count nested and top-level applies together (:func:`nested_applies`).
   Only its VJP is used; everything but the reads' own computation is dead code
   under ``jax.jit``.
   """
   def run(params):
-    found: list[Any] = []
+    found: dict[int, Any] = {}
 
-    def on_nested(index, module, method_name, a, kw, call):
-      del index, method_name, a, kw
-      found.append(nested_params(module))
+    def on_apply(index, module, method_name, a, kw, call):
+      del method_name, a, kw
+      if index in indices:
+        found[index] = nested_params(module)
       return call()
 
-    with nested_applies(on_nested):
+    with nested_applies(on_apply, on_apply):
       loss_fn({**variables, 'params': params}, *args, **kwargs)
-    return found
+    return [found[i] for i in indices]
 
   return run

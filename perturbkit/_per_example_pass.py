@@ -18,7 +18,7 @@ from perturbkit._per_example_errors import (AmbiguousInputError, ExamplesAxisErr
                                             ExamplesMixedError, SharedCallError)
 from perturbkit._per_example_nested import (nested_applies, nested_others, nested_params,
                                             params_of_reads)
-from perturbkit._per_example_reads import READS, Read
+from perturbkit._per_example_reads import READS, Read, read_of
 from perturbkit._per_example_replay import Pair
 from perturbkit._points import array_part
 from perturbkit._trees import find_in
@@ -85,6 +85,8 @@ def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
 def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[..., Any]:
   """The loss with a zero perturbation on each read's outputs, taken from ``params[READS]``.
 
+  A read is a nested ``apply`` or a top-level one (``find_uses``), counted together.
+
   Returns ``(loss, [(array part of (args, kwargs), params, other collections) by read])``.
   """
   by_index = {r.index: i for i, r in enumerate(reads)}
@@ -103,7 +105,7 @@ def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[.
       found[i] = (array_part((a, kw)), nested_params(module), nested_others(module))
       return add_to_floats(out, jax.tree.unflatten(reads[i].out_tree, deltas[i]))
 
-    with nested_applies(on_nested):
+    with nested_applies(on_nested, on_nested):
       loss = loss_fn({**variables, 'params': params}, *args, **kwargs)
     return loss, found
 
@@ -112,9 +114,9 @@ def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[.
 
 def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_examples: int,
           pullback: Callable[[Any], Any]) -> Read:
-  """One nested apply as a :class:`Read`: its call's pair and the pullback to the variables."""
+  """One nested or top-level apply as a :class:`Read`: its call's pair and the pullback."""
   arrays, params, others = found
-  where = f'nested apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
+  where = f'apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
   args, kwargs = merge_static(arrays, read.template, where)
   use = Use((), where, read.method_name, read.module, read.template, read.sources)
   check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
@@ -122,7 +124,27 @@ def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_example
   grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]
   # The cotangent of the replayed call's floating-point outputs (``call_output``).
   grad = jax.tree.unflatten(read.out_tree, grad)
-  return Read(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback)
+  return read_of(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback,
+                 num_examples)
+
+
+def _grads_and_inputs(loss_fn: Callable[..., Any], reads: list[ReadUse],
+                      uses: dict[Path, list[Use]], variables: Variables, args: tuple,
+                      kwargs: dict) -> tuple[Any, Any, Any, Any]:
+  """``(loss, what each read saw, gradients, the selected calls' inputs)`` from one pass."""
+  selected = lambda module, method_name: bool(uses.get(tuple(module.path)))
+  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
+  variables = {**variables, 'params': {**variables['params'], READS: zeros}}
+  if any(uses.values()):
+    (loss, found), grads, inputs = value_and_grad(
+        _with_reads(loss_fn, reads), filter=selected, return_inputs=True, strict=False,
+        has_aux=True)(variables, *args, **kwargs)
+    return loss, found, grads, inputs
+  # Every module is called inside lifted transforms: the reads alone give the gradients.
+  (loss, found), grads = jax.value_and_grad(
+      lambda p: _with_reads(loss_fn, reads)({**variables, 'params': p}, *args, **kwargs),
+      has_aux=True)(variables['params'])
+  return loss, found, {'params': grads, PERTURBATIONS: {}}, {}
 
 
 def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
@@ -131,26 +153,23 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
   uses, reads, mixed = find_uses(loss_fn, variables, args, kwargs, batch_axes)
-  selected = lambda module, method_name: tuple(module.path) in uses
-  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
-  (loss, found), grads, inputs = value_and_grad(
-      _with_reads(loss_fn, reads), filter=selected, return_inputs=True, strict=False,
-      has_aux=True)({**variables, 'params': {**variables['params'], READS: zeros}},
-                    *args, **kwargs)
+  loss, found, grads, inputs = _grads_and_inputs(loss_fn, reads, uses, variables, args,
+                                                 kwargs)
   read_grads = grads['params'][READS]
   pulled = []
   if reads:
-    given, pullback = jax.vjp(params_of_reads(loss_fn, variables, args, kwargs),
+    indices = [r.index for r in reads]
+    given, pullback = jax.vjp(params_of_reads(loss_fn, variables, args, kwargs, indices),
                               variables['params'])
 
-    def pull(index, cotangent):
-      # The VJP of every nested apply's params at once, zero but for the one at ``index``.
-      full = [cotangent if j == index else jax.tree.map(jax.numpy.zeros_like, p)
+    def pull(position, cotangent):
+      # The VJP of every read's params at once, zero but for the one at ``position``.
+      full = [cotangent if j == position else jax.tree.map(jax.numpy.zeros_like, p)
               for j, p in enumerate(given)]
       return pullback(full)[0]
 
-    pulled = [_read(r, f, g, scale, num_examples, lambda c, i=r.index: pull(i, c))
-              for r, f, g in zip(reads, found, read_grads)]
+    pulled = [_read(r, f, g, scale, num_examples, lambda c, i=i: pull(i, c))
+              for i, (r, f, g) in enumerate(zip(reads, found, read_grads))]
   layers = []
   for path, module_uses in uses.items():
     pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)

@@ -15,7 +15,19 @@ they were computed from (a transpose here) by the VJP of that computation, the
 same for every example, and added to the per-example gradients of the owning
 module's own uses before the norm. Per-example gradients of a module with reads
 are therefore formed in full (``examples × params`` of that module).
+
+A nested ``apply`` made inside a call of the module whose params it is given (a
+weight-normalized layer running ``self.inner.apply`` on ``v / ‖v‖``, as Wav2Vec2's
+positional conv does) is not a read for that module: the replay of its call already
+carries the nested apply's gradient.
+
+The top-level ``apply`` of the loss is a read of the same kind (its params pulled back
+by the identity) for the modules called inside lifted transforms (``nn.remat``,
+``nn.scan``), whose inputs do not exist outside the transform: it covers every use and
+nested apply of those modules inside it, at the cost of a per-example replay of the
+whole ``apply`` (as ``jax.vmap(jax.grad)``), computed once for all of them.
 """
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -28,17 +40,30 @@ READS = '__perturbkit_reads__'  # the key of the reads' zero perturbations in ``
 
 
 class Read(NamedTuple):
-  """One nested ``apply`` inside the loss, at run time.
+  """One nested or top-level ``apply`` inside the loss, at run time.
 
   Attributes:
     pair: Its call: the unbound root module, its inputs and the per-example output gradient.
-    params: The params the nested ``apply`` was given (computed from the variables).
+    params: The params the ``apply`` was given (computed from the variables).
     pullback: ``cotangent of params -> cotangent of the model's params``: the VJP of
       the computation of ``params`` from the variables, the same for every example.
+    grads: ``() -> each example's gradient of the model's params through this apply``
+      (leading axis examples), computed once however many modules read it.
   """
   pair: Pair
   params: Any
   pullback: Callable[[Any], Any]
+  grads: Callable[[], Any]
+
+
+def read_of(pair: Pair, params: Any, pullback: Callable[[Any], Any],
+            num_examples: int) -> Read:
+  """The :class:`Read` of a replayed ``apply`` given ``params``."""
+  @functools.cache
+  def grads():
+    return jax.vmap(pullback)(per_example_grads(pair, params, num_examples))
+
+  return Read(pair, params, pullback, grads)
 
 
 def _at(tree: Any, path: Path) -> Any:
@@ -58,9 +83,7 @@ def grads_with_reads(path: Path, pairs: list[Pair], params: Any, direct: dict,
     grads = per_example_grads(p, params, num_examples)
     total = {k: total[k] + grads[k] for k in total}
   for read in reads:
-    given = per_example_grads(read.pair, read.params, num_examples)
-    pulled = jax.vmap(read.pullback)(given)
-    own = _at(pulled, path)
+    own = _at(read.grads(), path)
     total = {k: total[k] + own[k].astype(total[k].dtype) for k in total}
   return total
 
