@@ -19,6 +19,7 @@ import numpy as np
 from flax import traverse_util
 
 from perturbkit import _filters
+from perturbkit._driver_core import scalar_loss
 from perturbkit._interceptor import Call, intercept
 from perturbkit._per_example_batch import BatchAxes, per_argument
 from perturbkit._per_example_inputs import needed_inputs, source_kinds
@@ -329,7 +330,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     return ([leaf for _, _, leaves in inputs for leaf in leaves]
             + [leaf for arrays, _ in read_arrays for leaf in arrays]
             + [leaf for _, params in read_arrays for leaf in params]
-            + [jax.numpy.asarray(loss)])  # last: for `mixing`
+            + [jax.numpy.asarray(scalar_loss(loss, has_aux_option=False))])  # last: for `mixing`
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
   jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr

@@ -41,9 +41,8 @@ class UncoveredParamsError(PerExampleError):
         f'{len(names)} param-owning module(s) are not reached through a submodule call: '
         f'[{listed}]. Per-example gradients are built from each call\'s input and output '
         'gradient, so params must be read inside a call of the module that owns them: the '
-        'root module\'s own params, params read by a parent through `.variables`, and '
-        'modules run inside lifted transforms (nn.scan, nn.vmap, nn.remat) are not '
-        'supported. Move such params into a submodule.')
+        'root module\'s own params and params read by a parent through `.variables` are '
+        'not supported. Move such params into a submodule.')
 
 
 class ParamsReadOutsideError(PerExampleError):

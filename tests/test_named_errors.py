@@ -99,6 +99,16 @@ def test_nnx_aux_without_has_aux(nnx_model):
   chex.assert_trees_all_close(nnx_models.pure(grads['params']), nnx_models.pure(want), **TOL)
 
 
+@pytest.mark.parametrize('name', ['per_example_grad_norms', 'private_grad'])
+def test_per_example_aux_loss(linen, name):
+  model, variables = linen
+  options = {} if name == 'per_example_grad_norms' else dict(clip_norm=1.0, noise_multiplier=0.0)
+  make = getattr(perturbkit, name)
+  args = (variables, X) if name == 'per_example_grad_norms' else (variables, jax.random.key(0), X)
+  with pytest.raises(perturbkit.MissingHasAuxError, match=r'tuple of 2.*return the loss alone'):
+    make(_linen_aux_loss(model), **options)(*args)
+
+
 def test_scalar_loss_helper_without_a_has_aux_option():
   from perturbkit._driver_core import scalar_loss
   with pytest.raises(perturbkit.MissingHasAuxError, match='return the loss alone'):
