@@ -2,6 +2,7 @@
 from perturbkit import _filters as filters
 from perturbkit import nnx
 from perturbkit._errors import ActivationsUnavailableError
+from perturbkit._errors import InvalidOptionError
 from perturbkit._errors import NonDifferentiableOutputError
 from perturbkit._errors import NonScalarLossError
 from perturbkit._errors import NoPerturbationPointsError
@@ -69,6 +70,7 @@ from perturbkit._wrap import wrap
 
 __all__ = [
     'ActivationsUnavailableError',
+    'InvalidOptionError',
     'backward_hook',
     'grad',
     'interleaved',

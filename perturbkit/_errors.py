@@ -214,3 +214,12 @@ class KFACTargetsError(PerturbkitError, ValueError):
 
   def __init__(self, loss: str, want: str, got: str, fix: str):
     super().__init__(f'The K-FAC loss {loss} takes targets {want}, but it got {got}. {fix}')
+
+
+class InvalidOptionError(PerturbkitError, ValueError):
+  """A numeric option is outside the range where it means anything."""
+
+  def __init__(self, name: str, value: object, allowed: str):
+    super().__init__(
+        f'{name}={value!r} is not a valid value: {name} must be {allowed}. Pass a value in '
+        'that range where the option is given.')

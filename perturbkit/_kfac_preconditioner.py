@@ -24,6 +24,7 @@ from flax import traverse_util
 from perturbkit._kfac_errors import KFACShapeError
 from perturbkit._kfac_layers import KFACLayers
 from perturbkit._kfac_rules import LayerFactors, factor_shapes, precondition
+from perturbkit._validate import fraction, positive, positive_int
 
 
 
@@ -52,12 +53,17 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   """``(F + damping·I)⁻¹`` of a symmetric PSD ``F`` (Cholesky), or ``1 / (F + damping)``
   of a diagonal given as a vector.
 
+  Raises:
+    InvalidOptionError: a concrete ``damping`` that is not a finite number > 0 (the
+      damped factor would not be positive definite).
+
   Example:
     >>> import jax.numpy as jnp
     >>> from perturbkit import damped_inverse
     >>> damped_inverse(jnp.diag(jnp.array([1.0, 3.0])), 1.0).diagonal().tolist()
     [0.5, 0.25]
   """
+  positive('damping', damping)
   if factor.ndim == 1:
     return 1.0 / (jnp.maximum(factor, 0.0) + damping)
   # F is PSD, so F + damping·I is positive definite: Cholesky is enough, and several
@@ -141,6 +147,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`KFACState`.
 
   Raises:
+    InvalidOptionError: ``damping`` is not a finite number > 0, ``decay`` not in
+      ``[0, 1)``, or ``inverse_every``/``stats_every`` not an integer >= 1.
     KFACShapeError: the params, gradients or factors do not match ``layers``.
 
   Example:
@@ -160,11 +168,10 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     >>> opt_state[0].factors['layers_2'].g.shape, bool(opt_state[0].stats_due)
     ((3, 3), False)
   """
-  if inverse_every < 1:
-    raise ValueError(f'inverse_every must be at least 1, got {inverse_every}.')
-  stats_every = inverse_every if stats_every is None else stats_every
-  if stats_every < 1:
-    raise ValueError(f'stats_every must be at least 1, got {stats_every}.')
+  positive('damping', damping)
+  fraction('decay', decay)
+  positive_int('inverse_every', inverse_every)
+  stats_every = inverse_every if stats_every is None else positive_int('stats_every', stats_every)
   fallback = optax.identity() if fallback is None else fallback
 
   def fold(factors, stats, first):

@@ -75,6 +75,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     :class:`KFACState`.
 
   Raises:
+    InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
+      ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
       one of the segment's floating-point inputs), or the segment is not one
       call with one input and one output array holding exactly the layer's

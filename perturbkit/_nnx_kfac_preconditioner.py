@@ -54,6 +54,8 @@ def kfac_preconditioner(layers: KFACLayers, **options: Any
     :class:`perturbkit.KFACState`.
 
   Raises:
+    InvalidOptionError: a numeric option is out of range (as for
+      :func:`perturbkit.kfac_preconditioner`).
     KFACShapeError: the params, gradients or factors do not match ``layers``.
 
   Example:

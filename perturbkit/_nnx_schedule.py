@@ -29,6 +29,7 @@ from perturbkit._sweep import (REST, Optimizer, Sweep, backward_for, carrier, ch
                                check_optimizer, clip_scale, finish, group, init_opt_state,
                                input_mismatch, input_shapes)
 from perturbkit._types import CallFilter
+from perturbkit._validate import interleaved_options
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
 
@@ -199,6 +200,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     ['layers/0', 'layers/2']
     >>> nnx.update(model, state.variables)  # back into the model object
   """
+  interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
     raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
@@ -319,6 +321,7 @@ class InterleavedOptimizer(nnx.Pytree):
       skip_nonfinite: Keep a group's variables when its gradient is not finite.
       hooks: Backward hooks, see :func:`interleaved`.
     """
+    interleaved_options(segments, clip_global_norm)
     if propagate not in ('updated', 'original'):
       raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')

@@ -26,6 +26,7 @@ from perturbkit._sweep import (REST, InterleavedState, Optimizer, Sweep, backwar
                                check_opt_state, check_optimizer, clip_scale, finish, group,
                                init_opt_state, input_mismatch, input_shapes)
 from perturbkit._types import CallFilter, Variables
+from perturbkit._validate import interleaved_options
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
@@ -150,6 +151,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     >>> sorted(metrics['grad_norm'])
     ['layers_0', 'layers_2']
   """
+  interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
     raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
