@@ -3,6 +3,8 @@ from perturbkit import _filters as filters
 from perturbkit import nnx
 from perturbkit._errors import ActivationsUnavailableError
 from perturbkit._errors import InvalidOptionError
+from perturbkit._errors import PRNGKeyError
+from perturbkit._errors import ReductionMismatchError
 from perturbkit._errors import NonDifferentiableOutputError
 from perturbkit._errors import NonScalarLossError
 from perturbkit._errors import NoPerturbationPointsError
@@ -71,6 +73,8 @@ from perturbkit._wrap import wrap
 __all__ = [
     'ActivationsUnavailableError',
     'InvalidOptionError',
+    'PRNGKeyError',
+    'ReductionMismatchError',
     'backward_hook',
     'grad',
     'interleaved',

@@ -223,3 +223,24 @@ class InvalidOptionError(PerturbkitError, ValueError):
     super().__init__(
         f'{name}={value!r} is not a valid value: {name} must be {allowed}. Pass a value in '
         'that range where the option is given.')
+
+
+class ReductionMismatchError(PerturbkitError, ValueError):
+  """The loss combines the examples' terms otherwise than ``reduction`` says."""
+
+  def __init__(self, reduction: str, found: str, detail: str):
+    super().__init__(
+        f"reduction={reduction!r} was given, but the loss is a {found} over the examples: "
+        f'{detail}. With the wrong reduction every per-example gradient (its norm, its '
+        f'clipping) is off by the number of examples. Pass reduction={found!r}, or make '
+        f'the loss a {reduction} over the examples (e.g. `jnp.{reduction}(terms)`).')
+
+
+class PRNGKeyError(PerturbkitError, TypeError):
+  """A random key that is not a JAX PRNG key (a plain integer seed)."""
+
+  def __init__(self, where: str, got: str):
+    super().__init__(
+        f'{where} needs a JAX random key, got {got}. Pass `jax.random.key(seed)` (or '
+        'a raw `jax.random.PRNGKey(seed)`), and a different one at every step, e.g. '
+        '`jax.random.fold_in(key, state.step)`.')

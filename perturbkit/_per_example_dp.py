@@ -29,37 +29,71 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from perturbkit._errors import PRNGKeyError
 from perturbkit._per_example_batch import BatchAxes
 from perturbkit._optax_privacy import refuse_optax_privacy
+from perturbkit._per_example_check import reduction_checker
 from perturbkit._per_example_errors import InterleavedClippingError
 from perturbkit._per_example_norms import all_layer_norms, flat_squares
 from perturbkit._per_example_pass import Pass, run_pass
-from perturbkit._per_example_replay import weighted_grad
+from perturbkit._per_example_replay import Pair, weighted_grad
 from perturbkit._per_example_rules import LayerNorms
+from perturbkit._sweep import guarded_step
 from perturbkit._types import Path
+from perturbkit._validate import non_negative, positive
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
-  """``min(1, C / norm)`` per example (1 for a zero gradient)."""
-  return clip_norm / jnp.maximum(norms, clip_norm)
+  """``min(1, C / norm)`` per example (1 for a zero gradient; 0 for a non-finite norm)."""
+  return jnp.where(jnp.isfinite(norms), clip_norm / jnp.maximum(norms, clip_norm), 0.0)
+
+
+def _rows(kept: jax.Array, x: jax.Array) -> jax.Array:
+  return kept.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def _finite_rows(x: jax.Array, kept: jax.Array) -> jax.Array:
+  """``x`` with the non-finite entries of the rows not ``kept`` set to zero."""
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return x
+  return jnp.where(_rows(kept, x) | jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def without_dropped(pair: Pair, kept: jax.Array) -> Pair:
+  """``pair`` with the dropped examples' rows made finite, so that weight 0 removes them.
+
+  Their output-gradient rows become zero and the non-finite entries of their rows
+  of the per-example inputs zero (``0 · NaN`` would be NaN in the weighted VJP).
+  """
+  leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
+  kinds = iter(pair.use.sources)
+  leaves = [_finite_rows(x, kept) if isinstance(x, jax.Array) and next(kinds) == 'example'
+            else x for x in leaves]
+  args, kwargs = jax.tree.unflatten(treedef, leaves)
+  grad = jax.tree.map(lambda g: jnp.where(_rows(kept, g), g, jnp.zeros((), g.dtype)),
+                      pair.grad)
+  return pair._replace(args=tuple(args), kwargs=dict(kwargs), grad=grad)
 
 
 def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array,
                  params: Any) -> Any:
-  """``sum_i weights[i] ∇term_i``, shaped like ``params``.
+  """``sum_i weights[i] ∇term_i``, shaped like ``params``; an example of weight 0 adds nothing.
 
   From the per-example gradients where a rule kept them, else by one VJP per use
-  with the output gradient scaled per example (for Dense, one matmul).
+  with the output gradient scaled per example (for Dense, one matmul). An
+  example of weight 0 adds nothing even where its gradient is not finite.
   """
+  kept_rows = weights != 0
   flat = {}
   for layer in result.layers:
     kept = norms[layer.path].per_example
     if kept is not None:
-      total = {k: jnp.tensordot(weights.astype(v.dtype), v, axes=1) for k, v in kept.items()}
+      total = {k: jnp.tensordot(weights.astype(v.dtype), _finite_rows(v, kept_rows), axes=1)
+               for k, v in kept.items()}
     else:
       total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}
       for pair in layer.pairs:
-        grads = weighted_grad(pair, layer.params, weights)
+        grads = weighted_grad(without_dropped(pair, kept_rows), layer.params, weights)
         total = {k: total[k] + grads[k] for k in total}
     flat.update({layer.path + (k,): v.astype(layer.direct[k].dtype) for k, v in total.items()})
   order = traverse_util.flatten_dict(dict(params))
@@ -113,6 +147,22 @@ def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
   return add_noise(key, jax.tree.map(jnp.zeros_like, like), stddev)
 
 
+def check_key(key: Any, where: str) -> None:
+  """Raises unless ``key`` is a typed key (``jax.random.key``) or raw ``uint32`` key data.
+
+  Raises:
+    PRNGKeyError: ``key`` is a Python or NumPy integer, or an array of another dtype.
+  """
+  dtype = getattr(key, 'dtype', None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return
+  if dtype == jnp.uint32 and jnp.ndim(key) >= 1:
+    return
+  got = (f'an array of dtype {dtype} and shape {jnp.shape(key)}' if dtype is not None
+         else f'{type(key).__name__} {key!r}')
+  raise PRNGKeyError(where, got)
+
+
 def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multiplier: float,
                  reduction: str = 'mean', batch_axes: BatchAxes = 0,
                  axis_name: str | None = None,
@@ -125,6 +175,20 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   ``σ = noise_multiplier`` and ``B`` the number of examples (over every device
   with ``axis_name``). One forward and one backward pass; layers without a fast
   path replay their own call once more.
+
+  An example whose gradient norm is not finite (a NaN or an infinity in its
+  input or its loss term) is dropped: its clip factor is 0, so it adds nothing
+  to the sum, and ``metrics['dropped']`` counts such examples. The other
+  examples' gradients are unaffected (each example's gradient is its own).
+  Privacy accounting: dropping an example only lowers the sum's sensitivity
+  (each example still moves it by at most ``C``), so the noise ``σC`` stays
+  calibrated and the accounting for ``σ`` and the sampling rate is unchanged.
+  The denominator stays ``B``, the number of examples given, dropped ones
+  included (a dropped example counts as a zero gradient), so it does not depend
+  on the data's values; the mean gradient is then that of the kept examples
+  times ``(B - dropped) / B``. Which examples were dropped (and how many) is a
+  function of the private data: ``metrics['dropped']`` and
+  ``'per_example_norms'`` are not privatized and must not be released.
 
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> scalar loss``, a sum or mean over examples.
@@ -140,8 +204,17 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   Returns:
     A function ``(variables, key, *args, **kwargs) -> (grads, metrics)``: ``grads``
     shaped like ``variables['params']``; ``metrics`` with ``'loss'``,
-    ``'per_example_norms'`` (this device's examples, before clipping) and
-    ``'fraction_clipped'``.
+    ``'per_example_norms'`` (this device's examples, before clipping),
+    ``'fraction_clipped'`` and ``'dropped'`` (the number of examples with a
+    non-finite gradient norm, over every device with ``axis_name``).
+
+  Raises:
+    InvalidOptionError: ``clip_norm`` is not a finite number > 0, or
+      ``noise_multiplier`` not a finite number >= 0.
+    ReductionMismatchError: the loss is a sum over the examples and ``reduction``
+      is ``'mean'``, or the other way round (see :func:`per_example_grad_norms`).
+    PRNGKeyError: (from the returned function) ``key`` is not a JAX random key,
+      e.g. an integer seed.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -155,23 +228,31 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     >>> jax.tree.structure(grads) == jax.tree.structure(v['params'])
     True
   """
+  positive('clip_norm', clip_norm)
+  non_negative('noise_multiplier', noise_multiplier)
+  check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
+
   @functools.wraps(loss_fn)
   def run(variables, key, *args, **kwargs):
+    check_key(key, 'The DP-SGD step (its `key` argument)')
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
+    check_reduction(variables, args, kwargs, result.num_examples)
     layers = all_layer_norms(result, dense_method)
     norms = jnp.sqrt(functools.reduce(jnp.add, flat_squares(layers).values()))
     factors = clip_factors(norms, clip_norm)
     summed = weighted_sum(result, layers, factors, variables['params'])
     count = jnp.asarray(result.num_examples, jnp.float32)
     clipped = jnp.mean((norms > clip_norm).astype(jnp.float32))
+    dropped = jnp.sum(jnp.logical_not(jnp.isfinite(norms)).astype(jnp.int32))
     loss = result.loss
     if axis_name is not None:
-      summed, count = jax.lax.psum((summed, count), axis_name)
+      summed, count, dropped = jax.lax.psum((summed, count, dropped), axis_name)
       clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
     noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
     grads = jax.tree.map(lambda s: (s / count).astype(s.dtype), noised)
-    return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped}
+    return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped,
+                   'dropped': dropped}
 
   return run
 
@@ -221,6 +302,13 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
   ``jax.random.fold_in(key, state.step)``) and, with ``axis_name``, be the
   same on every device.
 
+  Examples with a non-finite gradient are dropped from the clipped sum
+  (``metrics['dropped']``; see :func:`private_grad` for what that means for the
+  privacy accounting). If the noised gradient is still not finite, the step
+  keeps the params and the optimizer state and ``metrics['skipped']`` is true,
+  as the interleaved trainer does; ``state.step`` still counts the step (the
+  batch was looked at, so it counts for the accounting).
+
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> scalar loss``, a sum or mean over examples.
     optimizer: Any optax gradient transformation.
@@ -235,6 +323,9 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     A :class:`PrivateTraining`.
 
   Raises:
+    InvalidOptionError: ``clip_norm`` or ``noise_multiplier`` is out of range.
+    ReductionMismatchError: (from ``step``) the loss's reduction is not ``reduction``.
+    PRNGKeyError: (from ``step``) ``key`` is not a JAX random key.
     InterleavedClippingError: ``optimizer`` is a trainer such as
       ``perturbkit.interleaved(...)``: per-example clipping and the interleaved
       schedule do not combine.
@@ -251,8 +342,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0)
     >>> state = tx.init(model.init(jax.random.key(0), x))
     >>> state, metrics = jax.jit(tx.step)(state, jax.random.key(1), x)
-    >>> int(state.step), metrics['per_example_norms'].shape
-    (1, (4,))
+    >>> int(state.step), metrics['per_example_norms'].shape, int(metrics['dropped'])
+    (1, (4,), 0)
   """
   if not (callable(getattr(optimizer, 'init', None))
           and callable(getattr(optimizer, 'update', None))):
@@ -274,9 +365,10 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
 
   def step(state: PrivateState, key: jax.Array, *args, **kwargs):
     grads, metrics = grad_fn(state.variables, key, *args, **kwargs)
-    params = state.variables['params']
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    variables = {**state.variables, 'params': optax.apply_updates(params, updates)}
+    params, opt_state, finite = guarded_step(optimizer, grads, state.opt_state,
+                                             state.variables['params'], jnp.ones(()), True)
+    variables = {**state.variables, 'params': params}
+    metrics = {**metrics, 'skipped': jnp.logical_not(finite)}
     return PrivateState(state.step + 1, variables, opt_state), metrics
 
   return PrivateTraining(init, step)

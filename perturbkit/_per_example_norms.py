@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from perturbkit._per_example_batch import BatchAxes
+from perturbkit._per_example_check import reduction_checker
 from perturbkit._per_example_pass import Pass, run_pass
 from perturbkit._per_example_reads import grads_with_reads, per_example_sq
 from perturbkit._per_example_rules import DENSE_METHODS, LayerNorms, layer_norms
@@ -81,7 +82,17 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
 
   With ``reduction='mean'`` the gradient at an example's activations is its own
   term's gradient divided by the number of examples ``B``; it is multiplied by
-  ``B``, so the norms are those of each term's gradient, ``‖∇ term_i‖``.
+  ``B``, so the norms are those of each term's gradient, ``‖∇ term_i‖``. A
+  ``reduction`` that does not match the loss would make every norm ``B`` times
+  too large or too small, so the first call (or trace) checks it: the loss of
+  one example given twice must be the loss of that example alone for a mean,
+  twice it for a sum. The check is one small compiled call of the loss on one
+  and on two examples, at trace time (under ``jax.jit`` on stand-in values of
+  the traced arrays: the reduction is a property of the loss function), and
+  costs nothing in the compiled step. A term ``term_i`` is the loss of example
+  ``i`` alone; a weighted mean (a masked mean over tokens) is a mean. A loss
+  that draws random numbers (dropout) can leave the check without an answer:
+  then it passes.
 
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> scalar loss``.
@@ -96,6 +107,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     A function ``(variables, *args, **kwargs) -> (loss, PerExampleNorms)``; jittable.
 
   Raises:
+    ReductionMismatchError: the loss is a sum over the examples and ``reduction``
+      is ``'mean'``, or the other way round (checked on the first call or trace).
     ExamplesMixedError: the model mixes examples (BatchNorm in training mode), or the
       loss does where gradients flow (a contrastive loss over the batch, a batch
       statistic of the activations, a nonlinear function of the batch's sum); found
@@ -118,10 +131,13 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> norms.total  # ‖(x_i, 1)‖
     Array([1.4142135, 2.236068 ], dtype=float32)
   """
+  check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
+
   @functools.wraps(loss_fn)
   def run(variables, *args, **kwargs):
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
+    check_reduction(variables, args, kwargs, result.num_examples)
     squares = flat_squares(all_layer_norms(result, dense_method))
     return result.loss, norms_from_squares(squares)
 

@@ -418,7 +418,7 @@ SHARD_MAP_CHILD = textwrap.dedent('''
     run = jax.jit(jax.shard_map(
         sharded, mesh=mesh, in_specs=(P(), P(), P('data'), P('data')),
         out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
-                         'fraction_clipped': P()}), check_vma=False))
+                         'fraction_clipped': P(), 'dropped': P()}), check_vma=False))
     grads, metrics = run(variables, key, x, y)
     chex.assert_trees_all_close(grads, single, rtol=1e-5, atol=1e-7)
     chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)

@@ -107,10 +107,10 @@ def test_token_count_normalization_is_per_example():
     weights = (y[:, 0] > 0).astype(jnp.float32)
     return jnp.sum(jnp.sum((a - b) ** 2, axis=1) * weights) / jnp.sum(weights)
 
-  def term(v, x, y):  # loss = Σ_i term_i
+  def term(v, x, y):  # loss = mean_i term_i: a weighted mean is a mean (reduction='mean')
     a, b = MODEL.apply(v, x, y)
-    return jnp.sum((a - b) ** 2) * (y[0, 0] > 0) / count
-  assert_norms(loss_fn, term, reduction='sum')
+    return len(X) * jnp.sum((a - b) ** 2) * (y[0, 0] > 0) / count
+  assert_norms(loss_fn, term)
 
 
 def test_a_stop_gradient_batch_statistic_is_per_example():

@@ -1,0 +1,178 @@
+"""The reduction of the loss is checked, and DP-SGD drops examples with a non-finite gradient.
+
+References are plain JAX: each example's gradient is ``jax.grad`` of the loss of
+that example alone (``jax.vmap`` over examples), clipped and summed by hand.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+import perturbkit
+
+TOL = dict(rtol=2e-4, atol=1e-6)
+BATCH = 5
+
+
+@pytest.fixture(scope='module')
+def problem():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (BATCH, 4))
+  y = jnp.arange(BATCH) % 3
+  return model, model.init(jax.random.key(1), x), x, y
+
+
+def terms_of(model):
+  return lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y)
+
+
+def mean_loss(model):
+  return lambda v, x, y: terms_of(model)(v, x, y).mean()
+
+
+def sum_loss(model):
+  return lambda v, x, y: terms_of(model)(v, x, y).sum()
+
+
+def per_example_grads(loss_fn, variables, x, y):
+  def one(x, y):
+    return jax.grad(lambda p: loss_fn({**variables, 'params': p}, x[None], y[None]))(
+        variables['params'])
+  return jax.vmap(one)(x, y)
+
+
+def total_norms(per_example):
+  return jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
+                      for g in jax.tree.leaves(per_example)))
+
+
+def clipped_sum(per_example, keep, clip_norm):
+  """``sum_{i kept} min(1, C/‖g_i‖) g_i``."""
+  norms = total_norms(per_example)
+  factors = jnp.where(keep, jnp.minimum(1.0, clip_norm / norms), 0.0)
+  return jax.tree.map(lambda g: jnp.tensordot(factors, jnp.where(
+      keep.reshape((-1,) + (1,) * (g.ndim - 1)), g, 0.0), axes=1), per_example)
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def test_sum_loss_with_mean_reduction_is_refused(problem, jit):
+  model, variables, x, y = problem
+  wrap = jax.jit if jit else (lambda f: f)
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='sum'"):
+    wrap(perturbkit.per_example_grad_norms(sum_loss(model)))(variables, x, y)
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='sum'"):
+    wrap(perturbkit.private_grad(sum_loss(model), clip_norm=1.0, noise_multiplier=0.0))(
+        variables, jax.random.key(0), x, y)
+  tx = perturbkit.dp_sgd(sum_loss(model), optax.sgd(0.1), clip_norm=1.0, noise_multiplier=0.0)
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='sum'"):
+    wrap(tx.step)(tx.init(variables), jax.random.key(0), x, y)
+
+
+def test_mean_loss_with_sum_reduction_is_refused(problem):
+  model, variables, x, y = problem
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='mean'"):
+    jax.jit(perturbkit.per_example_grad_norms(mean_loss(model), reduction='sum'))(
+        variables, x, y)
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='mean'"):
+    perturbkit.private_grad(mean_loss(model), clip_norm=1.0, noise_multiplier=0.0,
+                            reduction='sum')(variables, jax.random.key(0), x, y)
+
+
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_matching_reductions_give_each_terms_norm(problem, reduction):
+  model, variables, x, y = problem
+  loss_fn = mean_loss(model) if reduction == 'mean' else sum_loss(model)
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, reduction=reduction))(
+      variables, x, y)
+  want = total_norms(per_example_grads(loss_fn, variables, x, y))
+  np.testing.assert_allclose(norms.total, want, **TOL)
+
+
+def test_a_masked_mean_over_tokens_is_a_mean(problem):
+  """A mean weighted by a per-token mask is a mean (the weights double with the examples)."""
+  model, variables, x, _ = problem
+  tokens = jnp.stack([x, -x, 2 * x], axis=1)  # (examples, tokens, features)
+  mask = jnp.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1], [1, 0, 1]], jnp.float32)
+
+  def loss_fn(v, tokens, mask):
+    per_token = jnp.sum(model.apply(v, tokens) ** 2, axis=-1)
+    return jnp.sum(per_token * mask) / jnp.sum(mask)
+
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, tokens, mask)
+  assert np.all(np.isfinite(norms.total))
+
+
+@pytest.mark.parametrize('where', ['input', 'target'])
+def test_a_nan_example_is_dropped_from_the_clipped_sum(where):
+  model = models.MLP(out=1)
+  x = jax.random.normal(jax.random.key(0), (BATCH, 4))
+  y = jax.random.normal(jax.random.key(2), (BATCH, 1))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x, y: jnp.mean(jnp.sum((model.apply(v, x) - y) ** 2, axis=-1))
+  bad = 2
+  if where == 'input':
+    x = x.at[bad, 1].set(jnp.nan)
+  else:
+    y = y.at[bad, 0].set(jnp.nan)
+  clip = 0.5
+  dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.0))
+  grads, metrics = dp(variables, jax.random.key(3), x, y)
+  keep = jnp.arange(BATCH) != bad
+  per_example = per_example_grads(loss_fn, variables, x, y)
+  want = jax.tree.map(lambda s: s / BATCH, clipped_sum(per_example, keep, clip))
+  chex.assert_trees_all_close(grads, want, **TOL)
+  assert int(metrics['dropped']) == 1
+  norms = metrics['per_example_norms']
+  assert not np.isfinite(norms[bad])
+  np.testing.assert_allclose(norms[keep], total_norms(per_example)[keep], **TOL)
+  # The same as DP-SGD on the batch without that example, rescaled to its size.
+  clean = dp(variables, jax.random.key(3), x[keep], y[keep])[0]
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda g: g * (BATCH - 1) / BATCH, clean),
+                              **TOL)
+
+
+def test_a_nan_example_through_a_replayed_layer_is_dropped():
+  """A layer without a fast path (attention: its call is replayed) drops the example too."""
+  model = models.TransformerBlock(train=False)
+  x = jax.random.normal(jax.random.key(0), (BATCH, 3, 8))
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=(1, 2)))
+  x = x.at[1, 2, 0].set(jnp.inf)
+  dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0))
+  grads, metrics = dp(variables, jax.random.key(3), x)
+  keep = jnp.arange(BATCH) != 1
+
+  def one(x):
+    return jax.grad(lambda p: loss_fn({**variables, 'params': p}, x[None]))(variables['params'])
+
+  want = jax.tree.map(lambda s: s / BATCH, clipped_sum(jax.vmap(one)(x), keep, 1.0))
+  chex.assert_trees_all_close(grads, want, **TOL)
+  assert int(metrics['dropped']) == 1
+
+
+def test_dp_sgd_applies_the_step_without_the_dropped_example(problem):
+  model, variables, x, y = problem
+  x = x.at[0, 0].set(jnp.nan)
+  tx = perturbkit.dp_sgd(mean_loss(model), optax.sgd(0.1), clip_norm=1.0, noise_multiplier=0.0)
+  state, metrics = jax.jit(tx.step)(tx.init(variables), jax.random.key(0), x, y)
+  keep = jnp.arange(BATCH) != 0
+  want = clipped_sum(per_example_grads(mean_loss(model), variables, x, y), keep, 1.0)
+  want = jax.tree.map(lambda p, g: p - 0.1 * g / BATCH, variables['params'], want)
+  chex.assert_trees_all_close(state.variables['params'], want, **TOL)
+  assert int(metrics['dropped']) == 1 and not bool(metrics['skipped'])
+
+
+def test_dp_sgd_skips_a_step_whose_gradient_is_not_finite(problem):
+  model, variables, x, y = problem
+  # Noise of standard deviation 3e38 (float32's largest is 3.4e38): some entries are inf.
+  tx = perturbkit.dp_sgd(mean_loss(model), optax.adam(0.1), clip_norm=1e30,
+                         noise_multiplier=3e8)
+  state = tx.init(variables)
+  new, metrics = jax.jit(tx.step)(state, jax.random.key(0), x, y)
+  assert bool(metrics['skipped']) and int(metrics['dropped']) == 0
+  chex.assert_trees_all_equal(new.variables, state.variables)
+  chex.assert_trees_all_equal(new.opt_state, state.opt_state)
+  assert int(new.step) == 1

@@ -1,0 +1,193 @@
+"""Numeric options are checked where they are given; DP-SGD keys must be JAX keys.
+
+Every public function with a numeric option raises ``InvalidOptionError`` (a
+``ValueError``) when it is called with a value outside the option's range, naming
+the option, the value and the range, before anything is traced. NumPy and 0-d
+JAX scalars are accepted; a traced option (computed under ``jax.jit``) passes.
+"""
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import perturbkit
+
+BAD_POSITIVE = [0.0, -1.0, math.nan, math.inf, True, 'one', jnp.ones(2)]
+BAD_NON_NEGATIVE = [-1.0, -1e-9, math.nan, math.inf, False]
+BAD_FRACTION = [1.0, 1.5, -0.1, math.nan]
+BAD_COUNT = [0, -3, 2.0, 2.5, True, math.nan]
+
+
+@pytest.fixture(scope='module')
+def mlp():
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  y = jnp.arange(4) % 3
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(v, x), y).mean()
+  return model, variables, loss_fn, x, y
+
+
+@pytest.fixture(scope='module')
+def layers():
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
+  x = jnp.ones((4, 5))
+  variables = model.init(jax.random.key(0), x)
+  return perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+
+
+@pytest.fixture(scope='module')
+def nnx_layers():
+  model = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), nnx.relu,
+                         nnx.Linear(4, 3, rngs=nnx.Rngs(1)))
+  return perturbkit.nnx.kfac_layers(model, jnp.ones((4, 5)))
+
+
+def raises_invalid(name, value):
+  shown = repr(value) if isinstance(value, (float, int, str)) else ''
+  return pytest.raises(perturbkit.InvalidOptionError, match=f'{name}={shown}')
+
+
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_clip_norm(mlp, value):
+  loss_fn = mlp[2]
+  with raises_invalid('clip_norm', value):
+    perturbkit.private_grad(loss_fn, clip_norm=value, noise_multiplier=1.0)
+  with raises_invalid('clip_norm', value):
+    perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=value, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize('value', BAD_NON_NEGATIVE)
+def test_noise_multiplier(mlp, value):
+  loss_fn = mlp[2]
+  with raises_invalid('noise_multiplier', value):
+    perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=value)
+  with raises_invalid('noise_multiplier', value):
+    perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=value)
+
+
+def test_the_message_names_the_range(mlp):
+  with pytest.raises(ValueError, match=r'clip_norm=-1\.0 .* must be a finite number > 0'):
+    perturbkit.private_grad(mlp[2], clip_norm=-1.0, noise_multiplier=1.0)
+
+
+def test_numpy_jax_and_traced_scalars_are_accepted(mlp):
+  _, variables, loss_fn, x, y = mlp
+  key = jax.random.key(3)
+  want, _ = perturbkit.private_grad(loss_fn, clip_norm=0.5, noise_multiplier=0.0)(
+      variables, key, x, y)
+  for clip in (np.float32(0.5), jnp.asarray(0.5), np.float64(0.5)):
+    grads, _ = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=np.int32(0))(
+        variables, key, x, y)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 grads, want)
+
+  @jax.jit
+  def traced(clip):  # a clip norm computed under jit cannot be checked, and is not refused
+    return perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.0)(
+        variables, key, x, y)[0]
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               traced(0.5), want)
+
+
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_damping(layers, nnx_layers, value):
+  with raises_invalid('damping', value):
+    perturbkit.kfac_preconditioner(layers, damping=value)
+  with raises_invalid('damping', value):
+    perturbkit.nnx.kfac_preconditioner(nnx_layers, damping=value)
+  with raises_invalid('damping', value):
+    perturbkit.kfac_segment(layers.layers['layers_0'], damping=value)
+  if not isinstance(value, str):
+    with raises_invalid('damping', value):
+      perturbkit.damped_inverse(jnp.eye(2), value)
+
+
+def test_damped_inverse_takes_a_traced_damping():
+  factor = jnp.diag(jnp.array([1.0, 3.0]))
+  got = jax.jit(perturbkit.damped_inverse)(factor, 1.0)
+  np.testing.assert_allclose(jnp.diagonal(got), [0.5, 0.25], rtol=1e-6)
+
+
+@pytest.mark.parametrize('value', BAD_FRACTION)
+def test_decay(layers, nnx_layers, value):
+  with raises_invalid('decay', value):
+    perturbkit.kfac_preconditioner(layers, decay=value)
+  with raises_invalid('decay', value):
+    perturbkit.nnx.kfac_preconditioner(nnx_layers, decay=value)
+  with raises_invalid('decay', value):
+    perturbkit.kfac_segment(layers.layers['layers_0'], decay=value)
+
+
+@pytest.mark.parametrize('name', ['inverse_every', 'stats_every'])
+@pytest.mark.parametrize('value', BAD_COUNT)
+def test_counts(layers, nnx_layers, name, value):
+  with raises_invalid(name, value):
+    perturbkit.kfac_preconditioner(layers, **{name: value})
+  with raises_invalid(name, value):
+    perturbkit.nnx.kfac_preconditioner(nnx_layers, **{name: value})
+  with raises_invalid(name, value):
+    perturbkit.kfac_segment(layers.layers['layers_0'], **{name: value})
+
+
+def test_kfac_options_in_range_are_accepted(layers):
+  perturbkit.kfac_preconditioner(layers, damping=np.float32(1e-3), decay=0.0,
+                                 inverse_every=np.int64(3), stats_every=1)
+
+
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_clip_global_norm(mlp, value):
+  loss_fn = mlp[2]
+  with raises_invalid('clip_global_norm', value):
+    perturbkit.interleaved(loss_fn, optax.sgd(0.1), clip_global_norm=value)
+  nnx_loss = lambda model, x: jnp.mean(model(x) ** 2)
+  with raises_invalid('clip_global_norm', value):
+    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), clip_global_norm=value)
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  with raises_invalid('clip_global_norm', value):
+    perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), nnx_loss, jnp.ones((3, 2)),
+                                        clip_global_norm=value)
+
+
+@pytest.mark.parametrize('value', [0, -1, 1.5, 2.0])
+def test_segments_depth(mlp, value):
+  with raises_invalid('segments', value):
+    perturbkit.interleaved(mlp[2], optax.sgd(0.1), segments=value)
+  with raises_invalid('segments', value):
+    perturbkit.nnx.interleaved(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), segments=value)
+
+
+@pytest.mark.parametrize('name', ['rtol', 'atol'])
+def test_check_per_example_tolerances(name):
+  with raises_invalid(name, -1.0):
+    perturbkit.check_per_example(lambda v, x: jnp.mean(v * x), 1.0, jnp.ones(3),
+                                 **{name: -1.0})
+
+
+@pytest.mark.parametrize('key', [3, np.int32(3), jnp.int32(3), jnp.zeros(2, jnp.int32)])
+def test_integer_key_is_refused(mlp, key):
+  model, variables, loss_fn, x, y = mlp
+  dp = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.PRNGKeyError, match=r'jax\.random\.key\(seed\)'):
+    dp(variables, key, x, y)
+  with pytest.raises(perturbkit.PRNGKeyError, match=r'jax\.random\.key\(seed\)'):
+    jax.jit(dp)(variables, key, x, y)
+  tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.PRNGKeyError):
+    tx.step(tx.init(variables), key, x, y)
+
+
+def test_typed_and_raw_keys_draw_the_same_noise(mlp):
+  _, variables, loss_fn, x, y = mlp
+  dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0))
+  typed, _ = dp(variables, jax.random.key(5), x, y)
+  raw, _ = dp(variables, jax.random.PRNGKey(5), x, y)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), typed, raw)
