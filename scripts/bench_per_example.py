@@ -98,7 +98,7 @@ def noised_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., A
     loss, grads = jax.value_and_grad(lambda p: loss_fn({'params': p}, x, y))(params)
     batch = x.shape[0]
     summed = jax.tree.map(lambda g: g * batch, grads)
-    noised = perturbkit._per_example_dp.add_noise(
+    noised = perturbkit.per_example._dp.add_noise(
         key, summed, jnp.asarray(NOISE_MULTIPLIER * CLIP_NORM, jnp.float32))
     grads = jax.tree.map(lambda g: g / batch, noised)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -115,7 +115,7 @@ def vmap_grad_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[...
              for g in jax.tree.leaves(per_example))
     factors = CLIP_NORM / jnp.maximum(jnp.sqrt(sq), CLIP_NORM)
     summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
-    noise = perturbkit._per_example_dp.gaussian_noise(  # the same draws, to compare results
+    noise = perturbkit.per_example._dp.gaussian_noise(  # the same draws, to compare results
         key, summed, jnp.asarray(NOISE_MULTIPLIER * CLIP_NORM, jnp.float32))
     grads = jax.tree.map(lambda s, n: (s + n) / x.shape[0], summed, noise)
     updates, opt_state = optimizer.update(grads, opt_state, params)

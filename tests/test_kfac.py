@@ -255,7 +255,7 @@ def test_shared_dense_calls_are_pooled_as_locations():
     dict(features=2, kernel_size=(4,), strides=3, padding='REFLECT'),
 ])
 def test_conv_patches_times_kernel_is_the_conv(kwargs):
-  from perturbkit._kfac_rules import conv_patches
+  from perturbkit.kfac._rules import conv_patches
   conv = nn.Conv(**kwargs)
   shape = (2,) + (6, 5, 4)[:len(kwargs['kernel_size'])] + (3,)
   x = jax.random.normal(jax.random.key(0), shape)

@@ -110,7 +110,7 @@ def test_per_example_aux_loss(linen, name):
 
 
 def test_scalar_loss_helper_without_a_has_aux_option():
-  from perturbkit._driver_core import scalar_loss
+  from perturbkit.core._loss import scalar_loss
   with pytest.raises(perturbkit.MissingHasAuxError, match='return the loss alone'):
     scalar_loss((jnp.zeros(()), 1.0), has_aux_option=False)
   with pytest.raises(perturbkit.MissingHasAuxError, match='is a `return` missing'):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import perturbkit
-from perturbkit import _interceptor
+from perturbkit.linen import _interceptor
 
 
 class MLP(nn.Module):

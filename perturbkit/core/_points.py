@@ -1,0 +1,167 @@
+"""Perturbation points: the zero arrays added to a call's output.
+
+A point holds one zero array per floating-point leaf of the output; integer,
+boolean and ``None`` leaves pass through untouched. The arrays live in the
+``'perturbations'`` collection at the module's path, under the call's point key,
+and are added with Flax's own ``Module.perturb``.
+"""
+from typing import Any, Callable, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perturbkit.errors import NonDifferentiableOutputError, PerturbationStructureError
+
+COLLECTION = 'perturbations'
+
+
+def is_inexact_array(leaf: Any) -> bool:
+  return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def differentiable_part(tree: Any, keep: Callable[[Any], bool] = is_inexact_array) -> Any:
+  """The floating-point leaves of ``tree`` (those ``keep`` accepts), as a point holds them.
+
+  Plain containers (tuple, list, dict) keep their shape, with ``None`` in place
+  of every leaf that is not a floating-point array. A user's own pytree node (a
+  ``flax.struct`` or frozen dataclass, a Hugging Face ``ModelOutput``) is never
+  rebuilt with anything but arrays: it is kept as it is when every leaf is a
+  floating-point array, and otherwise replaced by the tuple of its
+  floating-point leaves (``None`` if it has none), in ``jax.tree.leaves`` order.
+  """
+  if keep(tree):
+    return tree
+  if type(tree) in (tuple, list):
+    return type(tree)(differentiable_part(t, keep) for t in tree)
+  if type(tree) in (dict, flax.core.FrozenDict):
+    return type(tree)({k: differentiable_part(v, keep) for k, v in tree.items()})
+  leaves = jax.tree.leaves(tree)
+  if leaves and all(keep(leaf) for leaf in leaves):
+    return tree
+  return tuple(leaf for leaf in leaves if keep(leaf)) or None
+
+
+def array_part(tree: Any) -> Any:
+  """The array leaves of ``tree`` (a call's ``(args, kwargs)``), laid out as
+  ``differentiable_part`` does: every leaf that is not an array (a Python flag,
+  ``None``, a module) becomes ``None``."""
+  return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
+
+
+def has_differentiable_leaf(tree: Any) -> bool:
+  """Whether ``tree`` has at least one floating-point array leaf."""
+  return any(is_inexact_array(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def merge(tree: Any, part: Any) -> Any:
+  """Puts the leaves of ``part`` (from ``differentiable_part``) back into ``tree``.
+
+  Works on flat leaves: ``tree``'s own node types are rebuilt with arrays only.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  replacements = iter(jax.tree.leaves(part))
+  return jax.tree.unflatten(
+      treedef, [next(replacements) if is_inexact_array(leaf) else leaf for leaf in leaves])
+
+
+def shapes_of(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
+  """``(shape, dtype)`` of each leaf, in ``jax.tree.leaves`` order."""
+  return [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in jax.tree.leaves(tree)]
+
+
+def leaf_dtypes(tree: Any) -> list[str]:
+  return [str(getattr(leaf, 'dtype', type(leaf).__name__)) for leaf in jax.tree.leaves(tree)]
+
+
+def inside_lifted_transform(module: nn.Module) -> bool:
+  """Whether the call runs inside a lifted transform (``nn.remat``, ``nn.scan``, ...).
+
+  Flax binds a transformed module's body directly to a scope rather than to a
+  parent module; the root (and ``wrap``'s inner module) is the only other
+  module bound that way, at the empty path.
+  """
+  while isinstance(module.parent, nn.Module):
+    module = module.parent
+  return bool(module.path)
+
+
+def collection_visible(module: nn.Module) -> bool:
+  """Whether a perturbation added in ``module`` reaches the caller's collection.
+
+  Inside a lifted transform (``nn.scan``, ``nn.vmap``) that does not map the
+  ``'perturbations'`` collection, a variable created there would be dropped;
+  this is the test Flax's ``perturb`` itself uses.
+  """
+  if module.is_mutable_collection(COLLECTION):
+    return True
+  return COLLECTION in module.scope.root._variables  # pylint: disable=protected-access
+
+
+def _check_matches(module: nn.Module, key: str, part: Any, where: str):
+  if not module.has_variable(COLLECTION, key):
+    raise PerturbationStructureError(f'there is no perturbation for the call {where}')
+  given = module.get_variable(COLLECTION, key)
+  if jax.tree.structure(given) != jax.tree.structure(part):
+    raise PerturbationStructureError(
+        f'the perturbation for {where} has {len(jax.tree.leaves(given))} leaves in another '
+        f'structure than the call\'s {len(jax.tree.leaves(part))} floating-point leaves')
+  got, want = shapes_of(given), shapes_of(part)
+  if got != want:
+    first = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+    raise PerturbationStructureError(
+        f'leaf {first} of the perturbation for {where} has shape/dtype {got[first]}, the '
+        f'call output {want[first]}')
+
+
+def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
+                     *, strict: bool) -> tuple[Any, bool]:
+  """Adds the point's perturbation to ``output`` (creating zeros when initializing).
+
+  Args:
+    module: The bound module that made the call.
+    key: The call's point key.
+    output: The call's output.
+    where: The call's name, for messages.
+    strict: Raise if the output has no floating-point leaf (otherwise skip it).
+
+  Returns:
+    ``(output plus the perturbation, True)``; ``(output, False)`` when the
+    collection is absent (a plain ``apply``) or the call has nothing to perturb.
+
+  Raises:
+    NonDifferentiableOutputError: ``strict`` and no floating-point leaf.
+    PerturbationStructureError: the collection is there but does not fit.
+  """
+  if not has_differentiable_leaf(output):
+    if strict:
+      raise NonDifferentiableOutputError(where, leaf_dtypes(output))
+    return output, False
+  if not collection_visible(module):
+    return output, False
+  part = differentiable_part(output)
+  if not module.is_mutable_collection(COLLECTION):
+    _check_matches(module, key, part, where)
+  return merge(output, module.perturb(key, part)), True
+
+
+class PointShape(NamedTuple):
+  """What a point holds, without its values: a treedef and each leaf's shape/dtype."""
+  treedef: Any
+  leaves: tuple[jax.ShapeDtypeStruct, ...]
+
+  @classmethod
+  def of(cls, value: Any) -> 'PointShape':
+    leaves, treedef = jax.tree.flatten(value)
+    return cls(treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                              for x in leaves))
+
+  def zeros(self) -> Any:
+    """Zeros of this shape, made inside the trace (rebuilt from arrays only)."""
+    return jax.tree.unflatten(self.treedef, [jnp.zeros(s.shape, s.dtype) for s in self.leaves])
+
+def point_key(method_name: str, index: int) -> str:
+  """The point key of the ``index``-th call of ``method_name`` (0-based)."""
+  return method_name if index == 0 else f'{method_name}#{index}'

@@ -1,0 +1,203 @@
+"""Which calls are segments, for either front end: the layer-wise default and the checks of a choice.
+
+A segment is one module call whose params the schedule updates inside the
+backward pass. That is exact only when the call is the ONLY use of those
+params: not called twice (shared weights), not run inside a transform that
+copies or slices the module (``nn.scan``/``nn.vmap``; ``nnx.scan``/
+``nnx.vmap``/``nnx.remat``), and not read anywhere else (a tied LM head reading
+the embedding matrix, a loss term on the weights). The default choice keeps
+every module that owns params directly (Dense, Conv, Embed, LayerNorm, ...) as
+its own segment, or gives it to the nearest enclosing call that can be one,
+and puts the params that fail a check in ``REST``, saying why; segments the
+user chose raise instead.
+
+Nothing here knows which Flax API built the model: a front end records the
+calls of the loss (``_segmentation`` for Linen, ``_nnx_segmentation`` for NNX)
+as :class:`CallRecord`, and says which modules own params, which sit at a
+depth, and which segments' params are read outside their call.
+"""
+import collections
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+
+from perturbkit.errors import SegmentationError, SharedSegmentError
+from perturbkit.core._types import CallFilter
+
+Path = tuple[str | int, ...]
+
+
+class Exactly(NamedTuple):
+  """A segment choice naming the segments (a state's, checked again at each step)."""
+  names: tuple[str, ...]
+
+
+def exactly(names) -> Exactly:
+  return Exactly(tuple(names))
+
+
+SegmentSpec = int | CallFilter | Exactly | None
+
+
+class Segmentation(NamedTuple):
+  """The segments of a loss and the params left to the final update.
+
+  Attributes:
+    segments: Segment names (module paths ``'a/b'``) in execution order.
+    rest: ``{module path: why its params are not in a segment}``; these params
+      get their ordinary gradient and are updated at the end of the step.
+  """
+  segments: tuple[str, ...]
+  rest: dict[str, str]
+
+
+class CallRecord(NamedTuple):
+  """One submodule call of the loss, in execution order.
+
+  Attributes:
+    path: The module's path.
+    transformed: The call runs inside a transform that copies or slices the
+      module, so its params cannot be updated there.
+    selected: The user's segment filter selects the call.
+  """
+  path: Path
+  transformed: bool
+  selected: bool
+
+
+def name_of(path: Path) -> str:
+  """``('blocks', 0)`` -> ``'blocks/0'``: a segment's name."""
+  return '/'.join(map(str, path))
+
+
+def flat_leaf_owners(params: Any, names: list[str]) -> dict[int, str]:
+  """Input position of each leaf of ``params`` (as ``jax.tree`` flattens it) -> its segment.
+
+  Leaves are matched by their key path, with every key as a string, so a
+  segment ``'blocks/0'`` owns the leaves under ``params['blocks'][0]`` as well
+  as under ``params['blocks']['0']``.
+  """
+  owners = {}
+  paths = [tuple(n.split('/')) for n in names]
+  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
+    owner = next((p for p in paths if keys[:len(p)] == p), None)
+    if owner is not None:
+      owners[i] = '/'.join(owner)
+  return owners
+
+
+def _nearest_ancestor(path: Path, chosen: set) -> Path | None:
+  return next((path[:n] for n in range(1, len(path)) if path[:n] in chosen), None)
+
+
+def _outside_reason(what: set[str]) -> str:
+  return ('its params are also read outside its call (by ' + ', '.join(sorted(what)) +
+          '), e.g. tied weights or a loss term on them')
+
+
+def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
+           at_depth: Callable[[int], list[Path]],
+           outside_reads: Callable[[list[Path]], Mapping[str, set[str]]],
+           transforms: str, in_transform_error: Callable[[str], Exception]) -> Segmentation:
+  """The segments for ``spec`` (None: layer-wise; int: depth; filter; names).
+
+  Args:
+    spec: The choice.
+    calls: Every submodule call of the loss, in execution order (for a filter
+      ``spec``, ``selected`` says which it selects).
+    owners: Paths of the modules holding params directly.
+    at_depth: ``depth -> paths`` of the modules that many levels down holding
+      params, as the front end counts levels.
+    outside_reads: ``segment paths -> {segment name: primitives reading its
+      params outside its call}``, for the segments that have such reads.
+    transforms: The transforms that copy or slice modules, named in reasons.
+    in_transform_error: ``name -> error`` for a chosen segment that runs
+      inside such a transform.
+
+  Returns:
+    The :class:`Segmentation`.
+
+  Raises:
+    SegmentationError: nothing can be a segment, or a chosen one is never called.
+    SharedSegmentError: a chosen segment's params are used by more than its call.
+    Exception: ``in_transform_error(name)`` for a chosen segment in a transform.
+  """
+  count = collections.Counter(c.path for c in calls if not c.transformed)
+  first: dict[Path, int] = {}
+  for i, c in enumerate(calls):
+    first.setdefault(c.path, i)
+  transformed = {c.path for c in calls if c.transformed}
+  by_name = {name_of(p): p for p in {c.path for c in calls} | set(owners)}
+  if spec is None:
+    chosen, rest = _layerwise(owners, count, transformed, transforms)
+  else:
+    chosen, rest = _user_choice(spec, calls, owners, count, transformed, at_depth, by_name,
+                                in_transform_error), {}
+  reads = outside_reads(sorted(chosen, key=lambda p: first[p]))
+  for name, what in reads.items():
+    if spec is not None:
+      raise SharedSegmentError(name, _outside_reason(what))
+    chosen.discard(by_name[name])
+    rest[name] = _outside_reason(what)
+  if not chosen:
+    raise SegmentationError(
+        'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])
+  ordered = sorted(chosen, key=lambda p: first[p])
+  return Segmentation(tuple(name_of(p) for p in ordered), rest)
+
+
+def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
+                 count: Mapping[Path, int], transformed: set[Path],
+                 at_depth: Callable[[int], list[Path]], by_name: Mapping[str, Path],
+                 in_transform_error: Callable[[str], Exception]) -> set[Path]:
+  """The segments a depth, a filter or a state names, each checked (raising if it fails)."""
+  if isinstance(spec, Exactly):
+    wanted = [by_name.get(n, tuple(n.split('/'))) for n in spec.names]
+  elif isinstance(spec, int):
+    wanted = at_depth(spec)
+  else:
+    owning = {p[:n] for p in owners for n in range(1, len(p) + 1)}
+    wanted = [c.path for c in calls if c.selected and c.path in owning]
+  wanted = [p for p in dict.fromkeys(wanted) if _nearest_ancestor(p, set(wanted)) is None]
+  if not wanted:
+    seen = sorted({name_of(c.path) for c in calls})
+    raise SegmentationError(
+        f'The segment choice {spec!r} selects no call that owns params. Calls seen: '
+        f'[{", ".join(seen[:16])}{" ..." if len(seen) > 16 else ""}].')
+  for p in wanted:
+    if p in transformed:
+      raise in_transform_error(name_of(p))
+    if count[p] > 1:
+      raise SharedSegmentError(name_of(p), f'it is called {count[p]} times in one step')
+    if count[p] == 0:
+      raise SegmentationError(
+          f'The segment {name_of(p)!r} is never called by the loss; choose other segments.')
+  return set(wanted)
+
+
+def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[Path],
+               transforms: str) -> tuple[set[Path], dict[str, str]]:
+  """Every module owning params directly, or its nearest enclosing call that can be one."""
+  chosen: set[Path] = set()
+  rest: dict[str, str] = {}
+  for owner in owners:
+    target = owner
+    # Copied or sliced params: the nearest enclosing plain call takes them.
+    while target and owner in transformed and (target in transformed or count[target] == 0):
+      target = target[:-1]
+    if not target or count[target] == 0:
+      why = (f'it runs inside {transforms} and no enclosing call can be a segment'
+             if owner in transformed else
+             'its params belong to the root module itself' if not owner else
+             'it is not called as a submodule by the loss')
+      rest[name_of(owner)] = why
+      continue
+    chosen.add(target)
+  # A segment's replay covers everything called inside it.
+  chosen = {p for p in chosen if _nearest_ancestor(p, chosen) is None}
+  for p in sorted(chosen, key=lambda p: tuple(map(str, p))):
+    if count[p] > 1:
+      chosen.discard(p)
+      rest[name_of(p)] = f'it is called {count[p]} times in one step (shared weights)'
+  return chosen, rest

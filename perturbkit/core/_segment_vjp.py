@@ -1,0 +1,96 @@
+"""How a segment updates itself in the backward pass: one ``jax.custom_vjp``.
+
+A segment call ``y = S(w, x)`` becomes a custom-VJP function of the segment's
+params ``w`` and the floating-point leaves ``x`` of its inputs. Its backward
+pass, given the cotangent ``g`` of ``y``:
+
+1. ``dw = dS/dw(w, x)^T g`` at the old weights (``pmean``-ed over ``axis_name``);
+2. ``w' = update(dw, w)``, the segment's optimizer step;
+3. the cotangent of ``x`` is computed at the NEW weights: ``dS/dx(w', x)^T g``.
+
+The cotangent returned for ``w`` is the true ``dw`` of step 1, so an ordinary
+``jax.grad`` of the loss gives every segment's gradient under the interleaved
+schedule, and glue code, skip connections and multiple consumers between
+segments are differentiated by JAX itself. The result of step 2 (new weights
+and optimizer state) leaves the backward pass as the cotangent of a zero
+*carrier* input, so it is computed once, not again after the sweep.
+
+Nothing here knows which Flax API built the model: a front end supplies the
+segment as a pure function ``pure(w, x) -> (y, aux)``.
+"""
+from typing import Any, Callable
+
+import jax
+
+from perturbkit.core._consumers import segment_function_name
+from perturbkit.core._points import is_inexact_array
+
+# (g, dw, w, dyn) -> (weights to propagate with or None, values carried out)
+Backward = Callable[[Any, Any, Any, Any], tuple[Any, Any]]
+
+
+def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
+  """The floating-point array leaves of ``tree`` and a function putting them back."""
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, leaf in enumerate(leaves) if is_inexact_array(leaf)]
+
+  def rebuild(dynamic: list) -> Any:
+    full = list(leaves)
+    for i, value in zip(where, dynamic):
+      full[i] = value
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in where], rebuild
+
+
+def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any, dyn: Any,
+                 carrier: Any, backward: Backward, axis_name: str | None = None
+                 ) -> tuple[Any, Any]:
+  """Runs ``pure(w, dyn)`` as a segment with the interleaved custom VJP.
+
+  Args:
+    name: The segment's name; the ``custom_vjp_call`` equation carries it, so
+      that reads of ``w`` outside the segment can be found in the jaxpr.
+    pure: ``(w, dyn) -> (output, aux)``; ``aux`` (updated mutable collections)
+      is not differentiated.
+    w: The segment's params.
+    dyn: The floating-point inputs.
+    carrier: Zeros shaped like what ``backward`` carries out.
+    backward: ``(g, dw, w, dyn) -> (w_propagate, carried)``, called in the
+      backward pass with the output cotangent ``g``, the (averaged) gradient
+      ``dw`` at the old weights ``w`` and the segment's floating-point inputs
+      ``dyn`` (this device's). The input cotangent is computed at
+      ``w_propagate`` (``None``: at ``w``, no replay), and ``carried`` leaves the
+      backward pass as the cotangent of ``carrier``.
+    axis_name: If given, ``dw`` is averaged over this mapped axis first (data
+      parallelism under ``shard_map``/``pmap``).
+
+  Returns:
+    ``pure(w, dyn)``.
+  """
+  def segment(w, dyn, carrier):
+    del carrier
+    return pure(w, dyn)
+
+  segment.__name__ = segment_function_name(name)
+  segment = jax.custom_vjp(segment)
+
+  def fwd(w, dyn, carrier):
+    del carrier
+    out, vjp_old, aux = jax.vjp(pure, w, dyn, has_aux=True)
+    return (out, aux), (w, dyn, vjp_old)
+
+  def bwd(residuals, cotangents):
+    w, dyn, vjp_old = residuals
+    g, _ = cotangents
+    dw, d_dyn = vjp_old(g)
+    if axis_name is not None:
+      dw = jax.lax.pmean(dw, axis_name)
+    w_propagate, carried = backward(g, dw, w, dyn)
+    if w_propagate is not None:
+      _, vjp_new = jax.vjp(lambda d: pure(w_propagate, d)[0], dyn)
+      (d_dyn,) = vjp_new(g)
+    return dw, d_dyn, carried
+
+  segment.defvjp(fwd, bwd)
+  return segment(w, dyn, carrier)

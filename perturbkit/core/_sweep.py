@@ -1,0 +1,319 @@
+"""The optimizer side of the interleaved schedule, independent of the Flax API.
+
+The params are split into *groups*: one per segment, plus ``REST`` (params
+owned by no segment). Each group has its own optimizer state. During the
+backward sweep a segment's group takes its step inside the segment's custom
+VJP (``backward_for``); after the sweep, ``finish`` updates ``REST``, keeps the
+steps the sweep took, and assembles the new params, optimizer state and
+metrics. A front end (Linen today) decides which calls are segments and runs
+them through ``_segment_vjp.segment_call``.
+"""
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from perturbkit.errors import InputMismatchError, NotAnOptimizerError, OptimizerStateError
+from perturbkit.core._optax_privacy import refuse_optax_privacy
+from perturbkit.core._segment_choice import Segmentation
+from perturbkit.core._segment_vjp import Backward, split_floats
+from perturbkit.core._types import PyTree
+
+REST = '<rest>'
+"""The group of params owned by no segment (e.g. created directly in the root)."""
+
+Optimizer = optax.GradientTransformation | Callable[[str], optax.GradientTransformation]
+
+
+class InterleavedState(NamedTuple):
+  """The training state: a pytree, so it passes through ``jax.jit`` and sharding.
+
+  Attributes:
+    step: Number of steps taken.
+    variables: All model collections (``params``, ``batch_stats``, ...).
+    opt_state: One optimizer state per segment name, and one for ``REST``.
+    grad_norm: The previous step's global gradient norm (for clipping).
+  """
+  step: jax.Array
+  variables: dict
+  opt_state: dict
+  grad_norm: jax.Array
+
+  @property
+  def params(self) -> PyTree:
+    """The current parameters."""
+    return self.variables['params']
+
+
+def check_optimizer(optimizer: Any):
+  """Raises :class:`NotAnOptimizerError` unless ``optimizer`` can be an :data:`Optimizer`.
+
+  A function from optax itself (``optax.adam`` rather than ``optax.adam(1e-3)``)
+  is refused too: called with a segment name it would take the name as its
+  learning rate.
+  """
+  if isinstance(optimizer, optax.GradientTransformation):
+    return
+  if not callable(optimizer):
+    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})')
+  if inspect.isfunction(optimizer) and optimizer.__module__.split('.')[0] == 'optax':
+    raise NotAnOptimizerError(
+        f'it is the function optax.{optimizer.__name__}',
+        f'Call it to make the transformation, e.g. `optax.{optimizer.__name__}(1e-3)`.')
+
+
+def optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformation:
+  """The optax transformation of group ``name``."""
+  if isinstance(optimizer, optax.GradientTransformation):
+    return optimizer
+  tx = optimizer(name)
+  if not isinstance(tx, optax.GradientTransformation):
+    raise NotAnOptimizerError(f'the function returned {tx!r:.60} for segment {name!r}')
+  return tx
+
+
+def _path(name: str) -> tuple:
+  return tuple(name.split('/'))
+
+
+def group(params: Mapping, names: list[str]) -> dict[str, PyTree]:
+  """``{segment name: its params subtree, REST: everything else}``."""
+  flat = traverse_util.flatten_dict(params)
+  groups: dict[str, dict] = {name: {} for name in names}
+  groups[REST] = {}
+  owner = {}
+  for key in flat:
+    owner[key] = next((n for n in names if key[:len(_path(n))] == _path(n)), REST)
+  for key, value in flat.items():
+    name = owner[key]
+    local = key if name == REST else key[len(_path(name)):]
+    groups[name][local] = value
+  return {name: traverse_util.unflatten_dict(g) if g else {} for name, g in groups.items()}
+
+
+def ungroup(groups: Mapping[str, PyTree]) -> dict:
+  """The params tree back from ``group``'s result."""
+  flat = {}
+  for name, tree in groups.items():
+    prefix = () if name == REST else _path(name)
+    for key, value in traverse_util.flatten_dict(tree).items():
+      flat[prefix + key] = value
+  return traverse_util.unflatten_dict(flat)
+
+
+def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str]) -> dict:
+  """One optimizer state per group.
+
+  Raises:
+    OptaxPrivacyError: a group's optimizer contains optax's per-example DP
+      transformation, which the sweep would hand batch gradients.
+  """
+  states = {name: optimizer_for(optimizer, name).init(w)
+            for name, w in group(params, names).items()}
+  refuse_optax_privacy(states, 'The interleaved schedule',
+                       "each segment's batch gradient (summed over the examples)")
+  return states
+
+
+def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping):
+  """Raises :class:`OptimizerStateError` naming the first leaf that does not fit."""
+  names = [n for n in opt_state if n != REST]
+  for name, w in group(params, names).items():
+    if name != REST and not jax.tree.leaves(w):
+      raise OptimizerStateError(
+          f'The optimizer state has a segment {name!r} that the params do not have; '
+          'build the state with `init` on these variables.')
+    want = jax.eval_shape(optimizer_for(optimizer, name).init, w)
+    got = opt_state.get(name)
+    want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0] if got is not None else []
+    for (want_path, want_leaf), got_item in zip(want_leaves, got_leaves + [None] * len(
+        want_leaves)):
+      if got_item is None or got_item[0] != want_path or (
+          jnp.shape(got_item[1]) != want_leaf.shape):
+        where = jax.tree_util.keystr(want_path)
+        got_text = 'nothing' if got_item is None else (
+            f'{jax.tree_util.keystr(got_item[0])} of shape {jnp.shape(got_item[1])}')
+        raise OptimizerStateError(
+            f'The optimizer state of {name!r} does not match its params: at {where} it '
+            f'should have shape {want_leaf.shape}, it has {got_text}. Build the state with '
+            '`init` for the same params and optimizer.')
+    if len(got_leaves) != len(want_leaves):
+      raise OptimizerStateError(
+          f'The optimizer state of {name!r} does not match its params: it has '
+          f'{len(got_leaves)} leaves, the optimizer makes {len(want_leaves)}. Build the state '
+          'with `init` for the same params and optimizer.')
+
+
+def _argument_name(path: tuple) -> str:
+  return f'argument {path[0].idx}{jax.tree_util.keystr(path[1:])}'
+
+
+def input_shapes(args: tuple) -> dict[str, jax.ShapeDtypeStruct]:
+  """The shape and dtype of every array in ``args``, by ``'argument 0'``-style names."""
+  return {_argument_name(path): jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
+          if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype')}
+
+
+def _shown(leaf: jax.ShapeDtypeStruct | None) -> str:
+  return 'absent' if leaf is None else f'shape {leaf.shape} ({leaf.dtype})'
+
+
+def input_mismatch(at_init: Mapping[str, jax.ShapeDtypeStruct] | None, args: tuple,
+                   init_call: str) -> InputMismatchError | None:
+  """The error for ``step`` inputs that differ from ``init``'s beyond the batch size, if any.
+
+  Only a failing step asks this, to tell inputs of the wrong shape from a
+  state of another model; the leading axis (the batch size) may differ.
+
+  Args:
+    at_init: ``input_shapes`` of the arguments ``init`` was given (``None``:
+      unknown, e.g. for a state from another process).
+    args: The arguments ``step`` was given.
+    init_call: How to call ``init``, for the message.
+  """
+  if at_init is None:
+    return None
+  now = input_shapes(args)
+  changes = []
+  for name in [*at_init, *(n for n in now if n not in at_init)]:
+    before, after = at_init.get(name), now.get(name)
+    if before is None or after is None or len(before.shape) != len(after.shape) or (
+        before.shape[1:] != after.shape[1:]):
+      changes.append(f'{name} had {_shown(before)} at init, now {_shown(after)}')
+  return InputMismatchError(changes, init_call) if changes else None
+
+
+def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:
+  """``min(1, max_norm / previous_norm)`` (1 without a maximum)."""
+  if max_norm is None:
+    return jnp.ones(())
+  return jnp.where(previous_norm > max_norm, max_norm / jnp.maximum(previous_norm, 1e-30), 1.0)
+
+
+def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
+            extra_args: dict | None):
+  if extra_args and isinstance(tx, optax.GradientTransformationExtraArgs):
+    return tx.update(grads, opt_state, params, **extra_args)
+  return tx.update(grads, opt_state, params)
+
+
+def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+                 params: PyTree, scale: jax.Array, guard: bool, extra_args: dict | None = None):
+  """One optimizer step on one group: ``(params, opt_state, finite)``.
+
+  With ``guard``, a gradient whose norm is not finite keeps the old params and
+  state. A conditional (not an elementwise select) skips the work, so the
+  finite path makes no extra pass over the state and can update it in place.
+  ``extra_args`` go to a ``GradientTransformationExtraArgs``'s update.
+  """
+  finite = jnp.isfinite(optax.tree.norm(grads))
+
+  def take():
+    updates, new_opt = _update(tx, jax.tree.map(lambda g: g * scale, grads), opt_state, params,
+                               extra_args)
+    return optax.apply_updates(params, updates), new_opt
+
+  if not guard:
+    return *take(), finite
+  new_params, new_opt = jax.lax.cond(finite, take, lambda: (params, opt_state))
+  return new_params, new_opt, finite
+
+
+class Sweep(NamedTuple):
+  """What one step's sweep needs: its settings and the state it starts from."""
+  optimizer: Optimizer
+  opt_state: dict
+  scale: jax.Array
+  propagate: str
+  skip_nonfinite: bool
+
+
+def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
+  """The backward step of segment ``name``: its optimizer step, inside the sweep.
+
+  The step is taken here with either ``propagate`` (the old weights' input
+  cotangent for ``'original'``), so that the segment's inputs and output
+  cotangent reach its optimizer as extra arguments. ``swept`` records the
+  segment with those arguments' shapes, for ``finish``.
+  """
+  tx = optimizer_for(sweep.optimizer, name)
+
+  def backward(g, dw, w, dyn):
+    carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
+    extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
+    swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
+    new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
+                                     sweep.skip_nonfinite, extra_args)
+    carried['step'] = (new_w, split_floats(new_opt)[0])
+    return (new_w if sweep.propagate == 'updated' else None), carried
+
+  return backward
+
+
+def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
+  """Zeros shaped like what segment ``name``'s backward step carries out."""
+  floats = split_floats(sweep.opt_state[name])[0]
+  return {'activation_grad_norm': jnp.zeros((), jnp.float32),
+          'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
+
+
+def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: Mapping,
+           axis_name: str | None) -> tuple[dict, dict, dict]:
+  """The step after the sweep: ``(new params, new opt_state, metrics)``.
+
+  ``REST`` gets its ordinary (``pmean``-ed) gradient and its step now; the
+  segments keep the step the sweep took, and only their optimizers' non-float
+  state (a step count) is taken here, so XLA drops the rest of that update.
+  That update sees zeros for the segment's extra arguments (their shapes are
+  in ``swept``): only its non-float state is kept, which
+  must not depend on their values.
+  """
+  names = [n for n in sweep.opt_state if n != REST]
+  grad_groups, param_groups = group(grads, names), group(params, names)
+  if axis_name is not None:
+    grad_groups[REST] = jax.lax.pmean(grad_groups[REST], axis_name)
+  new_groups, new_opt_state, grad_norms, skipped = {}, {}, {}, {}
+  for name, g in grad_groups.items():
+    tx, w, opt = optimizer_for(sweep.optimizer, name), param_groups[name], sweep.opt_state[name]
+    grad_norms[name] = optax.tree.norm(g)
+    finite = jnp.isfinite(grad_norms[name])
+    skipped[name] = jnp.logical_not(finite) if sweep.skip_nonfinite else jnp.zeros((), bool)
+    if name in swept:
+      new_w, floats = carried[name]['step']
+      extra_args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), swept[name])
+      _, fresh = _update(tx, jax.tree.map(lambda x: x * sweep.scale, g), opt, w, extra_args)
+      if sweep.skip_nonfinite:
+        fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
+      new_opt_state[name] = split_floats(fresh)[1](floats)
+    else:
+      new_w, new_opt_state[name], _ = guarded_step(tx, g, opt, w, sweep.scale,
+                                                   sweep.skip_nonfinite)
+    new_groups[name] = new_w
+  act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
+  if axis_name is not None:
+    act_norms = jax.lax.pmean(act_norms, axis_name)
+  global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
+  metrics = {'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
+             'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
+             'nonfinite': {n: jnp.logical_not(jnp.isfinite(v)) for n, v in grad_norms.items()},
+             'skipped': jnp.any(jnp.stack(list(skipped.values()))),
+             'segment_skipped': skipped}
+  return ungroup(new_groups), new_opt_state, metrics
+
+class Interleaved(NamedTuple):
+  """A pair of pure functions, like ``optax.GradientTransformation``.
+
+  Attributes:
+    init: ``(variables, *example_args) -> InterleavedState``.
+    step: ``(state, *args) -> (state, metrics)``; jittable.
+    segments: ``(variables, *example_args) -> Segmentation``: the segment names
+      in execution order, and which params went to ``REST`` and why.
+  """
+  init: Callable[..., InterleavedState]
+  step: Callable[..., tuple[InterleavedState, dict]]
+  segments: Callable[..., Segmentation]

@@ -1,0 +1,215 @@
+"""Ready-made call filters.
+
+A call filter has the shape Flax uses for ``capture_intermediates``: a function
+``(module, method_name) -> bool`` that says whether a submodule call gets a
+perturbation point (or is a segment, or gets a hook). The root module's own call
+is never a point: its output is the model's output.
+
+Example:
+  >>> import flax.linen as nn
+  >>> from perturbkit import filters
+  >>> dense_only = filters.by_type(nn.Dense)
+  >>> shallow = filters.all_of(filters.by_depth(max_depth=2), filters.by_method('__call__'))
+"""
+import contextlib
+import fnmatch
+import threading
+from typing import Iterator, Sequence
+
+import flax.linen as nn
+
+from perturbkit.core._types import CallFilter
+
+
+def all_calls(module: nn.Module, method_name: str) -> bool:
+  """Selects every submodule call, at every depth.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> filters.all_calls(None, '__call__')
+    True
+  """
+  del module, method_name
+  return True
+
+
+def by_type(*types: type) -> CallFilter:
+  """Selects calls on modules that are instances of any of ``types``.
+
+  Args:
+    *types: Module classes, e.g. ``nn.Dense, nn.Conv``.
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> filters.by_type(nn.Dense)(nn.Dense(3), '__call__')
+    True
+  """
+  if not types or not all(isinstance(t, type) for t in types):
+    raise TypeError(f'by_type takes module classes, got {types!r}.')
+  return lambda module, method_name: isinstance(module, types)
+
+
+class _LinenPrefix(threading.local):
+  """The path of the Linen module being replayed as its own ``apply`` in this thread."""
+
+  def __init__(self):
+    self.path: tuple = ()
+
+
+_LINEN_PREFIX = _LinenPrefix()
+
+
+@contextlib.contextmanager
+def linen_path_prefix(prefix: Sequence[str]) -> Iterator[None]:
+  """Inside the block, a Linen module's path starts with ``prefix``.
+
+  A segment is replayed as a fresh ``apply`` of its module, where Flax gives the
+  calls inside paths relative to it; with its path as ``prefix``, filters see
+  them under their paths in the whole model, as in an ordinary call.
+  """
+  previous = _LINEN_PREFIX.path
+  _LINEN_PREFIX.path = tuple(prefix)
+  try:
+    yield
+  finally:
+    _LINEN_PREFIX.path = previous
+
+
+def module_path(module) -> tuple | None:
+  """The module's path: a Linen module's ``.path`` (in a segment replay, with the
+  segment's path before it), or, for an NNX module, its attribute path in the
+  model (``('layers', 0)``), which it carries only while perturbkit runs it
+  (``None`` otherwise)."""
+  path_of = getattr(type(module), '_perturbkit_path_of', None)
+  if path_of is None:
+    return _LINEN_PREFIX.path + tuple(module.path)
+  path = path_of(module)
+  return None if path is None else tuple(path)
+
+
+def path_string(module) -> str | None:
+  """The module's path as ``'Block_0/Dense_1'`` (the key path of its params)."""
+  path = module_path(module)
+  return None if path is None else '/'.join(map(str, path))
+
+
+def by_path(*patterns: str) -> CallFilter:
+  """Selects calls on modules whose path matches any shell-style pattern.
+
+  The path is joined with ``/`` like the params tree, e.g. ``'Block_0/Dense_1'``;
+  ``*`` matches across ``/`` too, as in ``fnmatch``.
+
+  Args:
+    *patterns: ``fnmatch`` patterns, e.g. ``'Block_*'`` or ``'*/Dense_0'``.
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> f = filters.by_path('encoder/*')
+  """
+  if not patterns or not all(isinstance(p, str) for p in patterns):
+    raise TypeError(f'by_path takes string patterns, got {patterns!r}.')
+
+  def selected(module, method_name):
+    path = path_string(module)
+    return path is not None and any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+  return selected
+
+
+def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
+  """Selects calls on modules nested ``min_depth`` to ``max_depth`` levels deep.
+
+  Direct children of the root are at depth 1.
+
+  Args:
+    max_depth: The deepest level selected.
+    min_depth: The shallowest level selected (default 1).
+
+  Returns:
+    A call filter.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> two_levels = filters.by_depth(2)
+  """
+  if min_depth < 1 or max_depth < min_depth:
+    raise ValueError(f'Need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}.')
+
+  def selected(module, method_name):
+    path = module_path(module)
+    return path is not None and min_depth <= len(path) <= max_depth
+
+  return selected
+
+
+top_level: CallFilter = by_depth(1)
+top_level.__doc__ = 'Selects calls on direct children of the root module.'
+
+
+def by_method(*names: str) -> CallFilter:
+  """Selects calls of the named methods, e.g. ``'__call__'``.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> filters.by_method('__call__')(None, 'encode')
+    False
+  """
+  return lambda module, method_name: method_name in names
+
+
+def all_of(*filters: CallFilter) -> CallFilter:
+  """Selects the calls that every filter selects.
+
+  Example:
+    >>> from perturbkit import filters
+    >>> f = filters.all_of(filters.top_level, filters.by_method('__call__'))
+  """
+  return lambda module, method_name: all(f(module, method_name) for f in filters)
+
+
+def any_of(*filters: CallFilter) -> CallFilter:
+  """Selects the calls that any filter selects.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> f = filters.any_of(filters.by_type(nn.Dense), filters.by_type(nn.Conv))
+  """
+  return lambda module, method_name: any(f(module, method_name) for f in filters)
+
+
+def negate(filter: CallFilter) -> CallFilter:
+  """Selects the calls that ``filter`` does not select.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from perturbkit import filters
+    >>> not_dropout = filters.negate(filters.by_type(nn.Dropout))
+  """
+  return lambda module, method_name: not filter(module, method_name)
+
+
+def as_filter(filter: CallFilter | bool | Sequence[str] | None) -> CallFilter:
+  """Turns the accepted spellings of a filter into a call filter.
+
+  ``None`` or ``True`` select every call; a callable is used as it is; a list of
+  strings is a list of path patterns (see :func:`by_path`).
+  """
+  if filter is None or filter is True:
+    return all_calls
+  if filter is False:
+    raise ValueError('filter=False selects nothing; pass None or True to select every call.')
+  if callable(filter):
+    return filter
+  if isinstance(filter, (list, tuple)) and all(isinstance(p, str) for p in filter):
+    return by_path(*filter)
+  raise TypeError(
+      f'A filter is a callable (module, method_name) -> bool, True, or a list of path '
+      f'patterns; got {filter!r}.')

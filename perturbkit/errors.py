@@ -1,0 +1,528 @@
+"""Every error perturbkit raises. Each message says what was wrong and how to fix it."""
+
+
+class PerturbkitError(Exception):
+  """Base class of every error perturbkit raises."""
+
+
+class NonScalarLossError(PerturbkitError, TypeError):
+  """The loss function returned something other than a real scalar."""
+
+  def __init__(self, shape, dtype):
+    super().__init__(
+        f'The loss function must return a real scalar, but it returned an array of '
+        f'shape {tuple(shape)} and dtype {dtype}. Reduce it first, e.g. with '
+        '`jnp.mean(...)`, or return `(loss, aux)` and pass `has_aux=True`.')
+
+
+class NoPerturbationPointsError(PerturbkitError, ValueError):
+  """The filter selected no submodule call."""
+
+  def __init__(self, seen):
+    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
+    super().__init__(
+        'The filter selected no submodule call, so there is no activation gradient to '
+        f'compute. Calls seen: [{listed or "none"}]. Check the filter, or make sure the '
+        'loss function calls `model.apply(variables, ...)` with the variables it is given.')
+
+
+class UnmatchedFilterError(PerturbkitError, ValueError):
+  """A hook's or a wrapped model's filter selected no call."""
+
+  def __init__(self, what, seen):
+    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
+    super().__init__(
+        f'The filter of {what} selects no submodule call, so it would do nothing (a typo in '
+        f'a path?). Calls seen: [{listed or "none"}]. Check the filter, e.g. '
+        "`perturbkit.filters.by_path('Block_0/*')` matches the module paths listed.")
+
+
+class PerturbationStructureError(PerturbkitError, ValueError):
+  """A 'perturbations' tree does not match the perturbation points of the model call."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'The perturbations do not match the model call: {detail}. Create them with '
+        '`wrapped.init(...)["perturbations"]` for the same inputs, shapes and filter as the '
+        'call that uses them.')
+
+
+class NonDifferentiableOutputError(PerturbkitError, TypeError):
+  """A selected submodule call returned no inexact (floating or complex) array."""
+
+  def __init__(self, where, dtypes):
+    super().__init__(
+        f'The call {where} was selected for a perturbation, but its output has no '
+        f'floating-point leaf (leaf dtypes: {dtypes}), so it has no activation gradient. '
+        'Exclude it with the filter, e.g. `perturbkit.filters.negate(perturbkit.filters.'
+        'by_path(...))`.')
+
+
+class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
+  """The loss function did not pass the perturbations on to `model.apply`."""
+
+  def __init__(self, missing):
+    listed = ', '.join(missing[:8]) + (' ...' if len(missing) > 8 else '')
+    super().__init__(
+        f'{len(missing)} perturbation point(s) were never reached: [{listed}]. The loss '
+        'function must hand the `variables` it receives to `model.apply` unchanged (extra '
+        "collections included), e.g. `model.apply(variables, x)` or "
+        "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
+        'same inputs every time it is traced.')
+
+
+class SegmentationError(PerturbkitError, ValueError):
+  """The model call cannot be split into segments as asked."""
+
+
+class SharedSegmentError(SegmentationError):
+  """A segment's params are used other than by one call of the segment's module."""
+
+  def __init__(self, path, why='it is called more than once in one step (shared weights)'):
+    super().__init__(
+        f'The segment {path!r} cannot be updated inside the backward pass: {why}. '
+        "Interleaved updates need every use of a segment's params to be that segment's one "
+        'call, because the weights change between uses. Choose segments that contain every '
+        'use (e.g. the parent module, `segments=perturbkit.filters.by_path(...)`), or leave '
+        'the module out of the segments: the default segments put such params in '
+        'perturbkit.REST, updated at the end with their full gradient.')
+
+
+class StateMismatchError(PerturbkitError, ValueError):
+  """An interleaved state whose params do not fit the model the loss applies."""
+
+  def __init__(self, detail):
+    super().__init__(
+        'The state does not match the model: its params do not have the shapes the loss '
+        f'function\'s model creates ({detail}). Build the state with `init` on variables '
+        'from this model (`model.init(...)`), or pass the matching loss function.')
+
+
+class OptimizerStateError(PerturbkitError, ValueError):
+  """An optimizer state does not match the parameters it is used with."""
+
+
+class ActivationsUnavailableError(PerturbkitError, ValueError):
+  """Activations were requested for calls inside a lifted transform."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'return_activations=True (or return_inputs=True) cannot return the output (or '
+        f'inputs) of {where}: it runs inside a '
+        'lifted transform (nn.remat, nn.jit, nn.scan, ...), whose intermediate values do '
+        'not exist outside it. Exclude such calls with the filter, or leave '
+        'return_activations off (their activation gradients are still returned).')
+
+
+class UnperturbedCallsWarning(UserWarning):
+  """Selected calls inside a lifted transform that cannot carry perturbations."""
+
+  def __init__(self, names):
+    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
+    super().__init__(
+        f'{len(names)} selected call(s) run inside a lifted transform (nn.scan, nn.vmap, '
+        f'...) that does not map the "perturbations" collection, so they get no '
+        f'perturbation point and no activation gradient: [{listed}]. For per-iteration '
+        'gradients add `"perturbations": <axis>` to the transform\'s `variable_axes` '
+        '(e.g. `nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
+        'to silence this, exclude the calls with the filter.')
+
+
+class MissingHasAuxError(NonScalarLossError):
+  """The loss function returned a tuple, list or dict where a scalar loss was expected."""
+
+  def __init__(self, returned: str, has_aux_option: bool = True):
+    fix = ('If it returns `(loss, aux)`, pass `has_aux=True`; otherwise return the loss alone, '
+           'e.g. `jnp.mean(...)`.' if has_aux_option else
+           'This function takes no auxiliary output (it has no has_aux option): return the '
+           'loss alone and compute the other values separately.')
+    PerturbkitError.__init__(
+        self, f'The loss function must return a real scalar, but it returned {returned}. {fix}')
+
+
+class HasAuxOutputError(PerturbkitError, TypeError):
+  """With ``has_aux=True`` the loss function did not return a ``(loss, aux)`` pair."""
+
+  def __init__(self, returned: str):
+    super().__init__(
+        f'With has_aux=True the loss function must return a pair `(loss, aux)`, but it '
+        f'returned {returned}. Return the tuple `(loss, aux)`, or drop has_aux=True if the '
+        'function returns the loss alone.')
+
+
+class LossNotCallableError(PerturbkitError, TypeError):
+  """The loss function given is not callable (often: its value was passed instead)."""
+
+  def __init__(self, function: str, got: str, signature: str):
+    super().__init__(
+        f'{function} takes the loss function itself, a callable `{signature}`, but it was '
+        f'given {got}. Pass the function, not its value: `{function}(loss_fn)`, not '
+        f'`{function}(loss_fn(...))`.')
+
+
+class WrongFrontEndError(PerturbkitError, TypeError):
+  """A Linen function was given an NNX model, or an NNX function a Linen one."""
+
+  def __init__(self, function: str, got: str, use: str):
+    api = 'NNX' if function.startswith('perturbkit.nnx.') else 'Linen'
+    super().__init__(f'{function} is for Flax {api} models, but it was given {got}. {use}')
+
+
+class NotVariablesError(PerturbkitError, TypeError):
+  """A Linen function was given something other than the model's variables."""
+
+  def __init__(self, function: str, got: str, hint: str):
+    super().__init__(
+        f"{function} takes the model's variables, the dict `model.init(key, *args)` returns "
+        f"(with a 'params' collection), but it was given {got}. {hint}")
+
+
+class UninitializedStateError(PerturbkitError, TypeError):
+  """``step`` was given something other than the state ``init`` returns."""
+
+  def __init__(self, got: str, init_call: str):
+    super().__init__(
+        f'`step` takes the state that `init` returns, but it was given {got}. Call '
+        f'`state = {init_call}` first and pass that state to `step`, then the state each '
+        'step returns to the next: `state, metrics = trainer.step(state, *args)`.')
+
+
+class InputMismatchError(PerturbkitError, ValueError):
+  """``step`` was given inputs of other shapes than those the state was initialised with."""
+
+  def __init__(self, changes: list[str], init_call: str):
+    super().__init__(
+        f'The inputs differ from those the state was initialised with: {"; ".join(changes)}. '
+        'The state\'s params were made for the inputs given to `init`, and the model cannot '
+        'run on these. Pass inputs of the shapes given to `init` (a different batch size is '
+        'fine); if the model is meant to take the new inputs, build its variables and '
+        f'state for them: `state = {init_call}`.')
+
+
+class NotAnOptimizerError(PerturbkitError, TypeError):
+  """The optimizer is not an optax transformation or a function returning one."""
+
+  def __init__(self, got: str, hint: str = ''):
+    super().__init__(
+        'The optimizer must be an `optax.GradientTransformation` (e.g. `optax.adam(1e-3)`) '
+        f'or a function `segment_name -> GradientTransformation`, but {got}.'
+        + (f' {hint}' if hint else ''))
+
+
+class KFACTargetsError(PerturbkitError, ValueError):
+  """Targets that do not fit a K-FAC output loss (e.g. one-hot labels for the categorical)."""
+
+  def __init__(self, loss: str, want: str, got: str, fix: str):
+    super().__init__(f'The K-FAC loss {loss} takes targets {want}, but it got {got}. {fix}')
+
+
+class InvalidOptionError(PerturbkitError, ValueError):
+  """A numeric option is outside the range where it means anything."""
+
+  def __init__(self, name: str, value: object, allowed: str):
+    super().__init__(
+        f'{name}={value!r} is not a valid value: {name} must be {allowed}. Pass a value in '
+        'that range where the option is given.')
+
+
+class ReductionMismatchError(PerturbkitError, ValueError):
+  """The loss combines the examples' terms otherwise than ``reduction`` says."""
+
+  def __init__(self, reduction: str, found: str, detail: str):
+    super().__init__(
+        f"reduction={reduction!r} was given, but the loss is a {found} over the examples: "
+        f'{detail}. With the wrong reduction every per-example gradient (its norm, its '
+        f'clipping) is off by the number of examples. Pass reduction={found!r}, or make '
+        f'the loss a {reduction} over the examples (e.g. `jnp.{reduction}(terms)`).')
+
+
+class PRNGKeyError(PerturbkitError, TypeError):
+  """A random key that is not a JAX PRNG key (a plain integer seed)."""
+
+  def __init__(self, where: str, got: str):
+    super().__init__(
+        f'{where} needs a JAX random key, got {got}. Pass `jax.random.key(seed)` (or '
+        'a raw `jax.random.PRNGKey(seed)`), and a different one at every step, e.g. '
+        '`jax.random.fold_in(key, state.step)`.')
+
+
+class KFACUnsupportedLayerError(PerturbkitError, TypeError):
+  """A call selected for K-FAC has no Kronecker-factor rule."""
+
+  def __init__(self, where: str, reason: str, exclude: str | None = None):
+    exclude = exclude or '`perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`'
+    super().__init__(
+        f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
+        '`nn.Dense`, `nn.Conv` (feature_group_count=1) and `nn.Embed` `__call__`s outside '
+        'lifted transforms whose params no other code reads. Leave the filter at its '
+        'default (unsupported layers are then listed in `layers.skipped` and their params '
+        f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
+
+
+class KFACLossError(PerturbkitError, ValueError):
+  """The loss given to K-FAC has no predictive distribution to sample from."""
+
+  def __init__(self, loss: object, fisher: str):
+    super().__init__(
+        f'K-FAC cannot sample labels from the model for the loss {loss!r} '
+        f"(fisher={fisher!r}): it does not name a predictive distribution. Pass "
+        "`perturbkit.categorical_output()` (or 'softmax_cross_entropy', "
+        '`optax.softmax_cross_entropy_with_integer_labels`) for logits, '
+        "`perturbkit.gaussian_output(variance)` (or 'squared_error', `optax.l2_loss`) for "
+        "regression, or use `fisher='empirical'` with a per-example loss "
+        '`(output, targets) -> losses of shape (batch,)`.')
+
+
+class KFACShapeError(PerturbkitError, ValueError):
+  """Kronecker factors, params or gradients whose shapes do not match the layers."""
+
+  def __init__(self, layer: str, detail: str):
+    super().__init__(
+        f'K-FAC layer {layer!r}: {detail}. The K-FAC state was built for another model '
+        '(or the model changed). Call `perturbkit.kfac_layers(...)` again on the current '
+        'model and re-create the preconditioner and its state with `tx.init(params)`.')
+
+
+class KFACOutputError(PerturbkitError, TypeError):
+  """``predict_fn`` does not return the one floating-point output K-FAC differentiates."""
+
+  def __init__(self, got: str, has_aux: bool):
+    hint = ('With has_aux=True, predict_fn must return (output, aux).' if has_aux else
+            'A model with BatchNorm in train mode (or another mutable collection) returns '
+            '(output, updates) from `model.apply(..., mutable=[...])`: pass '
+            '`has_aux=True` to kfac_estimator, and estimate returns the updates as a fourth '
+            'value.')
+    super().__init__(
+        f'For K-FAC, predict_fn must return one floating-point array (the logits or '
+        f'predictions), got {got}. {hint}')
+
+
+class PerExampleError(PerturbkitError, ValueError):
+  """Per-example gradients are not defined, or not available, for this loss."""
+
+
+class ExamplesMixedError(PerExampleError):
+  """The loss mixes examples, so no example has a gradient of its own."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'Per-example gradients are not defined for this loss: {detail}. They exist only '
+        'when the loss is a sum or mean of one term per example, each term depending on '
+        'its own example alone. BatchNorm in training mode, a loss over batch '
+        'statistics or over pairs of examples (a contrastive loss) makes every term '
+        'depend on the whole batch. Use a per-example normalization instead '
+        '(nn.LayerNorm, nn.GroupNorm), or BatchNorm with `use_running_average=True`; a '
+        'pairwise loss has no per-example gradients.')
+
+
+class ExamplesAxisError(PerExampleError):
+  """The examples axis of the inputs or of a layer's activations does not line up."""
+
+  def __init__(self, detail):
+    super().__init__(
+        f'The examples axis does not line up: {detail}. The loss arguments are split '
+        'along `batch_axes` (default: axis 0 of every array argument; `None` for an '
+        'argument shared by all examples), and every layer must see the examples on axis '
+        '0 of its input and output. Pass `batch_axes=` to match your data layout, or '
+        'move the examples axis to the front inside the model.')
+
+
+class UncoveredParamsError(PerExampleError):
+  """Some params are not used by any submodule call, so their per-example gradient is unknown."""
+
+  def __init__(self, names):
+    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
+    super().__init__(
+        f'{len(names)} param-owning module(s) are not reached through a submodule call: '
+        f'[{listed}]. Per-example gradients are built from each call\'s input and output '
+        'gradient, so params must be read inside a call of the module that owns them: the '
+        'root module\'s own params and params read by a parent through `.variables` are '
+        'not supported. Move such params into a submodule.')
+
+
+class ParamsReadOutsideError(PerExampleError):
+  """A module's params are also read outside its calls, a part of their gradient no call sees."""
+
+  def __init__(self, reads):
+    listed = '; '.join(f'{name} (read by {", ".join(sorted(what))})'
+                       for name, what in sorted(reads.items()))
+    super().__init__(
+        f'The params of {listed} are also read outside the calls of the module that owns '
+        'them. Per-example gradients are built from each call\'s input and output gradient '
+        '(and from nested `module.apply({"params": f(params)}, ...)` calls, such as a tied LM '
+        'head), so the part of the gradient flowing through any other read would be missing '
+        'from the norms and from the clipping. Such reads are the weights used inline in '
+        'another module (`h @ self.embed.variables["params"]["embedding"].T`), a kernel '
+        'reused by hand, or a penalty on the weights (L2) inside the loss. Compute a weight '
+        'penalty outside the per-example loss (add its gradient to the result, or use '
+        '`optax.add_decayed_weights`); use a tied or shared weight through a call of its '
+        'module (`embed.attend(h)`, the same `nn.Dense` called twice) or through a nested '
+        '`head.apply({"params": {"kernel": w.T}}, h)`.')
+
+
+class AmbiguousInputError(PerExampleError):
+  """A call's input has as many rows as there are examples but is not computed from the batch."""
+
+  def __init__(self, where, index, shape):
+    super().__init__(
+        f'Input {index} of the call {where} has shape {shape}: as many rows as there are '
+        'examples, but it is computed from none of the loss\'s arguments or variables (a '
+        'constant such as `jnp.arange`, or an array the loss closes over). perturbkit cannot '
+        'tell whether its rows are the examples (positions broadcast to the batch) or it is '
+        'shared by all examples and happens to have that many rows, so it does not guess. '
+        'Pass the array as an argument of the loss: batched (`batch_axes` 0) if its rows are '
+        'the examples, or with `batch_axes` None if it is shared. Arrays made with '
+        '`jnp.zeros_like(ids)` or `jnp.ones_like(ids)` are such constants too: they do not '
+        'read the values of `ids`. For Hugging Face models this is usually an id array left '
+        'to its default or made inside the loss, e.g. `position_ids` (position_embeddings) '
+        'or `token_type_ids` (token_type_embeddings): build it outside the loss, e.g. '
+        '`jnp.broadcast_to(jnp.arange(length), ids.shape)` or `jnp.zeros_like(ids)`, pass it '
+        'to the loss as a batched argument, and from there to the model. (A call run inside a JAX '
+        'transform within the loss, such as `jax.checkpoint` or `jax.jit` around '
+        '`model.apply`, also shows its inputs this way; per-example gradients need the '
+        'calls traced directly.)')
+
+
+class SharedCallError(PerExampleError):
+  """A param-owning call has no per-example input, so its output gradient sums over the examples."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'The call {where} has no per-example input: none of its inputs is computed from '
+        'the batched arguments of the loss (`batch_axes`), so its output is the same for '
+        'every example and the gradient at it is already summed over the examples. The '
+        'per-example gradients of its params cannot be separated from that sum. Apply the '
+        'module to per-example inputs (for a positional embedding, pass the positions as '
+        'a batched argument of the loss), and pass the batch to the loss as an argument '
+        'rather than closing over it. A layer applied inside the model to positions it '
+        'builds itself from a fixed length (Whisper\'s encoder looks up '
+        '`jnp.arange(max_source_positions)`) cannot be given per-example inputs; its '
+        'per-example gradients are not available. Calls run inside a JAX transform within '
+        'the loss (`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
+
+
+class RandomCallError(PerExampleError):
+  """A call replayed per example draws random numbers (dropout inside a param-owning module)."""
+
+  def __init__(self, where, detail):
+    super().__init__(
+        f'The call {where} draws random numbers ({detail}) and its params have no fast '
+        'per-example rule, so their per-example gradients come from replaying the call on '
+        'its own. A replay cannot draw the random numbers the batched forward pass drew '
+        '(its dropout mask), so its gradients would not be those of the loss. Make the call '
+        'deterministic for the per-example step (e.g. `deterministic=True` for the dropout '
+        'inside this module), or draw the randomness outside the module that owns the '
+        'params (dropout applied by the parent to the module\'s output, or to its input, '
+        'is supported: it is part of the recorded forward pass).')
+
+
+class OptaxPrivacyError(PerExampleError):
+  """optax's per-example DP transformation was given gradients without an examples axis."""
+
+  def __init__(self, where, given):
+    super().__init__(
+        f'{where} was given an optimizer containing `optax.contrib.'
+        'differentially_private_aggregate` (or `optax.contrib.dpsgd`), which clips and '
+        'noises per-example gradients: it takes the first axis of every gradient leaf for '
+        f'the examples. It would receive {given} and clip rows of the weight gradients '
+        'instead. For DP-SGD on an unmodified model use `perturbkit.dp_sgd(loss_fn, '
+        'optax_optimizer, clip_norm=..., noise_multiplier=...)` with a plain optax optimizer '
+        '(it clips and noises itself), or `perturbkit.private_grad`. The interleaved '
+        'schedule does not combine with per-example clipping.')
+
+
+class InterleavedClippingError(PerExampleError):
+  """Per-example clipping (DP-SGD) was combined with the interleaved schedule."""
+
+  def __init__(self, how):
+    super().__init__(
+        f'{how}. DP-SGD clips each example\'s gradient by its norm over ALL layers, which is '
+        'known only when the whole backward pass is done, while the interleaved sweep '
+        'updates each segment as soon as its own gradient exists, before the layers below '
+        'it are reached; the two cannot be combined. Train privately with '
+        '`perturbkit.dp_sgd(loss_fn, optax_optimizer, ...)` (the standard schedule), or use '
+        '`perturbkit.interleaved` without per-example clipping (its `clip_global_norm` clips '
+        'the batch gradient, which gives no privacy).')
+
+
+def _listed(names, limit=8):
+  names = list(names)
+  return ', '.join(map(str, names[:limit])) + (' ...' if len(names) > limit else '')
+
+
+class UninstrumentableModuleError(PerturbkitError, TypeError):
+  """A submodule's class cannot be given perturbkit's dispatching subclass."""
+
+  def __init__(self, where, cls, cause):
+    super().__init__(
+        f'The submodule at {where!r} ({cls.__module__}.{cls.__qualname__}) cannot be '
+        f'instrumented ({type(cause).__name__}: {cause}). For the duration of the call '
+        'perturbkit gives every submodule a subclass of its own class, which needs a class '
+        'that can be subclassed without extra class arguments and instances that allow '
+        '`__class__` assignment. Make the module an ordinary nnx.Module subclass, or place '
+        '`self.perturb(...)` by hand in its parent.')
+
+
+class NNXNoPerturbationPointsError(NoPerturbationPointsError):
+  """The filter selected no submodule call of the NNX model."""
+
+  def __init__(self, seen):
+    PerturbkitError.__init__(
+        self,
+        'The filter selected no submodule call, so there is no activation gradient to '
+        f'compute. Calls seen: [{_listed(seen, 12) or "none"}]. Check the filter (path '
+        'filters for NNX models are in perturbkit.nnx.filters), and make sure the loss '
+        'function calls the model it receives as its first argument.')
+
+
+class NNXPerturbationsNotAppliedError(PerturbationsNotAppliedError):
+  """A perturbation point found while tracing was not reached by the differentiated run."""
+
+  def __init__(self, missing):
+    PerturbkitError.__init__(
+        self,
+        f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
+        'The loss function must call the model it receives as its first argument, make '
+        'the same calls for the same inputs every time it is traced, and not wrap the '
+        'model in its own nnx.capture (perturbkit runs the loss inside one).')
+
+
+class CaptureConflictError(PerturbkitError, RuntimeError):
+  """The loss runs the model inside its own ``nnx.capture``."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'The call {where} runs inside an nnx.capture that the loss function opened '
+        'itself. perturbkit runs the loss inside its own nnx.capture(..., '
+        'nnx.Perturbation), and a capture opened inside it replaces it for every module, '
+        'so the perturbation points would be lost. Call the model directly in the loss; '
+        'to collect intermediates as well, sow them and read them outside '
+        '(or use return_activations=True).')
+
+
+class UnmappedPerturbationError(PerturbkitError, ValueError):
+  """Selected calls inside ``nnx.vmap`` whose module state is not mapped."""
+
+  def __init__(self, names):
+    super().__init__(
+        f'{len(names)} selected call(s) run inside an NNX transform that maps its inputs '
+        f'(nnx.vmap) while the module\'s state is broadcast (in_axes=None): '
+        f'[{_listed(names)}]. A perturbation there would be shared by every mapped '
+        'example, so its gradient would be the SUM over them, not the per-example '
+        'activation gradient. Map the perturbations with the module, e.g. '
+        '`nnx.vmap(f, in_axes=(nnx.StateAxes({nnx.Perturbation: 0, ...: None}), 0))`, or '
+        'exclude the calls with the filter.')
+
+
+class NNXUnperturbedCallsWarning(UnperturbedCallsWarning):
+  """Selected calls inside an NNX transform that cannot carry a perturbation."""
+
+  def __init__(self, names):
+    UserWarning.__init__(
+        self,
+        f'{len(names)} selected call(s) run inside an NNX transform (nnx.scan, nnx.vmap, '
+        '...) that broadcasts the module\'s state, so they get no perturbation point and '
+        f'no activation gradient: [{_listed(names)}]. For per-iteration gradients let '
+        'the transform map the perturbations, e.g. `nnx.scan(f, in_axes=(nnx.StateAxes('
+        '{nnx.Perturbation: 0, ...: None}), nnx.Carry))`; to silence this, exclude the '
+        'calls with the filter.')

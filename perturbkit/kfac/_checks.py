@@ -1,0 +1,62 @@
+"""Whether the layers given to a K-FAC estimator describe the model it runs.
+
+:class:`KFACLayers` normally come from ``kfac_layers`` on the same model and
+the same predict function. Layers built by hand, for another model or for
+another predict function may name a layer the model no longer has, with
+another kernel shape or another number of calls, or a layer whose params the
+model also reads outside its calls (a tied head): its factors would then
+precondition a gradient they do not describe. The estimators check each new
+input signature once, while tracing (one more abstract trace of the model).
+"""
+from typing import Any
+
+import jax
+
+from perturbkit.errors import KFACShapeError, KFACUnsupportedLayerError
+from perturbkit.kfac._layers import KFACLayers, outside_reason
+
+
+def signature(tree: Any) -> tuple:
+  """A hashable key of a tree's structure, shapes and dtypes (arrays or tracers)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((getattr(x, 'shape', None), str(getattr(x, 'dtype', type(x))))
+                        for x in leaves)
+
+
+def abstract(tree: Any) -> Any:
+  """The tree with every array replaced by its ``ShapeDtypeStruct``."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                      if hasattr(x, 'shape') and hasattr(x, 'dtype') else x, tree)
+
+
+def check_kernel_shapes(layers: KFACLayers, shapes: dict[str, tuple | None]) -> None:
+  """Raises :class:`KFACShapeError` where a layer's weight is missing or has another shape.
+
+  ``shapes`` maps each layer name to its weight's shape in the model, or ``None``.
+  """
+  for name, info in layers.layers.items():
+    shape = shapes.get(name)
+    if shape is None:
+      raise KFACShapeError(name, f'the model has no {info.param!r} param at this path')
+    if tuple(shape) != tuple(info.kernel_shape):
+      raise KFACShapeError(name, f'its {info.param!r} has shape {tuple(shape)} in the model, '
+                                 f'{tuple(info.kernel_shape)} in the layers')
+
+
+def check_calls(name: str, expected: tuple[str, ...], made: Any) -> None:
+  """Raises :class:`KFACShapeError` unless the model made exactly the layer's recorded calls."""
+  made = () if made is None else tuple(k for k in made if k.startswith('__call__'))
+  if tuple(sorted(made)) != tuple(sorted(expected)):
+    raise KFACShapeError(name, f'the model calls it as {list(made)}, the layers record '
+                               f'{list(expected)} (a call left out would be missing from the '
+                               'factors)')
+
+
+def refuse_outside_reads(reads: dict[str, set[str]], builder: str) -> None:
+  """Raises :class:`KFACUnsupportedLayerError` for a layer whose params are read outside its
+  calls; ``builder`` names the ``kfac_layers`` that would have skipped it."""
+  for name, what in sorted(reads.items()):
+    raise KFACUnsupportedLayerError(
+        name, outside_reason(what),
+        exclude=f'by building the layers with `{builder}` on this model and predict '
+                'function, which leaves such a layer to the fallback')

@@ -1,0 +1,253 @@
+"""The training gradient and every layer's Kronecker factors from one forward pass.
+
+The model runs once. Its output cotangents are stacked in lanes: lane 0 is the
+gradient of the mean loss at the true targets (the training gradient), the
+other lanes carry the Fisher: the gradient of the per-example loss at labels
+sampled from the model (``'sampled'``) or the columns of the output Fisher's
+square root (``'exact'``). ``jax.vmap`` over the lanes leaves the forward pass
+unbatched, so the backward pass is the only part done once per lane. With
+``'empirical'`` the training gradient's own backward pass gives the factors.
+
+The statistics can be skipped on most steps (``with_stats=False``, or a traced
+flag such as the preconditioner state's ``stats_due``): such a step is a plain
+``jax.value_and_grad`` of the loss, with no interception, no Fisher lane and no
+factor products, and its stats are NaN: the preconditioner does not use them on
+the steps where its ``stats_due`` is false, and folded in by mistake (a step
+without statistics where they were due) they turn the factors NaN at once
+rather than quietly pulling them towards zero.
+"""
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from perturbkit.linen._driver import value_and_grad
+from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
+                                     refuse_outside_reads, signature)
+from perturbkit.errors import KFACOutputError
+from perturbkit.kfac._layers import KFACLayers
+from perturbkit.kfac._losses import OutputLoss, as_output_loss
+from perturbkit.kfac._reads import outside_reads
+from perturbkit.kfac._rules import LayerFactors, batch_factors, call_input, factor_shapes
+from perturbkit.core._trees import find_in, get_in
+from perturbkit.core._types import Variables
+
+
+def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
+  """The stats of a step that took none: NaN factors of every layer's shapes.
+
+  The preconditioner folds stats only where its ``stats_due`` is true; NaN makes
+  a step without statistics on such a step show at once (NaN factors and
+  updates) instead of quietly pulling the running factors towards zero.
+  """
+  return {name: LayerFactors(*(jnp.full(s, jnp.nan, jnp.float32) for s in factor_shapes(info)))
+          for name, info in layers.layers.items()}
+
+
+def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
+                ) -> dict[str, LayerFactors]:
+  """Each layer's batch factors from its calls' captured inputs and output gradients.
+
+  ``captured`` is ``return_inputs``' tree of each call's ``(args, kwargs)`` and
+  ``output_grads`` the activation gradients with the lanes leading, both keyed
+  by module path and per-call key.
+  """
+  stats = {}
+  for name, info in layers.layers.items():
+    calls = find_in(captured, info.path)
+    check_calls(name, info.calls, calls)
+    point_grads = get_in(output_grads, info.path)
+    stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
+                                [point_grads[c] for c in info.calls])
+  return stats
+
+
+def split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+  """``(output, aux)`` of what ``predict_fn`` returned (``aux`` is ``None`` without
+  ``has_aux``)."""
+  output, aux = result, None
+  if has_aux:
+    if not (isinstance(result, tuple) and len(result) == 2):
+      raise KFACOutputError(f'{type(result).__name__} {jax.tree.map(jnp.shape, result)!r}',
+                            has_aux)
+    output, aux = result
+  if not (isinstance(output, jax.Array) and jnp.issubdtype(output.dtype, jnp.inexact)):
+    raise KFACOutputError(repr(jax.tree.map(jnp.shape, output)), has_aux)
+  return output, aux
+
+
+def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
+                key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """``(mean loss, (1 + L, *output.shape) cotangents)``: the training lane, then the
+  Fisher lanes."""
+  value, true_grad = jax.value_and_grad(lambda z: jnp.mean(loss.nll(z, targets)))(output)
+  if fisher == 'empirical':
+    return value, true_grad[None]
+  if fisher == 'sampled':
+    if key is None:
+      raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
+                      'targets, key).')
+    sampled = jax.lax.stop_gradient(loss.sample(key, output))
+    lanes = jax.grad(lambda z: jnp.sum(loss.nll(z, sampled)))(output)[None]
+  else:
+    if output.ndim != 2:
+      raise ValueError("fisher='exact' needs an output of shape (batch, k), got "
+                       f'{output.shape}.')
+    lanes = loss.fisher_sqrt(output)
+  return value, jnp.concatenate([true_grad[None], lanes.astype(true_grad.dtype)])
+
+
+def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
+                   layers: KFACLayers, *, fisher: str = 'sampled',
+                   has_aux: bool = False) -> Callable[..., Any]:
+  """A function giving the loss, its gradient and the K-FAC factors of one batch.
+
+  The factors are the ones in ``perturbkit.kfac._rules``: per layer
+  ``A = E[ã ãᵀ]`` (summed over locations; diagonal token counts for an Embed)
+  and ``G = E[g gᵀ]`` (averaged over locations), with ``g`` the gradient of the
+  per-example loss at the layer's output.
+
+  Args:
+    predict_fn: ``(variables, inputs) -> output`` of the unmodified model.
+    loss: The predictive distribution: :func:`categorical_output`,
+      :func:`gaussian_output`, ``'softmax_cross_entropy'``, ``'squared_error'``,
+      ``optax.softmax_cross_entropy_with_integer_labels``, ``optax.l2_loss`` or
+      ``optax.squared_error``; with ``fisher='empirical'`` also any
+      ``(output, targets) -> (batch,)`` per-example loss.
+    layers: From :func:`kfac_layers`.
+    fisher: ``'sampled'`` (labels drawn from the model: the Fisher; one more
+      backward lane), ``'empirical'`` (the true targets; no extra work) or
+      ``'exact'`` (the expectation over labels, one lane per output unit; for
+      ``(batch, k)`` outputs).
+    has_aux: ``predict_fn`` returns ``(output, aux)``, e.g. ``model.apply(v, x,
+      train=True, mutable=['batch_stats'])`` for BatchNorm in train mode; ``aux``
+      is returned as a fourth value. (BatchNorm's params have no rule and go
+      to the fallback; the batch statistics couple the examples, and the
+      factors are formed from the true per-example output gradients of that
+      coupled batch, as kfac-jax does.)
+
+  Returns:
+    ``estimate(variables, inputs, targets, key=None, *, with_stats=True) ->
+    (loss, grads, stats)`` (``(loss, grads, stats, aux)`` with ``has_aux``):
+    the mean loss at ``targets``, its gradient with
+    respect to ``variables['params']``, and ``{layer: LayerFactors}`` of this
+    batch. ``with_stats`` may be a Python bool or a traced boolean scalar;
+    without stats the step is a plain ``jax.value_and_grad`` and the stats are
+    NaN (never to be folded in). With a traced flag the gradient is always that plain one and only
+    the statistics are under ``lax.cond`` (so a step that takes them runs the
+    forward pass twice; the Python ``True`` shares one pass). Pass the
+    preconditioner state's ``stats_due`` to take them exactly on the steps
+    where :func:`kfac_preconditioner` (``stats_every``) folds them in. Pure and
+    jittable; under ``shard_map`` the stats are per device (the preconditioner
+    averages them over its ``axis_name``).
+
+  Raises:
+    KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
+    KFACOutputError: ``predict_fn`` returns something else than one
+      floating-point array (or ``(output, aux)`` with ``has_aux``).
+    KFACShapeError: ``layers`` name a weight the model does not have, of
+      another shape, or other calls than the model makes (checked once per
+      input signature, while tracing).
+    KFACUnsupportedLayerError: a layer's params are also read outside its
+      calls by this ``predict_fn`` (layers built by hand or for another
+      predict function; ``kfac_layers`` skips such layers).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
+    >>> x, y = jnp.ones((8, 5)), jnp.zeros((8,), jnp.int32)
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> predict = lambda v, x: model.apply(v, x)
+    >>> layers = perturbkit.kfac_layers(predict, variables, x)
+    >>> estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+    >>> loss, grads, stats = jax.jit(estimate)(variables, x, y, jax.random.key(1))
+    >>> stats['layers_0'].a.shape, stats['layers_0'].g.shape
+    ((6, 6), (4, 4))
+  """
+  output_loss = as_output_loss(loss, fisher)
+  paths = {info.path for info in layers.layers.values()}
+  if not paths:
+    raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
+  select = lambda module, method_name: method_name == '__call__' and tuple(module.path) in paths
+  checked = set()
+
+  def check_layers(variables, inputs):
+    """The layers' kernels and calls against the model, once per input signature."""
+    key = signature((variables, inputs))
+    if key in checked:
+      return
+    flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+    check_kernel_shapes(layers, {
+        name: getattr(flat.get(info.path + (info.param,)), 'shape', None)
+        for name, info in layers.layers.items()})
+    reads = outside_reads(predict_fn, abstract(variables), abstract(inputs),
+                          {info.path: name for name, info in layers.layers.items() if info.path})
+    refuse_outside_reads(reads, 'perturbkit.kfac_layers')
+    checked.add(key)
+
+  def output_shape(variables, inputs):
+    return jax.eval_shape(lambda v, x: split_output(predict_fn(v, x), has_aux)[0],
+                          variables, inputs).shape
+
+  def lane_loss(variables, inputs, targets, key, lane):
+    output, aux = split_output(predict_fn(variables, inputs), has_aux)
+    value, table = cotangents(output_loss, fisher, jax.lax.stop_gradient(output), targets, key)
+    cotangent = jax.lax.stop_gradient(table[lane])
+    return jnp.sum(output * cotangent.astype(output.dtype)), (value, aux)
+
+  grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
+
+  def mean_loss(params, variables, inputs, targets):
+    output, aux = split_output(predict_fn({**variables, 'params': params}, inputs), has_aux)
+    return jnp.mean(output_loss.nll(output, targets)), aux
+
+  def without_stats(variables, inputs, targets):
+    (value, aux), param_grads = jax.value_and_grad(mean_loss, has_aux=True)(
+        variables['params'], variables, inputs, targets)
+    return value, param_grads, absent_stats(layers), aux
+
+  def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
+               *, with_stats: bool | jax.Array = True):
+    check_layers(variables, inputs)
+    if isinstance(with_stats, bool):
+      if with_stats:
+        out = with_stats_fn(variables, inputs, targets, key)
+      else:
+        out = without_stats(variables, inputs, targets)
+    else:
+      if fisher == 'sampled' and key is None:
+        raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
+                        'targets, key).')
+      # The gradient stays outside the conditional: XLA:CPU runs convolutions inside
+      # control flow several times slower, and most steps take no statistics.
+      value, param_grads, absent, aux = without_stats(variables, inputs, targets)
+      stats = jax.lax.cond(jnp.asarray(with_stats, bool),
+                           lambda: with_stats_fn(variables, inputs, targets, key,
+                                                 fisher_only=True)[2],
+                           lambda: absent)
+      out = value, param_grads, stats, aux
+    return out if has_aux else out[:3]
+
+  def with_stats_fn(variables, inputs, targets, key, fisher_only=False):
+    if fisher == 'empirical':
+      (_, (value, aux)), grads, captured = grad_fn(variables, inputs, targets, key, 0)
+      examples = output_shape(variables, inputs)[0]
+      # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
+      output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
+      param_grads = grads['params']
+    else:
+      shape = output_shape(variables, inputs)
+      # Lane 0 (the training gradient) is left out when only the Fisher lanes are wanted.
+      lanes = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + shape[-1])
+      (_, (value, aux)), grads, captured = jax.vmap(
+          grad_fn, in_axes=(None, None, None, None, 0), out_axes=((0, None), 0, None))(
+              variables, inputs, targets, key, lanes)
+      param_grads = jax.tree.map(lambda g: g[0], grads['params'])
+      output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
+    return value, param_grads, layer_stats(layers, captured, output_grads), aux
+
+  return estimate
+

@@ -1,0 +1,55 @@
+"""Whether each K-FAC layer's calls see the examples one by one.
+
+``G`` is an average over examples of ``g gᵀ``, ``g`` the gradient of ONE
+example's loss at the layer's output. A call whose input is not computed from
+the batch and has no examples axis (Whisper's encoder looks its positions up
+with ``jnp.arange(max_source_positions)``) gives an output every example
+shares: the gradient at it is already summed over the examples, and factors
+formed from it would be ``(Σ g)(Σ g)ᵀ`` instead of ``Σ g gᵀ``. Such a layer is
+skipped (refused when a filter selects it).
+
+Whether an input is computed from the batch is read off the jaxpr of one
+abstract run (``_per_example_inputs.depends_on``), never guessed. An input
+that is not, but whose first axis has the batch's size, is taken as built for
+the batch (positions broadcast to ``(batch, length)``, as Hugging Face models
+make them when none are passed).
+"""
+from typing import Any
+
+import jax
+
+from perturbkit.core._dependence import depends_on
+
+
+def num_examples(inputs: Any) -> int | None:
+  """The batch size: the first axis of the first array of ``inputs`` that has one."""
+  for leaf in jax.tree.leaves(inputs):
+    if jax.numpy.ndim(leaf) >= 1:
+      return int(jax.numpy.shape(leaf)[0])
+  return None
+
+
+def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
+                         recorded: list[tuple[str, tuple]]) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call that does not see the examples.
+
+  Args:
+    jaxpr: A closed jaxpr of ``(shared, inputs)`` whose outputs are the recorded
+      calls' inputs, in order.
+    shared: Its first argument, the same for every example (the model's variables).
+    inputs: Its second argument, the batch.
+    recorded: ``(layer name, input shape)`` of each output of ``jaxpr``.
+  """
+  examples = num_examples(inputs)
+  batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
+  from_batch = depends_on(jaxpr.jaxpr, batched)
+  reasons: dict[str, str] = {}
+  for (name, shape), dependent in zip(recorded, from_batch):
+    if dependent or (examples is not None and len(shape) >= 1 and shape[0] == examples):
+      continue
+    reasons.setdefault(
+        name, f'its input (shape {tuple(shape)}) is neither computed from the batch nor has '
+              f'the batch\'s {examples} examples on its first axis (e.g. positions built '
+              'inside the model): the gradient at its output is summed over the examples, '
+              'and K-FAC needs each example\'s')
+  return reasons

@@ -1,0 +1,199 @@
+"""Which calls of a model K-FAC preconditions, found by one abstract run.
+
+A K-FAC layer is a module that owns params and whose every call has a
+Kronecker-factor rule (``_kfac_rules``). A module that owns params but has no
+rule (LayerNorm, BatchNorm, a grouped Conv, ``Embed.attend``, a layer inside a
+lifted transform, the root's own ``self.param``) is listed in
+``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
+So is a Dense/Conv/Embed whose params the model also reads outside its calls
+(a tied LM head on the transposed embedding): its calls' factors would not
+cover that part of the gradient (``_kfac_reads``); and one with a call whose
+output every example shares (a position table the model looks up with
+``jnp.arange``): the gradient at it is summed over the examples
+(``_kfac_examples``).
+"""
+from typing import Any, Callable, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from perturbkit.core import filters as _filters
+from perturbkit.linen._driver import value_and_grad
+from perturbkit.errors import NoPerturbationPointsError
+from perturbkit.linen._interceptor import intercept
+from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.kfac._examples import shared_input_reasons
+from perturbkit.kfac._reads import outside_reads
+from perturbkit.kfac._rules import LayerInfo, call_input, describe, unsupported_reason
+from perturbkit.core._points import inside_lifted_transform
+from perturbkit.core._trees import get_in
+from perturbkit.core._types import CallFilter, Variables
+
+_LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), where its '
+           'inputs are not available')
+
+
+def outside_reason(what: set[str]) -> str:
+  return ('its params are also read outside its calls (by ' + ', '.join(sorted(what)) +
+          '), e.g. tied weights such as an LM head on the transposed embedding: K-FAC '
+          'has no factors for that part of their gradient')
+
+
+def skip_layers(layers: dict, skipped: dict, reasons: dict[str, str], user_filter: bool,
+                filters: str) -> None:
+  """Moves the layers in ``reasons`` from ``layers`` to ``skipped``, with their reasons.
+
+  With a filter of the user's (``user_filter``) such a layer was asked for by
+  name or kind, so it is refused instead, with the exclusion written in the
+  ``filters`` module the user's front end has (``'perturbkit.filters'`` or
+  ``'perturbkit.nnx.filters'``).
+  """
+  for name, reason in reasons.items():
+    if user_filter:
+      raise KFACUnsupportedLayerError(
+          name, reason, exclude=f'`{filters}.all_of(your_filter, {filters}.negate('
+                                f'{filters}.by_path({name!r})))`')
+    del layers[name]
+    skipped[name] = reason
+
+
+class KFACLayers(NamedTuple):
+  """The layers K-FAC preconditions and the param owners it leaves out.
+
+  Attributes:
+    layers: ``{'Dense_0': LayerInfo, 'Block_0/Conv_1': LayerInfo, ...}``, keyed
+      by the module path joined with ``/``.
+    skipped: ``{path: reason}`` for every other module that owns params.
+  """
+  layers: dict[str, LayerInfo]
+  skipped: dict[str, str]
+
+
+def _float_sum(tree: Any) -> jax.Array:
+  leaves = [jnp.sum(leaf) for leaf in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  return sum(leaves, jnp.zeros((), jnp.float32))
+
+
+def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
+                inputs: Any, *, filter: CallFilter | None = None) -> KFACLayers:
+  """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
+
+  Runs ``predict_fn`` abstractly (``jax.eval_shape``: no FLOPs) and records
+  every submodule call, then traces it twice more: to check that each layer's
+  params are read by its own calls only (a tied embedding that an LM head
+  also multiplies by is skipped, with the reads named), and that each call's
+  input carries the examples (a position table looked up with positions the
+  model builds itself, shared by every example, is skipped).
+
+  Args:
+    predict_fn: ``(variables, inputs) -> output``, e.g.
+      ``lambda v, x: model.apply(v, x)``.
+    variables: The model variables (``'params'`` and any other collection).
+    inputs: An example batch, as ``predict_fn`` takes it.
+    filter: Which calls to precondition (default: every Dense, Conv and Embed
+      call). A call it selects that has no rule is an error.
+
+  Returns:
+    A :class:`KFACLayers`.
+
+  Raises:
+    KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
+      module that owns params, a layer whose params are also read outside
+      its calls, or one with a call every example shares.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+    >>> x = jnp.ones((3, 5))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+    >>> sorted(layers.layers), layers.skipped
+    (['layers_0', 'layers_2'], {'layers_1': 'LayerNorm has no Kronecker-factor rule'})
+  """
+  user = None if filter is None else _filters.as_filter(filter)
+  supported: dict[tuple, nn.Module] = {}
+  unsupported: dict[tuple, str] = {}
+  selected_unsupported: dict[tuple, str] = {}
+  unselected: set[tuple] = set()
+
+  def recorder(module: nn.Module, method_name: str) -> bool:
+    path = tuple(module.path)
+    if user is not None and not user(module, method_name):
+      unselected.add(path)
+      return False
+    reason = unsupported_reason(module, method_name)
+    if reason is None and inside_lifted_transform(module):
+      reason = _LIFTED
+    if reason is not None:
+      unsupported.setdefault(path, reason)
+      if user is not None:
+        selected_unsupported.setdefault(path, f'{reason} ({method_name})')
+      return False
+    supported[path] = module
+    return True
+
+  loss_fn = lambda v, x: _float_sum(predict_fn(v, x))
+  try:
+    _, shapes = jax.eval_shape(value_and_grad(loss_fn, filter=recorder, strict=False),
+                               variables, inputs)
+    points = shapes['perturbations']
+  except NoPerturbationPointsError:
+    points = {}
+
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+  owners = sorted({key[:-1] for key in flat})
+  layers: dict[str, LayerInfo] = {}
+  skipped: dict[str, str] = {}
+  for owner in owners:
+    name = '/'.join(owner) or '<root>'
+    if owner in selected_unsupported:
+      raise KFACUnsupportedLayerError(name, selected_unsupported[owner])
+    if owner in unsupported:
+      skipped[name] = unsupported[owner]
+    elif owner in supported:
+      module = supported[owner]
+      param = 'embedding' if isinstance(module, nn.Embed) else 'kernel'
+      calls = tuple(k for k in get_in(points, owner) if k.startswith('__call__'))
+      layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)
+    elif owner in unselected:
+      skipped[name] = 'not selected by the filter'
+    else:
+      skipped[name] = 'its params are not used through a call of its own'
+  reads = outside_reads(predict_fn, variables, inputs,
+                        {info.path: name for name, info in layers.items() if info.path})
+  skip_layers(layers, skipped, {name: outside_reason(what) for name, what in reads.items()},
+              user is not None, 'perturbkit.filters')
+  skip_layers(layers, skipped, _shared_inputs(predict_fn, variables, inputs, layers),
+              user is not None, 'perturbkit.filters')
+  return KFACLayers(layers, dict(sorted(skipped.items())))
+
+
+def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
+                   inputs: Any, layers: dict[str, LayerInfo]) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call whose input does not carry the
+  examples (``_kfac_examples``), from one abstract trace."""
+  names = {info.path: name for name, info in layers.items()}
+  recorded: list[tuple[str, tuple]] = []
+  select = lambda module, method_name: (method_name == '__call__'
+                                        and tuple(module.path) in names)
+
+  def traced(variables, inputs):
+    captured = []
+
+    def on_call(call, run):
+      x = call_input(call.args, call.kwargs)
+      recorded.append((names[tuple(call.path)], tuple(jnp.shape(x))))
+      captured.append(x)
+      return run()
+
+    with intercept(select, on_call):
+      predict_fn(variables, inputs)
+    return captured
+
+  jaxpr = jax.make_jaxpr(traced)(variables, inputs)
+  return shared_input_reasons(jaxpr, variables, inputs, recorded)

@@ -1,0 +1,179 @@
+"""The training gradient and every layer's Kronecker factors of an NNX model, from one pass.
+
+The NNX counterpart of ``_kfac_estimator``, with the same lanes: the output
+cotangents (``cotangents``: lane 0 the gradient of the mean loss, then the
+Fisher's lanes) go through one forward pass, ``jax.vmap`` over the lanes
+leaves that pass unbatched, and :func:`perturbkit.nnx.value_and_grad` with
+``return_inputs=True`` gives each layer's inputs next to the gradient at its
+output. The model is split once (``nnx.split``) so that the lanes and the
+``lax.cond`` of a traced ``with_stats`` run on pure state; the state the
+forward pass changes (batch statistics, RNG counts) is written back to the
+model, as ``nnx.value_and_grad`` does.
+"""
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from perturbkit.kfac._checks import check_kernel_shapes, refuse_outside_reads, signature
+from perturbkit.kfac._estimator import cotangents, split_output, absent_stats, layer_stats
+from perturbkit.kfac._layers import KFACLayers
+from perturbkit.kfac._losses import as_output_loss
+from perturbkit.nnx._calls import path_of, submodules
+from perturbkit.nnx._driver import value_and_grad
+from perturbkit.kfac._nnx_layers import call_model, outside_reads
+
+
+def kfac_estimator(loss: Any, layers: KFACLayers, *,
+                   predict: Callable[[nnx.Module, Any], Any] | None = None,
+                   fisher: str = 'sampled', has_aux: bool = False) -> Callable[..., Any]:
+  """A function giving the loss, its NNX param gradients and the K-FAC factors of a batch.
+
+  The factors are those of :func:`perturbkit.kfac_estimator` (the same rules,
+  the same lanes), so an NNX model and its Linen twin with the same weights
+  give the same factors for the same key.
+
+  Args:
+    loss: The predictive distribution, as for :func:`perturbkit.kfac_estimator`:
+      ``'softmax_cross_entropy'``, ``'squared_error'``,
+      :func:`perturbkit.categorical_output`, :func:`perturbkit.gaussian_output`,
+      the matching optax losses; with ``fisher='empirical'`` also any
+      ``(output, targets) -> (batch,)`` per-example loss.
+    layers: From :func:`perturbkit.nnx.kfac_layers`.
+    predict: ``(model, inputs) -> output`` (default ``model(inputs)``).
+    fisher: ``'sampled'``, ``'empirical'`` or ``'exact'``.
+    has_aux: ``predict`` returns ``(output, aux)``; ``aux`` is returned as a
+      fourth value. (BatchNorm's statistics need no ``aux`` in NNX: they are
+      updated in the model.)
+
+  Returns:
+    ``estimate(model, inputs, targets, key=None, *, with_stats=True) ->
+    (loss, grads, stats)``: the mean loss at ``targets``, its gradient with
+    respect to the model's ``nnx.Param``s (an ``nnx.State``, as ``nnx.grad``
+    gives, for ``optimizer.update(model, grads, kfac_stats=stats)``) and
+    ``{layer: LayerFactors}``. ``with_stats`` is a Python bool or a traced
+    boolean (the preconditioner state's ``stats_due``), as in the Linen
+    estimator. The model's non-param state (batch statistics, RNG counts) is
+    updated once, as by one ``nnx.value_and_grad`` step. Works eagerly and
+    under ``nnx.jit``.
+
+  Raises:
+    KFACLossError: ``loss`` has no distribution to sample from.
+    KFACOutputError: ``predict`` returns something else than one
+      floating-point array (or ``(output, aux)`` with ``has_aux``).
+    KFACShapeError, KFACUnsupportedLayerError: ``layers`` do not describe the
+      model (as for :func:`perturbkit.kfac_estimator`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 3, rngs=nnx.Rngs(1)))
+    >>> x, y = jnp.ones((8, 5)), jnp.zeros((8,), jnp.int32)
+    >>> layers = perturbkit.nnx.kfac_layers(model, x)
+    >>> estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
+    >>> loss, grads, stats = nnx.jit(estimate)(model, x, y, jax.random.key(1))
+    >>> stats['layers/0'].a.shape, stats['layers/0'].g.shape, grads['layers'][2]['bias'].shape
+    ((6, 6), (4, 4), (3,))
+  """
+  output_loss = as_output_loss(loss, fisher)
+  predict = call_model if predict is None else predict
+  paths = {info.path for info in layers.layers.values()}
+  if not paths:
+    raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
+  select = lambda module, method_name: method_name == '__call__' and path_of(module) in paths
+  checked = set()
+
+  def check_layers(model, inputs):
+    """The layers' kernels and calls against the model, once per input signature."""
+    key = signature((nnx.graphdef(model), nnx.state(model), inputs))
+    if key in checked:
+      return
+    modules = dict(submodules(model))
+    shapes = {}
+    for name, info in layers.layers.items():
+      weight = getattr(modules.get(info.path), info.param, None)
+      shapes[name] = None if weight is None else jnp.shape(weight[...])
+    check_kernel_shapes(layers, shapes)
+    reads = outside_reads(model, inputs, predict,
+                          {info.path: name for name, info in layers.layers.items()})
+    refuse_outside_reads(reads, 'perturbkit.nnx.kfac_layers')
+    checked.add(key)
+
+  def output(model, inputs):
+    return split_output(predict(model, inputs), has_aux)
+
+  def lane_loss(model, inputs, targets, key, lane):
+    out, aux = output(model, inputs)
+    value, table = cotangents(output_loss, fisher, jax.lax.stop_gradient(out), targets, key)
+    cotangent = jax.lax.stop_gradient(table[lane])
+    return jnp.sum(out * cotangent.astype(out.dtype)), (value, aux)
+
+  grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
+
+  def mean_loss(model, inputs, targets):
+    out, aux = output(model, inputs)
+    return jnp.mean(output_loss.nll(out, targets)), aux
+
+  def without_stats(model, inputs, targets):
+    (value, aux), param_grads = nnx.value_and_grad(mean_loss, has_aux=True)(
+        model, inputs, targets)
+    return value, param_grads, absent_stats(layers), aux
+
+  def with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=False):
+    """``(value, param_grads, stats, aux, new_state)`` from the pure ``state``."""
+    def lanes(lane):
+      model = nnx.merge(graphdef, state)
+      (_, (value, aux)), grads, captured = grad_fn(model, inputs, targets, key, lane)
+      return (value, aux), grads, captured, nnx.state(model)
+
+    if fisher == 'empirical':
+      (value, aux), grads, captured, new_state = lanes(0)
+      examples = nnx.eval_shape(lambda m: output(m, inputs)[0],
+                                nnx.merge(graphdef, state)).shape[0]
+      # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
+      output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
+      param_grads = grads['params']
+    else:
+      shape = nnx.eval_shape(lambda m: output(m, inputs)[0], nnx.merge(graphdef, state)).shape
+      # Lane 0 (the training gradient) is left out when only the Fisher lanes are wanted.
+      lane_ids = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + shape[-1])
+      (value, aux), grads, captured, new_state = jax.vmap(
+          lanes, out_axes=((None, None), 0, None, None))(lane_ids)
+      param_grads = jax.tree.map(lambda g: g[0], grads['params'])
+      output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
+    return value, param_grads, layer_stats(layers, captured, output_grads), aux, new_state
+
+  def estimate(model: nnx.Module, inputs: Any, targets: Any, key: jax.Array | None = None,
+               *, with_stats: bool | jax.Array = True):
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+    if fisher == 'sampled' and key is None and with_stats is not False:
+      raise TypeError("fisher='sampled' needs a PRNG key: estimate(model, inputs, targets, "
+                      'key).')
+    check_layers(model, inputs)
+    # Plain arrays: Variables made outside would be at another trace level than the
+    # lanes' vmap and the conditional, where the model is rebuilt from them.
+    graphdef, state = nnx.split(model)
+    state = nnx.as_pure(state)
+    if isinstance(with_stats, bool):
+      if with_stats:
+        value, param_grads, stats, aux, new_state = with_stats_fn(
+            graphdef, state, inputs, targets, key)
+        nnx.update(model, new_state)
+      else:
+        value, param_grads, stats, aux = without_stats(model, inputs, targets)
+    else:
+      # As in the Linen estimator: the gradient stays outside the conditional, and the
+      # statistics' forward pass runs on the state from before this step.
+      value, param_grads, absent, aux = without_stats(model, inputs, targets)
+      stats = jax.lax.cond(jnp.asarray(with_stats, bool),
+                           lambda: with_stats_fn(graphdef, state, inputs, targets, key,
+                                                 fisher_only=True)[2],
+                           lambda: absent)
+    out = value, param_grads, stats, aux
+    return out if has_aux else out[:3]
+
+  return estimate

@@ -1,0 +1,254 @@
+"""Which calls of an NNX model K-FAC preconditions, found by one abstract run.
+
+The NNX counterpart of ``_kfac_layers``: every submodule call of
+``predict(model, inputs)`` is recorded (``_nnx_calls.instrument`` under
+``nnx.eval_shape``: no FLOPs, the model untouched), and every module that owns
+``nnx.Param``s becomes a :class:`LayerInfo` when all its calls have a rule:
+``nnx.Linear`` is ``'dense'``, ``nnx.Conv`` ``'conv'``, ``nnx.Embed``
+``'embed'``, with the same param names (``kernel``/``bias``/``embedding``) and
+the same factors as their Linen twins (``_kfac_rules``). Others are listed in
+``KFACLayers.skipped`` with the reason.
+
+So is a layer whose params the model also reads outside its own calls (a tied
+LM head ``h @ self.embed.embedding[...].T``, a kernel reused by hand, a loss
+term on it): its calls' factors would not cover that part of the gradient.
+The reads are found as for the interleaved schedule's segments: one more
+abstract run in which every call of a layer is replayed as a ``custom_vjp``
+function named after it (``_nnx_segments.run_segment``), then
+``_consumers.reads_outside`` on the jaxpr. A layer with a call whose input
+does not carry the examples (a position table looked up with ``jnp.arange``
+inside the model) is skipped as in Linen (``_kfac_examples``).
+"""
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from perturbkit.core import filters as _filters
+from perturbkit.core._consumers import reads_outside
+from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.kfac._examples import shared_input_reasons
+from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
+from perturbkit.kfac._rules import ConvGeometry, LayerInfo, hashable, as_tuple, call_input
+from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
+from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
+from perturbkit.core._segment_choice import flat_leaf_owners
+from perturbkit.core._types import CallFilter
+
+_IN_TRANSFORM = ('it runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat), where its '
+                 'inputs are not available')
+
+
+def call_model(model: nnx.Module, inputs: Any) -> Any:
+  """The default ``predict``: ``model(inputs)``."""
+  return model(inputs)
+
+
+def layer_name(path: NNXPath) -> str:
+  """``'layers/0'``: the name of a layer in ``KFACLayers.layers`` and in the stats."""
+  return '/'.join(map(str, path)) or '<root>'
+
+
+def unsupported_reason(call: Call) -> str | None:
+  """Why an NNX call has no K-FAC rule, or ``None`` when it has one."""
+  module, name = call.module, type(call.module).__name__
+  if not isinstance(module, (nnx.Linear, nnx.Conv, nnx.Embed)):
+    return f'{name} has no Kronecker-factor rule'
+  if call.method_name != '__call__':
+    return f'{name}.{call.method_name} has no Kronecker-factor rule (only __call__)'
+  if isinstance(module, nnx.Conv) and module.feature_group_count != 1:
+    return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  if call.copied:
+    return _IN_TRANSFORM
+  return None
+
+
+def describe(module: nnx.Module, path: NNXPath, kernel_shape: tuple[int, ...],
+             calls: tuple[str, ...]) -> LayerInfo:
+  """The :class:`LayerInfo` of a supported NNX module (see :func:`unsupported_reason`)."""
+  if isinstance(module, nnx.Embed):
+    return LayerInfo('embed', path, 'embedding', kernel_shape, False, calls)
+  if isinstance(module, nnx.Linear):
+    return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls)
+  size = tuple(module.kernel_size)
+  geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
+                          as_tuple(module.input_dilation, len(size)),
+                          as_tuple(module.kernel_dilation, len(size)))
+  return LayerInfo('conv', path, 'kernel', kernel_shape, module.use_bias, calls, geometry)
+
+
+def _recorded_calls(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
+                    user: CallFilter | None) -> list[tuple[Call, bool]]:
+  """Every submodule call, and whether ``user`` selects it (asked during the call, while
+  the module knows its path, so that path filters work)."""
+  calls: list[tuple[Call, bool]] = []
+
+  def record(call: Call, run: Callable[[], Any]) -> Any:
+    calls.append((call, user is None or bool(user(call.module, call.method_name))))
+    return run()
+
+  def traced(model, inputs):
+    with instrument([model], record, transparent=True):
+      return predict(model, inputs)
+
+  nnx.eval_shape(traced, model, inputs)
+  return calls
+
+
+def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
+                  paths: Mapping[NNXPath, str]) -> dict[str, set[str]]:
+  """``{layer name: {primitives}}`` reading a layer's params outside its own calls.
+
+  Args:
+    model: The ``nnx.Module`` (left untouched: a copy is traced).
+    inputs: An example batch.
+    predict: ``(model, inputs) -> output``.
+    paths: ``{module path: layer name}`` of the layers to check; every
+      ``__call__`` of these modules is one named call (the same name as its
+      segment in the interleaved schedule).
+
+  Returns:
+    The layers whose params something else reads (another method such as
+    ``attend``, an inline ``kernel[...].T``, another module's call), with what
+    reads them; a layer absent from the result is used through its calls only.
+  """
+  if not paths:
+    return {}
+  graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  # Only traced forward: the backward steps are never called.
+  no_backward = lambda *_: (None, ())
+
+  def traced(params):
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    modules = dict(submodules(copy))
+    plain = {path: nnx.graphdef(modules[path]) for path in paths if path in modules}
+
+    def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      if call.copied or call.method_name != '__call__' or call.path not in plain:
+        return run()
+      return run_segment(call, plain[call.path], nnx.Param, no_backward, ())
+
+    with instrument([copy], on_call):
+      return predict(copy, inputs)
+
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(traced)(params)
+  return reads_outside(jaxpr, flat_leaf_owners(params, [segment_name(p) for p in paths]))
+
+
+def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
+                  layers: Mapping[str, LayerInfo]) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call whose input does not carry the
+  examples (``_kfac_examples``), from one abstract trace of a copy of the model."""
+  names = {info.path: name for name, info in layers.items()}
+  graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  recorded: list[tuple[str, tuple]] = []
+
+  def traced(params, inputs):
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    captured = []
+
+    def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      if not call.copied and call.method_name == '__call__' and call.path in names:
+        x = call_input(call.args, call.kwargs)
+        recorded.append((names[call.path], tuple(jnp.shape(x))))
+        captured.append(x)
+      return run()
+
+    with instrument([copy], on_call, transparent=True):
+      predict(copy, inputs)
+    return captured
+
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(traced)(params, inputs)
+  return shared_input_reasons(jaxpr, params, inputs, recorded)
+
+
+def kfac_layers(model: nnx.Module, inputs: Any, *,
+                predict: Callable[[nnx.Module, Any], Any] | None = None,
+                filter: CallFilter | None = None) -> KFACLayers:
+  """The Linear, Conv and Embed calls of an unmodified NNX model, for K-FAC.
+
+  Runs ``predict(model, inputs)`` abstractly (``nnx.eval_shape``: no FLOPs, the
+  model's state unchanged) and records every submodule call, then traces it
+  once more to check that each layer's params are read by its own calls only
+  (an embedding that an LM head also multiplies by, ``h @ embed.embedding[...].T``
+  or ``embed.attend(h)``, is skipped with the reads named).
+
+  Args:
+    model: The ``nnx.Module``.
+    inputs: An example batch, as ``predict`` takes it.
+    predict: ``(model, inputs) -> output`` (default ``model(inputs)``), e.g.
+      ``lambda m, x: m(x, train=True)``.
+    filter: Which calls to precondition (default: every Linear, Conv and Embed
+      call; see ``perturbkit.nnx.filters``). A call it selects that has no
+      rule is an error.
+
+  Returns:
+    A :class:`perturbkit.KFACLayers` keyed by the module path joined with
+    ``/`` (``'layers/0'``); each ``LayerInfo.path`` is the path in
+    ``nnx.state(model, nnx.Param)`` (integers for ``nnx.List`` items).
+
+  Raises:
+    KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
+      module that owns params, a layer whose params are also read outside
+      its calls, or one with a call every example shares.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    >>> layers = perturbkit.nnx.kfac_layers(model, jnp.ones((3, 5)))
+    >>> sorted(layers.layers), layers.skipped
+    (['layers/0', 'layers/2'], {'layers/1': 'LayerNorm has no Kronecker-factor rule'})
+  """
+  predict = call_model if predict is None else predict
+  user = None if filter is None else _filters.as_filter(filter)
+  supported: dict[NNXPath, tuple[nnx.Module, list[str]]] = {}
+  unsupported: dict[NNXPath, str] = {}
+  selected_unsupported: dict[NNXPath, str] = {}
+  unselected: set[NNXPath] = set()
+  for call, selected in _recorded_calls(model, inputs, predict, user):
+    if not selected:
+      unselected.add(call.path)
+      continue
+    reason = unsupported_reason(call)
+    if reason is not None:
+      unsupported.setdefault(call.path, reason)
+      if user is not None:
+        selected_unsupported.setdefault(call.path, f'{reason} ({call.method_name})')
+      continue
+    supported.setdefault(call.path, (call.module, []))[1].append(call.key)
+
+  params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  owners = sorted({path[:-1] for path in params}, key=lambda p: tuple(map(str, p)))
+  layers: dict[str, LayerInfo] = {}
+  skipped: dict[str, str] = {}
+  for owner in owners:
+    name = layer_name(owner)
+    if owner in selected_unsupported:
+      raise KFACUnsupportedLayerError(
+          name, selected_unsupported[owner],
+          exclude='`perturbkit.nnx.filters.by_type(nnx.Linear, nnx.Conv, nnx.Embed)`')
+    if owner in unsupported:
+      skipped[name] = unsupported[owner]
+    elif owner in supported:
+      module, keys = supported[owner]
+      param = 'embedding' if isinstance(module, nnx.Embed) else 'kernel'
+      shape = tuple(jnp.shape(params[owner + (param,)].get_value()))
+      layers[name] = describe(module, owner, shape, tuple(keys))
+    elif owner in unselected:
+      skipped[name] = 'not selected by the filter'
+    else:
+      skipped[name] = 'its params are not used through a call of its own'
+  reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)
+                                                 for info in layers.values() if info.path})
+  skip_layers(layers, skipped, {name: outside_reason(what) for name, what in reads.items()},
+              user is not None, 'perturbkit.nnx.filters')
+  skip_layers(layers, skipped, shared_inputs(model, inputs, predict, layers),
+              user is not None, 'perturbkit.nnx.filters')
+  return KFACLayers(layers, {layer_name(o): skipped[layer_name(o)] for o in owners
+                             if layer_name(o) in skipped})

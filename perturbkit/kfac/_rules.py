@@ -1,0 +1,222 @@
+"""Kronecker-factor rules of the layer kinds K-FAC knows: Dense, Conv and Embed.
+
+Each selected call gives rows ``a`` (the layer's input, as the weight matrix
+sees it) and rows ``g`` (the gradient at its output, per example). With ``N``
+examples (the size of the input's first axis) and ``M`` rows in all:
+
+* ``A = (1/N) Σ_rows ã ãᵀ`` where ``ã = [a, 1]`` when the layer has a bias, so
+  that the kernel and the bias form one matrix ``Θ = [W; b]`` of shape
+  ``(d_in + 1, d_out)``;
+* ``G = (1/M) Σ_rows g gᵀ``.
+
+For a Dense call on ``(N, d_in)`` inputs ``M = N`` and these are ``E[ã ãᵀ]`` and
+``E[g gᵀ]``. Extra leading axes (a sequence, the spatial positions of a
+convolution, several calls of one module) are treated as locations, as Grosse &
+Martens (2016) do for convolutions: ``A`` SUMS over the ``T = M/N`` locations of
+an example and ``G`` AVERAGES over them, so ``A ⊗ G`` approximates the Fisher
+block ``E[Σ_t Σ_t' (ã_t ã_t'ᵀ) ⊗ (g_t g_t'ᵀ)]`` under their independence
+assumptions. A Conv's rows are its input patches (``perturbkit.core._conv_patches``),
+in the flattened kernel's ``(*kernel_size, in_features)`` order. An Embed's ``ã`` is a one-hot row, so
+``A`` is diagonal: ``A = diag(token counts) / N``.
+"""
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.linear import canonicalize_padding
+
+from perturbkit.core._conv_patches import conv_patches as patches_of
+
+KINDS = ('dense', 'conv', 'embed')
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class ConvGeometry(NamedTuple):
+  """The static attributes of an ``nn.Conv`` that decide its patches."""
+  kernel_size: tuple[int, ...]
+  strides: tuple[int, ...]
+  padding: Any
+  input_dilation: tuple[int, ...]
+  kernel_dilation: tuple[int, ...]
+
+
+class LayerInfo(NamedTuple):
+  """One K-FAC layer: a module whose calls all have a rule.
+
+  Attributes:
+    kind: ``'dense'``, ``'conv'`` or ``'embed'``.
+    path: The module's path, as in the params tree.
+    param: The preconditioned weight: ``'kernel'`` or ``'embedding'``.
+    kernel_shape: Its shape.
+    use_bias: Whether the ``'bias'`` is preconditioned with it (Dense, Conv).
+    calls: The point keys of its calls (``'__call__'``, ``'__call__#1'``, ...).
+    conv: The geometry of a Conv, else ``None``.
+  """
+  kind: str
+  path: tuple[str, ...]
+  param: str
+  kernel_shape: tuple[int, ...]
+  use_bias: bool
+  calls: tuple[str, ...]
+  conv: ConvGeometry | None = None
+
+
+class LayerFactors(NamedTuple):
+  """The two Kronecker factors of a layer: ``a`` (``(d, d)``, or ``(vocab,)``, the
+  diagonal, for an Embed) and ``g`` (``(d_out, d_out)``)."""
+  a: jax.Array
+  g: jax.Array
+
+
+def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
+  """Why a call has no K-FAC rule, or ``None`` when it has one."""
+  name = type(module).__name__
+  if not isinstance(module, (nn.Dense, nn.Conv, nn.Embed)):
+    return f'{name} has no Kronecker-factor rule'
+  if method_name != '__call__':
+    return f'{name}.{method_name} has no Kronecker-factor rule (only __call__)'
+  if isinstance(module, nn.Conv) and module.feature_group_count != 1:
+    return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  return None
+
+
+def as_tuple(value: Any, n: int) -> tuple[int, ...]:
+  if value is None:
+    value = 1
+  return (value,) * n if isinstance(value, int) else tuple(value)
+
+
+def hashable(padding: Any) -> Any:
+  if isinstance(padding, (str, int)):
+    return padding
+  return tuple(p if isinstance(p, int) else tuple(p) for p in padding)
+
+
+def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str, ...]
+             ) -> LayerInfo:
+  """The :class:`LayerInfo` of a supported module (see :func:`unsupported_reason`)."""
+  path = tuple(module.path)
+  if isinstance(module, nn.Embed):
+    return LayerInfo('embed', path, 'embedding', kernel_shape, False, calls)
+  if isinstance(module, nn.Dense):
+    return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls)
+  size = (module.kernel_size,) if isinstance(module.kernel_size, int) else tuple(
+      module.kernel_size)
+  geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
+                          as_tuple(module.input_dilation, len(size)),
+                          as_tuple(module.kernel_dilation, len(size)))
+  return LayerInfo('conv', path, 'kernel', kernel_shape, module.use_bias, calls, geometry)
+
+
+def factor_shapes(info: LayerInfo) -> LayerFactors:
+  """The shapes of the layer's factors (as tuples in a :class:`LayerFactors`)."""
+  if info.kind == 'embed':
+    vocab, features = info.kernel_shape
+    return LayerFactors((vocab,), (features, features))
+  rows = int(np.prod(info.kernel_shape[:-1])) + int(info.use_bias)
+  return LayerFactors((rows, rows), (info.kernel_shape[-1],) * 2)
+
+
+def conv_patches(geometry: ConvGeometry, x: jax.Array) -> jax.Array:
+  """The input patches of a Conv call, ``(batch, *out_spatial, prod(kernel_size) * in)``.
+
+  ``patches @ kernel.reshape(-1, features)`` is the convolution (without bias):
+  the patch features are in the flattened kernel's ``(*kernel_size, in)`` order.
+  Padding follows ``nn.Conv`` (``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'``
+  pad the input first); see ``perturbkit.core._conv_patches``.
+  """
+  size = geometry.kernel_size
+  spatial = len(size)
+  padding = canonicalize_padding(geometry.padding, spatial)
+  if padding in ('CIRCULAR', 'REFLECT'):
+    dilated = [(k - 1) * d + 1 for k, d in zip(size, geometry.kernel_dilation)]
+    pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+    x = jnp.pad(x, pads, mode={'CIRCULAR': 'wrap', 'REFLECT': 'reflect'}[padding])
+    padding = 'VALID'
+  elif padding == 'CAUSAL':
+    x = jnp.pad(x, [(0, 0), (geometry.kernel_dilation[0] * (size[0] - 1), 0), (0, 0)])
+    padding = 'VALID'
+  return patches_of(x, size, geometry.strides, padding, geometry.input_dilation,
+                    geometry.kernel_dilation)
+
+
+def _examples(x: jax.Array, batch_ndim: int) -> int:
+  return x.shape[0] if batch_ndim > 0 else 1
+
+
+def input_rows(info: LayerInfo, x: jax.Array) -> tuple[jax.Array, int]:
+  """``(rows, N)``: the call's input as weight-matrix rows (token ids for an Embed)
+  and its number of examples (the size of the first axis)."""
+  if info.kind == 'embed':
+    return x.reshape(-1), _examples(x, x.ndim)
+  if info.kind == 'dense':
+    rows = x.reshape(-1, x.shape[-1])
+    examples = _examples(x, x.ndim - 1)
+  else:
+    spatial = len(info.conv.kernel_size)
+    batch_ndim = x.ndim - spatial - 1
+    examples = _examples(x, batch_ndim)
+    flat = x.reshape((-1,) + x.shape[batch_ndim:])
+    patches = conv_patches(info.conv, flat)
+    rows = patches.reshape(-1, patches.shape[-1])
+  rows = rows.astype(jnp.float32)
+  if info.use_bias:
+    rows = jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], axis=1)
+  return rows, examples
+
+
+def call_input(args: tuple, kwargs: dict) -> jax.Array:
+  """The array a Dense/Conv/Embed call received (positional or ``inputs=``)."""
+  return args[0] if args else kwargs['inputs']
+
+
+def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array]
+                  ) -> LayerFactors:
+  """The layer's factors on one batch, from every call's input and output gradients.
+
+  Args:
+    info: The layer.
+    inputs: The input of each call.
+    output_grads: For each call, per-example gradients at its output, stacked
+      over ``L`` lanes: ``(L, *output_shape)``. ``G`` sums over the lanes (one
+      sampled label, or the columns of an exact Fisher root).
+
+  Returns:
+    :class:`LayerFactors` ``A``, ``G`` as in the module docstring.
+  """
+  a_sum = g_sum = None
+  rows = 0
+  examples = None
+  for x, g in zip(inputs, output_grads):
+    a, n = input_rows(info, x)
+    examples = n if examples is None else examples
+    if info.kind == 'embed':
+      term = jnp.zeros((info.kernel_shape[0],), jnp.float32).at[a].add(1.0)
+    else:
+      term = jnp.einsum('mi,mj->ij', a, a, precision=_HIGHEST)
+    a_sum = term if a_sum is None else a_sum + term
+    g = g.reshape(g.shape[0], -1, g.shape[-1]).astype(jnp.float32)
+    rows += g.shape[1]
+    term = jnp.einsum('lmi,lmj->ij', g, g, precision=_HIGHEST)
+    g_sum = term if g_sum is None else g_sum + term
+  return LayerFactors(a_sum / examples, g_sum / rows)
+
+
+def precondition(info: LayerInfo, grads: dict, inverses: LayerFactors) -> dict:
+  """``A⁻¹ [∇W; ∇b] G⁻¹`` for one layer's gradient subtree (``inverses`` damped)."""
+  kernel = grads[info.param]
+  if info.kind == 'embed':
+    product = jnp.matmul(inverses.a[:, None] * kernel, inverses.g, precision=_HIGHEST)
+    return {**grads, info.param: product.astype(kernel.dtype)}
+  theta = kernel.reshape(-1, kernel.shape[-1])
+  if info.use_bias:
+    theta = jnp.concatenate([theta, grads['bias'][None, :]], axis=0)
+  theta = jnp.matmul(jnp.matmul(inverses.a, theta, precision=_HIGHEST), inverses.g,
+                     precision=_HIGHEST)
+  out = {**grads, info.param: theta[:int(np.prod(kernel.shape[:-1]))].reshape(
+      kernel.shape).astype(kernel.dtype)}
+  if info.use_bias:
+    out['bias'] = theta[-1].astype(grads['bias'].dtype)
+  return out

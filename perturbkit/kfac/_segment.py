@@ -1,0 +1,143 @@
+"""K-FAC as the optimizer of one segment of the interleaved schedule.
+
+A segment that is one Dense or Conv call knows both of its Kronecker factors
+when its backward pass runs: its input ``a`` is the segment's input and ``g``
+is the cotangent at its output. The sweep (``_sweep``) gives both to a segment
+optimizer as the extra arguments ``segment_inputs`` and ``segment_output_grad``;
+:func:`kfac_segment` forms the factors from them and preconditions the
+segment's gradient with :func:`kfac_preconditioner`'s machinery. With
+``propagate='updated'`` the cotangent of segment ``k`` is the one sent back by
+the already-updated later segments, so its factors are those of the
+update-then-propagate sweep; with ``'original'`` they are the ordinary
+backpropagated ones (the empirical Fisher of :func:`kfac_estimator`).
+"""
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.kfac._layers import KFACLayers
+from perturbkit.kfac._preconditioner import kfac_preconditioner
+from perturbkit.kfac._rules import LayerFactors, LayerInfo, batch_factors, factor_shapes
+
+_NAME = 'segment'
+
+
+def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: jax.Array
+                    ) -> LayerFactors:
+  """The layer's factors from its call's input and the cotangent at its output.
+
+  The cotangent is that of the MEAN loss over the first axis, so it is scaled
+  by the number of examples to give per-example gradients (as the estimator's
+  ``fisher='empirical'`` does).
+  """
+  leaves = jax.tree.leaves(segment_inputs)
+  if len(leaves) != 1 or not isinstance(segment_output_grad, jax.Array):
+    raise KFACUnsupportedLayerError(
+        '/'.join(info.path) or _NAME,
+        f'the segment has {len(leaves)} floating-point inputs and an output of type '
+        f'{type(segment_output_grad).__name__}; a K-FAC segment is one call with one input '
+        'array and one output array')
+  x = leaves[0]
+  examples = x.shape[0] if x.ndim > 1 else 1
+  return batch_factors(info, [x], [segment_output_grad[None] * examples])
+
+
+def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95,
+                 inverse_every: int = 10, stats_every: int | None = None,
+                 axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning of one segment of :func:`interleaved`, from its own backward pass.
+
+  For a segment that is exactly one Dense or Conv call (the default layer-wise
+  segments), ``update(grads, state, params, *, segment_inputs,
+  segment_output_grad)`` forms ``A`` from the call's input and ``G`` from the
+  per-example cotangent at its output (the loss is taken to be a mean over
+  the batch's first axis), and then acts as :func:`kfac_preconditioner` on
+  this one layer: EMA of the factors taken every ``stats_every`` updates,
+  damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``.
+  The sweep passes the two extra arguments; chain it with the step:
+  ``optax.chain(kfac_segment(layers.layers[name]), optax.sgd(lr))``.
+
+  Args:
+    layer: The segment's layer, ``kfac_layers(...).layers[segment_name]``.
+    damping: Tikhonov damping ``λ`` added to both factors.
+    decay: EMA decay of the factors.
+    inverse_every: Refresh the inverses every this many updates.
+    stats_every: Take the factors every this many updates (default
+      ``inverse_every``); the other updates skip their computation.
+    axis_name: The mapped axis of :func:`interleaved`'s ``axis_name``: the
+      factors of the devices' batches are averaged over it.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`KFACState`.
+
+  Raises:
+    InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
+      ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
+    KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
+      one of the segment's floating-point inputs), or the segment is not one
+      call with one input and one output array holding exactly the layer's
+      params.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
+    >>> x, y = jnp.ones((4, 5)), jnp.zeros((4,), jnp.int32)
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+    >>> def optimizer(name):   # a K-FAC layer's segment, or perturbkit.REST
+    ...   if name not in layers.layers:
+    ...     return optax.sgd(0.1)
+    ...   return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1),
+    ...                      optax.sgd(0.1))
+    >>> loss_fn = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+    ...     model.apply(v, x), y).mean()
+    >>> tx = perturbkit.interleaved(loss_fn, optimizer)
+    >>> state = tx.init(variables, x, y)
+    >>> state, metrics = jax.jit(tx.step)(state, x, y)
+    >>> state.opt_state['layers_2'][0].factors['segment'].g.shape
+    (3, 3)
+  """
+  if layer.kind not in ('dense', 'conv'):
+    raise KFACUnsupportedLayerError(
+        '/'.join(layer.path), f'a K-FAC segment needs a Dense or Conv call, not {layer.kind!r} '
+        '(an Embed takes integer inputs, which do not reach the segment optimizer); give '
+        'this segment another optimizer, or precondition it with kfac_preconditioner')
+  info = layer._replace(path=())
+  leaves = {info.param, 'bias'} if info.use_bias else {info.param}
+
+  def check_segment(params: Any) -> None:
+    if not isinstance(params, Mapping) or set(params) != leaves:
+      got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+      raise KFACUnsupportedLayerError(
+          '/'.join(layer.path), f'its segment holds the params {got}, not exactly the layer\'s '
+          f'{sorted(leaves)}; a K-FAC segment is one Dense or Conv call (the default '
+          'layer-wise segments of interleaved, segments=None)')
+
+  inner = kfac_preconditioner(KFACLayers({_NAME: info}, {}), damping=damping, decay=decay,
+                              inverse_every=inverse_every, stats_every=stats_every,
+                              axis_name=axis_name)
+
+  def update(updates: Any, state: Any, params: Any = None, *, segment_inputs: Any = None,
+             segment_output_grad: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    del extra_args
+    if segment_inputs is None or segment_output_grad is None:
+      raise TypeError('kfac_segment is the optimizer of a segment of perturbkit.interleaved, '
+                      'whose sweep passes segment_inputs= and segment_output_grad=. For a '
+                      'whole model use kfac_preconditioner with kfac_estimator.')
+    check_segment(updates)
+    zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
+    stats = jax.lax.cond(state.stats_due,
+                         lambda: segment_factors(info, segment_inputs, segment_output_grad),
+                         lambda: zeros)
+    return inner.update(updates, state, params, kfac_stats={_NAME: stats})
+
+  def init(params: Any) -> Any:
+    check_segment(params)
+    return inner.init(params)
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,326 @@
+"""Activation gradients: gradients with respect to zero perturbations.
+
+``value_and_grad(loss_fn)`` runs the user's ordinary loss, which calls
+``model.apply(variables, ...)`` on the unmodified model, twice while tracing:
+
+1. ``discover``: an abstract run (``jax.eval_shape``) in which each top-level
+   ``apply`` is replayed with the ``'perturbations'`` collection mutable, so
+   Flax itself creates the zero perturbations of every selected call (lifted
+   transforms included, exactly as ``wrap(model).init`` would).
+2. The differentiated run: zeros of those shapes, made inside the trace so XLA
+   folds the additions away, are handed to ``loss_fn`` as the
+   ``'perturbations'`` collection, and one backward pass gives the parameter
+   gradients and every activation gradient.
+"""
+import functools
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import flax
+import flax.linen as nn
+import jax
+from flax import nnx, traverse_util
+
+from perturbkit.core import filters as _filters
+from perturbkit.core._loss import check_loss
+from perturbkit.core._loss import check_loss_fn, describe, grads_only, point_options
+from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
+                                NotVariablesError, PerturbationsNotAppliedError,
+                                UnperturbedCallsWarning, WrongFrontEndError)
+from perturbkit.core._hooks import Hook, apply_hooks, check_matched
+from perturbkit.linen._interceptor import Call, intercept, suspended
+from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
+                               differentiable_part, has_differentiable_leaf,
+                               inside_lifted_transform)
+from perturbkit.core._trees import get_in
+from perturbkit.core._types import CallFilter, Variables
+
+
+def _with_collection(mutable: Any) -> Any:
+  """``mutable`` with the perturbation collection made mutable as well."""
+  if mutable is True:
+    return True
+  if mutable is False or mutable is None:
+    return [COLLECTION]
+  if isinstance(mutable, str):
+    return [mutable, COLLECTION]
+  if isinstance(mutable, flax.core.DenyList):
+    deny = mutable.deny
+    deny = [deny] if isinstance(deny, str) else list(deny)
+    return flax.core.DenyList([d for d in deny if d != COLLECTION])
+  return [*mutable, COLLECTION]
+
+
+def check_variables(variables: Any, function: str):
+  """Raises a named error unless ``variables`` are Linen variables with a ``'params'`` collection.
+
+  Args:
+    variables: What the user passed where the model's variables go.
+    function: The public function, for the message (``'perturbkit.value_and_grad'``).
+
+  Raises:
+    WrongFrontEndError: ``variables`` is an NNX model.
+    NotVariablesError: ``variables`` is anything else that is not Linen variables.
+  """
+  if isinstance(variables, Mapping) and 'params' in variables:
+    return
+  if isinstance(variables, nnx.Module):
+    raise WrongFrontEndError(
+        function, f'an nnx.Module ({type(variables).__name__})',
+        f'For an NNX model use {function.replace("perturbkit.", "perturbkit.nnx.", 1)}, '
+        'whose loss function takes the module itself: `loss_fn(model, *args)`.')
+  if isinstance(variables, nn.Module):
+    got = f'the Linen module {type(variables).__name__}'
+    hint = ('Pass its variables, `variables = model.init(key, *args)`, and call '
+            '`model.apply(variables, ...)` in the loss function.')
+  elif isinstance(variables, Mapping):
+    got = f"{describe(variables)} and no 'params'"
+    hint = ("If it is `variables['params']`, pass the whole dict instead: "
+            "`{'params': params, **other_collections}`.")
+  else:
+    got = describe(variables)
+    hint = 'Pass `variables = model.init(key, *args)`.'
+  raise NotVariablesError(function, got, hint)
+
+
+def nested(flat: dict[tuple, Any]) -> dict:
+  """A nested dict from ``{path: value}`` (values may themselves be trees)."""
+  return traverse_util.unflatten_dict(flat) if flat else {}
+
+
+def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
+                   on_point: Callable[[Call, Any, bool], None]):
+  """The per-call handler: run the call, insert hooks, add its perturbation."""
+  def handler(call: Call, run: Callable[[], Any]) -> Any:
+    output = run()
+    if hooks:
+      output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
+    if points(call.module, call.method_name):
+      before = output
+      output, applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
+      on_point(call, before, applied)
+    return output
+  return handler
+
+
+def _interception(points, hooks):
+  return _filters.any_of(points, *(h.filter for h in hooks)) if hooks else points
+
+
+def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
+             filter: CallFilter, strict: bool = False,
+             hooks: Sequence[Hook] = (),
+             unreachable: list[str] | None = None,
+             point_paths: set[tuple] | None = None,
+             hooks_matched: set[int] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
+  """The perturbation points ``loss_fn`` reaches, found by an abstract run.
+
+  Points placed by hand in the model (its own ``self.perturb(name, x)``) are
+  found too: they are every entry Flax creates in the collection that is not a
+  selected call's point. Selected calls that cannot carry a perturbation
+  (inside a lifted transform that does not map the collection) are appended to
+  ``unreachable`` if given, else reported with an
+  :class:`UnperturbedCallsWarning`. The path of every call's point (module path
+  plus point key) is added to ``point_paths`` if given: a point's value may
+  itself hold dicts (a call returning a dict), so the paths cannot be read back
+  from the tree.
+
+  Returns:
+    ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
+    hand-placed ones, and the names of every call seen.
+  """
+  found: dict[tuple, PointShape] = {}
+  seen: list[str] = []
+  reached: set[tuple] = set()
+  calls: set[tuple] = set()
+  missed: list[str] = []
+
+  def on_point(call, output, applied):
+    if applied:
+      reached.add(call.path + (call.key,))
+    elif has_differentiable_leaf(output):
+      missed.append(call.name)
+
+  def on_root(module, method, run, a, kw):
+    unbound, own = module.unbind()
+    own = {c: t for c, t in own.items() if c != COLLECTION}
+    reached.clear()
+    _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
+                           mutable=_with_collection(module.scope.mutable), **kw)
+    created = new.get(COLLECTION, {})
+    calls.update(reached)
+    for path in reached:
+      found[path] = PointShape.of(get_in(created, path))
+    for path, value in traverse_util.flatten_dict(created).items():
+      if not any(path[:len(p)] == p for p in reached):
+        found[path] = PointShape.of(value)
+    with suspended():
+      return run()
+
+  handler = _point_handler(filter, hooks, strict, on_point)
+
+  def recording(call, run):
+    seen.append(call.name)
+    if hooks_matched is not None:
+      hooks_matched.update(
+          i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
+    return handler(call, run)
+
+  def traced(variables, *args):
+    with intercept(_filters.all_calls, recording, on_root):
+      return loss_fn(variables, *args, **kwargs)
+
+  plain = {c: t for c, t in variables.items() if c != COLLECTION}
+  jax.eval_shape(traced, plain, *args)
+  if point_paths is not None:
+    point_paths.update(calls)
+  if unreachable is not None:
+    unreachable.extend(sorted(set(missed)))
+  elif missed:
+    warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=3)
+  return found, seen
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                   has_aux: bool = False, hooks: Sequence[Hook] = (),
+                   return_activations: bool = False, return_inputs: bool = False,
+                   strict: bool | None = None) -> Callable[..., Any]:
+  """Parameter gradients and every activation gradient, from one backward pass.
+
+  ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss: it calls
+  ``model.apply(variables, ...)`` on the unmodified model. The returned function
+  takes the same arguments and returns ``(loss, grads)`` (``((loss, aux),
+  grads)`` with ``has_aux``), where ``grads['params']`` is the usual gradient
+  and ``grads['perturbations']`` holds dL/d(output) of every selected submodule
+  call, at the module's path under its point key (``'__call__'``, then
+  ``'__call__#1'`` for a second call). The zero perturbations are made inside
+  the trace, so under ``jax.jit`` XLA removes them; the function works under
+  ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``, and with a
+  ``loss_fn`` that contains its own inner gradient step (the points inside the
+  inner step get the derivative of the outer loss through that step).
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+    filter: Which calls get a point (default: all; see ``perturbkit.filters``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
+    hooks: Backward hooks (:func:`backward_hook`) to insert; the activation
+      gradient reported for a hooked call is the one arriving at it, before the
+      hook transforms it for the layers below.
+    return_activations: Also return the outputs of the selected calls, in a
+      tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
+    return_inputs: Also return the inputs of the selected calls, at the same
+      paths, each as ``(args, kwargs)`` with every leaf that is not an array
+      (a Python flag, ``None``) replaced by ``None``: ``(value, grads, inputs)``,
+      or ``(value, grads, acts, inputs)`` with both. These are the pairs
+      curvature and per-example methods need: a Dense call's input ``a`` next
+      to the gradient ``g`` at its output.
+    strict: Whether a selected call without floating-point output is an error
+      (default: only when a filter is given).
+
+  Returns:
+    A function ``(variables, *args, **kwargs) -> (value, grads)``.
+
+  Raises:
+    NonScalarLossError: the loss is not a real scalar.
+    MissingHasAuxError: the loss function returned ``(loss, aux)`` (or another
+      tuple, list or dict) without ``has_aux=True``.
+    HasAuxOutputError: ``has_aux=True`` and the loss function returned no pair.
+    LossNotCallableError: ``loss_fn`` is not callable.
+    WrongFrontEndError: the variables are an NNX model (use
+      ``perturbkit.nnx.value_and_grad``).
+    NotVariablesError: the first argument is not Linen variables with ``'params'``.
+    NoPerturbationPointsError: the filter selects no call.
+    PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+    >>> loss, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
+    >>> grads['perturbations']['layers_2']['__call__'].shape
+    (2, 1)
+  """
+  check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
+  points, strict = point_options(filter, strict)
+  hooks = tuple(hooks)
+  selected = _interception(points, hooks)
+
+  @functools.wraps(loss_fn)
+  def run(variables: Variables, *args, **kwargs):
+    check_variables(variables, 'perturbkit.value_and_grad')
+    # Inside another perturbkit function's loss, this level sees only its own
+    # calls, and the outer level does not see them (see the README, "Nesting").
+    with suspended():
+      return _value_and_grad(variables, args, kwargs)
+
+  def _value_and_grad(variables, args, kwargs):
+    expected: set[tuple] = set()
+    matched: set[int] = set()
+    points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
+                                  strict=strict, hooks=hooks, point_paths=expected,
+                                  hooks_matched=matched)
+    if not points_found:
+      raise NoPerturbationPointsError(seen)
+    check_matched(hooks, matched, seen)
+
+    def differentiable(params, perturbations):
+      applied: set[tuple] = set()
+      captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
+
+      def on_point(call, output, was_applied):
+        if not was_applied:
+          return
+        path = call.path + (call.key,)
+        applied.add(path)
+        if (return_activations or return_inputs) and inside_lifted_transform(call.module):
+          raise ActivationsUnavailableError(call.name)
+        if return_activations:
+          captured['activations'][path] = differentiable_part(output)
+        if return_inputs:
+          captured['inputs'][path] = array_part((call.args, call.kwargs))
+
+      handler = _point_handler(points, hooks, strict, on_point)
+      full = {**variables, 'params': params, COLLECTION: perturbations}
+      with intercept(selected, handler):
+        out = loss_fn(full, *args, **kwargs)
+      missing = sorted('/'.join(p) for p in expected - applied)
+      if missing:
+        raise PerturbationsNotAppliedError(missing)
+      loss = check_loss(out, has_aux)
+      aux = out[1] if has_aux else None
+      return loss, (aux, {k: nested(v) for k, v in captured.items()})
+
+    zeros = nested({path: shape.zeros() for path, shape in points_found.items()})
+    (loss, (aux, captured)), (g_params, g_points) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(variables['params'], zeros)
+    value = (loss, aux) if has_aux else loss
+    grads = {'params': g_params, COLLECTION: g_points}
+    extras = ((captured['activations'],) if return_activations else ()) + (
+        (captured['inputs'],) if return_inputs else ())
+    return (value, grads, *extras)
+
+  return run
+
+
+def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+         has_aux: bool = False, hooks: Sequence[Hook] = (),
+         strict: bool | None = None) -> Callable[..., Any]:
+  """Like :func:`value_and_grad` but returns only ``grads`` (``(grads, aux)`` with aux).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Dense(2)
+    >>> wrapped = nn.Sequential([nn.Dense(3), nn.Dense(1)])
+    >>> x = jnp.ones((1, 2))
+    >>> v = wrapped.init(jax.random.key(0), x)
+    >>> g = perturbkit.grad(lambda v: wrapped.apply(v, x).sum())(v)
+    >>> g['perturbations']['layers_1']['__call__'].tolist()
+    [[1.0]]
+  """
+  check_loss_fn(loss_fn, 'perturbkit.grad', '(variables, *args) -> loss')
+  vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
+  return grads_only(vg, loss_fn, has_aux)

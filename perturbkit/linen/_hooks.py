@@ -1,0 +1,56 @@
+"""``with_hooks`` for Linen: backward hooks inserted into every model call of a function."""
+import functools
+from typing import Any, Callable
+
+from perturbkit.core import filters as _filters
+from perturbkit.core._hooks import Hook, apply_hooks, check_matched
+from perturbkit.linen._interceptor import intercept
+
+
+def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
+  """``fun`` with backward hooks inserted into every model call it makes.
+
+  Works with any differentiation of ``fun``: ``jax.grad``, ``perturbkit.grad``,
+  an optax training step. The hooks are part of ``fun`` itself, so a jitted
+  ``fun`` keeps them, and nothing outlives the call.
+
+  Args:
+    fun: Any function that calls ``model.apply``/``model.init`` inside.
+    *hooks: Hooks from :func:`backward_hook`; several on one call apply in order
+      on the forward pass, so the last one sees the gradient first.
+
+  Returns:
+    A function with the same signature and value as ``fun``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(3), nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> loss = lambda v: model.apply(v, x).sum()
+    >>> zero_below = perturbkit.backward_hook(lambda g: 0 * g,
+    ...                                       perturbkit.filters.by_path('layers_1'))
+    >>> grads = jax.grad(perturbkit.with_hooks(loss, zero_below))(variables)
+    >>> float(jnp.abs(grads['params']['layers_0']['kernel']).sum())
+    0.0
+  """
+  if not hooks:
+    raise ValueError('with_hooks needs at least one hook from perturbkit.backward_hook.')
+
+  @functools.wraps(fun)
+  def hooked(*args, **kwargs):
+    seen: list[str] = []
+    matched: set[int] = set()
+
+    def handler(call, run):
+      seen.append(call.name)
+      matched.update(i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
+      return apply_hooks(hooks, call.module, call.method_name, run())
+
+    with intercept(_filters.all_calls, handler, transparent=True):
+      out = fun(*args, **kwargs)
+    check_matched(hooks, matched, seen)
+    return out
+
+  return hooked

@@ -1,0 +1,234 @@
+"""The one place that talks to ``nn.intercept_methods``.
+
+``intercept(filter, on_call)`` runs a block in which every submodule method call
+selected by ``filter`` is handed to ``on_call(call, run)``, where ``run()``
+executes the original call and ``call`` names it. Handlers decide what to do
+around the call (add a perturbation, insert a hook, replace it by a segment).
+
+Each selected call gets a stable name within its module's scope, the *point key*:
+``'__call__'`` for the first call of ``__call__``, ``'__call__#1'`` for the second,
+and so on. Calls are counted per module scope, so lifted transforms that trace a
+body more than once name its calls the same way each time; the counts of one
+``apply`` are carried over to the next ``apply`` inside the same block, so a loss
+that runs the model twice gets distinct points for the two runs.
+"""
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Iterator
+
+import flax.linen as nn
+
+from perturbkit.core.filters import linen_path_prefix, module_path
+from perturbkit.core._points import point_key
+from perturbkit.core._types import CallFilter, Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One submodule method call, as handlers see it.
+
+  Attributes:
+    module: The bound module whose method is called.
+    method_name: The method's name, e.g. ``'__call__'``.
+    key: The point key of this call within the module's scope.
+    args: The call's positional arguments.
+    kwargs: The call's keyword arguments.
+  """
+  module: nn.Module
+  method_name: str
+  key: str
+  args: tuple = ()
+  kwargs: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def path(self) -> Path:
+    """The module's path in the model, the same as its params' key path."""
+    return module_path(self.module)
+
+  @property
+  def name(self) -> str:
+    """``'Block_0/Dense_1/__call__'``: the module path and the point key."""
+    return '/'.join(self.path + (self.key,))
+
+
+Handler = Callable[[Call, Callable[[], Any]], Any]
+# A transparent block's filter and handler: what a replay of a module needs to
+# hand the calls inside it to that block's handler again.
+ReplayHook = tuple[CallFilter, 'Handler']
+RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple, dict], Any]
+
+
+
+class _State:
+  """Counters and flags of one ``intercept`` block; dropped when the block ends."""
+
+  def __init__(self, filter: CallFilter, on_call: 'Handler', transparent: bool):
+    self.filter = filter
+    self.on_call = on_call
+    self.transparent = transparent
+    self.offsets: dict[tuple[Path, str], int] = {}
+    self.apply_counts: dict[tuple[Path, str], int] = {}
+    self.scope_counts: dict[Any, dict[str, int]] = {}
+    self.roots_active = 0
+    self.suspended = 0
+
+  def start_apply(self):
+    for k, n in self.apply_counts.items():
+      self.offsets[k] = self.offsets.get(k, 0) + n
+    self.apply_counts.clear()
+    self.scope_counts.clear()
+
+  def next_key(self, module: nn.Module, method_name: str) -> str:
+    counts = self.scope_counts.setdefault(module.scope, {})
+    n = counts.get(method_name, 0)
+    counts[method_name] = n + 1
+    k = (tuple(module.path), method_name)
+    self.apply_counts[k] = max(self.apply_counts.get(k, 0), n + 1)
+    return point_key(method_name, self.offsets.get(k, 0) + n)
+
+
+def _is_method_call(module: nn.Module, method_name: str) -> bool:
+  # Flax also routes `setup` through interceptors, and, for submodules, internal
+  # helpers named like lambdas; neither is a call of the model. A root call may
+  # be any function passed as `apply(..., method=fn)`.
+  if module.scope is None or method_name == 'setup':
+    return False
+  return not module.path or method_name.isidentifier()
+
+
+class _Local(threading.local):
+  """The ``intercept`` blocks open in this thread, innermost last.
+
+  Flax keeps its interceptor stack per thread; so does perturbkit, so that
+  models traced at once in several threads never see each other's blocks.
+  """
+
+  def __init__(self):
+    self.states: list[_State] = []
+
+
+_LOCAL = _Local()
+
+
+@contextlib.contextmanager
+def intercept(filter: CallFilter, on_call: Handler,
+              on_root: RootHandler | None = None, *,
+              transparent: bool = False) -> Iterator[None]:
+  """Hands every selected submodule call inside the block to ``on_call``.
+
+  Args:
+    filter: Selects the calls, ``(module, method_name) -> bool``.
+    on_call: ``(call, run) -> output``; ``run()`` executes the original call.
+    on_root: Optional ``(module, method, run, args, kwargs) -> output``,
+      called for the root call of each top-level ``apply``/``init``;
+      ``method`` is the called function (a method name where it is one).
+    transparent: The handler only wraps each call's output (a backward hook)
+      and may see the same call again in a replay, so :func:`suspended`
+      leaves this block active.
+
+  Yields:
+    Nothing; the interception ends with the block.
+  """
+  state = _State(filter, on_call, transparent)
+
+  def interceptor(next_fun, args, kwargs, context):
+    module, method_name = context.module, context.method_name
+    if state.suspended or not _is_method_call(module, method_name):
+      return next_fun(*args, **kwargs)
+    run = lambda: next_fun(*args, **kwargs)
+    if not module.path:
+      if state.roots_active:
+        return run()
+      state.start_apply()
+      state.roots_active += 1
+      try:
+        if on_root is None:
+          return run()
+        method = method_name if hasattr(type(module), method_name) else getattr(
+            context.orig_method, 'func', context.orig_method)
+        return on_root(module, method, run, args, kwargs)
+      finally:
+        state.roots_active -= 1
+    key = state.next_key(module, method_name)
+    if not filter(module, method_name):
+      return run()
+    call = Call(module, method_name, key, args, kwargs)
+    if state.transparent:
+      return on_call(call, run)
+    ran = []
+
+    def run_once():
+      ran.append(True)
+      return run()
+
+    output = on_call(call, run_once)
+    if ran:
+      return output
+    # The handler ran the call its own way (a segment replay), so blocks opened
+    # inside this one never saw it; transparent ones (hooks) still wrap its output,
+    # the innermost (the one Flax runs closest to the call) first.
+    for inner in reversed(_LOCAL.states[_LOCAL.states.index(state) + 1:]):
+      if inner.transparent and not inner.suspended and inner.filter(module, method_name):
+        output = inner.on_call(call, lambda out=output: out)
+    return output
+
+  _LOCAL.states.append(state)
+  try:
+    with nn.intercept_methods(interceptor):
+      yield
+  finally:
+    _LOCAL.states.remove(state)
+
+
+def open_hooks() -> tuple[ReplayHook, ...]:
+  """The transparent blocks (backward hooks) that see the calls made now, outermost first.
+
+  A handler that replays its module as a fresh ``apply`` (a segment) takes these
+  when it is called and gives them to :func:`replaying`, also for replays that
+  run after the blocks have closed (a custom VJP's backward pass).
+  """
+  return tuple((s.filter, s.on_call) for s in _LOCAL.states if s.transparent and not s.suspended)
+
+
+@contextlib.contextmanager
+def replaying(prefix: Path, hooks: tuple[ReplayHook, ...]) -> Iterator[None]:
+  """A replay of the module at ``prefix`` as its own ``apply``.
+
+  Every block open in this thread passes the replay's calls through (opaque
+  ones would intercept them a second time, transparent ones would see them
+  under paths relative to the module), and ``hooks`` (from :func:`open_hooks`)
+  are opened again for them, with the module's path before every path, so
+  that they see the calls as in an ordinary run of the whole model.
+  """
+  states = list(_LOCAL.states)
+  for s in states:
+    s.suspended += 1
+  try:
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(linen_path_prefix(prefix))
+      for filter, on_call in hooks:
+        stack.enter_context(intercept(filter, on_call, transparent=True))
+      yield
+  finally:
+    for s in states:
+      s.suspended -= 1
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+  """Calls made inside this block pass through every open ``intercept`` of this thread.
+
+  Handlers use it when they run a call their own way (a replay of a segment),
+  so that the calls inside are not intercepted a second time; a perturbkit
+  function called inside another one's loss uses it so that each level sees
+  only its own calls. Transparent blocks (backward hooks) stay active.
+  """
+  states = [s for s in _LOCAL.states if not s.transparent]
+  for s in states:
+    s.suspended += 1
+  try:
+    yield
+  finally:
+    for s in states:
+      s.suspended -= 1

@@ -1,0 +1,223 @@
+"""``interleaved``: update-then-propagate training of an unmodified Linen model.
+
+Walking backward through the model, each segment (a submodule call) gets its
+gradient, averaged over devices, and its optimizer step at once; the gradient
+for everything the segment consumed is then computed with the UPDATED weights.
+Which calls are segments is ``_segmentation``; how a segment updates itself in
+the backward pass is ``_segment_vjp``; the optimizer bookkeeping is ``_sweep``.
+This file wires them into a pure ``init``/``step`` pair.
+"""
+from typing import Any, Callable, Mapping, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from perturbkit.linen import _segmentation
+from perturbkit.linen._driver import check_variables
+from perturbkit.core._loss import check_loss, check_loss_fn, describe
+from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
+                                UninitializedStateError)
+from perturbkit.core._hooks import Hook
+from perturbkit.linen._hooks import with_hooks
+from perturbkit.linen._interceptor import suspended
+from perturbkit.core._points import COLLECTION
+from perturbkit.linen._segments import segmented_loss
+from perturbkit.core._sweep import Interleaved
+from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
+                               check_opt_state, check_optimizer, clip_scale, finish, group,
+                               init_opt_state, input_mismatch, input_shapes)
+from perturbkit.core._types import CallFilter, Variables
+from perturbkit.core._validate import interleaved_options
+
+__all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
+
+
+
+_INIT_CALL = 'trainer.init(variables, *args)'
+
+
+def _is_variables(value: Any) -> bool:
+  return isinstance(value, Mapping) and 'params' in value
+
+
+def _plain(variables: Variables) -> dict:
+  check_variables(variables, 'perturbkit.interleaved')
+  variables = flax.core.unfreeze(variables)
+  return {c: v for c, v in variables.items() if c != COLLECTION}
+
+
+def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
+                segments: int | CallFilter | None = None, propagate: str = 'updated',
+                axis_name: str | None = None, has_aux: bool = False,
+                clip_global_norm: float | None = None,
+                skip_nonfinite: bool = True, hooks: Sequence[Hook] = ()) -> Interleaved:
+  """Interleaved update-then-propagate training for an unmodified Linen model.
+
+  Segments are submodule calls, processed in reverse order of execution. For
+  segment k, its output cotangent is the sum of what every later consumer sent
+  back (each computed with that consumer's already-updated weights) plus the
+  loss's direct contribution; ``dw_k`` is taken at the old ``w_k`` (then
+  ``pmean``-ed over ``axis_name``), ``w_k`` takes its optimizer step, and the
+  cotangents for everything segment k consumed are computed at the new ``w_k``.
+  Glue code, skip connections and outputs used several times are exact.
+  Params owned by no segment get their ordinary gradient and are updated at the
+  end. Mutable collections (``batch_stats``) are updated as the model's own
+  ``apply(..., mutable=...)`` would; rng users see the same random numbers in
+  the weight-gradient and input-gradient replays of a segment.
+
+  A segment's params must be read only by its own call, since the step taken
+  inside the sweep sees only what flows back through the call. This is
+  checked on the traced computation (every equation reading a segment's
+  params): tied weights, ``attend`` calls and loss terms on the weights are
+  found, never silently dropped from the step.
+
+  Each segment has its own optimizer state, so transformations that look at
+  the whole gradient (``optax.clip_by_global_norm``) act per segment. For a
+  global norm, ``clip_global_norm=c`` scales every gradient of a step by
+  ``min(1, c / n)`` where ``n`` is the PREVIOUS step's global norm (no second
+  backward pass; the first step is not clipped).
+
+  Args:
+    loss_fn: ``(variables, *args) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), calling ``model.apply(variables, ...)``.
+    optimizer: An ``optax.GradientTransformation`` used for every segment, or a
+      function ``segment_name -> GradientTransformation`` (per-segment learning
+      rates; the unsegmented params are named ``perturbkit.REST``). A
+      segment's ``GradientTransformationExtraArgs`` also gets, as extra
+      arguments, ``segment_inputs`` (the floating-point leaves of the call's
+      inputs) and ``segment_output_grad`` (the cotangent at its output), e.g.
+      for :func:`kfac_segment`; with either ``propagate`` the segments' steps
+      are taken in the sweep, where these are known.
+    segments: ``None`` (default) for layer-wise segments: every call of a
+      module that owns params directly (Dense, Conv, Embed, LayerNorm, ...); a
+      module inside ``nn.scan``/``nn.vmap`` (stacked params) is covered by its
+      nearest enclosing call, and params that cannot be updated inside the
+      sweep (a module called twice, tied weights read outside their call) go
+      to ``REST`` with the reason listed by ``segments(...)``. An ``int``
+      depth or a call filter (e.g. ``filters.by_type(Block)``) chooses coarser
+      segments; for those a shared or outside-read segment raises
+      :class:`SharedSegmentError`.
+    propagate: ``'updated'`` (propagate with the new weights) or ``'original'``
+      (old weights: the result equals ``jax.grad`` + ``optimizer.update``).
+    axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.
+    clip_global_norm: Optional global-norm clip using the previous step's norm.
+    skip_nonfinite: A segment (or the unsegmented group) whose gradient has a
+      non-finite entry keeps its params and optimizer state for the step, and
+      ``metrics['segment_skipped'][name]`` / ``metrics['skipped']`` report it
+      (default); if false, the step is applied as it is and only
+      ``metrics['nonfinite'][name]`` reports it.
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`), the same as
+      passing ``with_hooks(loss_fn, *hooks)`` as the loss: a hooked call's hook
+      transforms the cotangent its segment's ``dw`` and input cotangent see,
+      also for calls inside a segment (matched by their full path) and in the
+      ``'updated'`` replay.
+
+  Returns:
+    An :class:`Interleaved` with pure ``init`` and ``step``.
+
+  Raises:
+    NotAnOptimizerError: ``optimizer`` is not an optax transformation (or a
+      function returning one).
+    WrongFrontEndError: ``init`` was given an NNX model (use
+      ``perturbkit.nnx.interleaved``).
+    UninitializedStateError: ``step`` was given something other than the
+      state ``init`` returns (the variables themselves).
+    InputMismatchError: ``step``'s inputs differ from ``init``'s beyond the
+      batch size and the model cannot run on them.
+    StateMismatchError: the state's params do not fit the loss's model.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(1)])
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
+    >>> tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+    >>> state = tx.init(model.init(jax.random.key(0), x), x, y)
+    >>> state, metrics = jax.jit(tx.step)(state, x, y)
+    >>> sorted(metrics['grad_norm'])
+    ['layers_0', 'layers_2']
+  """
+  interleaved_options(segments, clip_global_norm)
+  if propagate not in ('updated', 'original'):
+    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+  if segments is not None and not isinstance(segments, int) and not callable(segments):
+    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
+  check_optimizer(optimizer)
+  if hooks:
+    loss_fn = with_hooks(loss_fn, *hooks)
+  # What `init` was last given, only to word the error of a step that fails on other inputs.
+  at_init: dict = {}
+
+  def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
+    if not args:
+      raise SegmentationError(
+          'Segments are calls, which are only known by tracing the loss: pass example '
+          'arguments, `init(variables, *args)` / `segments(variables, *args)`, the same '
+          'arguments as `step` takes after the state.')
+    with suspended():
+      return _segmentation.choose(loss_fn, _plain(variables), args, segments)
+
+  def init(variables: Variables, *args) -> InterleavedState:
+    variables = _plain(variables)
+    names = list(segmentation(variables, *args).segments)
+    at_init['shapes'] = input_shapes(args)
+    return InterleavedState(jnp.zeros((), jnp.int32), variables,
+                            init_opt_state(optimizer, variables['params'], names),
+                            jnp.zeros((), jnp.float32))
+
+  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    if not isinstance(state, InterleavedState):
+      raise UninitializedStateError(
+          describe(state) + (' (the model variables?)' if _is_variables(state) else ''),
+          _INIT_CALL)
+    with suspended():
+      return _step(state, args)
+
+  def _step(state: InterleavedState, args: tuple) -> tuple[InterleavedState, dict]:
+    variables = _plain(state.variables)
+    params = variables['params']
+    check_opt_state(optimizer, params, state.opt_state)
+    names = [n for n in state.opt_state if n != REST]
+    # The state's segments must still pass every check on this loss and batch.
+    try:
+      _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+    except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
+      if isinstance(error, PerturbkitError):
+        raise
+      mismatch = input_mismatch(at_init.get('shapes'), args, _INIT_CALL)
+      if mismatch is not None:
+        raise mismatch from error
+      if isinstance(error, flax.errors.ScopeParamShapeError):
+        raise StateMismatchError(str(error).split('(https')[0].strip()) from error
+      raise
+    sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
+                  propagate, skip_nonfinite)
+    swept: dict[str, dict] = {}
+    groups = group(params, names)
+    carriers = {name: carrier(sweep, name, groups[name]) for name in names}
+    forward = segmented_loss(loss_fn, variables, args,
+                             {_segmentation.path_of(n): n for n in names},
+                             lambda name: backward_for(sweep, name, swept), axis_name)
+
+    def differentiable(params, carriers):
+      out, mutated = forward(params, carriers)
+      return check_loss(out, has_aux), (out[1] if has_aux else None, mutated)
+
+    (loss, (aux, mutated)), (grads, carried) = jax.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
+    new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept, axis_name)
+    if axis_name is not None:
+      loss = jax.lax.pmean(loss, axis_name)
+    global_norm = metrics['global_grad_norm']
+    kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
+    new_variables = {**variables, **mutated, 'params': new_params}
+    metrics = {'loss': loss, **metrics}
+    if has_aux:
+      metrics['aux'] = aux
+    return InterleavedState(state.step + 1, new_variables, new_opt_state, kept_norm), metrics
+
+  return Interleaved(init, step, segmentation)

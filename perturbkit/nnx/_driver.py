@@ -1,0 +1,474 @@
+"""Activation gradients of NNX models: gradients with respect to zero perturbations.
+
+``value_and_grad(loss_fn)(model, *args)`` runs the user's ordinary NNX loss on
+the model twice while tracing, with every submodule call instrumented
+(``_nnx_calls``), each time inside ``nnx.capture``, so that the points are
+Flax's own ``Module.perturb`` points:
+
+1. ``discover``: ``nnx.eval_shape`` of the loss under ``nnx.capture(...,
+   nnx.Perturbation)``; each selected call adds a ``Module.perturb`` point per
+   floating-point leaf of its output, and Flax creates the zero perturbations,
+   inside NNX transforms too (stacked along ``nnx.scan``'s axis where the
+   module's state is scanned). Nothing flows back to the model.
+2. The differentiated run: ``nnx.value_and_grad`` with respect to the model's
+   ``nnx.Param`` state and zeros of those shapes, made inside the trace so XLA
+   folds the additions away, handed to the loss with ``nnx.capture(init=...)``.
+
+Hand-placed ``self.perturb(name, x)`` points in the model are found by the same
+capture and returned under their own names.
+"""
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from perturbkit.core import filters as _filters
+from perturbkit.core._loss import check_loss, check_loss_fn, grads_only, point_options
+from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
+                                PerturbationStructureError, WrongFrontEndError)
+from perturbkit.core._hooks import Hook, apply_hooks
+from perturbkit.nnx._calls import Call, NNXPath, instrument
+from perturbkit.errors import (CaptureConflictError, NNXNoPerturbationPointsError,
+                                    NNXPerturbationsNotAppliedError,
+                                    NNXUnperturbedCallsWarning, UnmappedPerturbationError)
+from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
+                               leaf_dtypes)
+from perturbkit.core._types import CallFilter
+
+# One entry of the flat perturbation list: module path + perturb name.
+PointPath = tuple[str | int, ...]
+
+
+def check_module(model: Any, function: str):
+  """Raises a named error unless ``model`` is an ``nnx.Module``.
+
+  Args:
+    model: What the user passed where the model goes.
+    function: The public function, for the message (``'perturbkit.nnx.value_and_grad'``).
+
+  Raises:
+    WrongFrontEndError: ``model`` is a Linen module or Linen variables.
+    TypeError: ``model`` is anything else that is not an ``nnx.Module``.
+  """
+  if isinstance(model, nnx.Module):
+    return
+  if isinstance(model, (Mapping, nn.Module)):
+    got = (f'the Linen module {type(model).__name__}' if isinstance(model, nn.Module) else
+           f'a {type(model).__name__} (Linen variables?)')
+    raise WrongFrontEndError(
+        function, got,
+        f'For a Linen model use {function.replace("perturbkit.nnx.", "perturbkit.", 1)}, '
+        'whose loss function takes the variables and calls `model.apply(variables, ...)`.')
+  raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+
+
+def _is_inexact(leaf: Any) -> bool:
+  return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+  """A call's point: one ``Module.perturb`` name per floating-point leaf."""
+  path: NNXPath
+  key: str
+  names: tuple[str, ...]
+  structure: Any  # treedef of differentiable_part(output): the reported layout
+  copied: bool
+  where: str
+  shapes: tuple[tuple[int, ...], ...] = ()  # leaf shapes where the call ran
+
+  def leaf_paths(self) -> list[PointPath]:
+    return [self.path + (n,) for n in self.names]
+
+
+def _perturbation_store(call: Call) -> Any:
+  """The ``nnx.Perturbation`` variable ``nnx.capture`` gave the module, if any.
+
+  ``Module.perturb`` outside a capture would set an attribute on the module, so
+  perturbkit only calls it where a capture is there to receive it.
+
+  Raises:
+    CaptureConflictError: the module is inside a capture without perturbations
+      (one the loss opened itself, which replaced perturbkit's).
+  """
+  captures = vars(call.module).get('__captures__')
+  if captures is None:
+    return None
+  for var in captures:
+    if type(var) is nnx.Perturbation:  # pylint: disable=unidiomatic-typecheck
+      return var
+  raise CaptureConflictError(call.name)
+
+
+def _leaf_names(key: str, output: Any) -> list[str]:
+  """``key`` for an array output; ``key`` + the leaf's key path for a pytree."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(output)
+  return [key + jax.tree_util.keystr(kp) for kp, leaf in flat if _is_inexact(leaf)]
+
+
+def _perturb(module: nnx.Module, key: str, output: Any, probe: bool = False) -> Any:
+  """``output`` with ``module.perturb`` applied to each floating-point leaf.
+
+  With ``probe``, each point is first set to ``0 * leaf`` (with ``Module.sow``),
+  a zero that is mapped wherever the output is: inside ``nnx.vmap`` with the
+  module's state broadcast, that makes the transform refuse, where plain zeros
+  would silently give a gradient summed over the mapped axis.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(output)
+  leaves = []
+  for kp, leaf in flat:
+    if _is_inexact(leaf):
+      name = key + jax.tree_util.keystr(kp)
+      if probe:
+        module.sow(nnx.Perturbation, name, 0 * leaf, reduce_fn=lambda _, v: v,
+                   init_fn=lambda: None)
+      leaf = module.perturb(name, leaf)
+    leaves.append(leaf)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _selected(points: CallFilter, hooks: Sequence[Hook]) -> Callable[[Call, Any], Any]:
+  """Runs the call's hooks; says whether the call is a point."""
+  def prepare(call: Call, output: Any) -> tuple[Any, bool]:
+    if hooks:
+      output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
+    return output, points(call.module, call.method_name)
+  return prepare
+
+
+def _flat_state(state: nnx.State) -> dict[PointPath, Any]:
+  return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def _nested(flat: Sequence[tuple[tuple, Any]]) -> dict:
+  tree: dict = {}
+  for path, value in flat:
+    node = tree
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = value
+  return tree
+
+
+def _joined(path: PointPath) -> str:
+  return '/'.join(map(str, path))
+
+
+@dataclasses.dataclass
+class _Discovery:
+  """What the abstract run found."""
+  points: list[_Point]             # perturbkit's points, in call order
+  hand_placed: list[PointPath]     # ``self.perturb`` points written in the model
+  shapes: dict[PointPath, jax.ShapeDtypeStruct]
+  seen: list[str]
+  unreachable: list[str]
+
+
+def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe):
+  found: list[_Point] = []
+  seen: list[str] = []
+  missed: list[str] = []
+  prepare = _selected(points, hooks)
+
+  def handler(call: Call, run: Callable[[], Any]) -> Any:
+    seen.append(call.name)
+    output, selected = prepare(call, run())
+    if not selected:
+      return output
+    if not has_differentiable_leaf(output):
+      if strict:
+        raise NonDifferentiableOutputError(call.name, leaf_dtypes(output))
+      return output
+    store = _perturbation_store(call)
+    if store is None:
+      missed.append(call.name)
+      return output
+    names = _leaf_names(call.key, output)
+    taken = [n for n in names if n in store]
+    if taken:
+      raise PerturbationStructureError(
+          f'the model already has a perturbation named {taken[0]!r} at '
+          f'{_joined(call.path)!r} (a hand-placed self.perturb); rename it, perturbkit '
+          'uses the method name and the call count as point names')
+    structure = jax.tree.structure(differentiable_part(output))
+    shapes = tuple(tuple(leaf.shape) for leaf in jax.tree.leaves(output) if _is_inexact(leaf))
+    found.append(_Point(call.path, call.key, tuple(names), structure, call.copied, call.name,
+                        shapes))
+    return _perturb(call.module, call.key, output, probe)
+
+  def traced(model, *args, **kwargs):
+    with instrument([model], handler):
+      return nnx.capture(loss_fn, nnx.Perturbation)(model, *args, **kwargs)
+
+  out, state = nnx.eval_shape(traced, model, *args, **kwargs)
+  return out, _flat_state(state), found, seen, missed
+
+
+def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
+             points: CallFilter, hooks: Sequence[Hook] = (), strict: bool = False,
+             has_aux: bool = False) -> _Discovery:
+  """The perturbation points ``loss_fn`` reaches, found by an abstract run.
+
+  Raises:
+    NonScalarLossError: the loss is not a real scalar.
+    NonDifferentiableOutputError: ``strict`` and a selected call has no
+      floating-point output.
+    UnmappedPerturbationError: a selected call inside ``nnx.vmap`` whose
+      module state is broadcast (its gradient would be summed over the map).
+  """
+  run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
+                          points=points, hooks=hooks, strict=strict)
+  out, shapes, found, seen, missed = run(probe=False)
+  check_loss(out, has_aux)
+  ours = {p for point in found for p in point.leaf_paths()}
+  reached = [p for p in found if all(q in shapes for q in p.leaf_paths())]
+  unreachable = sorted({p.where for p in found if p not in reached} | set(missed))
+  # A point made inside an NNX transform has the shape of the output seen
+  # there when the transform broadcasts the perturbation: fine under nnx.remat,
+  # a sum over examples under nnx.vmap. Only a second run can tell them apart.
+  suspects = [p.where for p in reached if p.copied and p.shapes == tuple(
+      tuple(shapes[q].shape) for q in p.leaf_paths())]
+  if suspects:
+    try:
+      run(probe=True)
+    except Exception as e:  # pylint: disable=broad-except
+      raise UnmappedPerturbationError(suspects) from e
+  hand_placed = [p for p in shapes if p not in ours]
+  return _Discovery(reached, hand_placed, shapes, seen, unreachable)
+
+
+def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                   has_aux: bool = False, hooks: Sequence[Hook] = (),
+                   return_activations: bool = False, return_inputs: bool = False,
+                   strict: bool | None = None) -> Callable[..., Any]:
+  """Parameter gradients and every activation gradient of an NNX model, in one backward pass.
+
+  ``loss_fn(model, *args, **kwargs)`` is the ordinary NNX loss on the
+  unmodified model. The returned function takes the same arguments and returns
+  ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), where
+  ``grads['params']`` is what ``nnx.grad(loss_fn)(model, ...)`` gives (an
+  ``nnx.State`` of ``nnx.Param``, ready for ``optimizer.update(model, ...)``)
+  and ``grads['perturbations']`` holds dL/d(output) of every selected
+  submodule call: a nested dict keyed like the params state (attribute names,
+  integer indices for ``nnx.List`` items), ending in the call's point key,
+  ``'__call__'``, then ``'__call__#1'`` for a second call, e.g.
+  ``grads['perturbations']['layers'][0]['__call__']``. A pytree output gets
+  one array per floating-point leaf, in the output's structure (``None`` for
+  other leaves). Hand-placed ``self.perturb(name, x)`` points appear under
+  their names. Inside ``nnx.scan`` over stacked modules the gradients are per
+  iteration, stacked along the scan axis.
+
+  The model's state changes as under ``nnx.value_and_grad`` (batch statistics,
+  RNG counts); its classes, attributes and graphdef are never touched, also
+  when the loss raises. Works eagerly, under ``nnx.jit``, and under ``jax.jit``
+  on a model rebuilt with ``nnx.merge``.
+
+  Args:
+    loss_fn: ``(model, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+    filter: Which calls get a point (default: all; see
+      ``perturbkit.nnx.filters``; a list of strings is a list of path patterns).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`) to insert; the
+      activation gradient reported for a hooked call is the one arriving at
+      it, before the hook transforms it for the layers below.
+    return_activations: Also return the outputs of the selected calls, in a
+      tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
+    return_inputs: Also return the inputs of the selected calls, at the same
+      paths, each as ``(args, kwargs)`` with every leaf that is not an array
+      (a Python flag, ``None``, an ``nnx.Rngs``) replaced by ``None``:
+      ``(value, grads, inputs)``, or ``(value, grads, acts, inputs)`` with
+      both, as in the Linen :func:`perturbkit.value_and_grad`. A call's input
+      ``a`` next to the gradient ``g`` at its output is what curvature
+      (K-FAC) and per-example methods need.
+    strict: Whether a selected call without floating-point output is an error
+      (default: only when a filter is given).
+
+  Returns:
+    A function ``(model, *args, **kwargs) -> (value, grads)``.
+
+  Raises:
+    NonScalarLossError: the loss is not a real scalar.
+    MissingHasAuxError: the loss function returned ``(loss, aux)`` (or another
+      tuple, list or dict) without ``has_aux=True``.
+    HasAuxOutputError: ``has_aux=True`` and the loss function returned no pair.
+    LossNotCallableError: ``loss_fn`` is not callable.
+    WrongFrontEndError: the model is a Linen module or Linen variables (use
+      ``perturbkit.value_and_grad``).
+    NoPerturbationPointsError: the filter selects no call (the NNX subclass).
+    PerturbationsNotAppliedError: a point found while tracing was not reached
+      when differentiating (the NNX subclass).
+    UnmappedPerturbationError: a selected call runs inside ``nnx.vmap`` with
+      the module's state broadcast.
+    UninstrumentableModuleError: a submodule's class cannot be instrumented.
+    ActivationsUnavailableError: ``return_activations`` or ``return_inputs``
+      for a call inside an NNX transform.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> x = jnp.ones((2, 3))
+    >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+    >>> loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
+    >>> grads['perturbations']['layers'][2]['__call__'].shape
+    (2, 1)
+    >>> grads['params']['layers'][0]['kernel'].shape
+    (3, 4)
+    >>> _, _, inputs = perturbkit.nnx.value_and_grad(loss_fn, return_inputs=True)(model, x)
+    >>> args, kwargs = inputs['layers'][2]['__call__']
+    >>> args[0].shape, kwargs
+    ((2, 4), {})
+  """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.value_and_grad', '(model, *args) -> loss')
+  points, strict = point_options(filter, strict)
+  hooks = tuple(hooks)
+  prepare = _selected(points, hooks)
+
+  @functools.wraps(loss_fn)
+  def run(model: nnx.Module, *args, **kwargs):
+    check_module(model, 'perturbkit.nnx.value_and_grad')
+    found = discover(loss_fn, model, args, kwargs, points=points, hooks=hooks,
+                     strict=strict, has_aux=has_aux)
+    if found.unreachable:
+      warnings.warn(NNXUnperturbedCallsWarning(found.unreachable), stacklevel=2)
+    if not found.points and not found.hand_placed:
+      raise NNXNoPerturbationPointsError(found.seen)
+    order = [p for point in found.points for p in point.leaf_paths()] + found.hand_placed
+    expected = {(p.path, p.key): p for p in found.points}
+
+    def differentiable(model, perturbations, args, kwargs):
+      applied: set[tuple] = set()
+      captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
+
+      def handler(call: Call, run: Callable[[], Any]) -> Any:
+        output, selected = prepare(call, run())
+        point = expected.get((call.path, call.key))
+        if not selected or point is None:
+          return output
+        store = _perturbation_store(call)
+        if store is None or any(n not in store for n in point.names):
+          return output
+        path = call.path + (call.key,)
+        if (return_activations or return_inputs) and call.copied:
+          raise ActivationsUnavailableError(call.name)
+        if return_activations:
+          captured['activations'].append((path, differentiable_part(output)))
+        if return_inputs:
+          captured['inputs'].append((path, array_part((call.args, call.kwargs))))
+        applied.add((call.path, call.key))
+        return _perturb(call.module, call.key, output)
+
+      init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]))
+      with instrument([model], handler):
+        out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
+      missing = sorted(expected[k].where for k in set(expected) - applied)
+      if missing:
+        raise NNXPerturbationsNotAppliedError(missing)
+      loss = check_loss(out, has_aux)
+      aux = out[1] if has_aux else None
+      return loss, (aux, captured)
+
+    zeros = [jnp.zeros(found.shapes[p].shape, found.shapes[p].dtype) for p in order]
+    (loss, (aux, captured)), (g_params, g_points) = nnx.value_and_grad(
+        differentiable, argnums=(0, 1), has_aux=True)(model, zeros, args, kwargs)
+    by_path = dict(zip(order, g_points))
+    reported = [(point.path + (point.key,),
+                 jax.tree.unflatten(point.structure, [by_path[p] for p in point.leaf_paths()]))
+                for point in found.points]
+    reported += [(p, by_path[p]) for p in found.hand_placed]
+    value = (loss, aux) if has_aux else loss
+    grads = {'params': g_params, 'perturbations': _nested(reported)}
+    extras = ((_nested(captured['activations']),) if return_activations else ()) + (
+        (_nested(captured['inputs']),) if return_inputs else ())
+    return (value, grads, *extras)
+
+  return run
+
+
+def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+         has_aux: bool = False, hooks: Sequence[Hook] = (),
+         strict: bool | None = None) -> Callable[..., Any]:
+  """Like :func:`value_and_grad` but returns only ``grads`` (``(grads, aux)`` with aux).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    >>> grads = perturbkit.nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((1, 2)))
+    >>> grads['perturbations']['layers'][1]['__call__'].tolist()
+    [[1.0]]
+  """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.grad', '(model, *args) -> loss')
+  vg = value_and_grad(loss_fn, filter=filter, has_aux=has_aux, hooks=hooks, strict=strict)
+  return grads_only(vg, loss_fn, has_aux)
+
+
+def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
+  """``fun`` with backward hooks inserted into every call of the NNX models it is given.
+
+  Works with any differentiation of ``fun``: ``nnx.grad``, ``jax.grad`` over
+  split state, :func:`perturbkit.nnx.value_and_grad`. Every ``nnx.Module``
+  among ``fun``'s arguments is instrumented while ``fun`` runs (under
+  ``nnx.grad`` those are the transform's own copies); nothing outlives the
+  call. Inside the loss of :func:`perturbkit.nnx.interleaved` the hooks act
+  on segment calls and on the calls inside a segment, in every replay of it.
+
+  Args:
+    fun: A function taking the model (or several) among its arguments.
+    *hooks: Hooks from :func:`perturbkit.backward_hook`; several on one call
+      apply in order on the forward pass, so the last one sees the gradient
+      first.
+
+  Returns:
+    A function with the same signature and value as ``fun``.
+
+  Raises:
+    TypeError: no argument of the call is an ``nnx.Module``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    >>> x = jnp.ones((2, 3))
+    >>> zero_below = perturbkit.backward_hook(lambda g: 0 * g,
+    ...                                       perturbkit.nnx.filters.by_path('layers/1'))
+    >>> loss = perturbkit.nnx.with_hooks(lambda m, x: m(x).sum(), zero_below)
+    >>> grads = nnx.grad(loss)(model, x)
+    >>> float(jnp.abs(grads['layers'][0]['kernel'][...]).sum())
+    0.0
+  """
+  if not hooks:
+    raise ValueError('with_hooks needs at least one hook from perturbkit.backward_hook.')
+  selected = _filters.any_of(*(h.filter for h in hooks))
+
+  def handler(call: Call, run: Callable[[], Any]) -> Any:
+    output = run()
+    if not selected(call.module, call.method_name):
+      return output
+    return apply_hooks(hooks, call.module, call.method_name, output)
+
+  @functools.wraps(fun)
+  def hooked(*args, **kwargs):
+    models = []
+    for leaf in jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, nnx.Module)):
+      if isinstance(leaf, nnx.Module) and not any(leaf is m for m in models):
+        models.append(leaf)
+    if not models:
+      raise TypeError('with_hooks: none of the arguments is an nnx.Module; pass the model '
+                      'to the function instead of closing over it.')
+    with instrument(models, handler, transparent=True):
+      return fun(*args, **kwargs)
+
+  return hooked
+

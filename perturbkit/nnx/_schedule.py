@@ -1,0 +1,371 @@
+"""``perturbkit.nnx.interleaved``: update-then-propagate training of an unmodified NNX model.
+
+The same schedule as the Linen ``interleaved``, from the same core: each
+segment call runs through ``_segment_vjp.segment_call`` (dw at the old
+weights, ``pmean``, the optimizer step, the input cotangent at the new
+weights), and ``_sweep`` keeps one optimizer state per segment, updates
+``REST`` after the sweep and assembles the metrics. Only finding the calls is
+NNX-specific (``_nnx_segmentation``, ``_nnx_segments``).
+
+Two faces, as in NNX itself: a pure ``init``/``step`` pair over the model's
+``nnx.State`` (like ``optax``), and :class:`InterleavedOptimizer`, which keeps
+its state in ``nnx.OptState`` variables and updates the model in place (like
+``nnx.Optimizer``), for use inside ``nnx.jit``.
+"""
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from perturbkit.nnx import _segmentation as _nnx_segmentation
+from perturbkit.core._loss import check_loss, check_loss_fn, describe
+from perturbkit.errors import PerturbkitError, SegmentationError, UninitializedStateError
+from perturbkit.core._hooks import Hook
+from perturbkit.nnx._driver import check_module
+from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
+from perturbkit.core._sweep import Interleaved
+from perturbkit.core._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
+                               check_optimizer, clip_scale, finish, group, init_opt_state,
+                               input_mismatch, input_shapes)
+from perturbkit.core._types import CallFilter
+from perturbkit.core._validate import interleaved_options
+
+__all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
+
+
+class InterleavedState(NamedTuple):
+  """The training state of an NNX model: a pytree (the graphdef has no leaves).
+
+  Attributes:
+    step: Number of steps taken.
+    graphdef: The model's graphdef (``nnx.split(model)[0]``).
+    variables: The model's whole state (params, batch statistics, RNG streams).
+    opt_state: One optimizer state per segment name, and one for ``REST``.
+    grad_norm: The previous step's global gradient norm (for clipping).
+  """
+  step: jax.Array
+  graphdef: Any
+  variables: nnx.State
+  opt_state: dict
+  grad_norm: jax.Array
+
+  def model(self) -> nnx.Module:
+    """The model with this state (a new object)."""
+    return nnx.merge(self.graphdef, self.variables, copy=True)
+
+
+class _Settings(NamedTuple):
+  loss_fn: Callable[..., Any]
+  optimizer: Optimizer
+  wrt: Any
+  segments: Any
+  propagate: str
+  axis_name: str | None
+  has_aux: bool
+  clip_global_norm: float | None
+  skip_nonfinite: bool
+  hooks: tuple = ()
+
+
+def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
+                  ) -> _nnx_segmentation.Segmentation:
+  if not args:
+    raise SegmentationError(
+        'Segments are calls, which are only known by tracing the loss: pass example '
+        'arguments, `init(model, *args)` / `segments(model, *args)`, the same arguments '
+        'as the loss takes after the model.')
+  return _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt, spec)
+
+
+def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: jax.Array,
+           args: tuple) -> tuple[nnx.State, nnx.State, dict, jax.Array, dict]:
+  """One interleaved step: ``(new wrt state, new other state, opt_state, norm, metrics)``."""
+  graphdef, template, others = nnx.split(model, settings.wrt, ...)
+  params = params_tree(template)
+  check_opt_state(settings.optimizer, params, opt_state)
+  names = [n for n in opt_state if n != REST]
+  # The state's segments must still pass every check on this loss and batch.
+  segmentation = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
+                                          _nnx_segmentation.exactly(names))
+  paths = {name: path for name, path in _segment_paths(model, segmentation.segments)}
+  sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
+                settings.propagate, settings.skip_nonfinite)
+  swept: dict[str, dict] = {}
+  groups = group(params, names)
+  carriers = {name: carrier(sweep, name, groups[name]) for name in names}
+  forward = segmented_loss(settings.loss_fn, graphdef, template, others, args, settings.wrt,
+                           {paths[n]: n for n in names},
+                           lambda name: backward_for(sweep, name, swept), settings.axis_name,
+                           settings.hooks)
+
+  def differentiable(params, carriers):
+    out, new_others = forward(params, carriers)
+    aux = out[1] if settings.has_aux else None
+    return check_loss(out, settings.has_aux), (aux, new_others)
+
+  (loss, (aux, new_others)), (grads, carried) = jax.value_and_grad(
+      differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
+  new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept,
+                                              settings.axis_name)
+  if settings.axis_name is not None:
+    loss = jax.lax.pmean(loss, settings.axis_name)
+  global_norm = metrics['global_grad_norm']
+  kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, grad_norm)
+  metrics = {'loss': loss, **metrics}
+  if settings.has_aux:
+    metrics['aux'] = aux
+  return with_values(template, new_params), new_others, new_opt_state, kept_norm, metrics
+
+
+def _segment_paths(model: nnx.Module, names) -> list[tuple[str, tuple]]:
+  by_name = {'/'.join(map(str, path)): tuple(path) for path, _ in nnx.iter_modules(model)}
+  return [(name, by_name[name]) for name in names]
+
+
+def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any = nnx.Param,
+                segments: int | CallFilter | None = None, propagate: str = 'updated',
+                axis_name: str | None = None, has_aux: bool = False,
+                clip_global_norm: float | None = None, skip_nonfinite: bool = True,
+                hooks: Sequence[Hook] = ()) -> Interleaved:
+  """Interleaved update-then-propagate training for an unmodified NNX model.
+
+  The schedule of :func:`perturbkit.interleaved`, for ``loss_fn(model, *args)``
+  on an NNX model: segments (submodule calls) are processed in reverse order of
+  execution; each one's gradient is taken at its old weights, ``pmean``-ed over
+  ``axis_name``, applied by its own optimizer state at once, and the gradient
+  for what the segment consumed is computed with its NEW weights
+  (``propagate='updated'``; ``'original'`` equals ``nnx.value_and_grad`` +
+  ``nnx.Optimizer.update``). Variables selected by ``wrt`` that no segment owns
+  (``perturbkit.REST``) get their ordinary gradient and are updated at the end.
+  Batch statistics and RNG counts change as in a plain call of the loss, and
+  every replay of a segment draws the same random numbers.
+
+  By default every call of a module holding ``wrt`` variables directly
+  (``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm``, ...) is a
+  segment; a module called twice, one whose variables are read outside its call
+  (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
+  ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
+  ``REST``, listed with the reason by ``segments(model, *args)``.
+
+  Backward hooks, from ``hooks=`` or from ``perturbkit.nnx.with_hooks`` inside
+  the loss, act as in ``jax.grad`` of the hooked loss: a hook on a segment call
+  transforms the gradient its ``dw`` and its input cotangent see, and hooks on
+  calls nested inside a segment act inside every replay of it, the one at the
+  new weights included.
+
+  Args:
+    loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+    optimizer: An ``optax.GradientTransformation`` for every segment, or a
+      function ``segment_name -> GradientTransformation``.
+    wrt: Filter of the trained variables (as ``nnx.Optimizer``'s ``wrt``).
+    segments: ``None`` (layer-wise), an ``int`` depth, or a call filter (e.g.
+      ``perturbkit.nnx.filters.by_type(Block)``); for chosen segments a shared
+      or outside-read segment raises :class:`perturbkit.SharedSegmentError`,
+      one inside an NNX transform ``SegmentInTransformError``. The depth
+      counts module levels as the Linen front end does: the items of an
+      ``nnx.List``/``nnx.Dict`` attribute are one level below its owner
+      (``segments=1`` makes each of ``self.blocks = nnx.List([...])`` a
+      segment, as each layer of a root ``nnx.Sequential``), and each
+      segment is the module at that depth holding (through its children)
+      ``wrt`` variables.
+    propagate: ``'updated'`` or ``'original'``.
+    axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
+    has_aux: Whether ``loss_fn`` returns ``(loss, aux)``; aux goes to metrics.
+    clip_global_norm: Optional global-norm clip using the previous step's norm.
+    skip_nonfinite: A group whose gradient is not finite keeps its variables
+      and optimizer state for the step (reported in ``metrics``).
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`, filters from
+      ``perturbkit.nnx.filters``) on the calls they select, segments and the
+      calls inside them included; on a segment the hook transforms the
+      gradient before the segment's own ``dw``, as in an ordinary backward pass.
+
+  Returns:
+    An ``Interleaved`` of pure functions: ``init(model, *example_args) ->
+    InterleavedState``, ``step(state, *args) -> (state, metrics)`` (jittable)
+    and ``segments(model, *example_args) -> Segmentation``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    >>> tx = perturbkit.nnx.interleaved(loss_fn, optax.sgd(0.1))
+    >>> state = tx.init(model, x, y)
+    >>> state, metrics = jax.jit(tx.step)(state, x, y)
+    >>> sorted(metrics['grad_norm'])
+    ['layers/0', 'layers/2']
+    >>> nnx.update(model, state.variables)  # back into the model object
+  """
+  interleaved_options(segments, clip_global_norm)
+  if propagate not in ('updated', 'original'):
+    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+  if segments is not None and not isinstance(segments, int) and not callable(segments):
+    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+  check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
+  check_optimizer(optimizer)
+  settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
+                       clip_global_norm, skip_nonfinite, tuple(hooks))
+  # What `init` was last given, only to word the error of a step that fails on other inputs.
+  at_init: dict = {}
+
+  def segmentation(model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+    _check_model(model)
+    return _segmentation(settings, model, args, segments)
+
+  def init(model: nnx.Module, *args) -> InterleavedState:
+    opt_state = init_opt_state_of(settings, model, args)
+    graphdef, variables = nnx.split(model)
+    at_init['shapes'] = input_shapes(args)
+    return InterleavedState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state,
+                            jnp.zeros((), jnp.float32))
+
+  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+    if not isinstance(state, InterleavedState):
+      raise UninitializedStateError(
+          (f'an nnx.Module ({type(state).__name__}), the model itself'
+           if isinstance(state, nnx.Module) else describe(state)),
+          _INIT_CALL)
+    model = state.model()
+    try:
+      new_params, new_others, opt_state, norm, metrics = _train(
+          settings, model, state.opt_state, state.grad_norm, args)
+    except (TypeError, ValueError) as error:
+      mismatch = None if isinstance(error, PerturbkitError) else input_mismatch(
+          at_init.get('shapes'), args, _INIT_CALL)
+      if mismatch is not None:
+        raise mismatch from error
+      raise
+    nnx.update(model, new_params, new_others)
+    graphdef, variables = nnx.split(model)
+    return InterleavedState(state.step + 1, graphdef, variables, opt_state, norm), metrics
+
+  return Interleaved(init, step, segmentation)
+
+
+_INIT_CALL = 'trainer.init(model, *args)'
+
+
+def _check_model(model: Any):
+  check_module(model, 'perturbkit.nnx.interleaved')
+
+
+def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
+  """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
+  _check_model(model)
+  names = list(_segmentation(settings, model, args, settings.segments).segments)
+  return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names)
+
+
+def _as_variables(tree: Any) -> Any:
+  return jax.tree.map(lambda leaf: nnx.OptState(leaf) if isinstance(leaf, jax.Array) else leaf,
+                      tree)
+
+
+def _values(tree: Any) -> Any:
+  return jax.tree.map(lambda var: var.get_value(), tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class InterleavedOptimizer(nnx.Pytree):
+  """Interleaved training in the shape of ``nnx.Optimizer``: state in the object, updates in place.
+
+  ``opt.step(model, *args)`` runs ``loss_fn(model, *args)`` forward and the
+  interleaved backward sweep (see :func:`interleaved`), updating the model's
+  variables (params, batch statistics, RNG counts) and the optimizer's state
+  in place, as ``nnx.Optimizer.update`` does; use it inside ``nnx.jit``.
+
+  Attributes:
+    step_count: ``nnx.OptState`` with the number of steps taken.
+    opt_state: One optimizer state per segment (``nnx.OptState`` leaves).
+    grad_norm: ``nnx.OptState``, the previous step's global gradient norm.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+    >>> loss_fn = lambda model, x, y: jnp.mean((model(x) - y) ** 2)
+    >>> opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), loss_fn, x, y)
+    >>> @nnx.jit
+    ... def train_step(model, opt, x, y):
+    ...   return opt.step(model, x, y)
+    >>> metrics = train_step(model, opt, x, y)
+    >>> int(opt.step_count[...])
+    1
+  """
+
+  def __init__(self, model: nnx.Module, tx: Optimizer, loss_fn: Callable[..., Any],
+               *example_args, wrt: Any = nnx.Param, segments: int | CallFilter | None = None,
+               propagate: str = 'updated', axis_name: str | None = None, has_aux: bool = False,
+               clip_global_norm: float | None = None, skip_nonfinite: bool = True,
+               hooks: Sequence[Hook] = ()):
+    """Builds the per-segment optimizer states.
+
+    Args:
+      model: The NNX model to train.
+      tx: An ``optax.GradientTransformation``, or ``segment_name -> transformation``.
+      loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      *example_args: Arguments of the loss after the model, to find its calls.
+      wrt: Filter of the trained variables.
+      segments: See :func:`interleaved`.
+      propagate: ``'updated'`` or ``'original'``.
+      axis_name: Mapped axis to average gradients over.
+      has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
+      clip_global_norm: Optional global-norm clip using the previous step's norm.
+      skip_nonfinite: Keep a group's variables when its gradient is not finite.
+      hooks: Backward hooks, see :func:`interleaved`.
+    """
+    interleaved_options(segments, clip_global_norm)
+    if propagate not in ('updated', 'original'):
+      raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+    check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
+    check_optimizer(tx)
+    self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
+                              clip_global_norm, skip_nonfinite, tuple(hooks))
+    self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
+    self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
+    self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,
+                                                              example_args)))
+
+  def segments(self, model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+    """The segments of the loss on ``model`` and the params left to ``REST`` with why.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import perturbkit
+      >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+      >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+      >>> x = jnp.ones((4, 3))
+      >>> opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), loss_fn, x)
+      >>> opt.segments(model, x)
+      Segmentation(segments=('layers/0',), rest={})
+    """
+    return _segmentation(self.settings, model, args, self.settings.segments)
+
+  def step(self, model: nnx.Module, *args) -> dict:
+    """One interleaved step on ``loss_fn(model, *args)``; updates ``model`` and ``self``.
+
+    Call it inside ``nnx.jit`` (see the class example); eagerly it works too,
+    tracing the loss at every call.
+
+    Returns:
+      The metrics: ``loss``, ``grad_norm``, ``activation_grad_norm``,
+      ``global_grad_norm``, ``nonfinite``, ``skipped``, ``segment_skipped``
+      (and ``aux`` with ``has_aux``).
+    """
+    _check_model(model)
+    new_params, new_others, opt_state, norm, metrics = _train(
+        self.settings, model, _values(self.opt_state), self.grad_norm.get_value(), args)
+    nnx.update(model, new_params, new_others)
+    jax.tree.map(lambda var, value: var.set_value(value), self.opt_state, opt_state,
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+    self.grad_norm.set_value(norm)
+    self.step_count.set_value(self.step_count.get_value() + 1)
+    return metrics

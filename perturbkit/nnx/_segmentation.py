@@ -1,0 +1,125 @@
+"""Which NNX calls are segments: the calls of a loss, for the shared choice.
+
+The rules (a segment's params used by its call only; the layer-wise default;
+the checks of a chosen set) are framework-neutral and live in
+``_segment_choice``, shared with Linen. NNX finds the calls with
+``_nnx_calls``; a call inside an NNX transform (``nnx.scan``, ``nnx.vmap``,
+``nnx.remat``) runs a copy of the module (with stacked params under
+``nnx.scan``), and ``segments=int`` counts module levels, not containers.
+"""
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from perturbkit.core import filters as _filters, _segment_choice
+from perturbkit.core._consumers import reads_outside
+from perturbkit.errors import SegmentationError
+from perturbkit.nnx._calls import Call, NNXPath, instrument
+from perturbkit.nnx._segments import params_tree, segment_name, segmented_loss
+from perturbkit.core._segment_choice import (CallRecord, Exactly, Segmentation, exactly,
+                                        flat_leaf_owners)
+from perturbkit.core._types import CallFilter
+
+__all__ = ['Exactly', 'Segmentation', 'SegmentInTransformError', 'choose', 'exactly']
+
+
+class SegmentInTransformError(SegmentationError):
+  """A chosen segment runs inside an NNX transform (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``)."""
+
+  def __init__(self, name: str):
+    super().__init__(
+        f'The segment {name!r} runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat), '
+        'which calls a copy of the module (with stacked params under nnx.scan), so its '
+        'weights cannot be updated inside the backward pass there. Make the module that '
+        'applies the transform one segment (its parent), or choose other segments.')
+
+
+def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
+                 filter: CallFilter = _filters.all_calls) -> list[CallRecord]:
+  """Every submodule call of ``loss_fn``, in execution order, from an abstract run."""
+  calls: list[CallRecord] = []
+
+  def on_call(call: Call, run: Callable[[], Any]) -> Any:
+    calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name))))
+    return run()
+
+  graphdef, state = nnx.split(model)
+
+  def traced(state, args):
+    copy = nnx.merge(graphdef, state, copy=True)
+    with instrument([copy], on_call):
+      return loss_fn(copy, *args)
+
+  jax.eval_shape(traced, state, args)
+  return calls
+
+
+def param_owners(model: nnx.Module, wrt: Any) -> list[NNXPath]:
+  """Paths of the modules holding ``wrt`` variables directly (not through submodules)."""
+  modules = {tuple(path) for path, _ in nnx.iter_modules(model)}
+  owners = set()
+  for path, _ in nnx.to_flat_state(nnx.state(model, wrt)):
+    path = tuple(path)
+    owners.add(next(path[:n] for n in range(len(path) - 1, -1, -1) if path[:n] in modules))
+  return sorted(owners, key=lambda p: tuple(map(str, p)))
+
+
+# Containers group modules without being a level of the model: Linen names the
+# items of a list attribute `blocks_0`, one level, where NNX has `blocks/0`.
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+
+def module_depths(model: nnx.Module) -> dict[NNXPath, int]:
+  """Each submodule's depth in module levels; ``nnx.List``/``nnx.Dict`` items sit at their parent's.
+
+  ``self.blocks = nnx.List([...])`` puts ``blocks/0`` at depth 1, as Linen puts
+  ``blocks_0``; ``nnx.Sequential`` is a module (it is called), its ``layers``
+  list is not a level. Containers themselves get no depth.
+  """
+  modules = {tuple(path): m for path, m in nnx.iter_modules(model)}
+  is_level = lambda p: p in modules and not isinstance(modules[p], _CONTAINERS)
+  return {path: sum(is_level(path[:n]) for n in range(1, len(path) + 1))
+          for path in modules if path and is_level(path)}
+
+
+def modules_at_depth(model: nnx.Module, owners: list[NNXPath], depth: int) -> list[NNXPath]:
+  """The modules ``depth`` levels down (see :func:`module_depths`) that hold params."""
+  depths = module_depths(model)
+  found = {next((p[:n] for n in range(1, len(p) + 1) if depths.get(p[:n]) == depth), None)
+           for p in owners}
+  return sorted(found - {None}, key=lambda p: tuple(map(str, p)))
+
+
+def outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
+                  paths: list[NNXPath]) -> dict[str, set[str]]:
+  """For each segment, the primitives that read its params outside its own call."""
+  names = {p: segment_name(p) for p in paths}
+  graphdef, template, others = nnx.split(model, wrt, ...)
+  # Only traced forward: the backward steps are never called.
+  fn = segmented_loss(loss_fn, graphdef, template, others, args, wrt, names,
+                      lambda name: lambda *_: (None, ()))
+  carriers = {n: () for n in names.values()}
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)
+  return reads_outside(jaxpr, flat_leaf_owners(params, list(names.values())))
+
+
+def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
+           spec: int | CallFilter | Exactly | None) -> Segmentation:
+  """The segments of ``loss_fn`` for ``spec`` (None: layer-wise; int: depth; filter; names).
+
+  Raises:
+    SegmentInTransformError: a chosen segment runs inside an NNX transform.
+    SegmentationError: nothing can be a segment, or a chosen one is never called.
+    SharedSegmentError: a chosen segment's params are used by more than its call.
+  """
+  by_filter = callable(spec) and not isinstance(spec, Exactly)
+  calls = record_calls(loss_fn, model, args, spec if by_filter else _filters.all_calls)
+  owners = param_owners(model, wrt)
+  return _segment_choice.choose(
+      spec, calls, owners,
+      at_depth=lambda depth: modules_at_depth(model, owners, depth),
+      outside_reads=lambda paths: outside_reads(loss_fn, model, args, wrt, paths),
+      transforms='an NNX transform (nnx.scan, nnx.vmap, nnx.remat)',
+      in_transform_error=SegmentInTransformError)

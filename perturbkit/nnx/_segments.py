@@ -1,0 +1,146 @@
+"""NNX segments: a submodule call replayed as a pure function of its params.
+
+A segment call is ``nnx.split`` into the module's trained variables (``wrt``)
+and everything else (batch statistics, RNG streams); the replay merges a copy
+of the module and calls the original method, so the same RNG counts give the
+same dropout masks in every replay, and the updated non-trained state is
+written back into the running model. The custom VJP that updates the segment
+in the backward pass is ``_segment_vjp.segment_call``, shared with Linen.
+
+The schedule's optimizer bookkeeping (``_sweep``) works on nested dicts with
+string keys; ``params_tree`` / ``with_values`` convert an ``nnx.State`` (whose
+``nnx.List`` items have integer keys) to and from that form.
+"""
+from typing import Any, Callable, Mapping
+
+import jax
+from flax import nnx, traverse_util
+
+from perturbkit.errors import SharedSegmentError
+from perturbkit.core.filters import all_calls
+from perturbkit.core._hooks import Hook, apply_hooks
+from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
+                                   replay_instrumented, submodules)
+from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
+
+
+def segment_name(path: NNXPath) -> str:
+  """``('layers', 0)`` -> ``'layers/0'``: the segment's name (and its group in ``_sweep``)."""
+  return '/'.join(map(str, path))
+
+
+def params_tree(state: nnx.State) -> dict:
+  """The values of ``state`` as nested dicts with string keys."""
+  flat = {tuple(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
+  return traverse_util.unflatten_dict(flat) if flat else {}
+
+
+def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
+  """A new ``state`` of the same variables holding the values of ``params_tree``-shaped ``tree``."""
+  flat = traverse_util.flatten_dict(tree) if tree else {}
+  return nnx.from_flat_state(
+      [(path, var.replace(flat[tuple(map(str, path))])) for path, var in nnx.to_flat_state(state)])
+
+
+def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
+                axis_name: str | None = None, hooks: tuple[Hook, ...] = (),
+                inner_hooks: tuple[ReplayHook, ...] = ()) -> Any:
+  """Runs one NNX segment call with the interleaved custom VJP.
+
+  Args:
+    call: The instrumented call; its module's ``wrt`` variables are the segment.
+    graphdef: The module's graphdef taken before instrumenting (plain classes),
+      so that replays, also those in the backward pass, dispatch nothing.
+    wrt: The filter of the trained variables.
+    backward: See ``segment_call``.
+    carrier: Zeros shaped like what ``backward`` carries out.
+    axis_name: Mapped axis to average ``dw`` over, if any.
+    hooks: Backward hooks that select this call. They act inside the replay,
+      so the segment's own ``dw`` and the input cotangent both see the
+      transformed gradient, as in an ordinary backward pass.
+
+  Returns:
+    The call's output; the module's other state is updated as the call would.
+  """
+  module = call.module
+  w_state, others = nnx.state(module, wrt, ...)
+  # New variables: the write-back below changes the module's own ones, and the
+  # backward replay must see the state as it was when the segment ran.
+  others = jax.tree.map(lambda leaf: leaf, others)
+  dynamic, rebuild = split_floats((call.args, call.kwargs))
+
+  def pure(w, dyn):
+    args, kwargs = rebuild(dyn)
+    # copy=True: the call must not write into the running model's variables.
+    replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
+    with replay_instrumented(replica, inner_hooks):
+      out = getattr(replica, call.method_name)(*args, **kwargs)
+    # The filters were evaluated on the instrumented call (path filters need it).
+    out = apply_hooks(tuple(Hook(all_calls, h.fn) for h in hooks), replica, call.method_name, out)
+    return out, nnx.state(replica, nnx.Not(wrt))
+
+  out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
+                                 carrier, backward, axis_name)
+  nnx.update(module, new_others)
+  return out
+
+
+def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.State,
+                   others: nnx.State, args: tuple, wrt: Any, names: Mapping[NNXPath, str],
+                   backward_for: Callable[[str], Backward], axis_name: str | None = None,
+                   hooks: tuple[Hook, ...] = ()) -> Callable[[Any, Any], tuple[Any, nnx.State]]:
+  """``loss_fn`` as a function of ``(params, carriers)`` with each segment call replayed.
+
+  Args:
+    loss_fn: The user's loss, ``(model, *args) -> out``.
+    graphdef: From ``nnx.split(model, wrt, ...)``.
+    template: The ``wrt`` state (its variables' types and metadata).
+    others: The rest of the model's state.
+    args: The loss's other arguments.
+    wrt: The filter of the trained variables.
+    names: Segment module path -> segment name.
+    backward_for: Segment name -> its ``Backward``.
+    axis_name: Mapped axis to average each ``dw`` over, if any.
+    hooks: Backward hooks (``perturbkit.backward_hook``) for the calls they select.
+
+  Returns:
+    ``fn(params, carriers) -> (out, new_others)`` with ``params`` a
+    ``params_tree`` of the ``wrt`` state and ``new_others`` the model's
+    non-trained state after the loss (batch statistics, RNG counts).
+
+  Raises:
+    SharedSegmentError: a segment module is called more than once.
+  """
+  def fn(params, carriers):
+    model = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    modules = dict(submodules(model))
+    plain = {path: nnx.graphdef(modules[path]) for path in names if path in modules}
+    called: set = set()
+
+    def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      selected = tuple(h for h in hooks if h.filter(call.module, call.method_name))
+      if call.copied or call.path not in names:
+        return apply_hooks(selected, call.module, call.method_name, run()) if selected else run()
+      # Calls inside a segment replay are not instrumented, so a second call
+      # here (or another method of the module) is a second use of its weights.
+      if call.path in called:
+        raise SharedSegmentError(names[call.path], 'it is called more than once in one step')
+      called.add(call.path)
+      name = names[call.path]
+      inner_hooks = replay_hooks()
+      if hooks:
+        inner_hooks += ((_hooks_handler(hooks), call.path),)
+      return run_segment(call, plain[call.path], wrt, backward_for(name), carriers[name],
+                         axis_name, selected, inner_hooks)
+
+    with instrument([model], on_call):
+      out = loss_fn(model, *args)
+    return out, nnx.state(model, nnx.Not(wrt))
+
+  return fn
+
+
+def _hooks_handler(hooks: tuple[Hook, ...]) -> Callable[[Call, Callable[[], Any]], Any]:
+  def on_call(call: Call, run: Callable[[], Any]) -> Any:
+    return apply_hooks(hooks, call.module, call.method_name, run())
+  return on_call

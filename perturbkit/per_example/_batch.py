@@ -1,0 +1,69 @@
+"""Where the examples are in a loss's arguments, and how many there are.
+
+``batch_axes`` follows ``jax.vmap``'s ``in_axes``, one level deep: an int (the
+examples axis of every array argument), ``None`` (an argument shared by all
+examples), or a tuple with one such entry per positional argument.
+"""
+from typing import Any
+
+import jax
+import numpy as np
+
+from perturbkit.errors import ExamplesAxisError
+
+BatchAxes = int | None | tuple
+
+
+def per_argument(batch_axes: BatchAxes, num_args: int) -> tuple:
+  """``batch_axes`` as one entry (int or None) per positional argument."""
+  if batch_axes is None or isinstance(batch_axes, int):
+    return (batch_axes,) * num_args
+  axes = tuple(batch_axes)
+  if len(axes) != num_args or not all(a is None or isinstance(a, int) for a in axes):
+    raise ExamplesAxisError(
+        f'batch_axes={batch_axes!r} must be an int, None, or a tuple of ints/None with one '
+        f'entry per positional argument ({num_args} given)')
+  return axes
+
+
+def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
+  """The number of examples: the common size of every batched array along its axis.
+
+  Raises:
+    ExamplesAxisError: no argument is batched, or the sizes disagree.
+  """
+  sizes: dict[int, str] = {}
+  for index, (arg, axis) in enumerate(zip(args, per_argument(batch_axes, len(args)))):
+    if axis is None:
+      continue
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      if not isinstance(leaf, (jax.Array, np.ndarray)):
+        continue
+      where = f'argument {index}{jax.tree_util.keystr(path)}'
+      if not -leaf.ndim <= axis < max(leaf.ndim, 1) or leaf.ndim == 0:
+        raise ExamplesAxisError(f'{where} has shape {leaf.shape}, with no axis {axis}')
+      sizes.setdefault(int(leaf.shape[axis]), where)
+  if len(sizes) != 1:
+    found = ', '.join(f'{w}: {n}' for n, w in sizes.items()) or 'no batched array argument'
+    raise ExamplesAxisError(f'the batched arguments disagree on the number of examples '
+                            f'({found})')
+  return next(iter(sizes))
+
+
+def reduction_scale(reduction: str, num_examples: int) -> float:
+  """The factor from the loss's activation gradients to per-example gradients.
+
+  For ``loss = mean_i term_i`` the gradient at example ``i``'s activations is
+  ``term_i``'s gradient divided by the number of examples, so it is multiplied
+  back; for ``sum`` it is the per-example gradient already.
+  """
+  if reduction == 'mean':
+    return float(num_examples)
+  if reduction == 'sum':
+    return 1.0
+  raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+
+
+def reduce(values: Any, reduction: str) -> Any:
+  """``mean`` or ``sum`` over axis 0."""
+  return values.mean(axis=0) if reduction == 'mean' else values.sum(axis=0)

@@ -1,0 +1,192 @@
+"""Value checks of a loss: that it is a sum or mean of per-example terms, and which of the two.
+
+``check_per_example`` compares the loss of a batch with each example's loss alone
+(eagerly, on the user's values). ``check_reduction`` is the cheap check the
+per-example functions run on their first trace: it tells a mean from a sum by
+the loss of one example against the loss of that example given twice, and of two
+examples together against their losses alone.
+"""
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perturbkit.errors import ReductionMismatchError
+from perturbkit.per_example._batch import BatchAxes, per_argument, reduce
+from perturbkit.errors import ExamplesMixedError
+from perturbkit.core._validate import non_negative
+
+
+def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
+                      reduction: str = 'mean', batch_axes: BatchAxes = 0,
+                      rtol: float = 1e-4, atol: float = 1e-6) -> None:
+  """Raises unless the loss of the batch equals the ``reduction`` of each example's loss alone.
+
+  A loss that is a sum or mean of per-example terms passes (up to float
+  rounding); a model that normalizes over the batch (BatchNorm in training
+  mode) or a loss over batch statistics almost never does, because each
+  example's loss changes when it is alone. Passing does not prove the loss is
+  separable; failing proves it is not. It costs one extra forward pass (a vmap
+  over examples, each a batch of one) and runs eagerly, outside ``jax.jit``.
+
+  Args:
+    loss_fn: ``(variables, *args) -> scalar loss``.
+    variables: The model variables.
+    *args: The loss's positional arguments, examples on ``batch_axes``.
+    reduction: ``'mean'`` or ``'sum'``.
+    batch_axes: The examples axis of each positional argument.
+    rtol: Relative tolerance of the comparison.
+    atol: Absolute tolerance of the comparison.
+
+  Raises:
+    ExamplesMixedError: the two values differ.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import perturbkit
+    >>> x = jnp.array([1., 2., 6.])
+    >>> perturbkit.check_per_example(lambda v, x: jnp.mean(v * x ** 2), 2.0, x)
+    >>> perturbkit.check_per_example(lambda v, x: jnp.var(v * x), 2.0, x)
+    Traceback (most recent call last):
+    ...
+    perturbkit.errors.ExamplesMixedError: Per-example ...
+  """
+  non_negative('rtol', rtol)
+  non_negative('atol', atol)
+  axes = per_argument(batch_axes, len(args))
+  whole = float(loss_fn(variables, *args))
+
+  def alone(*example):
+    batch = [x if a is None else jax.tree.map(lambda t, a=a: jnp.expand_dims(t, a), x)
+             for x, a in zip(example, axes)]
+    return loss_fn(variables, *batch)
+
+  terms = jax.vmap(alone, in_axes=axes)(*args)
+  combined = float(reduce(terms, reduction))
+  if not np.isclose(whole, combined, rtol=rtol, atol=atol):
+    raise ExamplesMixedError(
+        f'the loss of the batch is {whole:.6g}, but the {reduction} of each example\'s loss '
+        f'alone is {combined:.6g}')
+
+
+def _is_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def stand_in(leaf: Any, index: int) -> Any:
+  """``leaf`` if it has a value, else a concrete array of its shape and dtype.
+
+  The reduction is a property of the loss function, not of the numbers it is
+  given, so a traced argument (under ``jax.jit``) is replaced by fixed numbers:
+  small normal floats (a stand-in for params and features), ones for integers
+  (valid ids, labels and masks), fixed keys for PRNG keys.
+  """
+  if not isinstance(leaf, jax.core.Tracer):
+    return leaf
+  shape, dtype = leaf.shape, leaf.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    keys = jax.random.split(jax.random.key(index, impl=jax.random.key_impl(leaf)),
+                            int(np.prod(shape)))
+    return keys.reshape(shape)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return 0.5 * jax.random.normal(jax.random.key(index), shape, dtype)
+  return jnp.ones(shape, dtype)
+
+
+def _examples(arg: Any, axis: int | None, rows: tuple[int, ...]) -> Any:
+  """The examples ``rows`` of ``arg`` along ``axis`` (``arg`` itself if shared)."""
+  if axis is None:
+    return arg
+  take = lambda x: jnp.take(x, jnp.asarray(rows), axis=axis)
+  return jax.tree.map(lambda x: take(x) if _is_array(x) else x, arg)
+
+
+def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict,
+                 batch_axes: BatchAxes, batches: list[tuple[int, ...]]) -> list[float] | None:
+  """The loss of each batch of ``batches`` (rows of the batch), at trace time, in one call.
+
+  Runs on concrete values (``stand_in``), as one small compiled call of the loss.
+  ``None`` if a value depends on a traced value the loss closes over.
+  """
+  axes = per_argument(batch_axes, len(args))
+  with jax.ensure_compile_time_eval():
+    leaves, tree = jax.tree.flatten((variables, args, kwargs))
+    variables, args, kwargs = jax.tree.unflatten(
+        tree, [stand_in(leaf, i) for i, leaf in enumerate(leaves)])
+    given = [[_examples(x, a, rows) for x, a in zip(args, axes)] for rows in batches]
+    leaves, tree = jax.tree.flatten((variables, given, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+    def losses(arrays):
+      full = list(leaves)
+      for i, x in zip(where, arrays):
+        full[i] = x
+      variables, given, kwargs = jax.tree.unflatten(tree, full)
+      return [jnp.asarray(loss_fn(variables, *a, **kwargs), jnp.float32) for a in given]
+
+    values = jax.jit(losses)([leaves[i] for i in where])
+  if any(isinstance(v, jax.core.Tracer) for v in values):
+    return None
+  return [float(v) for v in values]
+
+
+def _close(a: float, b: float) -> bool:
+  return bool(np.isclose(a, b, rtol=1e-3, atol=1e-6))
+
+
+def found_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict,
+                    batch_axes: BatchAxes, num_examples: int) -> tuple[str | None, float]:
+  """``('mean' | 'sum' | None, ratio)`` from the losses of a few examples alone and together.
+
+  ``ratio`` is the loss of the first example given twice over its loss alone:
+  exactly 1 for a mean of per-example terms (also a weighted one, such as a
+  masked mean over tokens: the weights double with the example) and 2 for a
+  sum. A sum must also be additive: the loss of the first two examples is the
+  sum of their losses alone; a loss pairing each example with the whole batch
+  (through ``stop_gradient``) doubles too, but is not additive, and is left
+  unjudged (``None``), as is a loss whose values are zero or not finite, or
+  a loss that draws random numbers (dropout) and so gives each copy other draws.
+  """
+  batches = [(0,), (0, 0)] + ([(1,), (0, 1)] if num_examples > 1 else [])
+  values = batch_losses(loss_fn, variables, args, kwargs, batch_axes, batches)
+  if values is None or not np.all(np.isfinite(values)) or abs(values[0]) < 1e-20:
+    return None, float('nan')
+  ratio = values[1] / values[0]
+  if abs(ratio - 1) <= 0.25:
+    return 'mean', ratio
+  additive = num_examples == 1 or _close(values[3], values[0] + values[2])
+  if abs(ratio - 2) <= 0.5 and additive:
+    return 'sum', ratio
+  return None, ratio
+
+
+def check_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict, *,
+                    reduction: str, batch_axes: BatchAxes, num_examples: int) -> None:
+  """Raises unless ``loss_fn`` combines the examples as ``reduction`` says (``found_reduction``).
+
+  Raises:
+    ReductionMismatchError: the loss is found to be a sum and ``reduction`` is
+      ``'mean'``, or the other way round.
+  """
+  found, ratio = found_reduction(loss_fn, variables, args, kwargs, batch_axes, num_examples)
+  if found is not None and found != reduction:
+    raise ReductionMismatchError(
+        reduction, found, f'the loss of one example given twice (a batch of two copies) is '
+        f'{ratio:.4g} times the loss of that example alone; a mean gives 1, a sum 2')
+
+
+def reduction_checker(loss_fn: Callable[..., Any], reduction: str,
+                      batch_axes: BatchAxes) -> Callable[..., None]:
+  """``check_reduction`` for ``loss_fn``, run on the first call (or trace) that passes it."""
+  if reduction not in ('mean', 'sum'):
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+  passed = []
+
+  def check(variables: Any, args: tuple, kwargs: dict, num_examples: int) -> None:
+    if not passed:
+      check_reduction(loss_fn, variables, args, kwargs, reduction=reduction,
+                      batch_axes=batch_axes, num_examples=num_examples)
+      passed.append(True)
+
+  return check

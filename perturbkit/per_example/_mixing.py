@@ -1,0 +1,363 @@
+"""Whether a traced loss mixes examples where gradients flow: contrastive losses, batch statistics.
+
+Per-example gradients exist when the loss is a sum of one term per example,
+each term reaching the params through its own example's computation. The
+jaxpr of the loss is walked once, following for every value:
+
+* where its examples are: on one axis (``int``), summed over (:data:`SUMMED`),
+  not at all (``None``), or no longer known (:data:`UNKNOWN`, after an
+  operation the walk does not follow: loops, gathers it cannot read, ...); rows
+  of the examples axis picked by per-example indices (``x[arange(B), ids]``)
+  are taken to be each example's own;
+* whether it depends on the params (``live``): only such values carry
+  gradients, so mixing among values computed from the data alone (normalizing
+  the inputs by their batch mean, dividing by the batch's token count) is fine;
+* the first mixing it is computed from (``mixed``, a sentence), if any.
+
+Mixing is recorded only where it is certain and live: the examples of two live
+arrays paired with each other (``a @ b.T`` between two embeddings of the batch,
+the CLIP loss); a live sum over the examples combined with each example again
+(a batch statistic), or put through a nonlinear function (the loss is then not
+a sum of per-example terms); a maximum, sort or cumulative sum over the
+examples of a live array. The loss is refused when its value is computed from
+such a mixing. Whatever the walk does not follow it leaves alone: it can miss
+mixing there (``check_per_example`` checks values), never refuse a loss that
+is a per-example sum.
+"""
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import jax
+from jax.extend import core as jex_core
+
+from perturbkit.core._dependence import single_subjaxpr
+
+SUMMED = 'summed'
+UNKNOWN = 'unknown'
+
+
+class State(NamedTuple):
+  """What the walk knows of one value."""
+  axis: Any = None  # int, SUMMED, UNKNOWN or None
+  live: bool = False
+  mixed: str | None = None
+
+
+UNARY = {'neg', 'exp', 'exp2', 'log', 'log1p', 'expm1', 'tanh', 'logistic', 'sin', 'cos',
+         'tan', 'sqrt', 'rsqrt', 'cbrt', 'abs', 'sign', 'floor', 'ceil', 'round', 'erf',
+         'erfc', 'erf_inv', 'lgamma', 'digamma', 'is_finite', 'convert_element_type',
+         'integer_pow', 'square', 'reduce_precision', 'copy', 'copy_p', 'real', 'imag',
+         'conj', 'not', 'asin', 'acos', 'atan', 'sinh', 'cosh', 'asinh', 'acosh', 'atanh'}
+BINARY = {'add', 'sub', 'mul', 'div', 'max', 'min', 'pow', 'rem', 'atan2', 'nextafter',
+          'eq', 'ne', 'lt', 'le', 'gt', 'ge', 'and', 'or', 'xor', 'select_n', 'clamp',
+          'add_any'}
+ELEMENTWISE = UNARY | BINARY
+# Linear in each operand: a live sum over the examples stays a sum through them.
+LINEAR = {'neg', 'convert_element_type', 'reduce_precision', 'copy', 'copy_p', 'add', 'sub',
+          'add_any', 'real', 'imag', 'conj'}
+PASS_THROUGH = {'optimization_barrier', 'sharding_constraint'}
+ORDER = {'reduce_max': 'a maximum', 'reduce_min': 'a minimum', 'argmax': 'an argmax',
+         'argmin': 'an argmin', 'reduce_prod': 'a product', 'cumsum': 'a cumulative sum',
+         'cumprod': 'a cumulative product', 'cummax': 'a cumulative maximum',
+         'cummin': 'a cumulative minimum', 'cumlogsumexp': 'a cumulative logsumexp',
+         'sort': 'a sort'}
+
+
+def _where(eqn: jex_core.JaxprEqn) -> str:
+  stack = str(eqn.source_info.name_stack)
+  return f'`{eqn.primitive.name}`' + (f' in {stack}' if stack else '')
+
+
+def _is_float(var: Any) -> bool:
+  dtype = getattr(var.aval, 'dtype', None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, np.inexact)
+
+
+def _ndim(var: Any) -> int:
+  return len(getattr(var.aval, 'shape', ()))
+
+
+def _batch_statistic(eqn) -> str:
+  return (f'{_where(eqn)} combines each example with a sum over all examples computed from '
+          'the params (a batch statistic)')
+
+
+def _over_examples(eqn) -> str:
+  name = eqn.primitive.name
+  return (f'{_where(eqn)} takes {ORDER.get(name, name)} over the examples of an array '
+          'computed from the params')
+
+
+def _combine(states: Sequence[State], axis: Any, mixed: str | None = None) -> State:
+  """``axis`` for the output; live and the first mixing from the inputs (or ``mixed``)."""
+  first = mixed or next((s.mixed for s in states if s.mixed), None)
+  return State(axis, any(s.live for s in states), first)
+
+
+def _elementwise(eqn, states: list[State]) -> State:
+  name = eqn.primitive.name
+  if any(s.axis == UNKNOWN for s in states):
+    return _combine(states, UNKNOWN)
+  examples = [s for s in states if isinstance(s.axis, int)]
+  summed = [s for s in states if s.axis == SUMMED]
+  axes = {s.axis for s in examples}
+  if len(axes) > 1:
+    live = {s.axis for s in examples if s.live}
+    if len(live) > 1:
+      return _combine(states, UNKNOWN, f'{_where(eqn)} pairs the examples of two arrays '
+                                       'computed from the params with each other')
+    return _combine(states, live.pop() if live else UNKNOWN)
+  if examples:
+    if any(s.live for s in summed):
+      return _combine(states, examples[0].axis, _batch_statistic(eqn))
+    return _combine(states, examples[0].axis)
+  if summed:
+    live = [i for i, s in enumerate(states) if s.live]
+    linear = (name in LINEAR
+              or (name == 'mul' and len(live) == 1)
+              or (name == 'div' and live == [0])
+              or (name == 'select_n' and 0 not in live))
+    if any(s.live for s in summed) and not linear:
+      return _combine(states, SUMMED, f'{_where(eqn)} is applied to a sum over the examples, '
+                                      'so the loss is not a sum of per-example terms')
+    return _combine(states, SUMMED)
+  return _combine(states, None)
+
+
+def _broadcast_in_dim(eqn, states):
+  (s, *rest) = states
+  axis = eqn.params['broadcast_dimensions'][s.axis] if isinstance(s.axis, int) else s.axis
+  return _combine([s, *rest], axis)
+
+
+def _reshape(eqn, states):
+  s = states[0]
+  if not isinstance(s.axis, int):
+    return _combine(states, s.axis)
+  old = eqn.invars[0].aval.shape
+  new = eqn.params['new_sizes']
+  before = int(np.prod(old[:s.axis]))
+  for j in range(len(new)):
+    if int(np.prod(new[:j])) == before and new[j] == old[s.axis]:
+      return _combine(states, j)
+  return _combine(states, UNKNOWN)
+
+
+def _transpose(eqn, states):
+  s = states[0]
+  axis = list(eqn.params['permutation']).index(s.axis) if isinstance(s.axis, int) else s.axis
+  return _combine(states, axis)
+
+
+def _squeeze(eqn, states):
+  s = states[0]
+  if not isinstance(s.axis, int):
+    return _combine(states, s.axis)
+  dims = [d % _ndim(eqn.invars[0]) for d in eqn.params['dimensions']]
+  return _combine(states, s.axis - sum(d < s.axis for d in dims))
+
+
+def _reduce(eqn, states):
+  s = states[0]
+  if not isinstance(s.axis, int):
+    return _combine(states, s.axis)
+  axes = tuple(eqn.params['axes'])
+  if s.axis not in axes:
+    return _combine(states, s.axis - sum(a < s.axis for a in axes))
+  if eqn.primitive.name == 'reduce_sum':
+    return _combine(states, SUMMED)
+  return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
+
+
+def _along_axis(eqn, states):
+  """Cumulative ops and sort: the examples' axis is kept unless it is the one they run along."""
+  s = states[0]
+  axis = eqn.params.get('axis', eqn.params.get('dimension'))
+  if isinstance(s.axis, int) and s.axis == axis % _ndim(eqn.invars[0]):
+    return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
+  return _combine(states, s.axis)
+
+
+def _position(a: int, contract, batch, ndim: int, offset: int):
+  if a in batch:
+    return 'batch', list(batch).index(a)
+  if a in contract:
+    return 'contract', list(contract).index(a)
+  free = [d for d in range(ndim) if d not in contract and d not in batch]
+  return 'free', offset + free.index(a)
+
+
+def _dot_general(eqn, states):
+  (lc, rc), (lb, rb) = eqn.params['dimension_numbers']
+  left, right = states[:2]
+  if UNKNOWN in (left.axis, right.axis):
+    return _combine(states, UNKNOWN)
+  n_left = _ndim(eqn.invars[0])
+  free_left = n_left - len(lc) - len(lb)
+  where = [None, None]
+  if isinstance(left.axis, int):
+    where[0] = _position(left.axis, lc, lb, n_left, len(lb))
+  if isinstance(right.axis, int):
+    where[1] = _position(right.axis, rc, rb, _ndim(eqn.invars[1]), len(lb) + free_left)
+  if where[0] and where[1]:
+    if where[0] == where[1] and where[0][0] != 'free':
+      return _combine(states, where[0][1] if where[0][0] == 'batch' else SUMMED)
+    if left.live and right.live:
+      return _combine(states, UNKNOWN, f'{_where(eqn)} pairs the examples of two arrays '
+                                       'computed from the params with each other (a '
+                                       'contrastive loss over the batch, `a @ b.T`)')
+    kept = where[0] if left.live else where[1] if right.live else None
+    return _combine(states, kept[1] if kept and kept[0] != 'contract' else UNKNOWN)
+  if where[0] or where[1]:
+    kind, index = where[0] or where[1]
+    other = right if where[0] else left
+    mixed = _batch_statistic(eqn) if other.axis == SUMMED and other.live else None
+    return _combine(states, SUMMED if kind == 'contract' else index, mixed)
+  if SUMMED in (left.axis, right.axis):
+    mixed = (f'{_where(eqn)} multiplies two sums over the examples, so the loss is not a sum '
+             'of per-example terms' if left.live and right.live else None)
+    return _combine(states, SUMMED, mixed)
+  return _combine(states, None)
+
+
+def _conv(eqn, states):
+  lhs, rhs = states[:2]
+  dims = eqn.params['dimension_numbers']
+  if (isinstance(lhs.axis, int) and rhs.axis is None and lhs.axis == dims.lhs_spec[0]
+      and eqn.params.get('batch_group_count', 1) == 1):
+    return _combine(states, dims.out_spec[0])
+  return _combine(states, None if lhs.axis is None and rhs.axis is None else UNKNOWN)
+
+
+def _window(eqn, states):
+  s = states[0]
+  if not isinstance(s.axis, int):
+    return _combine(states, s.axis if s.axis is None else UNKNOWN)
+  p = eqn.params
+  untouched = (p['window_dimensions'][s.axis] == 1 and p['window_strides'][s.axis] == 1
+               and tuple(p['padding'][s.axis]) == (0, 0)
+               and p.get('base_dilation', (1,) * 64)[s.axis] == 1
+               and p.get('window_dilation', (1,) * 64)[s.axis] == 1)
+  return _combine(states, s.axis if untouched else UNKNOWN)
+
+
+def _pad(eqn, states):
+  s = states[0]
+  if isinstance(s.axis, int) and tuple(eqn.params['padding_config'][s.axis]) != (0, 0, 0):
+    return _combine(states, UNKNOWN)
+  return _combine(states, s.axis if states[1].axis is None else UNKNOWN)
+
+
+def _slice(eqn, states):
+  s = states[0]
+  if isinstance(s.axis, int):
+    p = eqn.params
+    full = (p['start_indices'][s.axis] == 0
+            and p['limit_indices'][s.axis] == eqn.invars[0].aval.shape[s.axis]
+            and (p['strides'] is None or p['strides'][s.axis] == 1))
+    return _combine(states, s.axis if full else UNKNOWN)
+  return _combine(states, s.axis)
+
+
+def _concatenate(eqn, states):
+  axes = {s.axis for s in states if s.axis is not None}
+  if not axes:
+    return _combine(states, None)
+  if len(axes) == 1:
+    axis = axes.pop()
+    if isinstance(axis, int) and axis != eqn.params['dimension']:
+      return _combine(states, axis)
+  return _combine(states, UNKNOWN)
+
+
+def _gather(eqn, states):
+  operand, indices = states[:2]
+  dims = eqn.params['dimension_numbers']
+  n_out = _ndim(eqn.outvars[0])
+  batch_out = [d for d in range(n_out) if d not in dims.offset_dims]
+  index_axes = _ndim(eqn.invars[1]) - 1  # the last axis holds the index vectors
+  if operand.axis is None and isinstance(indices.axis, int) and indices.axis < index_axes:
+    return _combine(states, batch_out[indices.axis])
+  if isinstance(operand.axis, int) and operand.axis in dims.operand_batching_dims:
+    k = list(dims.operand_batching_dims).index(operand.axis)
+    b = dims.start_indices_batching_dims[k]
+    if indices.axis in (None, b) and b < index_axes:
+      return _combine(states, batch_out[b])
+  if (isinstance(operand.axis, int) and isinstance(indices.axis, int)
+      and indices.axis < index_axes and operand.axis in dims.collapsed_slice_dims
+      and operand.axis in dims.start_index_map):
+    # x[arange(B), ids] (CLIP's text pooling): rows of the examples axis picked by per-example
+    # indices are taken to be each example's own. A permutation of the examples would pass
+    # unnoticed here, but nothing is refused on this assumption.
+    return _combine(states, batch_out[indices.axis])
+  if operand.axis is None and indices.axis is None:
+    return _combine(states, None)
+  return _combine(states, UNKNOWN)
+
+
+RULES = {
+    'broadcast_in_dim': _broadcast_in_dim, 'reshape': _reshape, 'transpose': _transpose,
+    'squeeze': _squeeze, 'dot_general': _dot_general, 'conv_general_dilated': _conv,
+    'reduce_window_sum': _window, 'reduce_window_max': _window, 'reduce_window_min': _window,
+    'pad': _pad, 'slice': _slice, 'concatenate': _concatenate, 'gather': _gather,
+    'cumsum': _along_axis, 'cumprod': _along_axis, 'cummax': _along_axis,
+    'cummin': _along_axis, 'cumlogsumexp': _along_axis,
+    **{name: _reduce for name in ('reduce_sum', 'reduce_max', 'reduce_min', 'reduce_prod',
+                                  'argmax', 'argmin')},
+}
+
+
+def _eqn_states(eqn, states: list[State]) -> list[State]:
+  name = eqn.primitive.name
+  if name == 'stop_gradient':
+    return [State(states[0].axis)]
+  if name in PASS_THROUGH:
+    return list(states[:len(eqn.outvars)])
+  inner = single_subjaxpr(eqn)
+  if inner is not None:
+    return walk(inner, states)
+  if name in ELEMENTWISE:
+    return [_elementwise(eqn, states)] * len(eqn.outvars)
+  if name == 'sort':
+    return [_along_axis(eqn, [s]) for s in states]
+  if name in RULES and len(eqn.outvars) == 1:
+    return [RULES[name](eqn, states)]
+  # Not followed: loops, conditionals, scatters, ...
+  carried = any(s.axis is not None for s in states)
+  return [_combine(states, UNKNOWN if carried else None)] * len(eqn.outvars)
+
+
+def walk(jaxpr: jex_core.Jaxpr, states: Sequence[State]) -> list[State]:
+  """The :class:`State` of every output of ``jaxpr``, given those of its inputs."""
+  known = dict(zip(jaxpr.invars, states))
+
+  def read(var) -> State:
+    return State() if isinstance(var, jex_core.Literal) else known.get(var, State())
+
+  for eqn in jaxpr.eqns:
+    outs = _eqn_states(eqn, [read(v) for v in eqn.invars])
+    for var, s in zip(eqn.outvars, outs):
+      # No gradient flows through integer or boolean values.
+      known[var] = s if _is_float(var) else State(s.axis)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def mixing(jaxpr: jex_core.Jaxpr, example_axes: Sequence[int | None], live: Sequence[bool],
+           call_inputs: int = 0) -> tuple[str | None, bool]:
+  """How the loss, ``jaxpr``'s last output, mixes examples where gradients flow, if it does.
+
+  Args:
+    jaxpr: The traced loss; its first ``call_inputs`` outputs are the array inputs of
+      the recorded layer calls, its last output is the loss.
+    example_axes: For each input, the axis of its examples, or ``None``.
+    live: For each input, whether it is a param.
+    call_inputs: How many of the first outputs are layer-call inputs.
+
+  Returns:
+    ``(mixed, misplaced)``: a sentence for :class:`ExamplesMixedError` or ``None``,
+    and whether a layer call sees the examples on an axis other than 0 (then the
+    mixing may only be that axis's doing, and the examples-axis error is the one to give).
+  """
+  states = walk(jaxpr, [State(axis, p) for axis, p in zip(example_axes, live)])
+  misplaced = any(isinstance(s.axis, int) and s.axis != 0 for s in states[:call_inputs])
+  return states[-1].mixed, misplaced

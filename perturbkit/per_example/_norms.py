@@ -1,0 +1,144 @@
+"""Per-example gradient norms of an unmodified model, from one forward and one backward pass."""
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from perturbkit.per_example._batch import BatchAxes
+from perturbkit.per_example._check import reduction_checker
+from perturbkit.per_example._pass import Pass, run_pass
+from perturbkit.per_example._reads import grads_with_reads, per_example_sq
+from perturbkit.per_example._rules import DENSE_METHODS, LayerNorms, layer_norms
+from perturbkit.core._types import Path
+
+
+class PerExampleNorms(NamedTuple):
+  """Per-example gradient norms, each an array with one entry per example.
+
+  Attributes:
+    total: The norm of each example's whole gradient, shape ``(examples,)``.
+    by_layer: ``{'Block_0/Dense_1': (examples,)}``: the norm over each module's own params.
+    by_param: A tree shaped like ``params`` with a ``(examples,)`` norm per param array.
+  """
+  total: jax.Array
+  by_layer: dict[str, jax.Array]
+  by_param: dict
+
+
+def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
+  """Every layer's :class:`LayerNorms`, by module path."""
+  if dense_method not in DENSE_METHODS:
+    raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
+  out = {}
+  for layer in result.layers:
+    if layer.reads:  # params also used by nested applies (a tied head): formed in full
+      grads = grads_with_reads(layer.path, layer.pairs, layer.params, layer.direct,
+                               list(layer.reads), result.num_examples)
+      out[layer.path] = LayerNorms({k: per_example_sq(v) for k, v in grads.items()}, grads)
+    elif not layer.pairs:
+      zero = jnp.zeros((result.num_examples,), jnp.float32)
+      out[layer.path] = LayerNorms({k: zero for k in layer.direct})
+    else:
+      out[layer.path] = layer_norms(layer.pairs, layer.params, layer.direct,
+                                    result.num_examples, dense_method)
+  return out
+
+
+def flat_squares(layers: dict[Path, LayerNorms]) -> dict[tuple, jax.Array]:
+  """``{param path: (examples,) squared norm}`` for every param of ``layers``."""
+  return {path + (k,): v for path, norms in layers.items() for k, v in norms.squares.items()}
+
+
+def norms_from_squares(squares: dict[tuple, jax.Array]) -> PerExampleNorms:
+  """Per-layer, per-param and total norms from per-param squared norms."""
+  layers: dict[str, jax.Array] = {}
+  for path, sq in squares.items():
+    name = '/'.join(path[:-1])
+    layers[name] = layers[name] + sq if name in layers else sq
+  total = functools.reduce(jnp.add, layers.values())
+  return PerExampleNorms(jnp.sqrt(total), {k: jnp.sqrt(v) for k, v in layers.items()},
+                         traverse_util.unflatten_dict({k: jnp.sqrt(v)
+                                                       for k, v in squares.items()}))
+
+
+def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mean',
+                           batch_axes: BatchAxes = 0,
+                           dense_method: str = 'auto') -> Callable[..., Any]:
+  """Each example's gradient norm, per param, per layer and in total, without per-example gradients.
+
+  ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss of an unmodified
+  model and must be a sum or a mean over examples of one term per example
+  (``reduction``). The examples are on axis 0 of every array argument unless
+  ``batch_axes`` says otherwise, and on axis 0 of every layer's activations.
+  One forward and one backward pass give each param-owning call's input and
+  output gradient; the norms follow without forming per-example gradients
+  where a layer has a fast path (Dense with any leading axes, Conv, Embed,
+  LayerNorm/RMSNorm; see ``_per_example_rules``), and by a vmap over examples of
+  that layer's own VJP otherwise (transient memory of one layer). A module used
+  several times (shared weights, tied embeddings called through one module)
+  contributes the norm of the SUM of its uses' gradients, as the loss sees it.
+
+  With ``reduction='mean'`` the gradient at an example's activations is its own
+  term's gradient divided by the number of examples ``B``; it is multiplied by
+  ``B``, so the norms are those of each term's gradient, ``‖∇ term_i‖``. A
+  ``reduction`` that does not match the loss would make every norm ``B`` times
+  too large or too small, so the first call (or trace) checks it: the loss of
+  one example given twice must be the loss of that example alone for a mean,
+  twice it for a sum. The check is one small compiled call of the loss on one
+  and on two examples, at trace time (under ``jax.jit`` on stand-in values of
+  the traced arrays: the reduction is a property of the loss function), and
+  costs nothing in the compiled step. A term ``term_i`` is the loss of example
+  ``i`` alone; a weighted mean (a masked mean over tokens) is a mean. A loss
+  that draws random numbers (dropout) can leave the check without an answer:
+  then it passes.
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> scalar loss``.
+    reduction: ``'mean'`` or ``'sum'``: how the loss combines the examples' terms.
+    batch_axes: The examples axis of each positional argument: an int, ``None``
+      (shared by all examples) or a tuple of those, one per argument. Keyword
+      arguments are shared.
+    dense_method: ``'auto'`` (by size), ``'ghost'`` or ``'direct'`` for Dense and
+      Conv kernels.
+
+  Returns:
+    A function ``(variables, *args, **kwargs) -> (loss, PerExampleNorms)``; jittable.
+
+  Raises:
+    ReductionMismatchError: the loss is a sum over the examples and ``reduction``
+      is ``'mean'``, or the other way round (checked on the first call or trace).
+    ExamplesMixedError: the model mixes examples (BatchNorm in training mode), or the
+      loss does where gradients flow (a contrastive loss over the batch, a batch
+      statistic of the activations, a nonlinear function of the batch's sum); found
+      while tracing (``_per_example_mixing``).
+    ExamplesAxisError: the arguments or a layer's activations disagree on the
+      number of examples.
+    UncoveredParamsError: params read outside a call of the module owning them.
+    ParamsReadOutsideError: a module's params are also read outside its calls (inline, a
+      weight penalty in the loss), other than through a nested apply.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(1)])
+    >>> x = jnp.array([[1., 0.], [0., 2.]])
+    >>> v = model.init(jax.random.key(0), x)
+    >>> v = jax.tree.map(jnp.zeros_like, v)
+    >>> loss_fn = lambda v, x: jnp.sum(model.apply(v, x) - 1.0)
+    >>> loss, norms = perturbkit.per_example_grad_norms(loss_fn, reduction='sum')(v, x)
+    >>> norms.total  # ‖(x_i, 1)‖
+    Array([1.4142135, 2.236068 ], dtype=float32)
+  """
+  check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
+
+  @functools.wraps(loss_fn)
+  def run(variables, *args, **kwargs):
+    result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
+                      batch_axes=batch_axes)
+    check_reduction(variables, args, kwargs, result.num_examples)
+    squares = flat_squares(all_layer_norms(result, dense_method))
+    return result.loss, norms_from_squares(squares)
+
+  return run

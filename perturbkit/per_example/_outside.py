@@ -1,0 +1,85 @@
+"""Params read outside the calls of their module and outside nested applies: refused.
+
+Per-example gradients are assembled from each call of a param-owning module
+(its input and output gradient) and from the nested ``apply`` calls given
+params computed from the model's (tied LM heads, ``_per_example_reads``). Any
+other read of the params that reaches the loss (``h @ embed.variables['params']
+['embedding'].T`` written inline, a kernel reused by hand in another module, a
+penalty on the weights inside the loss) carries a part of the gradient that
+neither sees, so the norms would be silently wrong. One abstract run of the
+loss finds such reads, as K-FAC does (``_param_reads``): every call of an owner
+is a ``custom_vjp`` function named after it that takes its params explicitly,
+and every nested ``apply`` one that takes its given params explicitly; reads
+that only compute a nested apply's params are what that route accounts for.
+It runs when the per-example function is traced, so a step costs nothing more.
+"""
+from typing import Any, Callable
+
+import flax
+import jax
+import numpy as np
+
+from perturbkit.core._consumers import reads_outside, segment_function_name
+from perturbkit.linen._interceptor import Call, intercept, suspended
+from perturbkit.core.filters import module_path
+from perturbkit.linen._param_reads import direct_leaf_owners, named_call
+from perturbkit.errors import ParamsReadOutsideError
+from perturbkit.per_example._nested import nested_applies, replay
+from perturbkit.core._types import Path, Variables
+
+
+def _is_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
+                  kwargs: dict, owners: set[Path]) -> dict[str, set[str]]:
+  """``{module path: {primitives}}`` reading an owner's params outside its calls.
+
+  Reads that only compute the params of a nested ``apply``, and reads whose
+  result does not reach the loss, are not counted.
+  """
+  names = {path: '/'.join(path) for path in owners if path}
+  if not names:
+    return {}
+  spared: dict[str, int] = {}
+
+  def select(module, method_name):
+    del method_name
+    return module_path(module) in names
+
+  def on_call(call: Call, run: Callable[[], Any]) -> Any:
+    del run  # replayed as a named call instead
+    return named_call(names[call.path], call.module, call.method_name, call.args,
+                      call.kwargs, call.path, replay())
+
+  def on_nested(index, module, method_name, a, kw, run):
+    del run
+    name = f'nested_apply_{index}'  # no spaces: the jaxpr keeps a function name's first word
+    spared[segment_function_name(name)] = len(jax.tree.leaves(
+        flax.core.unfreeze(module.variables.get('params', {}))))
+    with suspended():  # its submodules' paths are its own, not the model's
+      return named_call(name, module, method_name, a, kw, (), replay())
+
+  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
+  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+
+  def traced(params, others, kw_arrays, *args):
+    given = iter(kw_arrays)
+    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
+                                      for leaf in kw_leaves])
+    with intercept(select, on_call), nested_applies(on_nested):
+      return loss_fn({**others, 'params': params}, *args, **kw)
+
+  params = flax.core.unfreeze(variables['params'])
+  others = {c: v for c, v in variables.items() if c != 'params'}
+  jaxpr = jax.make_jaxpr(traced)(params, others, kw_arrays, *args)
+  return reads_outside(jaxpr, direct_leaf_owners(params, names), spared=spared)
+
+
+def check_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict,
+                owners: set[Path]) -> None:
+  """Raises :class:`ParamsReadOutsideError` if an owner's params are read elsewhere."""
+  reads = outside_reads(loss_fn, variables, args, kwargs, owners)
+  if reads:
+    raise ParamsReadOutsideError(reads)

@@ -1,0 +1,184 @@
+"""One forward and one backward pass that yields every param-owning call's (inputs, output gradient).
+
+The loss is run through ``value_and_grad(return_inputs=True)`` with a filter
+selecting the calls of modules that own params; each call becomes a
+:class:`Pair` whose output gradient is scaled to the gradient of its own
+example's loss term (see ``reduction_scale``).
+"""
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from perturbkit.linen._driver import value_and_grad
+from perturbkit.per_example._batch import BatchAxes, count_examples, reduction_scale
+from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_floats,
+                                           direct_params, find_uses, merge_static,
+                                           module_variables)
+from perturbkit.errors import (AmbiguousInputError, ExamplesAxisError,
+                                            ExamplesMixedError, SharedCallError)
+from perturbkit.per_example._nested import (nested_applies, nested_others, nested_params,
+                                            params_of_reads)
+from perturbkit.per_example._reads import READS, Read, read_of
+from perturbkit.per_example._replay import Pair
+from perturbkit.core._points import array_part
+from perturbkit.core._trees import find_in
+from perturbkit.core._types import Path, Variables
+
+
+class Layer(NamedTuple):
+  """Every use of one param-owning module.
+
+  Attributes:
+    path: The module's path.
+    pairs: Its uses with their arrays, in execution order.
+    params: The module's whole params subtree (children included).
+    direct: The params it owns itself, ``{name: array}``.
+    reads: The nested applies whose params are computed from its own (a tied head).
+  """
+  path: Path
+  pairs: list[Pair]
+  params: Any
+  direct: dict[str, jax.Array]
+  reads: tuple[Read, ...] = ()
+
+
+class Pass(NamedTuple):
+  """What one pass gives: the loss, the number of examples and every layer."""
+  loss: jax.Array
+  num_examples: int
+  layers: list[Layer]
+
+
+def check_sources(use: Use, arrays: list[Any], num_examples: int, where: str) -> None:
+  """Every per-example input has the examples on axis 0; no input is ambiguous; one is per-example.
+
+  Raises:
+    ExamplesAxisError: an input computed from the batch has another axis 0.
+    AmbiguousInputError: a constant input has as many rows as there are examples.
+    SharedCallError: no input is computed from the batch.
+  """
+  for index, (array, kind) in enumerate(zip(arrays, use.sources)):
+    rows = jax.numpy.shape(array)[:1]
+    if kind == 'example' and rows != (num_examples,):
+      raise ExamplesAxisError(
+          f'input {index} of the call {where} is computed from the batched arguments but has '
+          f'shape {jax.numpy.shape(array)}, whose axis 0 is not the {num_examples} examples')
+    if kind == 'constant' and rows == (num_examples,):
+      raise AmbiguousInputError(where, index, jax.numpy.shape(array))
+  if 'example' not in use.sources:
+    raise SharedCallError(where)
+
+
+def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
+          num_examples: int) -> Pair | None:
+  where = '/'.join(use.path + (use.key,))
+  grad = find_in(grads, use.path + (use.key,))
+  if grad is None:
+    return None  # no floating-point output: nothing flows back through this call
+  args, kwargs = merge_static(find_in(inputs, use.path + (use.key,)), use.template, where)
+  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
+                num_examples, where)
+  grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
+  return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
+
+
+def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[..., Any]:
+  """The loss with a zero perturbation on each read's outputs, taken from ``params[READS]``.
+
+  A read is a nested ``apply`` or a top-level one (``find_uses``), counted together.
+
+  Returns ``(loss, [(array part of (args, kwargs), params, other collections) by read])``.
+  """
+  by_index = {r.index: i for i, r in enumerate(reads)}
+
+  def run(variables, *args, **kwargs):
+    params = dict(variables['params'])
+    deltas = params.pop(READS)
+    found: list[Any] = [None] * len(reads)
+
+    def on_nested(index, module, method_name, a, kw, call):
+      del method_name
+      out = call()
+      if index not in by_index:
+        return out
+      i = by_index[index]
+      found[i] = (array_part((a, kw)), nested_params(module), nested_others(module))
+      return add_to_floats(out, jax.tree.unflatten(reads[i].out_tree, deltas[i]))
+
+    with nested_applies(on_nested, on_nested):
+      loss = loss_fn({**variables, 'params': params}, *args, **kwargs)
+    return loss, found
+
+  return run
+
+
+def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_examples: int,
+          pullback: Callable[[Any], Any]) -> Read:
+  """One nested or top-level apply as a :class:`Read`: its call's pair and the pullback."""
+  arrays, params, others = found
+  where = f'apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
+  args, kwargs = merge_static(arrays, read.template, where)
+  use = Use((), where, read.method_name, read.module, read.template, read.sources)
+  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
+                num_examples, where)
+  grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]
+  # The cotangent of the replayed call's floating-point outputs (``call_output``).
+  grad = jax.tree.unflatten(read.out_tree, grad)
+  return read_of(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback,
+                 num_examples)
+
+
+def _grads_and_inputs(loss_fn: Callable[..., Any], reads: list[ReadUse],
+                      uses: dict[Path, list[Use]], variables: Variables, args: tuple,
+                      kwargs: dict) -> tuple[Any, Any, Any, Any]:
+  """``(loss, what each read saw, gradients, the selected calls' inputs)`` from one pass."""
+  selected = lambda module, method_name: bool(uses.get(tuple(module.path)))
+  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
+  variables = {**variables, 'params': {**variables['params'], READS: zeros}}
+  if any(uses.values()):
+    (loss, found), grads, inputs = value_and_grad(
+        _with_reads(loss_fn, reads), filter=selected, return_inputs=True, strict=False,
+        has_aux=True)(variables, *args, **kwargs)
+    return loss, found, grads, inputs
+  # Every module is called inside lifted transforms: the reads alone give the gradients.
+  (loss, found), grads = jax.value_and_grad(
+      lambda p: _with_reads(loss_fn, reads)({**variables, 'params': p}, *args, **kwargs),
+      has_aux=True)(variables['params'])
+  return loss, found, {'params': grads, PERTURBATIONS: {}}, {}
+
+
+def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
+             reduction: str, batch_axes: BatchAxes) -> Pass:
+  """The loss and every param-owning module's uses, from one forward and backward pass."""
+  num_examples = count_examples(args, batch_axes)
+  scale = reduction_scale(reduction, num_examples)
+  uses, reads, mixed = find_uses(loss_fn, variables, args, kwargs, batch_axes)
+  loss, found, grads, inputs = _grads_and_inputs(loss_fn, reads, uses, variables, args,
+                                                 kwargs)
+  read_grads = grads['params'][READS]
+  pulled = []
+  if reads:
+    indices = [r.index for r in reads]
+    given, pullback = jax.vjp(params_of_reads(loss_fn, variables, args, kwargs, indices),
+                              variables['params'])
+
+    def pull(position, cotangent):
+      # The VJP of every read's params at once, zero but for the one at ``position``.
+      full = [cotangent if j == position else jax.tree.map(jax.numpy.zeros_like, p)
+              for j, p in enumerate(given)]
+      return pullback(full)[0]
+
+    pulled = [_read(r, f, g, scale, num_examples, lambda c, i=i: pull(i, c))
+              for i, (r, f, g) in enumerate(zip(reads, found, read_grads))]
+  layers = []
+  for path, module_uses in uses.items():
+    pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)
+             for u in module_uses]
+    pairs = [p for p in pairs if p is not None]
+    params = find_in(variables['params'], path)
+    layer_reads = tuple(p for p, r in zip(pulled, reads) if path in r.owners)
+    layers.append(Layer(path, pairs, params, direct_params(variables['params'], path),
+                        layer_reads))
+  if mixed:  # after the pairs: an examples axis in the wrong place is named as such first
+    raise ExamplesMixedError(mixed)
+  return Pass(loss, num_examples, layers)

@@ -1,0 +1,97 @@
+"""One use of a module at run time, and its call rebuilt as a function of the module's params.
+
+A :class:`Pair` is what per-example methods run on: the call's inputs next to the
+gradient at its output, already scaled so that row ``i`` is d(loss term of
+example i)/d(output). ``weighted_grad`` gives ``sum_i w_i * grad_i`` of the
+module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
+``per_example_grads`` vmaps that VJP over examples (the general path).
+"""
+from typing import Any, NamedTuple
+
+import flax.errors
+import jax
+
+from perturbkit.per_example._calls import Use, float_part
+from perturbkit.errors import RandomCallError
+
+
+class Pair(NamedTuple):
+  """A use with its arrays.
+
+  Attributes:
+    use: What was recorded while tracing.
+    args: The call's positional arguments.
+    kwargs: The call's keyword arguments.
+    grad: Per-example gradient at the call's floating-point outputs
+      (``None`` where an output leaf is not floating-point).
+    variables: The module's other collections (``batch_stats``, ...).
+  """
+  use: Use
+  args: tuple
+  kwargs: dict
+  grad: Any
+  variables: dict
+
+
+def call_output(pair: Pair, params: Any, args: tuple | None = None,
+                kwargs: dict | None = None) -> Any:
+  """The floating-point outputs of the use, replayed with ``params`` (the module's subtree).
+
+  Raises:
+    RandomCallError: the call draws random numbers: Flax RNG streams (the replay
+      is given none: it could not reproduce the batched forward pass's draws) or
+      a typed PRNG key among its arguments. (A raw ``uint32`` key cannot be told
+      from data; a call drawing from one is replayed with the same key and a
+      batch of one, which draws other numbers.)
+  """
+  args = pair.args if args is None else args
+  kwargs = pair.kwargs if kwargs is None else kwargs
+  where = '/'.join(pair.use.path + (pair.use.key,))
+  if any(hasattr(leaf, 'dtype') and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+         for leaf in jax.tree.leaves((args, kwargs))):
+    raise RandomCallError(where, 'it is given a PRNG key')
+  try:
+    out = pair.use.module.apply({**pair.variables, 'params': params}, *args,
+                                method=pair.use.method_name, **kwargs)
+  except flax.errors.InvalidRngError as err:
+    raise RandomCallError(where, str(err).split(' (https://')[0]) from err
+  return float_part(out)
+
+
+def _scaled(tree: Any, weights: jax.Array) -> Any:
+  def scale(t):
+    return (t * weights.reshape((-1,) + (1,) * (t.ndim - 1)).astype(t.dtype))
+  return jax.tree.map(scale, tree)
+
+
+def weighted_grad(pair: Pair, params: Any, weights: jax.Array) -> Any:
+  """``sum_i weights[i] * d(term_i)/d(params)`` through this use, by one VJP."""
+  _, vjp = jax.vjp(lambda p: call_output(pair, p), params)
+  return vjp(_scaled(pair.grad, weights))[0]
+
+
+def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
+  """Each example's gradient of the module's params through this use, leading axis examples.
+
+  The call is replayed on one example at a time (a batch of one, vmapped), so the
+  transient memory is one layer's gradient per example. The array inputs
+  computed from the batched arguments (``Use.sources``, from the traced loss) are
+  split along axis 0; the others are passed whole to every example.
+  """
+  leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
+  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  batched = [kind == 'example' for kind in pair.use.sources]
+  if len(batched) != len(arrays):
+    raise ValueError(f'{len(arrays)} array inputs, {len(batched)} recorded: '
+                     f'{"/".join(pair.use.path + (pair.use.key,))}')
+
+  def one(arrays_i, grad_i):
+    full = list(leaves)
+    for i, x, b in zip(arrays, arrays_i, batched):
+      full[i] = x[None] if b else x
+    args, kwargs = jax.tree.unflatten(treedef, full)
+    _, vjp = jax.vjp(lambda p: call_output(pair, p, args, kwargs), params)
+    return vjp(jax.tree.map(lambda t: t[None], grad_i))[0]
+
+  in_axes = ([0 if b else None for b in batched], 0)
+  return jax.vmap(one, in_axes=in_axes)([leaves[i] for i in arrays], pair.grad)
