@@ -5,6 +5,11 @@ class PerturbkitError(Exception):
   """Base class of every error perturbkit raises."""
 
 
+def _listed(names, limit=8):
+  names = list(names)
+  return ', '.join(map(str, names[:limit])) + (' ...' if len(names) > limit else '')
+
+
 class NonScalarLossError(PerturbkitError, TypeError):
   """The loss function returned something other than a real scalar."""
 
@@ -18,12 +23,15 @@ class NonScalarLossError(PerturbkitError, TypeError):
 class NoPerturbationPointsError(PerturbkitError, ValueError):
   """The filter selected no submodule call."""
 
-  def __init__(self, seen):
-    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
+  def __init__(self, seen, nnx: bool = False):
+    advice = ('Check the filter (path filters for NNX models are in perturbkit.nnx.filters), '
+              'and make sure the loss function calls the model it receives as its first '
+              'argument.' if nnx else
+              'Check the filter, or make sure the loss function calls '
+              '`model.apply(variables, ...)` with the variables it is given.')
     super().__init__(
         'The filter selected no submodule call, so there is no activation gradient to '
-        f'compute. Calls seen: [{listed or "none"}]. Check the filter, or make sure the '
-        'loss function calls `model.apply(variables, ...)` with the variables it is given.')
+        f'compute. Calls seen: [{_listed(seen, 12) or "none"}]. {advice}')
 
 
 class UnmatchedFilterError(PerturbkitError, ValueError):
@@ -59,16 +67,19 @@ class NonDifferentiableOutputError(PerturbkitError, TypeError):
 
 
 class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
-  """The loss function did not pass the perturbations on to `model.apply`."""
+  """A perturbation point found while tracing was not reached by the differentiated run."""
 
-  def __init__(self, missing):
-    listed = ', '.join(missing[:8]) + (' ...' if len(missing) > 8 else '')
+  def __init__(self, missing, nnx: bool = False):
+    advice = ('The loss function must call the model it receives as its first argument, make '
+              'the same calls for the same inputs every time it is traced, and not wrap the '
+              'model in its own nnx.capture (perturbkit runs the loss inside one).' if nnx else
+              'The loss function must hand the `variables` it receives to `model.apply` '
+              'unchanged (extra collections included), e.g. `model.apply(variables, x)` or '
+              "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
+              'same inputs every time it is traced.')
     super().__init__(
-        f'{len(missing)} perturbation point(s) were never reached: [{listed}]. The loss '
-        'function must hand the `variables` it receives to `model.apply` unchanged (extra '
-        "collections included), e.g. `model.apply(variables, x)` or "
-        "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
-        'same inputs every time it is traced.')
+        f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
+        + advice)
 
 
 class SegmentationError(PerturbkitError, ValueError):
@@ -117,15 +128,21 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
 class UnperturbedCallsWarning(UserWarning):
   """Selected calls inside a lifted transform that cannot carry perturbations."""
 
-  def __init__(self, names):
-    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
+  def __init__(self, names, nnx: bool = False):
+    if nnx:
+      where = ('an NNX transform (nnx.scan, nnx.vmap, ...) that broadcasts the module\'s '
+               'state')
+      fix = ('let the transform map the perturbations, e.g. `nnx.scan(f, in_axes=(nnx.'
+             'StateAxes({nnx.Perturbation: 0, ...: None}), nnx.Carry))`')
+    else:
+      where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
+               '"perturbations" collection')
+      fix = ('add `"perturbations": <axis>` to the transform\'s `variable_axes` (e.g. '
+             '`nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`)')
     super().__init__(
-        f'{len(names)} selected call(s) run inside a lifted transform (nn.scan, nn.vmap, '
-        f'...) that does not map the "perturbations" collection, so they get no '
-        f'perturbation point and no activation gradient: [{listed}]. For per-iteration '
-        'gradients add `"perturbations": <axis>` to the transform\'s `variable_axes` '
-        '(e.g. `nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
-        'to silence this, exclude the calls with the filter.')
+        f'{len(names)} selected call(s) run inside {where}, so they get no perturbation '
+        f'point and no activation gradient: [{_listed(names)}]. For per-iteration gradients '
+        f'{fix}; to silence this, exclude the calls with the filter.')
 
 
 class MissingHasAuxError(NonScalarLossError):
@@ -445,11 +462,6 @@ class InterleavedClippingError(PerExampleError):
         'the batch gradient, which gives no privacy).')
 
 
-def _listed(names, limit=8):
-  names = list(names)
-  return ', '.join(map(str, names[:limit])) + (' ...' if len(names) > limit else '')
-
-
 class UninstrumentableModuleError(PerturbkitError, TypeError):
   """A submodule's class cannot be given perturbkit's dispatching subclass."""
 
@@ -461,30 +473,6 @@ class UninstrumentableModuleError(PerturbkitError, TypeError):
         'that can be subclassed without extra class arguments and instances that allow '
         '`__class__` assignment. Make the module an ordinary nnx.Module subclass, or place '
         '`self.perturb(...)` by hand in its parent.')
-
-
-class NNXNoPerturbationPointsError(NoPerturbationPointsError):
-  """The filter selected no submodule call of the NNX model."""
-
-  def __init__(self, seen):
-    PerturbkitError.__init__(
-        self,
-        'The filter selected no submodule call, so there is no activation gradient to '
-        f'compute. Calls seen: [{_listed(seen, 12) or "none"}]. Check the filter (path '
-        'filters for NNX models are in perturbkit.nnx.filters), and make sure the loss '
-        'function calls the model it receives as its first argument.')
-
-
-class NNXPerturbationsNotAppliedError(PerturbationsNotAppliedError):
-  """A perturbation point found while tracing was not reached by the differentiated run."""
-
-  def __init__(self, missing):
-    PerturbkitError.__init__(
-        self,
-        f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
-        'The loss function must call the model it receives as its first argument, make '
-        'the same calls for the same inputs every time it is traced, and not wrap the '
-        'model in its own nnx.capture (perturbkit runs the loss inside one).')
 
 
 class CaptureConflictError(PerturbkitError, RuntimeError):
@@ -514,15 +502,3 @@ class UnmappedPerturbationError(PerturbkitError, ValueError):
         'exclude the calls with the filter.')
 
 
-class NNXUnperturbedCallsWarning(UnperturbedCallsWarning):
-  """Selected calls inside an NNX transform that cannot carry a perturbation."""
-
-  def __init__(self, names):
-    UserWarning.__init__(
-        self,
-        f'{len(names)} selected call(s) run inside an NNX transform (nnx.scan, nnx.vmap, '
-        '...) that broadcasts the module\'s state, so they get no perturbation point and '
-        f'no activation gradient: [{_listed(names)}]. For per-iteration gradients let '
-        'the transform map the perturbations, e.g. `nnx.scan(f, in_axes=(nnx.StateAxes('
-        '{nnx.Perturbation: 0, ...: None}), nnx.Carry))`; to silence this, exclude the '
-        'calls with the filter.')

@@ -12,9 +12,9 @@ from perturbkit.nnx._driver import grad
 from perturbkit.nnx._driver import value_and_grad
 from perturbkit.nnx._driver import with_hooks
 from perturbkit.errors import CaptureConflictError
-from perturbkit.errors import NNXNoPerturbationPointsError as NoPerturbationPointsError
-from perturbkit.errors import NNXPerturbationsNotAppliedError as PerturbationsNotAppliedError
-from perturbkit.errors import NNXUnperturbedCallsWarning as UnperturbedCallsWarning
+from perturbkit.errors import NoPerturbationPointsError
+from perturbkit.errors import PerturbationsNotAppliedError
+from perturbkit.errors import UnperturbedCallsWarning
 from perturbkit.errors import UninstrumentableModuleError
 from perturbkit.errors import UnmappedPerturbationError
 from perturbkit.kfac._nnx_estimator import kfac_estimator

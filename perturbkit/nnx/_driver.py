@@ -33,9 +33,9 @@ from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOut
                                 PerturbationStructureError, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
-from perturbkit.errors import (CaptureConflictError, NNXNoPerturbationPointsError,
-                                    NNXPerturbationsNotAppliedError,
-                                    NNXUnperturbedCallsWarning, UnmappedPerturbationError)
+from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
+                               PerturbationsNotAppliedError, UnmappedPerturbationError,
+                               UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes)
 from perturbkit.core._types import CallFilter
@@ -299,9 +299,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     LossNotCallableError: ``loss_fn`` is not callable.
     WrongFrontEndError: the model is a Linen module or Linen variables (use
       ``perturbkit.value_and_grad``).
-    NoPerturbationPointsError: the filter selects no call (the NNX subclass).
+    NoPerturbationPointsError: the filter selects no call.
     PerturbationsNotAppliedError: a point found while tracing was not reached
-      when differentiating (the NNX subclass).
+      when differentiating.
     UnmappedPerturbationError: a selected call runs inside ``nnx.vmap`` with
       the module's state broadcast.
     UninstrumentableModuleError: a submodule's class cannot be instrumented.
@@ -337,9 +337,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     found = discover(loss_fn, model, args, kwargs, points=points, hooks=hooks,
                      strict=strict, has_aux=has_aux)
     if found.unreachable:
-      warnings.warn(NNXUnperturbedCallsWarning(found.unreachable), stacklevel=2)
+      warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=2)
     if not found.points and not found.hand_placed:
-      raise NNXNoPerturbationPointsError(found.seen)
+      raise NoPerturbationPointsError(found.seen, nnx=True)
     order = [p for point in found.points for p in point.leaf_paths()] + found.hand_placed
     expected = {(p.path, p.key): p for p in found.points}
 
@@ -370,7 +370,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
         out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
       missing = sorted(expected[k].where for k in set(expected) - applied)
       if missing:
-        raise NNXPerturbationsNotAppliedError(missing)
+        raise PerturbationsNotAppliedError(missing, nnx=True)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, captured)
