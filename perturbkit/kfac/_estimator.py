@@ -86,9 +86,7 @@ def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
   if fisher == 'empirical':
     return value, true_grad[None]
   if fisher == 'sampled':
-    if key is None:
-      raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
-                      'targets, key).')
+    require_key(fisher, key, 'variables')
     sampled = jax.lax.stop_gradient(loss.sample(key, output))
     lanes = jax.grad(lambda z: jnp.sum(loss.nll(z, sampled)))(output)[None]
   else:
@@ -97,6 +95,54 @@ def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
                        f'{output.shape}.')
     lanes = loss.fisher_sqrt(output)
   return value, jnp.concatenate([true_grad[None], lanes.astype(true_grad.dtype)])
+
+
+def lane_loss_fn(predict: Callable[..., Any], output_loss: OutputLoss, fisher: str,
+                 has_aux: bool) -> Callable[..., Any]:
+  """``(model, inputs, targets, key, lane) -> (<output, lane's cotangent>, (loss, aux))``.
+
+  ``model`` is whatever ``predict`` takes first (Linen variables, an NNX module);
+  differentiating the result gives the lane's gradients, the training gradient
+  on lane 0.
+  """
+  def lane_loss(model, inputs, targets, key, lane):
+    output, aux = split_output(predict(model, inputs), has_aux)
+    value, table = cotangents(output_loss, fisher, jax.lax.stop_gradient(output), targets, key)
+    cotangent = jax.lax.stop_gradient(table[lane])
+    return jnp.sum(output * cotangent.astype(output.dtype)), (value, aux)
+
+  return lane_loss
+
+
+def lane_stats(run_lane: Callable[[jax.Array], tuple], layers: KFACLayers, fisher: str,
+               output_shape: tuple[int, ...], fisher_only: bool = False) -> tuple:
+  """``(loss, param_grads, stats, aux, extra)`` from the lanes one forward pass carries.
+
+  ``run_lane(lane) -> ((loss, aux), grads, captured, extra)`` is one backward
+  lane of the front end's ``value_and_grad`` with ``return_inputs``; ``extra``
+  is what the front end carries out of it (the NNX model's new state), the same
+  for every lane. With ``fisher_only`` the training lane is left out, and the
+  param gradients are those of the first Fisher lane (not to be used).
+  """
+  if fisher == 'empirical':
+    (value, aux), grads, captured, extra = run_lane(0)
+    # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
+    output_grads = jax.tree.map(lambda g: g[None] * output_shape[0], grads['perturbations'])
+    param_grads = grads['params']
+  else:
+    lanes = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + output_shape[-1])
+    (value, aux), grads, captured, extra = jax.vmap(
+        run_lane, out_axes=((None, None), 0, None, None))(lanes)
+    param_grads = jax.tree.map(lambda g: g[0], grads['params'])
+    output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
+  return value, param_grads, layer_stats(layers, captured, output_grads), aux, extra
+
+
+def require_key(fisher: str, key: jax.Array | None, first: str):
+  """Raises ``TypeError`` for ``fisher='sampled'`` without a PRNG key."""
+  if fisher == 'sampled' and key is None:
+    raise TypeError(f"fisher='sampled' needs a PRNG key: estimate({first}, inputs, targets, "
+                    'key).')
 
 
 def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
@@ -192,13 +238,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     return jax.eval_shape(lambda v, x: split_output(predict_fn(v, x), has_aux)[0],
                           variables, inputs).shape
 
-  def lane_loss(variables, inputs, targets, key, lane):
-    output, aux = split_output(predict_fn(variables, inputs), has_aux)
-    value, table = cotangents(output_loss, fisher, jax.lax.stop_gradient(output), targets, key)
-    cotangent = jax.lax.stop_gradient(table[lane])
-    return jnp.sum(output * cotangent.astype(output.dtype)), (value, aux)
-
-  grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
+  grad_fn = value_and_grad(lane_loss_fn(predict_fn, output_loss, fisher, has_aux),
+                           filter=select, has_aux=True, return_inputs=True)
 
   def mean_loss(params, variables, inputs, targets):
     output, aux = split_output(predict_fn({**variables, 'params': params}, inputs), has_aux)
@@ -218,9 +259,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       else:
         out = without_stats(variables, inputs, targets)
     else:
-      if fisher == 'sampled' and key is None:
-        raise TypeError("fisher='sampled' needs a PRNG key: estimate(variables, inputs, "
-                        'targets, key).')
+      require_key(fisher, key, 'variables')
       # The gradient stays outside the conditional: XLA:CPU runs convolutions inside
       # control flow several times slower, and most steps take no statistics.
       value, param_grads, absent, aux = without_stats(variables, inputs, targets)
@@ -232,22 +271,12 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     return out if has_aux else out[:3]
 
   def with_stats_fn(variables, inputs, targets, key, fisher_only=False):
-    if fisher == 'empirical':
-      (_, (value, aux)), grads, captured = grad_fn(variables, inputs, targets, key, 0)
-      examples = output_shape(variables, inputs)[0]
-      # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
-      output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
-      param_grads = grads['params']
-    else:
-      shape = output_shape(variables, inputs)
-      # Lane 0 (the training gradient) is left out when only the Fisher lanes are wanted.
-      lanes = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + shape[-1])
-      (_, (value, aux)), grads, captured = jax.vmap(
-          grad_fn, in_axes=(None, None, None, None, 0), out_axes=((0, None), 0, None))(
-              variables, inputs, targets, key, lanes)
-      param_grads = jax.tree.map(lambda g: g[0], grads['params'])
-      output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
-    return value, param_grads, layer_stats(layers, captured, output_grads), aux
+    def run_lane(lane):
+      (_, value_aux), grads, captured = grad_fn(variables, inputs, targets, key, lane)
+      return value_aux, grads, captured, None
+
+    return lane_stats(run_lane, layers, fisher, output_shape(variables, inputs),
+                      fisher_only)[:4]
 
   return estimate
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.kfac._checks import check_kernel_shapes, refuse_outside_reads, signature
-from perturbkit.kfac._estimator import cotangents, split_output, absent_stats, layer_stats
+from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
+                                        split_output)
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import as_output_loss
 from perturbkit.nnx._calls import path_of, submodules
@@ -105,13 +106,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   def output(model, inputs):
     return split_output(predict(model, inputs), has_aux)
 
-  def lane_loss(model, inputs, targets, key, lane):
-    out, aux = output(model, inputs)
-    value, table = cotangents(output_loss, fisher, jax.lax.stop_gradient(out), targets, key)
-    cotangent = jax.lax.stop_gradient(table[lane])
-    return jnp.sum(out * cotangent.astype(out.dtype)), (value, aux)
-
-  grad_fn = value_and_grad(lane_loss, filter=select, has_aux=True, return_inputs=True)
+  grad_fn = value_and_grad(lane_loss_fn(predict, output_loss, fisher, has_aux),
+                           filter=select, has_aux=True, return_inputs=True)
 
   def mean_loss(model, inputs, targets):
     out, aux = output(model, inputs)
@@ -124,35 +120,20 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
 
   def with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=False):
     """``(value, param_grads, stats, aux, new_state)`` from the pure ``state``."""
-    def lanes(lane):
+    def run_lane(lane):
       model = nnx.merge(graphdef, state)
-      (_, (value, aux)), grads, captured = grad_fn(model, inputs, targets, key, lane)
-      return (value, aux), grads, captured, nnx.state(model)
+      (_, value_aux), grads, captured = grad_fn(model, inputs, targets, key, lane)
+      return value_aux, grads, captured, nnx.state(model)
 
-    if fisher == 'empirical':
-      (value, aux), grads, captured, new_state = lanes(0)
-      examples = nnx.eval_shape(lambda m: output(m, inputs)[0],
-                                nnx.merge(graphdef, state)).shape[0]
-      # lane 0 is the gradient of the MEAN loss; K-FAC wants per-example gradients.
-      output_grads = jax.tree.map(lambda g: g[None] * examples, grads['perturbations'])
-      param_grads = grads['params']
-    else:
-      shape = nnx.eval_shape(lambda m: output(m, inputs)[0], nnx.merge(graphdef, state)).shape
-      # Lane 0 (the training gradient) is left out when only the Fisher lanes are wanted.
-      lane_ids = jnp.arange(int(fisher_only), 2 if fisher == 'sampled' else 1 + shape[-1])
-      (value, aux), grads, captured, new_state = jax.vmap(
-          lanes, out_axes=((None, None), 0, None, None))(lane_ids)
-      param_grads = jax.tree.map(lambda g: g[0], grads['params'])
-      output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
-    return value, param_grads, layer_stats(layers, captured, output_grads), aux, new_state
+    shape = nnx.eval_shape(lambda m: output(m, inputs)[0], nnx.merge(graphdef, state)).shape
+    return lane_stats(run_lane, layers, fisher, shape, fisher_only)
 
   def estimate(model: nnx.Module, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
     if not isinstance(model, nnx.Module):
       raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
-    if fisher == 'sampled' and key is None and with_stats is not False:
-      raise TypeError("fisher='sampled' needs a PRNG key: estimate(model, inputs, targets, "
-                      'key).')
+    if with_stats is not False:
+      require_key(fisher, key, 'model')
     check_layers(model, inputs)
     # Plain arrays: Variables made outside would be at another trace level than the
     # lanes' vmap and the conditional, where the model is rebuilt from them.
