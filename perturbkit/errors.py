@@ -1,4 +1,49 @@
-"""Every error perturbkit raises. Each message says what was wrong and how to fix it."""
+"""Every error perturbkit raises. Each message says what was wrong and how to fix it.
+
+Every failure has its own class, a subclass of ``PerturbkitError``, whose message
+says how to fix the problem. All of them are also importable from ``perturbkit``.
+
+Any function: ``LossNotCallableError`` (the loss's value was passed instead of
+the function), ``NonScalarLossError``, ``MissingHasAuxError`` (the loss returned
+``(loss, aux)`` without ``has_aux=True``), ``HasAuxOutputError``,
+``WrongFrontEndError`` (a Linen function given an NNX model, or the other way
+round), ``NotVariablesError``, ``InvalidOptionError`` (a numeric option out of
+range), ``NotAnOptimizerError``, ``UninitializedStateError`` and
+``InputMismatchError`` (``step`` given something other than ``init``'s state, or
+inputs of other shapes).
+
+Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
+``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
+message lists the calls seen), ``PerturbationStructureError``,
+``NonDifferentiableOutputError``, ``PerturbationsNotAppliedError`` (the loss did
+not pass the variables to ``model.apply``), ``ActivationsUnavailableError``,
+``SegmentationError``, ``SharedSegmentError``, ``StateMismatchError``,
+``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
+``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
+
+Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
+``ExamplesMixedError``, ``ExamplesAxisError``, ``AmbiguousInputError``,
+``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
+``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``; also
+``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
+``reduction`` says) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
+a plain integer random seed).
+
+K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
+``KFACLossError``, ``KFACTargetsError`` (targets that do not fit the output loss).
+
+NNX (``perturbkit.nnx``): the same ``NoPerturbationPointsError``,
+``PerturbationsNotAppliedError`` and ``UnperturbedCallsWarning`` as Linen, with
+advice for NNX, and ``CaptureConflictError`` (the loss runs the model inside its
+own ``nnx.capture``), ``UninstrumentableModuleError``,
+``UnmappedPerturbationError`` (selected calls inside ``nnx.vmap`` whose module
+state is not mapped) and ``perturbkit.nnx.SegmentInTransformError``.
+
+Example:
+  >>> import perturbkit
+  >>> issubclass(perturbkit.errors.SharedSegmentError, perturbkit.PerturbkitError)
+  True
+"""
 
 
 class PerturbkitError(Exception):

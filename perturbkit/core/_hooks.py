@@ -32,6 +32,25 @@ class Hook(NamedTuple):
 def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = None) -> Hook:
   """A hook applying ``fn`` to the activation gradient of each selected call.
 
+  The hook is an identity on the forward pass whose VJP applies ``fn`` to the
+  activation gradient of every call the filter selects. ``with_hooks(fun,
+  *hooks)`` turns hooks on for any differentiation of ``fun`` (``jax.grad``,
+  ``jax.vjp``, ...), and ``value_and_grad(loss_fn, hooks=[...])`` /
+  ``interleaved(..., hooks=[...])`` take them too. The layers below see the
+  transformed gradient, and so their parameter gradients change. The activation
+  gradient reported for a hooked call is the one arriving at it; the hook's
+  output is what flows to the layers below. A filter that selects no call raises
+  ``UnmatchedFilterError``, listing the calls seen.
+
+  Inside ``interleaved``, hooks also apply to the calls a segment replays, with
+  the segment's path in front (see "Threads and nesting" in
+  ``help(perturbkit)``).
+
+  In NNX, hooks from ``perturbkit.nnx.interleaved(..., hooks=...)`` or from
+  ``perturbkit.nnx.with_hooks`` inside the loss act as in ``jax.grad`` of the
+  hooked loss: on segment calls, and on the calls inside a segment in every
+  replay of it (the one at the new weights too).
+
   Args:
     fn: Maps the incoming cotangent to the one passed further down, e.g.
       ``lambda g: jnp.clip(g, -1, 1)``. It must be a JAX-traceable function.

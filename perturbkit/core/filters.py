@@ -2,8 +2,18 @@
 
 A call filter has the shape Flax uses for ``capture_intermediates``: a function
 ``(module, method_name) -> bool`` that says whether a submodule call gets a
-perturbation point (or is a segment, or gets a hook). The root module's own call
-is never a point: its output is the model's output.
+perturbation point, is a segment of ``interleaved``, or gets a hook. The root
+module's own call is never a point: its output is the model's output.
+Ready-made: ``all_calls``, ``by_type``, ``by_path``, ``by_depth``, ``top_level``,
+``by_method``, and the combinators ``all_of``, ``any_of``, ``negate``.
+
+The same filters serve both front ends: ``perturbkit.filters`` works on NNX
+modules too, and ``perturbkit.nnx.filters`` re-exports them for NNX code (an NNX
+module's path reads like ``layers/0``).
+
+Inside an interleaved segment's replay, paths are full paths with the segment's
+path in front; ``perturbkit.filters.module_path(module)`` gives that full path to
+a filter of your own, where ``module.path`` is relative to the segment.
 
 Example:
   >>> import flax.linen as nn

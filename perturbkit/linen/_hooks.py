@@ -12,7 +12,14 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
 
   Works with any differentiation of ``fun``: ``jax.grad``, ``perturbkit.grad``,
   an optax training step. The hooks are part of ``fun`` itself, so a jitted
-  ``fun`` keeps them, and nothing outlives the call.
+  ``fun`` keeps them, and nothing outlives the call. The layers below a hooked
+  call see the transformed gradient, so their parameter gradients change; a
+  filter that selects no call raises ``UnmatchedFilterError``, listing the calls
+  seen (more in ``help(perturbkit.backward_hook)``).
+
+  Hooks are transparent: they apply inside any perturbkit function, including to
+  the calls an interleaved segment replays, with the segment's path in front
+  (see "Threads and nesting" in ``help(perturbkit)``).
 
   Args:
     fun: Any function that calls ``model.apply``/``model.init`` inside.
