@@ -242,6 +242,59 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     >>> loss, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
     >>> grads['perturbations']['layers_2']['__call__'].shape
     (2, 1)
+
+  How it works:
+    Flax's own ``nn.intercept_methods`` inserts a ``Module.perturb`` point after
+    every selected submodule call; the zero perturbations are created inside
+    the traced computation, so XLA folds them away (the compiled function has
+    the same argument bytes, op and fusion count as plain
+    ``jax.value_and_grad``). Like PyTorch backward hooks, it gives the
+    activation gradients of an unmodified model next to the ordinary parameter
+    gradients. ``grad`` is the same without the loss.
+
+  Where the gradients are:
+    * ``grads['params']`` is the usual parameter gradient.
+    * ``grads['perturbations']['Dense_0']['__call__']`` sits next to
+      ``grads['params']['Dense_0']``.
+    * A module called twice gets ``'__call__'`` and ``'__call__#1'``; other
+      methods get their own name (``'encode'``).
+    * Pytree outputs get one perturbation per floating-point leaf, and a user's
+      own pytree node is never rebuilt with anything but arrays: tuples, lists
+      and dicts keep their shape (``None`` where a leaf is not a float array);
+      a dataclass, ``flax.struct`` or Hugging Face ``ModelOutput`` whose leaves
+      are all float arrays is kept as it is, and one with integer leaves is
+      replaced by the tuple of its float leaves.
+    * The root module's own call is never a point: its output is the model's
+      output.
+    * With ``return_activations``/``return_inputs`` the outputs and the
+      ``(args, kwargs)`` inputs of the selected calls are at the same paths as
+      their gradients.
+
+  Your own points:
+    Points the model places itself (``self.perturb('x_hat', x)``, the Flax
+    guide's recipe) keep working, with or without the ``'perturbations'``
+    collection from ``init`` in the variables, and their gradients are returned
+    at the path where Flax puts them (``grads['perturbations']['x_hat']``), next
+    to the automatic ones. The loss must pass the variables it is given to
+    ``model.apply``; otherwise ``PerturbationsNotAppliedError``.
+
+  Lifted transforms:
+    ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style
+    modules need nothing. Inside ``nn.scan``/``nn.vmap``, Flax only passes
+    collections listed in ``variable_axes``: add ``'perturbations': 0`` there to
+    get per-iteration gradients stacked along the scan axis (checked against a
+    hand-unrolled loop). Without it the calls inside cannot carry a
+    perturbation; perturbkit then says so with an ``UnperturbedCallsWarning``
+    naming them, instead of silently dropping them as plain Flax does.
+
+  Nested gradients (test-time training):
+    A loss may contain its own ``jax.grad`` step: the points inside the inner
+    step receive the derivative of the OUTER result through that step, the "add
+    a perturbation argument to the intermediate and differentiate at zero"
+    construction, done for every call at once. See
+    ``notebooks/03_nested_gradients.ipynb`` and ``tests/test_nested.py``. A
+    perturbkit function called inside another one's loss is a different
+    matter: see "Threads and nesting" in ``help(perturbkit)``.
   """
   check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
   points, strict = point_options(filter, strict)
@@ -252,7 +305,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   def run(variables: Variables, *args, **kwargs):
     check_variables(variables, 'perturbkit.value_and_grad')
     # Inside another perturbkit function's loss, this level sees only its own
-    # calls, and the outer level does not see them (see the README, "Nesting").
+    # calls, and the outer level does not see them (see help(perturbkit),
+    # "Threads and nesting").
     with suspended():
       return _value_and_grad(variables, args, kwargs)
 

@@ -116,7 +116,9 @@ def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
   call of the same module); ``apply`` with that collection adds the entries to
   the call outputs exactly as a hand-written ``self.perturb`` would, and without
   it ``apply`` is the unwrapped model. ``method=``, ``mutable=`` and ``rngs=``
-  work as for ``module``, with ``method`` naming a method of ``module``.
+  work as for ``module``, with ``method`` naming a method of ``module``. A
+  filter that selects no call raises ``UnmatchedFilterError``, listing the calls
+  seen. Activation gradients without wrapping: ``help(perturbkit.value_and_grad)``.
 
   Args:
     module: Any Linen module, unbound.
