@@ -8,6 +8,7 @@ models, taking the module where the Linen ones take the variables.
 # Namespaces
 from perturbkit import errors
 from perturbkit.core import filters
+from perturbkit import kfac
 from perturbkit import nnx
 # Activation gradients and backward hooks
 from perturbkit.core._hooks import backward_hook
@@ -87,6 +88,7 @@ __all__ = [
     # Namespaces
     'errors',
     'filters',
+    'kfac',
     'nnx',
     # Activation gradients and backward hooks
     'backward_hook',

@@ -1,0 +1,199 @@
+"""K-FAC from the pairs every layer call sees: its input and the gradient at its output.
+
+K-FAC needs each layer's input ``a`` next to the gradient ``g`` at its output;
+``value_and_grad(..., return_inputs=True)`` has both, so the Kronecker factors of
+every Dense (any leading axes), Conv (patches, Grosse & Martens 2016) and Embed
+(diagonal ``A``) call of an unmodified model come from one forward pass, with no
+model changes and no loss registration. The names here are also in
+``perturbkit``; ``perturbkit.nnx`` has the NNX ``kfac_layers``,
+``kfac_estimator`` and ``kfac_preconditioner``.
+
+* ``kfac_layers(predict_fn, variables, x)`` finds the layers (``layers.layers``,
+  name -> ``LayerInfo``) and the ones it skips (``layers.skipped``, name ->
+  reason).
+* ``kfac_estimator(predict_fn, loss, layers, fisher='sampled'|'empirical'|'exact',
+  has_aux=False)`` returns ``estimate(variables, x, y, key, with_stats=...) ->
+  (loss, grads, stats)``. ``loss`` is ``'softmax_cross_entropy'`` or an
+  ``OutputLoss`` (``categorical_output``, ``gaussian_output``).
+* ``kfac_preconditioner(layers, damping=..., inverse_every=..., stats_every=...,
+  axis_name=None)`` is an optax transformation; chain it before the step
+  (``optax.sgd(lr, momentum=0.9)``); its ``update`` takes ``kfac_stats=stats``.
+  Layers it has no factors for go to the fallback transform.
+* ``kfac_segment(layer, damping=..., axis_name=None)``: K-FAC for one segment of
+  ``perturbkit.interleaved`` (below).
+
+The loss convention
+-------------------
+The estimator's loss is per example and summed over any axes between the batch
+and the classes, then averaged over examples, as kfac-jax registers it: for a
+language model's ``(batch, length, vocab)`` logits that is the sequence's loss,
+``length`` times the token-mean cross-entropy (and so are its gradients; scale
+the learning rate accordingly).
+
+Which layers are skipped
+------------------------
+Layers without a rule (LayerNorm, a tied ``attend``, calls inside lifted
+transforms) and layers whose weights are also read outside their calls (GPT-2's
+``wte``, tied to the LM head: factors from its own calls would miss the head's
+share of the gradient) are listed in ``layers.skipped`` with the reason and go to
+the fallback transform; selecting one explicitly raises
+``KFACUnsupportedLayerError``. So are layers with a call every example shares: a
+position table the model looks up itself (Whisper's encoder ``jnp.arange``,
+CLIP's vision ``(1, patches)`` id buffer) has one output for the whole batch, the
+gradient at it is summed over the examples, and factors from it would be
+``(Σg)(Σg)ᵀ`` instead of ``Σ g gᵀ``. Whether a call's input is computed from the
+batch is read off the jaxpr; positions broadcast to ``(batch, length)`` are
+per-example rows and keep the layer (``tests/test_kfac_shared_inputs.py``,
+``tests/test_real_models_kfac.py``). A read that reaches the loss only through
+``jax.lax.stop_gradient`` does not skip a layer.
+
+Checks
+------
+Both estimators (Linen and NNX) check the layers they are given against the
+model, once per input signature while tracing (``tests/test_kfac_checks.py``): a
+weight missing or of another shape, or calls other than the ones the layers
+record (a second call would be missing from the factors), raise
+``KFACShapeError``; a layer whose params the predict function also reads outside
+its calls (layers built by hand, or by ``kfac_layers`` for another predict
+function) raises ``KFACUnsupportedLayerError``. A model with BatchNorm in train
+mode returns ``(output, updates)`` from ``model.apply(..., mutable=['batch_stats'])``:
+pass ``has_aux=True`` and ``estimate`` returns the updates as a fourth value
+(without it, ``KFACOutputError`` says so). An unknown loss raises
+``KFACLossError``.
+
+Factors, inverses and amortised statistics
+------------------------------------------
+Factors are running averages, ``pmean``-ed over ``axis_name``, with damped
+inverses (``damped_inverse``) refreshed every ``inverse_every`` steps. The
+statistics are amortised too: the preconditioner folds a batch's factors in
+every ``stats_every`` updates (default ``inverse_every``: the factors only reach
+the step through the inverses, which change no more often), its state's
+``stats_due`` says when, and ``estimate(..., with_stats=stats_due)`` computes
+them only then (a ``lax.cond``; the other steps are a plain
+``jax.value_and_grad``). ``stats_every=1`` is the classic every-step average. The
+stats of a step without statistics are NaN, so a step that skips them where they
+were due (``stats_due`` true) turns the factors NaN at once instead of quietly
+folding in zeros.
+
+On CPU, where XLA runs convolutions inside a ``lax.cond`` slowly, two jitted
+steps picked in Python take the conditional away (one boolean read back from the
+device per step)::
+
+    import functools
+
+    def kfac_step(params, opt_state, x, y, key, *, with_stats):
+      loss, grads, stats = estimate({'params': params}, x, y, key, with_stats=with_stats)
+      updates, opt_state = kfac_tx.update(grads, opt_state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    stats_step = jax.jit(functools.partial(kfac_step, with_stats=True))
+    plain_step = jax.jit(functools.partial(kfac_step, with_stats=False))
+    params, opt_state = variables['params'], kfac_tx.init(variables['params'])
+    for i in range(num_steps):
+      step = stats_step if opt_state[0].stats_due else plain_step
+      params, opt_state, loss = step(params, opt_state, x, y, jax.random.key(i))
+
+Also on CPU, set ``OPENBLAS_NUM_THREADS=1``: the Cholesky refreshes otherwise
+spin against XLA's thread pool.
+
+Per-segment K-FAC inside the interleaved sweep
+----------------------------------------------
+A segment of ``interleaved`` can precondition itself: a segment optimizer that
+is an ``optax.GradientTransformationExtraArgs`` receives the segment's inputs and
+the cotangent at its output as extra arguments in the sweep, and
+``kfac_segment(layer, damping=..., axis_name=None)`` forms that layer's factors
+from them (the empirical Fisher of the sweep's own cotangents) with the default
+layer-wise segments::
+
+    layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+
+    def segment_optimizer(name):               # one Dense/Conv call per segment, or REST
+      if name not in layers.layers:
+        return optax.adam(1e-3)
+      return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=1e-1),
+                         optax.sgd(1e-2, momentum=0.9))
+
+    tx = perturbkit.interleaved(loss_fn, segment_optimizer)     # propagate='updated'
+
+* With ``propagate='original'`` this equals whole-model K-FAC on the estimator's
+  empirical factors; with ``'updated'`` it equals a hand-written sweep in which
+  each layer's factors, inverses and step come first and the cotangent below is
+  computed with its new kernel (``tests/test_kfac_segment.py``).
+* Under ``shard_map``, ``kfac_segment(..., axis_name=)`` averages the devices'
+  factors, and 8 devices equal one.
+* The sweep has one backward pass, so these are the empirical Fisher's factors,
+  and the statistics need no second pass.
+* Update-then-propagate with K-FAC segments wants more damping than whole-model
+  K-FAC: at damping 1e-2 with momentum 0.9 the sweep diverged on a small MLP
+  fitting one batch, where ``propagate='original'`` and whole-model K-FAC
+  converged; 0.1 was stable.
+* NNX: ``perturbkit.nnx.interleaved`` runs the same sweep, so ``kfac_segment``
+  works on NNX models too, with a segment's layer from
+  ``perturbkit.nnx.kfac_layers`` or written out:
+  ``perturbkit.LayerInfo('dense', ('Dense_0',), 'kernel', (d_in, d_out), True,
+  ('__call__',))`` (checked against the Linen twin). There is no
+  ``perturbkit.nnx.kfac_segment`` of its own yet.
+
+How it is tested
+----------------
+Against hand-written perturbation-argument networks; against the exact Fisher
+where K-FAC is exact (one Dense layer, Gaussian output); the amortised path
+against the every-step path fed the same batches (same factors and inverses on
+the steps taken); on unmodified Hugging Face BERT, ViT, GPT-2, Llama and ResNet
+(BatchNorm, train mode) (``tests/test_real_models_kfac.py``).
+``notebooks/06_kfac.ipynb`` compares K-FAC, SGD and Adam on digits.
+
+Relation to kfac-jax
+--------------------
+The factors equal kfac-jax's on an MLP and a CNN (a ``SAME`` conv with bias, a
+strided ``VALID`` conv without, a dense head), for the exact and the empirical
+Fisher (``tests/test_kfac_jax_reference.py``, against factors kfac-jax 0.0.8
+computed under jax 0.6.2, with which it imports; it does not import with the jax
+pinned here: ``scripts/kfac_jax_reference.py`` says how they were made). The
+conventions differ by known scalars only:
+
+* Conv: kfac-jax averages a conv's ``A`` over its ``T`` locations and scales the
+  block by ``T``; perturbkit sums over them (``A = T·A_kfac-jax``, same feature
+  order: flattened ``(kh, kw, in)`` kernel rows, the bias last).
+* ``G`` is equal for the exact Fisher; kfac-jax's empirical mode divides it once
+  more by the batch size ``B`` (``G = B·G_kfac-jax``).
+
+These comparisons are of Dense layers on ``(batch, d)`` inputs and of Conv
+layers. A Dense layer on ``(batch, T, d)`` inputs (a sequence) treats the ``T``
+positions as locations, like a conv's (``A`` sums over them, ``G`` averages over
+them; see ``perturbkit.kfac._rules``), but its factors are not compared with
+kfac-jax's by the tests, so no scalar relation is claimed for that case.
+
+Example:
+  >>> from perturbkit import kfac
+  >>> import perturbkit
+  >>> kfac.kfac_estimator is perturbkit.kfac_estimator
+  True
+"""
+from perturbkit.kfac._losses import categorical_output
+from perturbkit.kfac._preconditioner import damped_inverse
+from perturbkit.kfac._losses import gaussian_output
+from perturbkit.kfac._estimator import kfac_estimator
+from perturbkit.kfac._layers import kfac_layers
+from perturbkit.kfac._preconditioner import kfac_preconditioner
+from perturbkit.kfac._segment import kfac_segment
+from perturbkit.kfac._layers import KFACLayers
+from perturbkit.kfac._preconditioner import KFACState
+from perturbkit.kfac._rules import LayerFactors
+from perturbkit.kfac._rules import LayerInfo
+from perturbkit.kfac._losses import OutputLoss
+
+__all__ = [
+    'categorical_output',
+    'damped_inverse',
+    'gaussian_output',
+    'kfac_estimator',
+    'kfac_layers',
+    'kfac_preconditioner',
+    'kfac_segment',
+    'KFACLayers',
+    'KFACState',
+    'LayerFactors',
+    'LayerInfo',
+    'OutputLoss',
+]

@@ -150,6 +150,9 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
                    has_aux: bool = False) -> Callable[..., Any]:
   """A function giving the loss, its gradient and the K-FAC factors of one batch.
 
+  For the conventions (the loss, skipped layers, amortised statistics, per-segment
+  K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
+
   The factors are the ones in ``perturbkit.kfac._rules``: per layer
   ``A = E[ã ãᵀ]`` (summed over locations; diagonal token counts for an Embed)
   and ``G = E[g gᵀ]`` (averaged over locations), with ``g`` the gradient of the

@@ -82,6 +82,9 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
                 inputs: Any, *, filter: CallFilter | None = None) -> KFACLayers:
   """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
 
+  For the conventions (the loss, skipped layers, amortised statistics, per-segment
+  K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
+
   Runs ``predict_fn`` abstractly (``jax.eval_shape``: no FLOPs) and records
   every submodule call, then traces it twice more: to check that each layer's
   params are read by its own calls only (a tied embedding that an LM head

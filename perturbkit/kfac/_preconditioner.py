@@ -120,6 +120,9 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
                         ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning of the gradients of ``layers``, as an optax transformation.
 
+  For the conventions (the loss, skipped layers, amortised statistics, per-segment
+  K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
+
   ``update(grads, state, params=None, *, kfac_stats)`` takes the batch's factors
   (the third output of :func:`kfac_estimator`) on the first update and then
   every ``stats_every`` updates (``state.stats_due`` says when; other updates

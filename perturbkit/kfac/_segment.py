@@ -50,6 +50,9 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
                  axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning of one segment of :func:`interleaved`, from its own backward pass.
 
+  For the conventions (the loss, skipped layers, amortised statistics, per-segment
+  K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
+
   For a segment that is exactly one Dense or Conv call (the default layer-wise
   segments), ``update(grads, state, params, *, segment_inputs,
   segment_output_grad)`` forms ``A`` from the call's input and ``G`` from the
