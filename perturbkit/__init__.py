@@ -3,6 +3,68 @@ gradients for unmodified Flax models.
 
 The names here are for Flax Linen models; ``perturbkit.nnx`` has the same functions for Flax NNX
 models, taking the module where the Linen ones take the variables.
+
+Namespaces: ``perturbkit.kfac`` (K-FAC) and ``perturbkit.per_example`` (per-example
+gradient norms and DP-SGD) hold their family's names and conventions, also exported
+here; ``perturbkit.filters`` the call filters; ``perturbkit.nnx`` the NNX front end;
+``perturbkit.errors`` every error class (each a subclass of ``PerturbkitError``
+whose message says how to fix the problem; also exported here). The conventions of
+activation gradients are in ``help(perturbkit.value_and_grad)``, of interleaved
+training in ``help(perturbkit.interleaved)``, of hooks in
+``help(perturbkit.backward_hook)``.
+
+Threads and nesting
+-------------------
+All interception state is per thread (as Flax's own interceptor stack is), so
+models can be traced from a thread pool at once; an exception anywhere (even a
+``KeyboardInterrupt`` during discovery) leaves nothing behind.
+
+A perturbkit function called inside another one's loss (``value_and_grad`` inside
+the loss of ``value_and_grad``, or of ``interleaved``) sees only its own calls,
+and the outer level does not see them: the inner call is computed exactly as if
+it stood alone, and the outer level's points are the calls its loss makes
+directly. To get the outer derivative at calls inside an inner step, write the
+inner step with ``jax.grad`` (see "Nested gradients" in
+``help(perturbkit.value_and_grad)``).
+
+Hooks (``with_hooks``) are transparent: they apply inside any perturbkit
+function, including to the calls an interleaved segment replays. A segment is
+replayed as its own ``apply``, but the hooks open when it was called are
+reopened for the replay with the segment's path in front, so
+``filters.by_path('Blk_0/Dense_0')`` selects the call inside the segment
+``Blk_0`` and ``by_path('Dense_0')`` only the top-level one, also in the backward
+replay of ``propagate='updated'``, which runs after the hooked loss has returned.
+A filter of your own sees these full paths through
+``perturbkit.filters.module_path(module)``; ``module.path`` itself is relative to
+the segment inside a replay.
+
+Tested models
+-------------
+``tests/test_real_models.py`` runs the unmodified Hugging Face ``transformers``
+4.x Flax models GPT-2 (tied LM head), BERT, ViT, ResNet (BatchNorm, train and
+eval), Llama, CLIP and Whisper, built from tiny configs in code (nothing
+downloaded):
+
+* every activation gradient against an independent explicit-delta interceptor
+  and ``jax.jvp``;
+* param gradients against ``jax.grad``;
+* ``propagate='original'`` against ``jax.grad`` + optax;
+* GPT-2 block segments against a hand-coded per-block backward;
+* the layer-wise default segments (GPT-2 14, BERT 21, ViT 19, ResNet 13,
+  Llama 21, CLIP 40, Whisper 48; GPT-2's tied ``wte`` and Whisper's tied decoder
+  embedding in ``REST``) lowering the loss.
+
+Per-example norms and DP-SGD: ``tests/test_real_models_per_example.py`` (GPT-2,
+BERT, ViT, Llama, ResNet in eval mode; see ``help(perturbkit.per_example)`` for
+what to pass and what is refused). K-FAC: ``tests/test_real_models_kfac.py``
+(BERT, ViT, GPT-2, Llama, ResNet). Two ``jax.distributed`` processes on
+localhost (4 CPU devices each) run the interleaved step under ``shard_map`` and
+equal one process (``tests/test_multiprocess.py``).
+
+``notebooks/04_real_model.ipynb`` trains an unmodified GPT-2 on text from the
+standard library's docstrings, standard and interleaved side by side; at full
+size the layer-wise interleaved run levels off at a higher held-out loss than the
+standard step (3.41 against 2.87 with the same, untuned adam 3e-3).
 """
 
 # Namespaces
@@ -10,6 +72,7 @@ from perturbkit import errors
 from perturbkit.core import filters
 from perturbkit import kfac
 from perturbkit import nnx
+from perturbkit import per_example
 # Activation gradients and backward hooks
 from perturbkit.core._hooks import backward_hook
 from perturbkit.linen._driver import grad
@@ -90,6 +153,7 @@ __all__ = [
     'filters',
     'kfac',
     'nnx',
+    'per_example',
     # Activation gradients and backward hooks
     'backward_hook',
     'grad',

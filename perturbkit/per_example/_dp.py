@@ -169,6 +169,8 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
                  dense_method: str = 'auto') -> Callable[..., Any]:
   """The DP-SGD gradient of an unmodified model, to feed any optax optimizer.
 
+  See ``help(perturbkit.per_example)`` for the conventions.
+
   ``(sum_i min(1, C/‖∇term_i‖) ∇term_i + N(0, σ²C²)) / B``, with ``term_i`` the
   loss term of example ``i`` (see :func:`per_example_grad_norms` for the
   requirements on ``loss_fn`` and ``reduction``), ``C = clip_norm``,
@@ -296,6 +298,10 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
            batch_axes: BatchAxes = 0, axis_name: str | None = None,
            dense_method: str = 'auto') -> PrivateTraining:
   """DP-SGD training (any optax optimizer) as an ``init``/``step`` pair.
+
+  The conventions (non-finite examples and steps, data parallel DP-SGD, refused
+  combinations, privacy accounting, and the per-example rules it shares with
+  :func:`per_example_grad_norms`) are in ``help(perturbkit.per_example)``.
 
   Each step takes :func:`private_grad`'s clipped, noised mean gradient and
   applies ``optimizer`` to it. ``key`` must differ from step to step (e.g.

@@ -68,6 +68,10 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
                            dense_method: str = 'auto') -> Callable[..., Any]:
   """Each example's gradient norm, per param, per layer and in total, without per-example gradients.
 
+  The conventions (the loss and the examples axis, how each layer is computed,
+  which models are refused and why, Hugging Face models, dropout) are in
+  ``help(perturbkit.per_example)``.
+
   ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss of an unmodified
   model and must be a sum or a mean over examples of one term per example
   (``reduction``). The examples are on axis 0 of every array argument unless
