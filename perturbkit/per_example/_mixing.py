@@ -6,9 +6,15 @@ jaxpr of the loss is walked once, following for every value:
 
 * where its examples are: on one axis (``int``), summed over (:data:`SUMMED`),
   not at all (``None``), or no longer known (:data:`UNKNOWN`, after an
-  operation the walk does not follow: loops, gathers it cannot read, ...); rows
-  of the examples axis picked by per-example indices (``x[arange(B), ids]``)
-  are taken to be each example's own;
+  operation the walk does not follow: while loops, conditionals, scatters,
+  gathers it cannot read, ...); rows of the examples axis picked by
+  per-example indices (``x[arange(B), ids]``) are taken to be each example's
+  own. An axis that merges the examples with others (``(B, T, V) -> (B * T, V)``
+  before a cross-entropy, or ``(T, B) -> T * B``) is followed as the examples
+  axis whose rows are grouped by example (``State.blocks``): a sum over all its
+  rows is a sum over the examples, and splitting it gives the examples back
+  their axis. A ``lax.scan`` is followed into its body, the carry to a fixed
+  point, unless it steps through the examples themselves;
 * whether it depends on the params (``live``): only such values carry
   gradients, so mixing among values computed from the data alone (normalizing
   the inputs by their batch mean, dividing by the batch's token count) is fine;
@@ -19,11 +25,14 @@ arrays paired with each other (``a @ b.T`` between two embeddings of the batch,
 the CLIP loss); a live sum over the examples combined with each example again
 (a batch statistic), or put through a nonlinear function (the loss is then not
 a sum of per-example terms); a maximum, sort or cumulative sum over the
-examples of a live array. The loss is refused when its value is computed from
+examples of a live array. The same holds for the rows of merged examples, and
+rows merged in two different ways (examples-major and examples-minor) are
+examples paired with each other. The loss is refused when its value is computed from
 such a mixing. Whatever the walk does not follow it leaves alone: it can miss
 mixing there (``check_per_example`` checks values), never refuse a loss that
 is a per-example sum.
 """
+import math
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -34,13 +43,24 @@ from perturbkit.core._dependence import single_subjaxpr
 
 SUMMED = 'summed'
 UNKNOWN = 'unknown'
+PLAIN = (1, 1)
 
 
 class State(NamedTuple):
-  """What the walk knows of one value."""
-  axis: Any = None  # int, SUMMED, UNKNOWN or None
+  """What the walk knows of one value.
+
+  Attributes:
+    axis: The axis of its examples (``int``), :data:`SUMMED`, :data:`UNKNOWN` or ``None``.
+    live: Whether it is computed from the params.
+    mixed: The first mixing it is computed from, a sentence, or ``None``.
+    blocks: ``(before, after)`` when ``axis`` merges the examples with other axes: it is
+      the row-major merge of ``(before, examples, after)``, so row ``r`` is example
+      ``(r // after) % examples``. :data:`PLAIN` (``(1, 1)``) for the examples' own axis.
+  """
+  axis: Any = None
   live: bool = False
   mixed: str | None = None
+  blocks: tuple[int, int] = PLAIN
 
 
 UNARY = {'neg', 'exp', 'exp2', 'log', 'log1p', 'expm1', 'tanh', 'logistic', 'sin', 'cos',
@@ -88,10 +108,17 @@ def _over_examples(eqn) -> str:
           'computed from the params')
 
 
-def _combine(states: Sequence[State], axis: Any, mixed: str | None = None) -> State:
-  """``axis`` for the output; live and the first mixing from the inputs (or ``mixed``)."""
+def _combine(states: Sequence[State], axis: Any, mixed: str | None = None,
+             blocks: tuple[int, int] = PLAIN) -> State:
+  """``axis`` (with ``blocks``) for the output; live and the first mixing from the inputs."""
   first = mixed or next((s.mixed for s in states if s.mixed), None)
-  return State(axis, any(s.live for s in states), first)
+  return State(axis, any(s.live for s in states), first,
+               blocks if isinstance(axis, int) else PLAIN)
+
+
+def _keep(states: Sequence[State], source: State, axis: Any = None) -> State:
+  """``source``'s examples, moved to ``axis`` if given, for the output of ``states``."""
+  return _combine(states, source.axis if axis is None else axis, blocks=source.blocks)
 
 
 def _elementwise(eqn, states: list[State]) -> State:
@@ -100,17 +127,18 @@ def _elementwise(eqn, states: list[State]) -> State:
     return _combine(states, UNKNOWN)
   examples = [s for s in states if isinstance(s.axis, int)]
   summed = [s for s in states if s.axis == SUMMED]
-  axes = {s.axis for s in examples}
-  if len(axes) > 1:
-    live = {s.axis for s in examples if s.live}
+  # Rows merged differently (examples-major and -minor) line up different examples.
+  places = {(s.axis, s.blocks) for s in examples}
+  if len(places) > 1:
+    live = {(s.axis, s.blocks) for s in examples if s.live}
     if len(live) > 1:
       return _combine(states, UNKNOWN, f'{_where(eqn)} pairs the examples of two arrays '
                                        'computed from the params with each other')
-    return _combine(states, live.pop() if live else UNKNOWN)
+    axis, blocks = live.pop() if live else (UNKNOWN, PLAIN)
+    return _combine(states, axis, blocks=blocks)
   if examples:
-    if any(s.live for s in summed):
-      return _combine(states, examples[0].axis, _batch_statistic(eqn))
-    return _combine(states, examples[0].axis)
+    mixed = _batch_statistic(eqn) if any(s.live for s in summed) else None
+    return _combine(states, examples[0].axis, mixed, examples[0].blocks)
   if summed:
     live = [i for i, s in enumerate(states) if s.live]
     linear = (name in LINEAR
@@ -125,28 +153,38 @@ def _elementwise(eqn, states: list[State]) -> State:
 
 
 def _broadcast_in_dim(eqn, states):
-  (s, *rest) = states
+  s = states[0]
   axis = eqn.params['broadcast_dimensions'][s.axis] if isinstance(s.axis, int) else s.axis
-  return _combine([s, *rest], axis)
+  return _keep(states, s, axis)
 
 
 def _reshape(eqn, states):
+  """The new axis that holds the examples' factor of the flattened array whole, if one does.
+
+  Merging the examples with the axes after them (``(B, T, V) -> (B * T, V)``) gives
+  each example a block of rows; with those before them (``(T, B) -> (T * B)``), every
+  ``B``-th row; splitting such an axis again gives the examples back their own axis.
+  """
   s = states[0]
   if not isinstance(s.axis, int):
     return _combine(states, s.axis)
-  old = eqn.invars[0].aval.shape
-  new = eqn.params['new_sizes']
-  before = int(np.prod(old[:s.axis]))
-  for j in range(len(new)):
-    if int(np.prod(new[:j])) == before and new[j] == old[s.axis]:
-      return _combine(states, j)
+  old, new = eqn.invars[0].aval.shape, eqn.params['new_sizes']
+  if eqn.params.get('dimensions') is not None or 0 in old:
+    return _combine(states, UNKNOWN)
+  before, after = s.blocks
+  count = old[s.axis] // (before * after)
+  stride = after * math.prod(old[s.axis + 1:])  # of the examples in the flattened array
+  for j, size in enumerate(new):
+    inner = math.prod(new[j + 1:])
+    if stride % inner == 0 and (inner * size) % (stride * count) == 0:
+      return _combine(states, j, blocks=(inner * size // (stride * count), stride // inner))
   return _combine(states, UNKNOWN)
 
 
 def _transpose(eqn, states):
   s = states[0]
   axis = list(eqn.params['permutation']).index(s.axis) if isinstance(s.axis, int) else s.axis
-  return _combine(states, axis)
+  return _keep(states, s, axis)
 
 
 def _squeeze(eqn, states):
@@ -154,7 +192,7 @@ def _squeeze(eqn, states):
   if not isinstance(s.axis, int):
     return _combine(states, s.axis)
   dims = [d % _ndim(eqn.invars[0]) for d in eqn.params['dimensions']]
-  return _combine(states, s.axis - sum(d < s.axis for d in dims))
+  return _keep(states, s, s.axis - sum(d < s.axis for d in dims))
 
 
 def _reduce(eqn, states):
@@ -163,8 +201,8 @@ def _reduce(eqn, states):
     return _combine(states, s.axis)
   axes = tuple(eqn.params['axes'])
   if s.axis not in axes:
-    return _combine(states, s.axis - sum(a < s.axis for a in axes))
-  if eqn.primitive.name == 'reduce_sum':
+    return _keep(states, s, s.axis - sum(a < s.axis for a in axes))
+  if eqn.primitive.name == 'reduce_sum':  # over all rows of merged examples too
     return _combine(states, SUMMED)
   return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
 
@@ -175,7 +213,7 @@ def _along_axis(eqn, states):
   axis = eqn.params.get('axis', eqn.params.get('dimension'))
   if isinstance(s.axis, int) and s.axis == axis % _ndim(eqn.invars[0]):
     return _combine(states, UNKNOWN, _over_examples(eqn) if s.live else None)
-  return _combine(states, s.axis)
+  return _keep(states, s)
 
 
 def _position(a: int, contract, batch, ndim: int, offset: int):
@@ -200,19 +238,26 @@ def _dot_general(eqn, states):
   if isinstance(right.axis, int):
     where[1] = _position(right.axis, rc, rb, _ndim(eqn.invars[1]), len(lb) + free_left)
   if where[0] and where[1]:
-    if where[0] == where[1] and where[0][0] != 'free':
-      return _combine(states, where[0][1] if where[0][0] == 'batch' else SUMMED)
+    if where[0] == where[1] and where[0][0] != 'free' and left.blocks == right.blocks:
+      if where[0][0] == 'batch':
+        return _keep(states, left, where[0][1])
+      return _combine(states, SUMMED)
     if left.live and right.live:
       return _combine(states, UNKNOWN, f'{_where(eqn)} pairs the examples of two arrays '
                                        'computed from the params with each other (a '
                                        'contrastive loss over the batch, `a @ b.T`)')
-    kept = where[0] if left.live else where[1] if right.live else None
-    return _combine(states, kept[1] if kept and kept[0] != 'contract' else UNKNOWN)
+    side = 0 if left.live else 1 if right.live else None
+    if side is None or where[side][0] == 'contract':
+      return _combine(states, UNKNOWN)
+    return _keep(states, states[side], where[side][1])
   if where[0] or where[1]:
-    kind, index = where[0] or where[1]
-    other = right if where[0] else left
+    side = 0 if where[0] else 1
+    kind, index = where[side]
+    other = states[1 - side]
     mixed = _batch_statistic(eqn) if other.axis == SUMMED and other.live else None
-    return _combine(states, SUMMED if kind == 'contract' else index, mixed)
+    if kind == 'contract':
+      return _combine(states, SUMMED, mixed)
+    return _combine(states, index, mixed, states[side].blocks)
   if SUMMED in (left.axis, right.axis):
     mixed = (f'{_where(eqn)} multiplies two sums over the examples, so the loss is not a sum '
              'of per-example terms' if left.live and right.live else None)
@@ -225,7 +270,7 @@ def _conv(eqn, states):
   dims = eqn.params['dimension_numbers']
   if (isinstance(lhs.axis, int) and rhs.axis is None and lhs.axis == dims.lhs_spec[0]
       and eqn.params.get('batch_group_count', 1) == 1):
-    return _combine(states, dims.out_spec[0])
+    return _keep(states, lhs, dims.out_spec[0])
   return _combine(states, None if lhs.axis is None and rhs.axis is None else UNKNOWN)
 
 
@@ -238,14 +283,14 @@ def _window(eqn, states):
                and tuple(p['padding'][s.axis]) == (0, 0)
                and p.get('base_dilation', (1,) * 64)[s.axis] == 1
                and p.get('window_dilation', (1,) * 64)[s.axis] == 1)
-  return _combine(states, s.axis if untouched else UNKNOWN)
+  return _keep(states, s) if untouched else _combine(states, UNKNOWN)
 
 
 def _pad(eqn, states):
   s = states[0]
   if isinstance(s.axis, int) and tuple(eqn.params['padding_config'][s.axis]) != (0, 0, 0):
     return _combine(states, UNKNOWN)
-  return _combine(states, s.axis if states[1].axis is None else UNKNOWN)
+  return _keep(states, s) if states[1].axis is None else _combine(states, UNKNOWN)
 
 
 def _slice(eqn, states):
@@ -255,18 +300,18 @@ def _slice(eqn, states):
     full = (p['start_indices'][s.axis] == 0
             and p['limit_indices'][s.axis] == eqn.invars[0].aval.shape[s.axis]
             and (p['strides'] is None or p['strides'][s.axis] == 1))
-    return _combine(states, s.axis if full else UNKNOWN)
+    return _keep(states, s) if full else _combine(states, UNKNOWN)
   return _combine(states, s.axis)
 
 
 def _concatenate(eqn, states):
-  axes = {s.axis for s in states if s.axis is not None}
-  if not axes:
+  places = {(s.axis, s.blocks) for s in states if s.axis is not None}
+  if not places:
     return _combine(states, None)
-  if len(axes) == 1:
-    axis = axes.pop()
+  if len(places) == 1:
+    axis, blocks = places.pop()
     if isinstance(axis, int) and axis != eqn.params['dimension']:
-      return _combine(states, axis)
+      return _combine(states, axis, blocks=blocks)
   return _combine(states, UNKNOWN)
 
 
@@ -277,19 +322,21 @@ def _gather(eqn, states):
   batch_out = [d for d in range(n_out) if d not in dims.offset_dims]
   index_axes = _ndim(eqn.invars[1]) - 1  # the last axis holds the index vectors
   if operand.axis is None and isinstance(indices.axis, int) and indices.axis < index_axes:
-    return _combine(states, batch_out[indices.axis])
+    return _keep(states, indices, batch_out[indices.axis])
   if isinstance(operand.axis, int) and operand.axis in dims.operand_batching_dims:
+    # take_along_axis: each row of the operand is indexed by its own row of indices.
     k = list(dims.operand_batching_dims).index(operand.axis)
     b = dims.start_indices_batching_dims[k]
-    if indices.axis in (None, b) and b < index_axes:
-      return _combine(states, batch_out[b])
+    lined_up = indices.axis is None or (indices.axis, indices.blocks) == (b, operand.blocks)
+    if lined_up and b < index_axes:
+      return _keep(states, operand, batch_out[b])
   if (isinstance(operand.axis, int) and isinstance(indices.axis, int)
       and indices.axis < index_axes and operand.axis in dims.collapsed_slice_dims
       and operand.axis in dims.start_index_map):
     # x[arange(B), ids] (CLIP's text pooling): rows of the examples axis picked by per-example
     # indices are taken to be each example's own. A permutation of the examples would pass
     # unnoticed here, but nothing is refused on this assumption.
-    return _combine(states, batch_out[indices.axis])
+    return _keep(states, indices, batch_out[indices.axis])
   if operand.axis is None and indices.axis is None:
     return _combine(states, None)
   return _combine(states, UNKNOWN)
@@ -307,12 +354,50 @@ RULES = {
 }
 
 
+def _join(a: State, b: State) -> State:
+  """What is known of a value that is either ``a`` or ``b`` (a loop's carry)."""
+  if a.axis is None or (a.axis, a.blocks) == (b.axis, b.blocks):
+    axis, blocks = b.axis, b.blocks
+  elif b.axis is None:
+    axis, blocks = a.axis, a.blocks
+  else:
+    axis, blocks = UNKNOWN, PLAIN
+  return State(axis, a.live or b.live, a.mixed or b.mixed, blocks)
+
+
+def _shift(s: State, by: int) -> State:
+  return s._replace(axis=s.axis + by) if isinstance(s.axis, int) else s
+
+
+def _scan(eqn, states: list[State]) -> list[State]:
+  """``lax.scan``: the body's carry followed to a fixed point, ``xs`` and ``ys`` one axis in.
+
+  A scan along the examples themselves (one example per step, the carry running
+  through them) is not followed.
+  """
+  p = eqn.params
+  n_consts, n_carry = p['num_consts'], p['num_carry']
+  consts, carry = states[:n_consts], states[n_consts:n_consts + n_carry]
+  xs = states[n_consts + n_carry:]
+  if any(s.axis == 0 for s in xs):
+    return [_combine(states, UNKNOWN)] * len(eqn.outvars)
+  xs = [_shift(s, -1) for s in xs]
+  while True:  # the joins only move up a lattice of finite height
+    outs = walk(p['jaxpr'].jaxpr, [*consts, *carry, *xs])
+    joined = [_join(c, o) for c, o in zip(carry, outs[:n_carry])]
+    if joined == carry:
+      return [*carry, *(_shift(s, 1) for s in outs[n_carry:])]
+    carry = joined
+
+
 def _eqn_states(eqn, states: list[State]) -> list[State]:
   name = eqn.primitive.name
   if name == 'stop_gradient':
-    return [State(states[0].axis)]
+    return [states[0]._replace(live=False, mixed=None)]
   if name in PASS_THROUGH:
     return list(states[:len(eqn.outvars)])
+  if name == 'scan':
+    return _scan(eqn, states)
   inner = single_subjaxpr(eqn)
   if inner is not None:
     return walk(inner, states)
@@ -338,7 +423,7 @@ def walk(jaxpr: jex_core.Jaxpr, states: Sequence[State]) -> list[State]:
     outs = _eqn_states(eqn, [read(v) for v in eqn.invars])
     for var, s in zip(eqn.outvars, outs):
       # No gradient flows through integer or boolean values.
-      known[var] = s if _is_float(var) else State(s.axis)
+      known[var] = s if _is_float(var) else s._replace(live=False, mixed=None)
   return [read(v) for v in jaxpr.outvars]
 
 
@@ -359,5 +444,6 @@ def mixing(jaxpr: jex_core.Jaxpr, example_axes: Sequence[int | None], live: Sequ
     mixing may only be that axis's doing, and the examples-axis error is the one to give).
   """
   states = walk(jaxpr, [State(axis, p) for axis, p in zip(example_axes, live)])
-  misplaced = any(isinstance(s.axis, int) and s.axis != 0 for s in states[:call_inputs])
+  misplaced = any(isinstance(s.axis, int) and (s.axis != 0 or s.blocks != PLAIN)
+                  for s in states[:call_inputs])
   return states[-1].mixed, misplaced
