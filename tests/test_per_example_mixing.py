@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import perturbkit
-from test_per_example import TOL, norms_of
+from test_per_example import TOL, assert_norms_match, cross_entropy, norms_of
 
 
 class Towers(nn.Module):
@@ -166,3 +166,179 @@ def test_mixing_inside_the_model_is_refused_where_it_happens():
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X)
   with pytest.raises(perturbkit.ExamplesMixedError):
     perturbkit.check_per_example(loss_fn, variables, X)
+
+
+class TinyLM(nn.Module):
+  """Logits at every position: ``(examples, positions, vocabulary)``."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(VOCAB, name='head')(nn.tanh(nn.Dense(4, name='hidden')(x)))
+
+
+VOCAB = 5
+LM = TinyLM()
+TOKENS = jax.random.normal(jax.random.key(3), (4, 3, 2))  # 4 examples of 3 positions
+LABELS = jax.random.randint(jax.random.key(4), (4, 3), 0, VOCAB)
+LM_VARIABLES = LM.init(jax.random.key(5), TOKENS)
+MIXER = jax.random.normal(jax.random.key(6), (VOCAB, VOCAB))
+
+
+def assert_refused(loss_fn, match, variables, *args):
+  """Refused by name while tracing, for norms and DP-SGD; the value check agrees."""
+  with pytest.raises(perturbkit.ExamplesMixedError, match=match):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, *args)
+  with pytest.raises(perturbkit.ExamplesMixedError, match=match):
+    jax.eval_shape(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0),
+                   variables, jax.random.key(0), *args)
+  with pytest.raises(perturbkit.ExamplesMixedError):
+    perturbkit.check_per_example(loss_fn, variables, *args)
+
+
+def rows_of(logits):
+  """``(B, T, V) -> (B * T, V)``: each example owns a block of rows."""
+  return logits.reshape(-1, logits.shape[-1])
+
+
+def time_major_rows_of(logits):
+  """``(B, T, V) -> (T, B, V) -> (T * B, V)``: each example owns every B-th row."""
+  return rows_of(jnp.swapaxes(logits, 0, 1))
+
+
+def rows_cross_entropy(v, x, labels):
+  """The usual language-model loss: cross-entropy over the merged rows."""
+  return cross_entropy(rows_of(LM.apply(v, x)), labels.reshape(-1))
+
+
+def time_major_cross_entropy(v, x, labels):
+  return cross_entropy(time_major_rows_of(LM.apply(v, x)), labels.T.reshape(-1))
+
+
+def rows_split_back(v, x, labels):
+  """Token losses on the merged rows, split back into examples: a maximum over each one's own."""
+  rows = jax.nn.log_softmax(rows_of(LM.apply(v, x)))
+  tokens = -jnp.take_along_axis(rows, labels.reshape(-1, 1), axis=1).reshape(labels.shape)
+  return jnp.mean(jnp.max(tokens, axis=1))
+
+
+def rows_with_features(v, x, labels):
+  """Rows mixed with a constant across the vocabulary, a mean per row, data from the rows."""
+  rows = jnp.tanh(rows_of(LM.apply(v, x)) @ MIXER)
+  scale = 1.0 + rows_of(x)[:, :1] ** 2
+  return jnp.mean(jnp.mean(rows * scale, axis=1) ** 2) + 0.1 * cross_entropy(
+      rows, labels.reshape(-1))
+
+
+@pytest.mark.parametrize('loss_fn', [
+    rows_cross_entropy, time_major_cross_entropy, rows_split_back, rows_with_features,
+], ids=['rows', 'time_major_rows', 'split_back', 'row_features'])
+def test_losses_over_merged_rows_are_per_example(loss_fn):
+  assert_norms_match(loss_fn, LM_VARIABLES, TOKENS, LABELS)
+
+
+def rows_batch_normalized(v, x, labels):
+  """Logits as rows, centered by their mean over all rows: a batch statistic."""
+  rows = rows_of(LM.apply(v, x))
+  return cross_entropy(rows - rows.mean(axis=0, keepdims=True), labels.reshape(-1))
+
+
+def time_major_batch_normalized(v, x, labels):
+  rows = time_major_rows_of(LM.apply(v, x))
+  return cross_entropy(rows - rows.mean(axis=0, keepdims=True), labels.T.reshape(-1))
+
+
+def rows_contrastive(v, x, labels):
+  """``a @ b.T`` between the merged rows of two halves of the logits."""
+  rows = rows_of(LM.apply(v, x))
+  logits = rows[:, :2] @ rows[:, 2:4].T
+  return jnp.mean(jax.nn.logsumexp(logits, axis=1) - jnp.diagonal(logits))
+
+
+def rows_worst(v, x, labels):
+  rows = jax.nn.log_softmax(rows_of(LM.apply(v, x)))
+  return -jnp.min(jnp.take_along_axis(rows, labels.reshape(-1, 1), axis=1))
+
+
+def major_times_minor(v, x, labels):
+  """Rows merged examples-major times rows merged examples-minor: different examples meet."""
+  logits = LM.apply(v, x)
+  return jnp.mean(rows_of(logits)[:, 0] * time_major_rows_of(logits)[:, 1])
+
+
+@pytest.mark.parametrize('loss_fn, match', [
+    (rows_batch_normalized, 'batch statistic'),
+    (time_major_batch_normalized, 'batch statistic'),
+    (rows_contrastive, 'contrastive'),
+    (rows_worst, 'a minimum over the examples'),
+    (major_times_minor, '`mul` pairs the examples'),
+], ids=['batch_normalized', 'time_major_batch_normalized', 'contrastive', 'worst_row',
+        'major_times_minor'])
+def test_mixing_over_merged_rows_is_refused(loss_fn, match):
+  assert_refused(loss_fn, match, LM_VARIABLES, TOKENS, LABELS)
+
+
+def scanned_recurrence(v, x, labels):
+  """An RNN over the logits written in the loss: time-major ``xs``, a per-example carry."""
+  logits = LM.apply(v, x)
+
+  def step(state, logits_t):
+    state = jnp.tanh(logits_t @ MIXER + 0.5 * state)
+    return state, jnp.sum(state ** 2, axis=1)
+  state, per_step = jax.lax.scan(step, jnp.zeros_like(logits[:, 0]), jnp.swapaxes(logits, 0, 1))
+  return jnp.mean(jnp.sum(state, axis=1) + jnp.max(per_step, axis=0))
+
+
+def scanned_chunked_cross_entropy(v, x, labels):
+  """Cross-entropy position by position in a ``lax.scan``, the carry a running total."""
+  logits = LM.apply(v, x)
+
+  def step(total, chunk):
+    logits_t, labels_t = chunk
+    log_probs = jax.nn.log_softmax(logits_t)
+    return total - jnp.sum(jnp.take_along_axis(log_probs, labels_t[:, None], axis=1)), None
+  total, _ = jax.lax.scan(step, 0.0, (jnp.swapaxes(logits, 0, 1), labels.T))
+  return total / labels.size
+
+
+def scanned_over_examples(v, x, labels):
+  """A scan through the examples themselves is not followed, and not refused."""
+  terms = jnp.mean(jnp.sum(LM.apply(v, x) ** 2, axis=2), axis=1)
+  total, _ = jax.lax.scan(lambda total, term: (total + term, None), 0.0, terms)
+  return total / len(terms)
+
+
+@pytest.mark.parametrize('loss_fn', [
+    scanned_recurrence, scanned_chunked_cross_entropy, scanned_over_examples,
+], ids=['recurrence', 'chunked_cross_entropy', 'over_examples'])
+def test_scanned_losses_are_per_example(loss_fn):
+  assert_norms_match(loss_fn, LM_VARIABLES, TOKENS, LABELS)
+
+
+def scanned_running_center(v, x, labels):
+  """A running batch mean in the carry, subtracted from each example at the next step."""
+  logits = LM.apply(v, x)
+
+  def step(center, logits_t):
+    center_next = 0.9 * center + 0.1 * logits_t.mean(axis=0, keepdims=True)
+    return center_next, jnp.sum((logits_t - center) ** 2, axis=1)
+  _, per_step = jax.lax.scan(step, jnp.zeros((1, VOCAB)), jnp.swapaxes(logits, 0, 1))
+  return jnp.mean(per_step)
+
+
+def scanned_pairing(v, x, labels):
+  """A carry that pairs every example's state with every other's at each step."""
+  logits = LM.apply(v, x)
+
+  def step(state, logits_t):
+    state = jnp.tanh(logits_t + 0.1 * state)
+    return state, jax.nn.logsumexp(state @ state.T, axis=1)
+  _, per_step = jax.lax.scan(step, jnp.zeros_like(logits[:, 0]), jnp.swapaxes(logits, 0, 1))
+  return jnp.mean(per_step)
+
+
+@pytest.mark.parametrize('loss_fn, match', [
+    (scanned_running_center, 'batch statistic'),
+    (scanned_pairing, 'contrastive'),
+], ids=['running_center', 'pairing'])
+def test_mixing_in_a_scan_is_refused(loss_fn, match):
+  assert_refused(loss_fn, match, LM_VARIABLES, TOKENS, LABELS)
