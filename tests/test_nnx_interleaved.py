@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 import nnx_models
 import perturbkit
@@ -739,3 +739,107 @@ def test_int_segments_count_module_levels_as_linen_does(depth, nnx_names, linen_
   assert tx.segments(model, x, y).segments == nnx_names
   state, _ = jax.jit(tx.step)(tx.init(model, x, y), x, y)
   assert sorted(state.opt_state) == sorted(nnx_names + (perturbkit.REST,))
+
+
+def with_scaled_grad(factor: float):
+  """The identity whose backward multiplies the cotangent by ``factor``."""
+  @jax.custom_vjp
+  def scaled(x):
+    return x
+
+  scaled.defvjp(lambda x: (x, None), lambda _, g: (factor * g,))
+  return scaled
+
+
+def skip_mlp_scaled_at_dense_1(factor: float):
+  """SkipMLP's mse with dense_1's output gradient scaled, written out by hand."""
+  scaled = with_scaled_grad(factor)
+
+  def loss_fn(model, x, y):
+    h = nnx.relu(model.dense_0(x))
+    h2 = nnx.relu(scaled(model.dense_1(h))) + h
+    return jnp.mean((model.dense_2(h2) - y) ** 2)
+
+  return loss_fn
+
+
+def optax_step(loss_fn, model, x, y, optimizer):
+  """The params after one nnx.grad + optax update of ``model`` (a copy)."""
+  model = nnx.clone(model)
+  params = nnx.state(model, nnx.Param)
+  grads = nnx.grad(loss_fn)(model, x, y)
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  return nnx_models.pure(optax.apply_updates(params, updates))
+
+
+@pytest.mark.parametrize('factor', [0.0, 2.0])
+@pytest.mark.parametrize('where', ['with_hooks around mse', 'with_hooks in the loss body',
+                                   'hooks='])
+def test_hook_on_a_segment_from_inside_the_loss_equals_the_scaled_gradient_step(where, factor):
+  """propagate='original' with a hook scaling dense_1's gradient: nnx.grad of a custom_vjp loss."""
+  x, y = batch()
+  hook = perturbkit.backward_hook(lambda g: factor * g, perturbkit.nnx.filters.by_path('dense_1'))
+  loss_fn, hooks = {
+      'with_hooks around mse': (perturbkit.nnx.with_hooks(mse, hook), ()),
+      'with_hooks in the loss body': (
+          lambda model, x, y: perturbkit.nnx.with_hooks(mse, hook)(model, x, y), ()),
+      'hooks=': (mse, (hook,)),
+  }[where]
+  # Not adam: its first step is blind to a gradient's scale.
+  model, optimizer = SkipMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9)
+  tx = perturbkit.nnx.interleaved(loss_fn, optimizer, propagate='original', hooks=hooks)
+  assert tx.segments(model, x, y).segments == ('dense_0', 'dense_1', 'dense_2')
+  expected = optax_step(skip_mlp_scaled_at_dense_1(factor), model, x, y, optimizer)
+  got = one_step(tx, model, x, y)
+  chex.assert_trees_all_close(got, expected, **TOL)
+  # The hook changes the step of the layers it reaches: the test can tell.
+  plain = optax_step(mse, model, x, y, optimizer)
+  for name in ('dense_0', 'dense_1'):
+    assert not np.allclose(got[name]['kernel'], plain[name]['kernel'], **TOL), name
+
+
+def linen_path(path) -> tuple[str, ...]:
+  """A path in Containers under the Linen twin's names: `blocks/0` -> `blocks_0`."""
+  merged: list[str] = []
+  for key in path:
+    if merged and merged[-1] in ('blocks', 'layers', 'heads'):
+      merged[-1] = f'{merged[-1]}_{key}'
+    else:
+      merged.append(str(key))
+  return tuple(merged)
+
+
+def linen_containers_params(nnx_params: dict) -> dict:
+  """Containers' params as the Linen twin's params tree."""
+  flat = traverse_util.flatten_dict(nnx_params)
+  return traverse_util.unflatten_dict({linen_path(p): v for p, v in flat.items()})
+
+
+@pytest.mark.parametrize('propagate', ['updated', 'original'])
+@pytest.mark.parametrize('depth', [1, 2])
+def test_int_segments_in_containers_step_as_the_linen_twin(depth, propagate):
+  """The segments nnx.List/nnx.Dict items give at a depth update as the Linen twin's do."""
+  x, y = batch(din=4)
+  model = Containers(nnx.Rngs(0))
+  linen_model = LinenContainers()
+  variables = {'params': linen_containers_params(params_of(model))}
+  linen_loss = lambda v, x, y: jnp.mean((linen_model.apply(v, x) - y) ** 2)
+  # The twin's variables have the structure Linen's init gives.
+  assert (jax.tree.structure(variables['params'])
+          == jax.tree.structure(linen_model.init(jax.random.key(0), x)['params']))
+  optimizer = optax.adam(1e-2)
+  linen_tx = perturbkit.interleaved(linen_loss, optimizer, segments=depth, propagate=propagate)
+  tx = perturbkit.nnx.interleaved(mse, optimizer, segments=depth, propagate=propagate)
+  linen_names = linen_tx.segments(variables, x, y).segments
+  names = tx.segments(model, x, y).segments
+  assert len(names) == 4
+  assert tuple('/'.join(linen_path(n.split('/'))) for n in names) == linen_names
+  s_nnx, s_linen = tx.init(model, x, y), linen_tx.init(variables, x, y)
+  for _ in range(2):
+    s_nnx, _ = jax.jit(tx.step)(s_nnx, x, y)
+    s_linen, _ = jax.jit(linen_tx.step)(s_linen, x, y)
+  got = linen_containers_params(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)))
+  chex.assert_trees_all_close(got, s_linen.params, **TOL)
+  # Two steps moved every segment.
+  moved = jax.tree.map(lambda a, b: not np.allclose(a, b), got, variables['params'])
+  assert all(jax.tree.leaves(moved))
