@@ -14,5 +14,7 @@ weights leave the backward pass as the gradient of a zero carrier input.
 reading the jaxpr for every equation that takes a segment's params; ``_sweep.py``
 holds the optimizer side (groups, guarded steps, the update of ``REST`` after the
 sweep, metrics) and knows nothing of Flax. Conv patches for K-FAC and
-per-example norms are strided slices of the padded input (``_conv_patches.py``).
+per-example norms are strided slices of the padded input (``_conv_patches.py``);
+the per-example family finds examples mixed by the loss by walking the jaxpr
+(``perturbkit/per_example/_mixing.py``).
 """

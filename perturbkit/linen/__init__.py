@@ -11,7 +11,10 @@ zeros made inside the trace to the loss as that collection, and
 ``_segments.py`` replays a Linen call as the pure function ``(w, x) -> y`` that
 ``perturbkit.core._segment_vjp`` differentiates, ``_segmentation.py`` records the
 calls for the shared choice of segments, and ``_schedule.py`` wires them into
-``init``/``step``. The NNX front end (``perturbkit.nnx``) has the same pieces,
-with ``_calls.py`` swapping each submodule's class for a cached subclass during
-the traced call (restored in ``finally``).
+``init``/``step``. Data flows one way: filters -> interceptor -> driver
+(activation gradients) -> schedule (interleaved training). The NNX front end
+(``perturbkit.nnx``) has the same pieces: ``_calls.py`` swaps each submodule's
+class for a cached subclass during the traced call (restored in ``finally``),
+and its ``_driver.py``, ``_segmentation.py``, ``_segments.py`` and
+``_schedule.py`` are the counterparts of these, over the same core.
 """

@@ -164,7 +164,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       step), so keep SGD's step small.
 
   Segments:
-    * The default is a layer-by-layer schedule. A coarse segment costs more:
+    * The default is a layer-by-layer schedule: every call of a module that
+      owns params directly (Dense, Conv, Embed, LayerNorm, BatchNorm, attention
+      projections) is its own segment. ``segments=1`` makes the top-level calls
+      the segments. A coarse segment costs more:
       its forward runs again at its new weights (a Transformer block as one
       segment, about 1.4-1.5x the standard step).
     * A segment's params are read only by its own call: each segment is one
