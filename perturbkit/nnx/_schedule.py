@@ -140,6 +140,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   (``perturbkit.REST``) get their ordinary gradient and are updated at the end.
   Batch statistics and RNG counts change as in a plain call of the loss, and
   every replay of a segment draws the same random numbers.
+  The rest of the conventions (choosing segments, per-segment optimizers,
+  clipping, metrics, many devices and many hosts) are those of
+  ``help(perturbkit.interleaved)``.
 
   By default every call of a module holding ``wrt`` variables directly
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm``, ...) is a
