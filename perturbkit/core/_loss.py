@@ -92,3 +92,17 @@ def grads_only(value_and_grad_fn: Callable[..., Any], loss_fn: Callable[..., Any
     return (grads, value[1]) if has_aux else grads
 
   return run
+
+
+def driver_result(loss: jax.Array, aux: Any, grads: dict, captured: Mapping[str, Any], *,
+                  has_aux: bool, return_activations: bool, return_inputs: bool) -> tuple:
+  """What ``value_and_grad`` returns on both front ends.
+
+  ``(value, grads)``, then the captured activations and inputs (each a tree at
+  the points' paths) when asked for; ``value`` is ``(loss, aux)`` with
+  ``has_aux``.
+  """
+  value = (loss, aux) if has_aux else loss
+  extras = ((captured['activations'],) if return_activations else ()) + (
+      (captured['inputs'],) if return_inputs else ())
+  return (value, grads, *extras)

@@ -22,8 +22,8 @@ import jax
 from flax import nnx, traverse_util
 
 from perturbkit.core import filters as _filters
-from perturbkit.core._loss import check_loss
-from perturbkit.core._loss import check_loss_fn, describe, grads_only, point_options
+from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
+                                  point_options)
 from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
@@ -350,11 +350,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     zeros = nested({path: shape.zeros() for path, shape in points_found.items()})
     (loss, (aux, captured)), (g_params, g_points) = jax.value_and_grad(
         differentiable, argnums=(0, 1), has_aux=True)(variables['params'], zeros)
-    value = (loss, aux) if has_aux else loss
-    grads = {'params': g_params, COLLECTION: g_points}
-    extras = ((captured['activations'],) if return_activations else ()) + (
-        (captured['inputs'],) if return_inputs else ())
-    return (value, grads, *extras)
+    return driver_result(loss, aux, {'params': g_params, COLLECTION: g_points}, captured,
+                         has_aux=has_aux, return_activations=return_activations,
+                         return_inputs=return_inputs)
 
   return run
 

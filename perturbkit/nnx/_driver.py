@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.core import filters as _filters
-from perturbkit.core._loss import check_loss, check_loss_fn, grads_only, point_options
+from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
+                                  point_options)
 from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
                                 PerturbationStructureError, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks
@@ -383,11 +384,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
                  jax.tree.unflatten(point.structure, [by_path[p] for p in point.leaf_paths()]))
                 for point in found.points]
     reported += [(p, by_path[p]) for p in found.hand_placed]
-    value = (loss, aux) if has_aux else loss
     grads = {'params': g_params, 'perturbations': _nested(reported)}
-    extras = ((_nested(captured['activations']),) if return_activations else ()) + (
-        (_nested(captured['inputs']),) if return_inputs else ())
-    return (value, grads, *extras)
+    return driver_result(loss, aux, grads, {k: _nested(v) for k, v in captured.items()},
+                         has_aux=has_aux, return_activations=return_activations,
+                         return_inputs=return_inputs)
 
   return run
 
