@@ -549,15 +549,13 @@ def test_keyword_arguments_are_shared_and_flags_stay_static():
 
 
 @pytest.mark.parametrize('length', [3, 4])
-def test_calls_without_per_example_inputs_are_rejected(length):
-  """Positions from ``jnp.arange``: an error whether or not their number equals the batch."""
+def test_calls_without_per_example_inputs_replay_their_apply(length):
+  """Positions from ``jnp.arange`` inside the model (shared by all examples, or as many as the
+  examples): the Embed's per-example gradients come from a per-example replay of the apply."""
   model = Positions()
   x = jax.random.normal(jax.random.key(0), (4, length, 2))
   variables = model.init(jax.random.key(1), x)
-  loss_fn = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
-  error = perturbkit.AmbiguousInputError if length == 4 else perturbkit.SharedCallError
-  with pytest.raises(error, match='Embed_0'):
-    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)
+  assert_norms_match(lambda v, x: jnp.mean(model.apply(v, x) ** 2), variables, x)
   # Passed as a batched argument of the loss, the positions are per-example.
   given = Positions(given=True)
   positions = jnp.broadcast_to(jnp.arange(length), (4, length))
@@ -566,11 +564,26 @@ def test_calls_without_per_example_inputs_are_rejected(length):
                      positions)
 
 
-def test_params_outside_a_call_are_rejected():
+def test_root_params_replay_the_apply():
+  """Params of the root module, read by its own code, from a per-example replay of the apply."""
   model = RootParam()
-  x = jnp.ones((3, 4))
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  variables = model.init(jax.random.key(1), x)
+  variables = {'params': {**variables['params'], 'scale': jnp.array([0.5, -2.0])}}
+  loss_fn = lambda v, x: jnp.mean(jnp.tanh(model.apply(v, x)) ** 2)
+  assert_norms_match(loss_fn, variables, x)
+  grads, _ = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0))(
+      variables, jax.random.key(0), x)
+  chex.assert_trees_all_close(grads, jax.grad(lambda p: loss_fn({'params': p}, x))(
+      variables['params']), **TOL)
+
+
+def test_params_of_a_module_never_called_are_rejected():
+  model = models.MLP(out=3)
+  x = jnp.ones((3, 5))
   variables = model.init(jax.random.key(0), x)
-  with pytest.raises(perturbkit.UncoveredParamsError, match='<root>'):
+  variables = {'params': {**variables['params'], 'Unused': {'kernel': jnp.ones((2, 2))}}}
+  with pytest.raises(perturbkit.UncoveredParamsError, match='Unused'):
     jax.eval_shape(perturbkit.per_example_grad_norms(lambda v, x: jnp.mean(model.apply(v, x))),
                    variables, x)
 

@@ -1,12 +1,13 @@
-"""Params read outside their module's calls: refused by name, unless a call or nested apply covers them.
+"""Params read outside their module's calls: covered by a replay, or refused by name.
 
-A read of a layer's params anywhere but its own calls (inline, in a weight
-penalty, by another module) adds a part of the gradient that per-example
-gradients built call by call would miss; each such model raises
+A read of a layer's params anywhere but its own calls (inline, by another module)
+adds a part of the gradient that per-example gradients built call by call would
+miss. Inside the model's ``apply`` it is covered by a per-example replay of that
+``apply``; outside it (a weight penalty or an inline product in the loss) it raises
 ``ParamsReadOutsideError`` naming the layer and the reading primitive. Shared
-modules, methods such as ``attend`` and nested applies on tied weights are
-covered and must still give the norms of ``jax.vmap(jax.grad)``, as must a
-read under ``jax.lax.stop_gradient`` (it adds nothing to the gradient).
+modules, methods such as ``attend``, nested applies on tied weights and reads inside
+the ``apply`` must all give the norms of ``jax.vmap(jax.grad)``, as must a read under
+``jax.lax.stop_gradient`` (it adds nothing to the gradient).
 """
 import flax.linen as nn
 import jax
@@ -97,13 +98,12 @@ def _loss(model, penalty=None):
 
 
 @pytest.mark.parametrize('model, inputs, penalty, layer, primitive', [
-    (InlineTied(), IDS, None, 'Embed_0', 'transpose'),
-    (Reuse(), X, None, 'Dense_0', 'transpose'),
     (Reuse(), X, lambda p: 1e-3 * jnp.sum(p['Dense_1']['kernel'] ** 2), 'Dense_1',
      'integer_pow'),
-    (NestedTied(inline_too=True), IDS, None, 'embed', 'transpose'),
-], ids=['inline_tied', 'reused_kernel', 'weight_penalty', 'nested_and_inline'])
-def test_reads_outside_the_calls_are_refused(model, inputs, penalty, layer, primitive):
+    (InlineTied(), IDS, lambda p: jnp.sum(p['Dense_0']['kernel'] @ p['Embed_0']['embedding'].T),
+     'Embed_0', 'transpose'),
+], ids=['weight_penalty', 'inline_in_the_loss'])
+def test_reads_outside_the_apply_are_refused(model, inputs, penalty, layer, primitive):
   variables = model.init(jax.random.key(2), inputs)
   loss_fn = _loss(model, penalty)
   match = f'{layer} \\(read by [a-z_, ]*{primitive}'
@@ -116,8 +116,10 @@ def test_reads_outside_the_calls_are_refused(model, inputs, penalty, layer, prim
 
 @pytest.mark.parametrize('model, inputs', [
     (NestedTied(), IDS), (Shared(), IDS), (StoppedReuse(), X),
-    (StoppedReuse(transpose_first=True), X)],
-    ids=['nested_tied_head', 'shared_attend_child', 'stop_gradient', 'transpose_stop_gradient'])
+    (StoppedReuse(transpose_first=True), X), (InlineTied(), IDS), (Reuse(), X),
+    (NestedTied(inline_too=True), IDS)],
+    ids=['nested_tied_head', 'shared_attend_child', 'stop_gradient', 'transpose_stop_gradient',
+         'inline_tied', 'reused_kernel', 'nested_and_inline'])
 def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
   variables = model.init(jax.random.key(2), inputs)
   loss_fn = _loss(model)

@@ -21,13 +21,14 @@ from flax import traverse_util
 from perturbkit.core import filters as _filters
 from perturbkit.core._loss import scalar_loss
 from perturbkit.linen._interceptor import Call, intercept
-from perturbkit.per_example._batch import BatchAxes, per_argument
+from perturbkit.per_example._batch import BatchAxes, count_examples, per_argument
 from perturbkit.core._dependence import needed_inputs, source_kinds
 from perturbkit.per_example._mixing import mixing
 from perturbkit.per_example._nested import nested_applies, nested_params
-from perturbkit.per_example._outside import check_reads
-from perturbkit.errors import (ExamplesMixedError, PerExampleError,
-                                            UncoveredParamsError)
+from perturbkit.per_example._fallback import replayed_owners, source_error
+from perturbkit.per_example._outside import reads_by_place
+from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError,
+                               PerExampleError, UncoveredParamsError)
 from perturbkit.core._points import inside_lifted_transform
 from perturbkit.core._types import Path, Variables
 
@@ -301,20 +302,14 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     # Recorded before it runs, so that the uses and reads inside it know their unit.
     tops.append(len(reads))
     record(index, module, method_name, a, kw, None, None)
-    arrays, before = read_arrays[-1], lifted_calls[0]
-    read_arrays[-1] = ([], [])
     try:
       out = run()
     finally:
       position = tops.pop()
-    if lifted_calls[0] > before or position in where.everything:
-      # A unit: its inputs and params are jaxpr outputs (only then: a loss may run its
-      # applies inside a JAX transform of its own, where they would leak).
-      floats, out_tree = jax.tree.flatten(float_part(out))
-      read_arrays[position] = arrays
-      reads[position] = reads[position]._replace(
-          outputs=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
-          out_tree=out_tree)
+    floats, out_tree = jax.tree.flatten(float_part(out))
+    reads[position] = reads[position]._replace(
+        outputs=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+        out_tree=out_tree)
     return out
 
   # Keyword arguments are shared; their arrays are jaxpr inputs, the rest (flags) stay static.
@@ -366,8 +361,23 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     needed = needed_inputs(jaxpr, wanted)
     needed_owners.append(owners & frozenset(
         path[1:-1] for path, n in zip(variable_leaves, needed) if n and path[0] == 'params'))
-  covers = {i: needed_owners[i] & (owners if i in where.everything else where.lifted)
+  # Owners no call of theirs can give per-example gradients to (``_per_example_fallback``)
+  # are covered by the replay of a top-level apply, where its inputs allow one.
+  num_examples = count_examples(args, batch_axes)
+  read_anywhere, read_outside = reads_by_place(loss_fn, plain, args, kwargs, owners)
+  by_name = {'/'.join(path): path for path in owners}
+  fallback = replayed_owners(
+      owners, [(path, uses[path][i].sources, [jax.numpy.shape(x) for x in leaves])
+               for path, i, leaves in inputs],
+      {by_name[name] for name in read_anywhere} - {by_name[name] for name in read_outside},
+      num_examples)
+  replayable = {i for i, (arrays, _) in enumerate(read_arrays) if where.top[i] is None
+                and source_error(reads[i].sources, [jax.numpy.shape(x) for x in arrays],
+                                 num_examples, '') is None}
+  covers = {i: needed_owners[i] & (owners if i in where.everything else where.lifted
+                                    | (fallback if i in replayable else frozenset()))
             for i, top in enumerate(where.top) if top is None}
+  covered = frozenset().union(*covers.values())
   for i, read in enumerate(reads):
     reads[i] = read._replace(owners=read_owners(needed_owners[i], where, i, covers))
     if reads[i].owners and 'example' in params_kinds[i]:
@@ -379,9 +389,12 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   # A unit's replay carries the gradients of every use of the owners it covers.
   uses = {path: [u for i, u in enumerate(module_uses)
                  if path not in covers.get(use_top[(path, i)], frozenset())]
-          for path, module_uses in uses.items()}
-  missing = sorted('/'.join(p) or '<root>' for p in owners - set(uses))
+          for path, module_uses in {**uses, **{p: uses.get(p, []) for p in covered}}.items()}
+  missing = sorted('/'.join(p) or '<root>' for p in owners - covered if not uses.get(p))
   if missing:
     raise UncoveredParamsError(missing)
-  check_reads(loss_fn, plain, args, kwargs, owners)
+  refused = {**{name: what for name, what in read_anywhere.items()
+                if by_name[name] not in covered}, **read_outside}
+  if refused:
+    raise ParamsReadOutsideError(refused)
   return uses, [r for r in reads if r.owners], mixed if misplaced else None

@@ -23,7 +23,6 @@ from perturbkit.core._consumers import reads_outside, segment_function_name
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core.filters import module_path
 from perturbkit.linen._param_reads import direct_leaf_owners, named_call
-from perturbkit.errors import ParamsReadOutsideError
 from perturbkit.per_example._nested import nested_applies, replay
 from perturbkit.core._types import Path, Variables
 
@@ -33,11 +32,13 @@ def _is_array(leaf: Any) -> bool:
 
 
 def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-                  kwargs: dict, owners: set[Path]) -> dict[str, set[str]]:
+                  kwargs: dict, owners: set[Path], *,
+                  whole_applies: bool = False) -> dict[str, set[str]]:
   """``{module path: {primitives}}`` reading an owner's params outside its calls.
 
   Reads that only compute the params of a nested ``apply``, and reads whose
-  result does not reach the loss, are not counted.
+  result does not reach the loss, are not counted. With ``whole_applies``, neither
+  are the reads made inside the loss's top-level applies (each is one named call).
   """
   names = {path: '/'.join(path) for path in owners if path}
   if not names:
@@ -61,6 +62,13 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
     with suspended():  # its submodules' paths are its own, not the model's
       return named_call(name, module, method_name, a, kw, (), replay())
 
+  def on_top(index, module, method_name, a, kw, run):
+    del run
+    name = f'apply_{index}'
+    spared[segment_function_name(name)] = len(jax.tree.leaves(
+        flax.core.unfreeze(module.variables.get('params', {}))))
+    return named_call(name, module, method_name, a, kw, (), replay())
+
   kw_leaves, kw_tree = jax.tree.flatten(kwargs)
   kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
 
@@ -68,7 +76,8 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
     given = iter(kw_arrays)
     kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
                                       for leaf in kw_leaves])
-    with intercept(select, on_call), nested_applies(on_nested):
+    with (intercept(select, on_call),
+          nested_applies(on_nested, on_top if whole_applies else None)):
       return loss_fn({**others, 'params': params}, *args, **kw)
 
   params = flax.core.unfreeze(variables['params'])
@@ -77,9 +86,16 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
   return reads_outside(jaxpr, direct_leaf_owners(params, names), spared=spared)
 
 
-def check_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict,
-                owners: set[Path]) -> None:
-  """Raises :class:`ParamsReadOutsideError` if an owner's params are read elsewhere."""
+def reads_by_place(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
+                   kwargs: dict, owners: set[Path]
+                   ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+  """Every read outside an owner's calls (:func:`outside_reads`), and those outside every ``apply``.
+
+  A read inside the loss's ``apply`` (a tied embedding passed to another module as an
+  argument) is covered by a per-example replay of that ``apply``; one outside it (a
+  weight penalty in the loss) is not. The second trace runs only if the first finds reads.
+  """
   reads = outside_reads(loss_fn, variables, args, kwargs, owners)
-  if reads:
-    raise ParamsReadOutsideError(reads)
+  if not reads:
+    return {}, {}
+  return reads, outside_reads(loss_fn, variables, args, kwargs, owners, whole_applies=True)

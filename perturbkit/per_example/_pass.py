@@ -14,8 +14,8 @@ from perturbkit.per_example._batch import BatchAxes, count_examples, reduction_s
 from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_floats,
                                            direct_params, find_uses, merge_static,
                                            module_variables)
-from perturbkit.errors import (AmbiguousInputError, ExamplesAxisError,
-                                            ExamplesMixedError, SharedCallError)
+from perturbkit.errors import ExamplesMixedError
+from perturbkit.per_example._fallback import check_sources
 from perturbkit.per_example._nested import (nested_applies, nested_others, nested_params,
                                             params_of_reads)
 from perturbkit.per_example._reads import READS, Read, read_of
@@ -49,24 +49,8 @@ class Pass(NamedTuple):
   layers: list[Layer]
 
 
-def check_sources(use: Use, arrays: list[Any], num_examples: int, where: str) -> None:
-  """Every per-example input has the examples on axis 0; no input is ambiguous; one is per-example.
-
-  Raises:
-    ExamplesAxisError: an input computed from the batch has another axis 0.
-    AmbiguousInputError: a constant input has as many rows as there are examples.
-    SharedCallError: no input is computed from the batch.
-  """
-  for index, (array, kind) in enumerate(zip(arrays, use.sources)):
-    rows = jax.numpy.shape(array)[:1]
-    if kind == 'example' and rows != (num_examples,):
-      raise ExamplesAxisError(
-          f'input {index} of the call {where} is computed from the batched arguments but has '
-          f'shape {jax.numpy.shape(array)}, whose axis 0 is not the {num_examples} examples')
-    if kind == 'constant' and rows == (num_examples,):
-      raise AmbiguousInputError(where, index, jax.numpy.shape(array))
-  if 'example' not in use.sources:
-    raise SharedCallError(where)
+def _shapes(tree: Any) -> list[tuple[int, ...]]:
+  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
 def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
@@ -76,8 +60,7 @@ def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
   if grad is None:
     return None  # no floating-point output: nothing flows back through this call
   args, kwargs = merge_static(find_in(inputs, use.path + (use.key,)), use.template, where)
-  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
-                num_examples, where)
+  check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
   grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
   return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
 
@@ -119,8 +102,7 @@ def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_example
   where = f'apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
   args, kwargs = merge_static(arrays, read.template, where)
   use = Use((), where, read.method_name, read.module, read.template, read.sources)
-  check_sources(use, [x for x in jax.tree.leaves((args, kwargs)) if isinstance(x, jax.Array)],
-                num_examples, where)
+  check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
   grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]
   # The cotangent of the replayed call's floating-point outputs (``call_output``).
   grad = jax.tree.unflatten(read.out_tree, grad)
