@@ -5,7 +5,6 @@ results on the repository page; the test re-executes each one at small sizes
 (``PERTURBKIT_NOTEBOOK_SMALL=1``). The notebooks check their own numbers
 (``np.testing.assert_allclose`` in cells), so a failed comparison is a cell error here.
 """
-import os
 import pathlib
 
 import nbformat
@@ -15,9 +14,6 @@ from nbclient.exceptions import CellExecutionError
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / 'notebooks').glob('*.ipynb'))
 TIMEOUT_S = 300
-# At small sizes the notebooks spend most of their time compiling; XLA's cheaper CPU backend
-# passes halve that. The notebooks' own comparisons hold with them.
-FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
 # Plots are saved as small PNGs (dpi 72); a notebook past this has grown a large output.
 MAX_NOTEBOOK_BYTES = 300_000
 
@@ -50,10 +46,10 @@ def test_notebook_runs(path, monkeypatch):
   nb = nbformat.read(path, as_version=4)
   first = next(cell for cell in nb.cells if cell.cell_type == 'code')
   assert 'PERTURBKIT_NOTEBOOK_SMALL' in first.source, 'the first code cell sets the sizes'
-  # The kernel inherits this process's environment. jupyter_client starts the
+  # The kernel inherits this process's environment (with conftest's cheaper XLA compile
+  # passes: at small sizes the notebooks spend most of their time compiling). jupyter_client starts the
   # 'python3' kernel with sys.executable, so it sees the same installed packages.
   monkeypatch.setenv('PERTURBKIT_NOTEBOOK_SMALL', '1')
-  monkeypatch.setenv('XLA_FLAGS', f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip())
   client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name='python3',
                           resources={'metadata': {'path': str(path.parent)}})
   try:
