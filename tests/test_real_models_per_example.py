@@ -13,8 +13,10 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
   in eval mode: norms equal the reference; in train mode, ``ExamplesMixedError``.
 * ``private_grad`` / ``dp_sgd``: one step with a fixed key equals clipping the reference's
   per-example gradients, summing, adding the documented noise stream and dividing by B.
-* Whisper: its encoder's position embedding is looked up at ``jnp.arange`` inside the model,
-  shared by all examples: ``SharedCallError``, naming it.
+* BART (root ``final_logits_bias``), DistilBERT (its word embedding passed to the vocabulary
+  projector as an argument), OPT (feed-forward layers on ``(examples * positions, features)``)
+  and Whisper (encoder positions looked up at ``jnp.arange`` inside the model): no call of
+  those modules gives per-example gradients; a per-example replay of the whole apply does.
 * CLIP: its contrastive loss pairs the batch's texts with its images: ``ExamplesMixedError``,
   found while tracing.
 """
@@ -230,19 +232,103 @@ def test_bert_ids_made_inside_the_loss_or_model_name_what_to_pass():
                    mask, jnp.zeros_like(ids))
 
 
-def test_whisper_encoder_positions_are_shared():
-  """Whisper's encoder looks its position embedding up at ``jnp.arange`` inside the model."""
-  hf = hf_models.hf_model('whisper')
-  features = jax.random.normal(jax.random.key(3), (B, 8, 2 * hf_models.SEQ))
+# -- Owners replayed with their whole apply ------------------------------------------------
+
+def _ones():
+  return jnp.ones((B, hf_models.SEQ), jnp.int32)
+
+
+def _bart():
+  import transformers as T
+  config = T.BartConfig(vocab_size=hf_models.VOCAB, d_model=hf_models.WIDTH, encoder_layers=1,
+                        decoder_layers=1, encoder_attention_heads=hf_models.HEADS,
+                        decoder_attention_heads=hf_models.HEADS, encoder_ffn_dim=hf_models.WIDTH,
+                        decoder_ffn_dim=hf_models.WIDTH, max_position_embeddings=16)
+  module = T.FlaxBartForConditionalGeneration(config, _do_init=False).module
+
+  def loss_fn(variables, ids, mask, decoder_ids, decoder_mask, positions, decoder_positions):
+    out = module.apply(variables, ids, mask, decoder_ids, decoder_mask, positions,
+                       decoder_positions)
+    return _token_losses(out.logits, decoder_ids).mean()
+  return module, loss_fn, (_ids(), _ones(), _ids(1), _ones(), _positions(), _positions())
+
+
+def _distilbert():
+  import transformers as T
+  config = T.DistilBertConfig(vocab_size=hf_models.VOCAB, dim=hf_models.WIDTH, n_layers=1,
+                              n_heads=hf_models.HEADS, hidden_dim=hf_models.WIDTH,
+                              max_position_embeddings=16)
+  module = T.FlaxDistilBertForMaskedLM(config, _do_init=False).module
+
+  def loss_fn(variables, ids, mask):
+    logits = module.apply(variables, ids, mask).logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean(1).mean()
+  return module, loss_fn, (_ids(), _ones())
+
+
+def _opt():
+  import transformers as T
+  config = T.OPTConfig(vocab_size=hf_models.VOCAB, hidden_size=hf_models.WIDTH,
+                       num_hidden_layers=1, ffn_dim=hf_models.WIDTH,
+                       num_attention_heads=hf_models.HEADS, max_position_embeddings=16,
+                       word_embed_proj_dim=hf_models.WIDTH)
+  module = T.FlaxOPTForCausalLM(config, _do_init=False).module
+
+  def loss_fn(variables, ids, mask, positions):
+    return _token_losses(module.apply(variables, ids, mask, positions).logits, ids).mean()
+  return module, loss_fn, (_ids(), _ones(), _positions())
+
+
+def _whisper():
+  module = hf_models.hf_model('whisper').module
 
   def loss_fn(variables, features, ids, mask, positions):
-    logits = hf.module.apply(variables, features, ids, mask, positions).logits
+    logits = module.apply(variables, features, ids, mask, positions).logits
     return _token_losses(logits, ids).mean()
+  features = jax.random.normal(jax.random.key(3), (B, 8, 2 * hf_models.SEQ))
+  return module, loss_fn, (features, _ids(), _ones(), _positions())
 
-  with strictness('whisper'), pytest.raises(perturbkit.SharedCallError,
-                                            match='model/encoder/embed_positions/__call__'):
-    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, features,
-                   _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
+
+REPLAYED = {'bart': _bart, 'distilbert': _distilbert, 'opt': _opt, 'whisper': _whisper}
+
+
+@pytest.mark.parametrize('name', sorted(REPLAYED))
+def test_owners_no_call_reaches_replay_the_apply(name):
+  """BART's root ``final_logits_bias``; DistilBERT's word embedding passed to its vocabulary
+  projector as an argument (and positions broadcast to the batch inside the model); OPT's
+  feed-forward layers on ``(examples * positions, features)``; Whisper's encoder positions
+  looked up at ``jnp.arange`` inside the model. Each is read where no call of its module can
+  give per-example gradients; a per-example replay of the whole apply does, so the norms equal
+  ``vmap(grad)`` and ``private_grad`` with no clipping nor noise equals ``jax.grad``."""
+  with jax.numpy_rank_promotion('allow'):
+    module, loss_fn, batch = REPLAYED[name]()
+    variables = (hf_models.hf_model('whisper').variables if name == 'whisper'
+                 else _init(module, batch))
+    per_example = reference_grads(loss_fn, variables, *batch)
+    _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *batch)
+    dp = perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
+    grads, _ = jax.jit(dp)(variables, jax.random.key(0), *batch)
+    mean = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch)))(
+        variables['params'])
+  by_param, total = norms_of(per_example)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  for layer, value in norms.by_layer.items():
+    node = by_param
+    for key in layer.split('/') if layer else ():
+      node = node[key]
+    own = [v for v in node.values() if not isinstance(v, dict)]
+    np.testing.assert_allclose(value, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  chex.assert_trees_all_close(grads, mean, rtol=2e-4, atol=1e-7)
+
+
+def _init(module, batch):
+  """Params shaped by the module's abstract init, filled with fixed random values."""
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))['params']
+  leaves, treedef = jax.tree.flatten(shapes)
+  rng = np.random.default_rng(0)
+  return {'params': jax.tree.unflatten(treedef, [
+      jnp.asarray(0.02 * rng.standard_normal(leaf.shape), leaf.dtype) for leaf in leaves])}
 
 
 def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks():
