@@ -396,10 +396,10 @@ class UncoveredParamsError(PerExampleError):
     listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
     super().__init__(
         f'{len(names)} param-owning module(s) are not reached through a submodule call: '
-        f'[{listed}]. Per-example gradients are built from each call\'s input and output '
-        'gradient, so params must be read inside a call of the module that owns them: the '
-        'root module\'s own params and params read by a parent through `.variables` are '
-        'not supported. Move such params into a submodule.')
+        f'[{listed}]. Per-example gradients come from the model\'s calls inside the loss\'s '
+        '`model.apply` (each call, or the whole apply replayed per example), so params that '
+        'no call and no apply in the loss uses have none. Leave unused params out of the '
+        'variables the loss is given, or use them inside the model.')
 
 
 class ParamsReadOutsideError(PerExampleError):
@@ -409,17 +409,14 @@ class ParamsReadOutsideError(PerExampleError):
     listed = '; '.join(f'{name} (read by {", ".join(sorted(what))})'
                        for name, what in sorted(reads.items()))
     super().__init__(
-        f'The params of {listed} are also read outside the calls of the module that owns '
-        'them. Per-example gradients are built from each call\'s input and output gradient '
-        '(and from nested `module.apply({"params": f(params)}, ...)` calls, such as a tied LM '
-        'head), so the part of the gradient flowing through any other read would be missing '
-        'from the norms and from the clipping. Such reads are the weights used inline in '
-        'another module (`h @ self.embed.variables["params"]["embedding"].T`), a kernel '
-        'reused by hand, or a penalty on the weights (L2) inside the loss. Compute a weight '
-        'penalty outside the per-example loss (add its gradient to the result, or use '
-        '`optax.add_decayed_weights`); use a tied or shared weight through a call of its '
-        'module (`embed.attend(h)`, the same `nn.Dense` called twice) or through a nested '
-        '`head.apply({"params": {"kernel": w.T}}, h)`.')
+        f'The params of {listed} are also read in the loss outside every `model.apply`. '
+        'Per-example gradients come from the model\'s calls and applies (a weight tied or '
+        'reused inside the model is covered), so the part of the gradient flowing through a '
+        'read in the loss itself would be missing from the norms and from the clipping. Such '
+        'reads are a penalty on the weights (L2) or a weight used inline in the loss '
+        '(`h @ variables["params"]["embed"]["embedding"].T`). Compute a weight penalty '
+        'outside the per-example loss (add its gradient to the result, or use '
+        '`optax.add_decayed_weights`), and move other uses of a weight into the model.')
 
 
 class AmbiguousInputError(PerExampleError):
@@ -456,11 +453,12 @@ class SharedCallError(PerExampleError):
         'per-example gradients of its params cannot be separated from that sum. Apply the '
         'module to per-example inputs (for a positional embedding, pass the positions as '
         'a batched argument of the loss), and pass the batch to the loss as an argument '
-        'rather than closing over it. A layer applied inside the model to positions it '
-        'builds itself from a fixed length (Whisper\'s encoder looks up '
-        '`jnp.arange(max_source_positions)`) cannot be given per-example inputs; its '
-        'per-example gradients are not available. Calls run inside a JAX transform within '
-        'the loss (`jax.checkpoint`, `jax.jit` around `model.apply`) are not supported either.')
+        'rather than closing over it. A call inside the model that builds such inputs itself '
+        '(Whisper\'s encoder looks up `jnp.arange(max_source_positions)`) is covered by a '
+        'per-example replay of its `model.apply`; this error means that apply cannot be '
+        'replayed per example either: it is given an input made in the loss from no batched '
+        'argument, or it runs inside a JAX transform within the loss (`jax.checkpoint`, '
+        '`jax.jit` around `model.apply`).')
 
 
 class RandomCallError(PerExampleError):
