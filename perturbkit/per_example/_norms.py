@@ -116,12 +116,15 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     ExamplesMixedError: the model mixes examples (BatchNorm in training mode), or the
       loss does where gradients flow (a contrastive loss over the batch, a batch
       statistic of the activations, a nonlinear function of the batch's sum); found
-      while tracing (``_per_example_mixing``).
-    ExamplesAxisError: the arguments or a layer's activations disagree on the
-      number of examples.
-    UncoveredParamsError: params read outside a call of the module owning them.
-    ParamsReadOutsideError: a module's params are also read outside its calls (inline, a
-      weight penalty in the loss), other than through a nested apply.
+      while tracing (``perturbkit.per_example._mixing``).
+    ExamplesAxisError: the arguments disagree on the number of examples, or a call
+      whose ``model.apply`` cannot be replayed per example sees them off axis 0.
+    UncoveredParamsError: params no call or apply in the loss uses.
+    ParamsReadOutsideError: params also read in the loss outside every ``model.apply``
+      (a weight penalty, a weight used inline in the loss).
+    AmbiguousInputError, SharedCallError: a call without per-example inputs (or with a
+      constant of as many rows as examples) whose ``model.apply`` cannot be replayed per
+      example either.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
