@@ -55,7 +55,7 @@ downloaded):
   embedding in ``REST``) lowering the loss.
 
 Per-example norms and DP-SGD: ``tests/test_real_models_per_example.py`` (GPT-2,
-BERT, ViT, Llama, ResNet in eval mode; see ``help(perturbkit.per_example)`` for
+BERT, ViT, Llama, ResNet in eval mode, BART, DistilBERT, OPT, Whisper; see ``help(perturbkit.per_example)`` for
 what to pass and what is refused). K-FAC: ``tests/test_real_models_kfac.py``
 (BERT, ViT, GPT-2, Llama, ResNet). Two ``jax.distributed`` processes on
 localhost (4 CPU devices each) run the interleaved step under ``shard_map`` and

@@ -54,7 +54,26 @@ rows as examples is ambiguous and raises ``AmbiguousInputError`` (pass it as an
 argument of the loss, batched or with ``batch_axes`` ``None``); a param-owning
 call with no per-example input (positions looked up with ``jnp.arange`` and
 broadcast later) raises ``SharedCallError``, since the gradient at its output is
-already summed over the examples.
+already summed over the examples. Both happen only where the whole ``model.apply``
+cannot be replayed per example either (see "Replaying the whole apply").
+
+Replaying the whole apply
+-------------------------
+Some params of models whose examples do not mix cannot get per-example gradients
+from their module's own calls: the root module's own params (BART's
+``final_logits_bias``), params read outside their module's calls inside the model
+(DistilBERT passes its word embedding to the vocabulary projector as an
+argument), calls that see the examples merged with another axis (OPT's
+feed-forward layers on ``(examples * positions, features)``) or off axis 0, and
+calls with no per-example input or a constant with as many rows as examples made
+inside the model (Whisper's encoder positions, DistilBERT's). These owners, and
+modules run inside ``nn.remat``, ``nn.checkpoint`` or ``nn.scan``, get their
+per-example gradients from a per-example replay of the top-level ``model.apply``
+they run in: the cost of ``jax.vmap(jax.grad)`` of that apply, computed once for
+all of them, and only for models that have such owners (the others keep the
+per-call fast paths). For ``nn.scan`` the per-example gradient of a scanned
+layer is that of its stacked per-iteration params. Ids the model accepts as
+arguments (``position_ids``), passed batched to the loss, keep the fast paths.
 
 Shared modules and tied weights
 -------------------------------
@@ -72,16 +91,15 @@ counted once, as part of that call.
 
 Hugging Face models
 -------------------
-Tested on GPT-2, BERT, ViT, Llama and ResNet in eval mode against
+Tested on GPT-2, BERT, ViT, Llama and ResNet in eval mode, and on BART,
+DistilBERT, OPT, Whisper and Wav2Vec2 (through the apply's replay, above) against
 ``jax.vmap(jax.grad)``, and DP-SGD steps against a ``vmap(grad)`` reference
-(``tests/test_real_models_per_example.py``). Pass ``position_ids`` (and BERT's
-``token_type_ids``) as batched loss arguments; the models otherwise build them
-from ``jnp.arange``/``zeros_like``, which ``AmbiguousInputError`` reports with
-what to pass. BatchNorm in train mode (ResNet) raises ``ExamplesMixedError``.
-Whisper's encoder looks its positions up at a fixed ``jnp.arange`` inside the
-model, where the gradient at that lookup is already summed over the examples:
-``SharedCallError``, no per-example norms for that model. Hugging Face's CLIP
-contrastive loss is refused (``ExamplesMixedError``, below).
+(``tests/test_real_models_per_example.py``, ``tests/test_per_example_lifted.py``).
+Pass ``position_ids`` as batched loss arguments to keep the fast paths; ids made
+inside the loss (not the model) from ``jnp.arange``/``zeros_like`` raise
+``AmbiguousInputError`` with what to pass. BatchNorm in train mode (ResNet)
+raises ``ExamplesMixedError``, and so does Hugging Face's CLIP contrastive loss
+(below).
 
 What is refused, and why
 ------------------------
@@ -98,8 +116,10 @@ What is refused, and why
   inputs normalized by their batch, ``sum(loss · mask) / sum(mask)``, a
   ``stop_gradient``-ed statistic (``tests/test_per_example_mixing.py``). Rows of
   the examples axis picked by per-example indices stay that example's (CLIP's
-  text pooling). What the walk does not follow (loops, scatters, reshapes that
-  merge the examples with another axis) it leaves alone;
+  text pooling). The walk follows axes that merge the examples with another
+  (``(B, T, V) -> (B*T, V)`` before a cross-entropy) as rows grouped by example,
+  and ``lax.scan`` bodies; what it does not follow (``while`` loops, ``cond``,
+  scatters) it leaves alone;
   ``check_per_example(loss_fn, variables, *args)`` compares the batch loss with
   the mean of each example's loss alone (one extra forward) and catches mixing
   there.
@@ -108,19 +128,17 @@ What is refused, and why
   axis 0.
 * ``AmbiguousInputError``, ``SharedCallError``: see "Which inputs are
   per-example".
-* ``UncoveredParamsError``: params read outside a call of their module (the
-  root module's own params, params read by a parent through ``.variables``).
-* ``ParamsReadOutsideError``: a layer's params are also read outside its own
-  calls and outside nested applies (inline
-  ``h @ self.embed.variables['params']['embedding'].T``, a kernel reused by
-  hand, a weight penalty inside the loss), so part of their gradient would be
+* ``UncoveredParamsError``: params that no call and no apply in the loss uses.
+* ``ParamsReadOutsideError``: a layer's params are also read in the loss outside
+  every ``model.apply`` (a weight penalty, ``h @ variables['params']['embed']
+  ['embedding'].T`` written in the loss), so part of their gradient would be
   missing from the norms; it names the layer and the reading primitives, and is
   checked once per compile while tracing. Put weight penalties outside the
-  per-example loss (or use ``optax.add_decayed_weights``); route tied weights
-  through a call of their module (``embed.attend``, a shared ``nn.Dense``) or a
-  nested ``head.apply({'params': {'kernel': w.T}}, h)``. A read that reaches the
-  loss only through ``jax.lax.stop_gradient`` adds nothing to the gradient and
-  is not refused (``tests/test_stop_gradient_reads.py``).
+  per-example loss (or use ``optax.add_decayed_weights``) and other uses of a
+  weight inside the model. Weights tied or reused inside the model are covered
+  (a call of their module, a nested apply, or the apply's replay). A read that
+  reaches the loss only through ``jax.lax.stop_gradient`` adds nothing to the
+  gradient and is not refused (``tests/test_stop_gradient_reads.py``).
 * ``ReductionMismatchError``: see "The loss and the examples axis".
 * ``RandomCallError``: see "Dropout and random numbers".
 
