@@ -86,26 +86,12 @@ from perturbkit.linen._schedule import interleaved
 from perturbkit.core._sweep import InterleavedState
 from perturbkit.core._sweep import REST
 # K-FAC
-from perturbkit.kfac._losses import categorical_output
-from perturbkit.kfac._preconditioner import damped_inverse
-from perturbkit.kfac._losses import gaussian_output
-from perturbkit.kfac._estimator import kfac_estimator
-from perturbkit.kfac._layers import kfac_layers
-from perturbkit.kfac._preconditioner import kfac_preconditioner
-from perturbkit.kfac._segment import kfac_segment
-from perturbkit.kfac._layers import KFACLayers
-from perturbkit.kfac._preconditioner import KFACState
-from perturbkit.kfac._rules import LayerFactors
-from perturbkit.kfac._rules import LayerInfo
-from perturbkit.kfac._losses import OutputLoss
+from perturbkit.kfac import (categorical_output, damped_inverse, gaussian_output, kfac_estimator,
+                             kfac_layers, kfac_preconditioner, kfac_segment, KFACLayers, KFACState,
+                             LayerFactors, LayerInfo, OutputLoss)
 # Per-example gradients and DP-SGD
-from perturbkit.per_example._check import check_per_example
-from perturbkit.per_example._dp import dp_sgd
-from perturbkit.per_example._norms import per_example_grad_norms
-from perturbkit.per_example._norms import PerExampleNorms
-from perturbkit.per_example._dp import private_grad
-from perturbkit.per_example._dp import PrivateState
-from perturbkit.per_example._dp import PrivateTraining
+from perturbkit.per_example import (check_per_example, dp_sgd, per_example_grad_norms,
+                                    PerExampleNorms, private_grad, PrivateState, PrivateTraining)
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
