@@ -53,6 +53,21 @@ def norms_of(per_example):
   return jax.tree.map(jnp.sqrt, sq), jnp.sqrt(sum(jax.tree.leaves(sq)))
 
 
+def assert_norms_equal(norms, per_example, tol):
+  """``norms`` (by param, in total, and each layer's from its own params) equal those of the
+  reference per-example gradients ``per_example``."""
+  by_param, total = norms_of(per_example)
+  chex.assert_trees_all_close(norms.by_param, by_param, **tol)
+  np.testing.assert_allclose(norms.total, total, **tol)
+  for name, layer in norms.by_layer.items():
+    node = by_param
+    for key in name.split('/') if name else ():
+      node = node[key]
+    own = [v for v in node.values() if not isinstance(v, dict)]
+    np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **tol)
+  return by_param
+
+
 def assert_norms_match(loss_fn, variables, *args, **options):
   loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, **options))(variables, *args)
   by_param, total = norms_of(reference_grads(loss_fn, variables, *args))

@@ -22,7 +22,7 @@ import pytest
 
 import hf_models
 import perturbkit
-from test_per_example import norms_of, reference_grads
+from test_per_example import assert_norms_equal, reference_grads
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
 
@@ -135,15 +135,7 @@ def _loss(model):
 def assert_matches_vmap_grad(loss_fn, variables, *args):
   """Norms by param, by layer and in total equal ``vmap(grad)``'s; so does DP-SGD unclipped."""
   loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *args)
-  by_param, total = norms_of(reference_grads(loss_fn, variables, *args))
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  for name, layer in norms.by_layer.items():
-    node = by_param
-    for key in name.split('/') if name else ():
-      node = node[key]
-    own = [v for v in node.values() if not isinstance(v, dict)]
-    np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  by_param = assert_norms_equal(norms, reference_grads(loss_fn, variables, *args), TOL)
   np.testing.assert_allclose(loss, loss_fn(variables, *args), rtol=1e-5)
   dp = perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
   grads, _ = jax.jit(dp)(variables, jax.random.key(1), *args)

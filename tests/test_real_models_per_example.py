@@ -31,7 +31,7 @@ import optax
 import pytest
 
 import hf_models
-from test_per_example import documented_noise, norms_of
+from test_per_example import assert_norms_equal, documented_noise, norms_of
 import perturbkit
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
@@ -133,15 +133,7 @@ def test_norms_equal_vmap_grad(problem):
   with strictness(PROBLEMS[problem.name][0]):
     loss, norms = jax.jit(perturbkit.per_example_grad_norms(problem.loss_fn))(
         problem.variables, *problem.batch)
-  by_param, total = norms_of(problem.per_example)
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  for name, layer in norms.by_layer.items():
-    node = by_param
-    for key in name.split('/') if name else ():
-      node = node[key]
-    own = [v for v in node.values() if not isinstance(v, dict)]
-    np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  by_param = assert_norms_equal(norms, problem.per_example, TOL)
   assert np.isfinite(float(loss))
   if problem.name == 'gpt2':
     # The tied embedding: its lookup and the LM head's nested apply, summed before the norm;
@@ -303,15 +295,7 @@ def test_owners_no_call_reaches_replay_the_apply(name):
     grads, _ = jax.jit(dp)(variables, jax.random.key(0), *batch)
     mean = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch)))(
         variables['params'])
-  by_param, total = norms_of(per_example)
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  for layer, value in norms.by_layer.items():
-    node = by_param
-    for key in layer.split('/') if layer else ():
-      node = node[key]
-    own = [v for v in node.values() if not isinstance(v, dict)]
-    np.testing.assert_allclose(value, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  assert_norms_equal(norms, per_example, TOL)
   chex.assert_trees_all_close(grads, mean, rtol=2e-4, atol=1e-7)
 
 
