@@ -223,7 +223,8 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
 
 def test_nnx_segments_equal_the_linen_twin():
   """The NNX front end runs the same sweep: K-FAC segments on an NNX MLP, built from
-  hand-written ``LayerInfo``s, equal the Linen twin's, whose layers ``kfac_layers`` found."""
+  hand-written ``LayerInfo``s (equal to those ``perturbkit.nnx.kfac_layers`` finds), equal the
+  Linen twin's, whose layers ``kfac_layers`` found."""
   from flax import nnx
   import nnx_models
   from test_nnx_kfac import NNXMLP  # test_kfac's MLP written in NNX
@@ -238,6 +239,9 @@ def test_nnx_segments_equal_the_linen_twin():
               for i, (din, dout) in enumerate([(3, 6), (6, 5), (5, 4)])},
       skipped=linen_layers.skipped)
   assert hand_layers.layers == linen_layers.layers
+  # The NNX front end finds the same layers, and its kfac_segment is the same rule.
+  assert perturbkit.nnx.kfac_layers(model, xs[0]).layers == hand_layers.layers
+  assert perturbkit.nnx.kfac_segment is perturbkit.kfac_segment
   nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
   kfac = dict(damping=DAMPING, decay=0.5, inverse_every=1)
   for propagate in ('updated', 'original'):

@@ -70,13 +70,15 @@ head ``h @ self.embed.embedding[...].T``, ``embed.attend(h)``, a kernel reused b
 hand, a weight penalty in ``predict``), naming the reads; a filter selecting one
 raises ``KFACUnsupportedLayerError``. The estimator's checks are those of the
 Linen one (``help(perturbkit.kfac)``). Per-segment K-FAC:
-``perturbkit.kfac_segment`` inside ``perturbkit.nnx.interleaved`` (see
-``help(perturbkit.kfac)``).
+``perturbkit.nnx.kfac_segment(layers.layers[name])`` (the same function as
+``perturbkit.kfac_segment``: a segment's rule does not depend on the Flax API) as
+the optimizer of a segment of ``perturbkit.nnx.interleaved``, with the layers
+from ``perturbkit.nnx.kfac_layers``, whose names are the segments' names.
 
 Not yet on NNX
 --------------
 Per-example gradient norms, ``private_grad``, ``dp_sgd``, ``check_per_example``,
-``wrap``, and an NNX-specific ``kfac_segment``.
+``wrap``.
 
 Example:
   >>> import perturbkit
@@ -96,6 +98,7 @@ from perturbkit.errors import UnmappedPerturbationError
 from perturbkit.kfac._nnx_estimator import kfac_estimator
 from perturbkit.kfac._nnx_layers import kfac_layers
 from perturbkit.kfac._nnx_preconditioner import kfac_preconditioner
+from perturbkit.kfac._segment import kfac_segment
 from perturbkit.nnx._schedule import InterleavedOptimizer
 from perturbkit.nnx._schedule import InterleavedState
 from perturbkit.nnx._schedule import interleaved
@@ -111,6 +114,7 @@ __all__ = [
     'kfac_estimator',
     'kfac_layers',
     'kfac_preconditioner',
+    'kfac_segment',
     'NoPerturbationPointsError',
     'PerturbationsNotAppliedError',
     'SegmentInTransformError',
