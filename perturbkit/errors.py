@@ -83,10 +83,9 @@ class UnmatchedFilterError(PerturbkitError, ValueError):
   """A hook's or a wrapped model's filter selected no call."""
 
   def __init__(self, what, seen):
-    listed = ', '.join(seen[:12]) + (' ...' if len(seen) > 12 else '')
     super().__init__(
         f'The filter of {what} selects no submodule call, so it would do nothing (a typo in '
-        f'a path?). Calls seen: [{listed or "none"}]. Check the filter, e.g. '
+        f'a path?). Calls seen: [{_listed(seen, 12) or "none"}]. Check the filter, e.g. '
         "`perturbkit.filters.by_path('Block_0/*')` matches the module paths listed.")
 
 
@@ -393,10 +392,9 @@ class UncoveredParamsError(PerExampleError):
   """Some params are not used by any submodule call, so their per-example gradient is unknown."""
 
   def __init__(self, names):
-    listed = ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')
     super().__init__(
         f'{len(names)} param-owning module(s) are not reached through a submodule call: '
-        f'[{listed}]. Per-example gradients come from the model\'s calls inside the loss\'s '
+        f'[{_listed(names)}]. Per-example gradients come from the model\'s calls inside the loss\'s '
         '`model.apply` (each call, or the whole apply replayed per example), so params that '
         'no call and no apply in the loss uses have none. Leave unused params out of the '
         'variables the loss is given, or use them inside the model.')
