@@ -8,6 +8,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -241,6 +242,19 @@ def test_nnx_step_on_inputs_of_another_width(nnx_model):
                            r'\(4, 5\).*trainer\.init\(model, \*args\)'):
     jax.jit(trainer.step)(state, jnp.ones((4, 5)))
   trainer.step(state, jnp.ones((7, 3)))
+
+
+def test_nnx_optimizer_step_on_inputs_of_another_width(nnx_model):
+  model = nnx.clone(nnx_model)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), nnx_models.mse, X)
+  with pytest.raises(perturbkit.InputMismatchError,
+                     match=r'argument 0 had shape \(4, 3\) \(float32\) at init, now shape '
+                           r'\(4, 5\).*InterleavedOptimizer\(model, tx, loss_fn, \*args\)'):
+    opt.step(model, jnp.ones((4, 5)))
+  before = jax.tree.leaves(nnx.state(model, nnx.Param))
+  opt.step(model, jnp.ones((7, 3)))  # another batch size is not a mismatch
+  after = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert any(not np.array_equal(a, b) for a, b in zip(before, after))
 
 
 def test_state_of_another_model_is_still_a_state_mismatch(linen):

@@ -111,6 +111,17 @@ def test_damping(layers, nnx_layers, value):
       perturbkit.damped_inverse(jnp.eye(2), value)
 
 
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_gaussian_variance(value):
+  with raises_invalid('variance', value):
+    perturbkit.gaussian_output(value)
+
+
+def test_gaussian_variance_in_range_is_the_scaled_squared_error():
+  nll = perturbkit.gaussian_output(np.float32(0.25)).nll(jnp.array([[1.0, 3.0]]), jnp.zeros((1, 2)))
+  np.testing.assert_allclose(nll, [(1.0 + 9.0) / (2 * 0.25)], rtol=1e-6)
+
+
 def test_damped_inverse_takes_a_traced_damping():
   factor = jnp.diag(jnp.array([1.0, 3.0]))
   got = jax.jit(perturbkit.damped_inverse)(factor, 1.0)

@@ -5,18 +5,20 @@ owned by no segment). Each group has its own optimizer state. During the
 backward sweep a segment's group takes its step inside the segment's custom
 VJP (``backward_for``); after the sweep, ``finish`` updates ``REST``, keeps the
 steps the sweep took, and assembles the new params, optimizer state and
-metrics. A front end (Linen today) decides which calls are segments and runs
+metrics. A front end (Linen or NNX) decides which calls are segments and runs
 them through ``_segment_vjp.segment_call``.
 """
+import contextlib
 import inspect
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit.errors import InputMismatchError, NotAnOptimizerError, OptimizerStateError
+from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, OptimizerStateError,
+                               PerturbkitError)
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._segment_choice import Segmentation
 from perturbkit.core._segment_vjp import Backward, split_floats
@@ -186,6 +188,24 @@ def input_mismatch(at_init: Mapping[str, jax.ShapeDtypeStruct] | None, args: tup
         before.shape[1:] != after.shape[1:]):
       changes.append(f'{name} had {_shown(before)} at init, now {_shown(after)}')
   return InputMismatchError(changes, init_call) if changes else None
+
+
+@contextlib.contextmanager
+def explaining_inputs(at_init: Mapping[str, jax.ShapeDtypeStruct] | None, args: tuple,
+                      init_call: str) -> Iterator[None]:
+  """Turns a raw ``TypeError``/``ValueError`` of a step on other inputs into ``InputMismatchError``.
+
+  A perturbkit error, or a failure on inputs shaped as at init, passes unchanged.
+  """
+  try:
+    yield
+  except (TypeError, ValueError) as error:
+    if isinstance(error, PerturbkitError):
+      raise
+    mismatch = input_mismatch(at_init, args, init_call)
+    if mismatch is not None:
+      raise mismatch from error
+    raise
 
 
 def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:

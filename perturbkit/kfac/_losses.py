@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from perturbkit.errors import KFACTargetsError
-from perturbkit.errors import KFACLossError
+from perturbkit.core._validate import positive
+from perturbkit.errors import KFACLossError, KFACTargetsError
 
 FISHER_KINDS = ('sampled', 'empirical', 'exact')
 
@@ -120,14 +120,16 @@ def gaussian_output(variance: float = 1.0) -> OutputLoss:
     An :class:`OutputLoss`, whose ``nll`` raises :class:`KFACTargetsError` for
     targets of another shape than the output.
 
+  Raises:
+    InvalidOptionError: ``variance`` is not a finite number > 0.
+
   Example:
     >>> import jax.numpy as jnp
     >>> import perturbkit
     >>> perturbkit.gaussian_output(0.5).nll(jnp.ones((1, 2)), jnp.zeros((1, 2))).tolist()
     [2.0]
   """
-  if not variance > 0:
-    raise ValueError(f'The variance must be positive, got {variance}.')
+  positive('variance', variance)
 
   def nll(output, targets):
     _check_targets(output, targets, f'squared_error(variance={variance})')

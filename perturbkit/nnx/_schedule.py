@@ -20,14 +20,14 @@ from flax import nnx
 
 from perturbkit.nnx import _segmentation as _nnx_segmentation
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
-from perturbkit.errors import PerturbkitError, SegmentationError, UninitializedStateError
+from perturbkit.errors import SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
-from perturbkit.core._sweep import Interleaved
-from perturbkit.core._sweep import (REST, Optimizer, Sweep, backward_for, carrier, check_opt_state,
-                               check_optimizer, clip_scale, finish, group, init_opt_state,
-                               input_mismatch, input_shapes)
+from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
+                                    check_opt_state, check_optimizer, clip_scale,
+                                    explaining_inputs, finish, group, init_opt_state,
+                                    input_shapes)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
 
@@ -233,15 +233,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
            if isinstance(state, nnx.Module) else describe(state)),
           _INIT_CALL)
     model = state.model()
-    try:
+    with explaining_inputs(at_init.get('shapes'), args, _INIT_CALL):
       new_params, new_others, opt_state, norm, metrics = _train(
           settings, model, state.opt_state, state.grad_norm, args)
-    except (TypeError, ValueError) as error:
-      mismatch = None if isinstance(error, PerturbkitError) else input_mismatch(
-          at_init.get('shapes'), args, _INIT_CALL)
-      if mismatch is not None:
-        raise mismatch from error
-      raise
     nnx.update(model, new_params, new_others)
     graphdef, variables = nnx.split(model)
     return InterleavedState(state.step + 1, graphdef, variables, opt_state, norm), metrics
@@ -250,6 +244,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
 
 
 _INIT_CALL = 'trainer.init(model, *args)'
+_OPTIMIZER_CALL = 'perturbkit.nnx.InterleavedOptimizer(model, tx, loss_fn, *args)'
 
 
 def _check_model(model: Any):
@@ -331,6 +326,8 @@ class InterleavedOptimizer(nnx.Pytree):
     check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
                               clip_global_norm, skip_nonfinite, tuple(hooks))
+    # Static (hashable) shapes of the example arguments, only to word a failing step's error.
+    self.example_shapes = tuple(input_shapes(example_args).items())
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
     self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
     self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,
@@ -364,8 +361,9 @@ class InterleavedOptimizer(nnx.Pytree):
       (and ``aux`` with ``has_aux``).
     """
     _check_model(model)
-    new_params, new_others, opt_state, norm, metrics = _train(
-        self.settings, model, _values(self.opt_state), self.grad_norm.get_value(), args)
+    with explaining_inputs(dict(self.example_shapes), args, _OPTIMIZER_CALL):
+      new_params, new_others, opt_state, norm, metrics = _train(
+          self.settings, model, _values(self.opt_state), self.grad_norm.get_value(), args)
     nnx.update(model, new_params, new_others)
     jax.tree.map(lambda var, value: var.set_value(value), self.opt_state, opt_state,
                  is_leaf=lambda x: isinstance(x, nnx.Variable))
