@@ -31,7 +31,7 @@ from perturbkit.core._hooks import Hook, apply_hooks, check_matched
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
-                               inside_lifted_transform)
+                               inside_lifted_transform, merge)
 from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter, Variables
 
@@ -88,15 +88,21 @@ def nested(flat: dict[tuple, Any]) -> dict:
   return traverse_util.unflatten_dict(flat) if flat else {}
 
 
+# ``(point path, the floating-point part of the call's output) -> that part edited``.
+PointEdit = Callable[[tuple, Any], Any]
+
+
 def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
-                   on_point: Callable[[Call, Any, bool], None]):
-  """The per-call handler: run the call, insert hooks, add its perturbation."""
+                   on_point: Callable[[Call, Any, bool], None], edit: PointEdit | None = None):
+  """The per-call handler: run the call, insert hooks, edit its output, add its perturbation."""
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     output = run()
     if hooks:
       output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
     if points(call.module, call.method_name):
       before = output
+      if edit is not None and has_differentiable_leaf(output):
+        output = merge(output, edit(call.path + (call.key,), differentiable_part(output)))
       output, applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
       on_point(call, before, applied)
     return output
@@ -179,6 +185,67 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   elif missed:
     warnings.warn(UnperturbedCallsWarning(sorted(set(missed))), stacklevel=3)
   return found, seen
+
+
+def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbations: Any,
+                    args: tuple, kwargs: dict, *, points: CallFilter, strict: bool,
+                    expected: set[tuple], hooks: Sequence[Hook] = (),
+                    edit: PointEdit | None = None, activations: bool = False,
+                    inputs: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
+  """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
+
+  The forward pass of :func:`value_and_grad`, for any perturbation values: the
+  output of each selected call is ``edit(path, output)`` (when ``edit`` is
+  given) plus its perturbation, so nonzero perturbations and edits change the
+  model's computation exactly where a hand-written ``self.perturb`` would.
+
+  Args:
+    loss_fn: ``(variables, *args, **kwargs) -> anything``.
+    variables: The variables without the perturbation collection.
+    perturbations: The ``'perturbations'`` collection: every point ``discover``
+      found (the selected calls' and the model's own ones).
+    args: Positional arguments after the variables.
+    kwargs: Keyword arguments.
+    points: The selected calls.
+    strict: Whether a selected call without floating-point output is an error.
+    expected: The selected calls' point paths (``discover``'s ``point_paths``);
+      each must be reached.
+    hooks: Backward hooks to insert.
+    edit: ``(point path, floating-point part of the output) -> edited part``.
+    activations: Capture each selected call's output (before its edit).
+    inputs: Capture each selected call's ``(args, kwargs)`` (array leaves).
+
+  Returns:
+    ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
+    (args, kwargs)}})``, the captures flat by point path.
+
+  Raises:
+    PerturbationsNotAppliedError: a point in ``expected`` was not reached.
+    ActivationsUnavailableError: a capture inside a lifted transform.
+  """
+  applied: set[tuple] = set()
+  captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
+
+  def on_point(call, output, was_applied):
+    if not was_applied:
+      return
+    path = call.path + (call.key,)
+    applied.add(path)
+    if (activations or inputs) and inside_lifted_transform(call.module):
+      raise ActivationsUnavailableError(call.name)
+    if activations:
+      captured['activations'][path] = differentiable_part(output)
+    if inputs:
+      captured['inputs'][path] = array_part((call.args, call.kwargs))
+
+  handler = _point_handler(points, hooks, strict, on_point, edit)
+  full = {**variables, COLLECTION: perturbations}
+  with intercept(_interception(points, hooks), handler):
+    out = loss_fn(full, *args, **kwargs)
+  missing = sorted('/'.join(p) for p in expected - applied)
+  if missing:
+    raise PerturbationsNotAppliedError(missing)
+  return out, captured
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
@@ -299,7 +366,6 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
   points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
-  selected = _interception(points, hooks)
 
   @functools.wraps(loss_fn)
   def run(variables: Variables, *args, **kwargs):
@@ -321,28 +387,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     check_matched(hooks, matched, seen)
 
     def differentiable(params, perturbations):
-      applied: set[tuple] = set()
-      captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
-
-      def on_point(call, output, was_applied):
-        if not was_applied:
-          return
-        path = call.path + (call.key,)
-        applied.add(path)
-        if (return_activations or return_inputs) and inside_lifted_transform(call.module):
-          raise ActivationsUnavailableError(call.name)
-        if return_activations:
-          captured['activations'][path] = differentiable_part(output)
-        if return_inputs:
-          captured['inputs'][path] = array_part((call.args, call.kwargs))
-
-      handler = _point_handler(points, hooks, strict, on_point)
-      full = {**variables, 'params': params, COLLECTION: perturbations}
-      with intercept(selected, handler):
-        out = loss_fn(full, *args, **kwargs)
-      missing = sorted('/'.join(p) for p in expected - applied)
-      if missing:
-        raise PerturbationsNotAppliedError(missing)
+      out, captured = perturbed_apply(
+          loss_fn, {**variables, 'params': params}, perturbations, args, kwargs, points=points,
+          strict=strict, expected=expected, hooks=hooks, activations=return_activations,
+          inputs=return_inputs)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, {k: nested(v) for k, v in captured.items()})

@@ -38,7 +38,7 @@ from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
                                PerturbationsNotAppliedError, UnmappedPerturbationError,
                                UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
-                               leaf_dtypes)
+                               leaf_dtypes, merge)
 from perturbkit.core._types import CallFilter
 
 # One entry of the flat perturbation list: module path + perturb name.
@@ -212,11 +212,13 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
 
 def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
              points: CallFilter, hooks: Sequence[Hook] = (), strict: bool = False,
-             has_aux: bool = False) -> _Discovery:
+             has_aux: bool = False, scalar: bool = True) -> _Discovery:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
+  ``scalar=False`` takes any output (a model's logits), not only a loss.
+
   Raises:
-    NonScalarLossError: the loss is not a real scalar.
+    NonScalarLossError: ``scalar`` and the loss is not a real scalar.
     NonDifferentiableOutputError: ``strict`` and a selected call has no
       floating-point output.
     UnmappedPerturbationError: a selected call inside ``nnx.vmap`` whose
@@ -225,7 +227,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
                           points=points, hooks=hooks, strict=strict)
   out, shapes, found, seen, missed = run(probe=False)
-  check_loss(out, has_aux)
+  if scalar:
+    check_loss(out, has_aux)
   ours = {p for point in found for p in point.leaf_paths()}
   reached = [p for p in found if all(q in shapes for q in p.leaf_paths())]
   unreachable = sorted({p.where for p in found if p not in reached} | set(missed))
@@ -241,6 +244,82 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       raise UnmappedPerturbationError(suspects) from e
   hand_placed = [p for p in shapes if p not in ours]
   return _Discovery(reached, hand_placed, shapes, seen, unreachable)
+
+
+def point_order(found: _Discovery) -> list[PointPath]:
+  """The order of the flat perturbation list: each call's leaves, then hand-placed points."""
+  return [p for point in found.points for p in point.leaf_paths()] + found.hand_placed
+
+
+# ``(point path, the floating-point part of the call's output) -> that part edited``.
+PointEdit = Callable[[tuple, Any], Any]
+
+
+def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations: Sequence[Any],
+                   args: tuple, kwargs: dict, *, found: _Discovery, points: CallFilter,
+                   hooks: Sequence[Hook] = (), edit: PointEdit | None = None,
+                   activations: bool = False, inputs: bool = False) -> tuple[Any, dict]:
+  """Runs ``loss_fn`` with ``perturbations`` added at the points ``discover`` found.
+
+  The forward pass of :func:`value_and_grad`, for any perturbation values: the
+  output of each point's call is ``edit(path, output)`` (when ``edit`` is
+  given) plus its perturbation, exactly where a hand-written ``perturb`` would
+  add it.
+
+  Args:
+    loss_fn: ``(model, *args, **kwargs) -> anything``.
+    model: The model (inside the caller's NNX transform, or merged in its trace).
+    perturbations: One array per entry of :func:`point_order`.
+    args: Positional arguments after the model.
+    kwargs: Keyword arguments.
+    found: What ``discover`` found.
+    points: The selected calls.
+    hooks: Backward hooks to insert.
+    edit: ``(point path, floating-point part of the output) -> edited part``.
+    activations: Capture each point's call output (before its edit).
+    inputs: Capture each point's call ``(args, kwargs)`` (array leaves).
+
+  Returns:
+    ``(what loss_fn returned, {'activations': tree, 'inputs': tree})``, the
+    captures nested by point path.
+
+  Raises:
+    PerturbationsNotAppliedError: a point found was not reached.
+    ActivationsUnavailableError: a capture inside an NNX transform.
+  """
+  applied: set[tuple] = set()
+  captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
+  expected = {(p.path, p.key): p for p in found.points}
+  prepare = _selected(points, hooks)
+
+  def handler(call: Call, run: Callable[[], Any]) -> Any:
+    output, selected = prepare(call, run())
+    point = expected.get((call.path, call.key))
+    if not selected or point is None:
+      return output
+    store = _perturbation_store(call)
+    if store is None or any(n not in store for n in point.names):
+      return output
+    path = call.path + (call.key,)
+    if (activations or inputs) and call.copied:
+      raise ActivationsUnavailableError(call.name)
+    if activations:
+      captured['activations'].append((path, differentiable_part(output)))
+    if inputs:
+      captured['inputs'].append((path, array_part((call.args, call.kwargs))))
+    applied.add((call.path, call.key))
+    if edit is not None:
+      output = merge(output, edit(path, differentiable_part(output)))
+    return _perturb(call.module, call.key, output)
+
+  order = point_order(found)
+  init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]))
+  with instrument([model], handler):
+    out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
+  missing = sorted(expected[k].where for k in set(expected) - applied)
+  if missing:
+    raise PerturbationsNotAppliedError(missing, nnx=True)
+  return out, {k: _nested(v) for k, v in captured.items()}
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
@@ -330,7 +409,6 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   check_loss_fn(loss_fn, 'perturbkit.nnx.value_and_grad', '(model, *args) -> loss')
   points, strict = point_options(filter, strict)
   hooks = tuple(hooks)
-  prepare = _selected(points, hooks)
 
   @functools.wraps(loss_fn)
   def run(model: nnx.Module, *args, **kwargs):
@@ -341,37 +419,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=2)
     if not found.points and not found.hand_placed:
       raise NoPerturbationPointsError(found.seen, nnx=True)
-    order = [p for point in found.points for p in point.leaf_paths()] + found.hand_placed
-    expected = {(p.path, p.key): p for p in found.points}
+    order = point_order(found)
 
     def differentiable(model, perturbations, args, kwargs):
-      applied: set[tuple] = set()
-      captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
-
-      def handler(call: Call, run: Callable[[], Any]) -> Any:
-        output, selected = prepare(call, run())
-        point = expected.get((call.path, call.key))
-        if not selected or point is None:
-          return output
-        store = _perturbation_store(call)
-        if store is None or any(n not in store for n in point.names):
-          return output
-        path = call.path + (call.key,)
-        if (return_activations or return_inputs) and call.copied:
-          raise ActivationsUnavailableError(call.name)
-        if return_activations:
-          captured['activations'].append((path, differentiable_part(output)))
-        if return_inputs:
-          captured['inputs'].append((path, array_part((call.args, call.kwargs))))
-        applied.add((call.path, call.key))
-        return _perturb(call.module, call.key, output)
-
-      init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]))
-      with instrument([model], handler):
-        out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
-      missing = sorted(expected[k].where for k in set(expected) - applied)
-      if missing:
-        raise PerturbationsNotAppliedError(missing, nnx=True)
+      out, captured = perturbed_call(loss_fn, model, perturbations, args, kwargs, found=found,
+                                     points=points, hooks=hooks, activations=return_activations,
+                                     inputs=return_inputs)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, captured)
@@ -385,7 +438,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
                 for point in found.points]
     reported += [(p, by_path[p]) for p in found.hand_placed]
     grads = {'params': g_params, 'perturbations': _nested(reported)}
-    return driver_result(loss, aux, grads, {k: _nested(v) for k, v in captured.items()},
+    return driver_result(loss, aux, grads, captured,
                          has_aux=has_aux, return_activations=return_activations,
                          return_inputs=return_inputs)
 
