@@ -391,21 +391,37 @@ class ExamplesAxisError(PerExampleError):
 class UncoveredParamsError(PerExampleError):
   """Some params are not used by any submodule call, so their per-example gradient is unknown."""
 
-  def __init__(self, names):
+  def __init__(self, names, nnx: bool = False):
+    how = ('Per-example gradients of an NNX model come from the calls of the submodules '
+           'that own the params, so params that no call in the loss uses have none. Leave '
+           'unused params out of the model, or call their module.' if nnx else
+           'Per-example gradients come from the model\'s calls inside the loss\'s '
+           '`model.apply` (each call, or the whole apply replayed per example), so params that '
+           'no call and no apply in the loss uses have none. Leave unused params out of the '
+           'variables the loss is given, or use them inside the model.')
     super().__init__(
         f'{len(names)} param-owning module(s) are not reached through a submodule call: '
-        f'[{_listed(names)}]. Per-example gradients come from the model\'s calls inside the loss\'s '
-        '`model.apply` (each call, or the whole apply replayed per example), so params that '
-        'no call and no apply in the loss uses have none. Leave unused params out of the '
-        'variables the loss is given, or use them inside the model.')
+        f'[{_listed(names)}]. {how}')
 
 
 class ParamsReadOutsideError(PerExampleError):
   """A module's params are also read outside its calls, a part of their gradient no call sees."""
 
-  def __init__(self, reads):
+  def __init__(self, reads, nnx: bool = False):
     listed = '; '.join(f'{name} (read by {", ".join(sorted(what))})'
                        for name, what in sorted(reads.items()))
+    if nnx:
+      super().__init__(
+          f'The params of {listed} are read outside the calls of the submodule that owns '
+          'them. Per-example gradients of an NNX model come from those calls (their inputs '
+          'and output gradients), so the part of the gradient flowing through another read '
+          'would be missing from the norms and from the clipping. Such reads are the root '
+          "module's own params, a weight used inline by another module or in the loss "
+          '(`h @ self.embed.embedding[...].T`), or a weight penalty in the loss. Move the '
+          'params into a submodule that is called (a method such as `embed.attend(h)` is a '
+          'call), and compute a weight penalty outside the per-example loss (or use '
+          '`optax.add_decayed_weights`).')
+      return
     super().__init__(
         f'The params of {listed} are also read in the loss outside every `model.apply`. '
         'Per-example gradients come from the model\'s calls and applies (a weight tied or '

@@ -75,9 +75,25 @@ Linen one (``help(perturbkit.kfac)``). Per-segment K-FAC:
 the optimizer of a segment of ``perturbkit.nnx.interleaved``, with the layers
 from ``perturbkit.nnx.kfac_layers``, whose names are the segments' names.
 
+Per-example gradients and DP-SGD on NNX models
+----------------------------------------------
+``perturbkit.nnx.per_example_grad_norms``, ``private_grad``, ``dp_sgd`` and
+``check_per_example`` take the same arguments as the Linen functions, with the
+model in place of the variables (``loss_fn(model, *args)``); gradients are the
+``nnx.State`` that ``nnx.grad`` gives, ``dp_sgd``'s ``init(model)`` returns an
+``NNXPrivateState`` (``state.model()`` is the trained model). The rules, the
+clipping and the noise are the Linen ones (``help(perturbkit.per_example)``):
+``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm`` and ``nnx.RMSNorm``
+have the fast rules, any other module owning params is replayed per example.
+Refused with a named error: ``nnx.BatchNorm`` in training mode
+(``ExamplesMixedError``), params read outside their module's calls (the root
+module's own, a weight used inline; ``ParamsReadOutsideError``) and modules
+owning params called inside an NNX transform (``nnx.scan``, ``nnx.remat``).
+Tested against ``jax.vmap`` of ``nnx.grad`` and the Linen twins
+(``tests/test_nnx_per_example.py``).
+
 Not yet on NNX
 --------------
-Per-example gradient norms, ``private_grad``, ``dp_sgd``, ``check_per_example``,
 ``wrap``.
 
 Example:
@@ -103,9 +119,16 @@ from perturbkit.nnx._schedule import InterleavedOptimizer
 from perturbkit.nnx._schedule import InterleavedState
 from perturbkit.nnx._schedule import interleaved
 from perturbkit.nnx._segmentation import SegmentInTransformError
+from perturbkit.per_example._nnx import check_per_example
+from perturbkit.per_example._nnx import dp_sgd
+from perturbkit.per_example._nnx import NNXPrivateState
+from perturbkit.per_example._nnx import per_example_grad_norms
+from perturbkit.per_example._nnx import private_grad
 
 __all__ = [
     'CaptureConflictError',
+    'check_per_example',
+    'dp_sgd',
     'filters',
     'grad',
     'interleaved',
@@ -115,8 +138,11 @@ __all__ = [
     'kfac_layers',
     'kfac_preconditioner',
     'kfac_segment',
+    'NNXPrivateState',
     'NoPerturbationPointsError',
+    'per_example_grad_norms',
     'PerturbationsNotAppliedError',
+    'private_grad',
     'SegmentInTransformError',
     'UninstrumentableModuleError',
     'UnmappedPerturbationError',

@@ -219,9 +219,14 @@ Privacy accounting (ε) is not part of perturbkit.
 
 Flax NNX
 --------
-Not available for NNX models yet: there is no
-``perturbkit.nnx.per_example_grad_norms``, ``private_grad``, ``dp_sgd`` or
-``check_per_example``.
+``perturbkit.nnx.per_example_grad_norms``, ``private_grad``, ``dp_sgd`` and
+``check_per_example``: the same functions with ``loss_fn(model, *args)`` and the
+model in place of the variables, gradients as the ``nnx.State`` of ``nnx.grad``.
+An NNX front end records the same calls (``_nnx_pass``), so the rules, the norms
+and the DP step above are shared; ``nnx.Linear`` has Dense's rules. What Linen
+covers by replaying the whole ``apply`` (the root module's own params, a weight
+read outside its module's calls, modules inside ``nnx.scan``/``nnx.remat``) is
+refused on NNX with a named error.
 
 Example:
   >>> from perturbkit import per_example

@@ -24,6 +24,8 @@ from perturbkit.linen._interceptor import Call, intercept
 from perturbkit.per_example._batch import BatchAxes, count_examples, per_argument
 from perturbkit.core._dependence import needed_inputs, source_kinds
 from perturbkit.per_example._mixing import mixing
+from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay
+from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
 from perturbkit.per_example._nested import nested_applies, nested_params
 from perturbkit.per_example._fallback import replayed_owners, source_error
 from perturbkit.per_example._outside import reads_by_place
@@ -47,13 +49,17 @@ class Use(NamedTuple):
     sources: For each array leaf of ``(args, kwargs)`` (``jax.tree.leaves``
       order), what it is computed from (see ``_per_example_inputs.source_kinds``):
       ``'example'``, ``'shared'`` or ``'constant'``.
+    kind: Which fast rule the module's plain calls may use (``_kinds``).
+    replay: The call as a function of the module's params (``_kinds.Replay``).
   """
   path: Path
   key: str
   method_name: str
-  module: nn.Module
+  module: Any
   template: Any
   sources: tuple[str, ...] = ()
+  kind: LayerKind = GENERAL
+  replay: Replay | None = None
 
 
 class ReadUse(NamedTuple):
@@ -269,9 +275,11 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
         lifted_depth[0] -= 1
     if call.path not in owners or call.path in active:
       return run()
+    unbound = call.module.clone(parent=None)
     uses.setdefault(call.path, []).append(Use(
-        call.path, call.key, call.method_name, call.module.clone(parent=None),
-        static_part((call.args, call.kwargs))))
+        call.path, call.key, call.method_name, unbound, static_part((call.args, call.kwargs)),
+        kind=linen_kind(call.module),
+        replay=linen_replay(unbound, call.method_name, '/'.join(call.path + (call.key,)))))
     use_top[(call.path, len(uses[call.path]) - 1)] = tops[-1] if tops else None
     inputs.append((call.path, len(uses[call.path]) - 1,
                    _array_leaves((call.args, call.kwargs))))

@@ -11,8 +11,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from perturbkit.errors import ReductionMismatchError
+from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, per_argument, reduce
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.core._validate import non_negative
@@ -41,6 +43,8 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
 
   Raises:
     ExamplesMixedError: the two values differ.
+    WrongFrontEndError: ``variables`` is an NNX model (use
+      ``perturbkit.nnx.check_per_example``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -52,6 +56,8 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
     ...
     perturbkit.errors.ExamplesMixedError: Per-example ...
   """
+  if isinstance(variables, nnx.Module):
+    check_variables(variables, 'perturbkit.check_per_example')
   non_negative('rtol', rtol)
   non_negative('atol', atol)
   axes = per_argument(batch_axes, len(args))

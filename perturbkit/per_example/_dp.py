@@ -30,6 +30,7 @@ import optax
 from flax import traverse_util
 
 from perturbkit.errors import PRNGKeyError
+from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._check import reduction_checker
@@ -236,27 +237,53 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
 
   @functools.wraps(loss_fn)
   def run(variables, key, *args, **kwargs):
+    check_variables(variables, 'perturbkit.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
     check_reduction(variables, args, kwargs, result.num_examples)
-    layers = all_layer_norms(result, dense_method)
-    norms = jnp.sqrt(functools.reduce(jnp.add, flat_squares(layers).values()))
-    factors = clip_factors(norms, clip_norm)
-    summed = weighted_sum(result, layers, factors, variables['params'])
-    count = jnp.asarray(result.num_examples, jnp.float32)
-    clipped = jnp.mean((norms > clip_norm).astype(jnp.float32))
-    dropped = jnp.sum(jnp.logical_not(jnp.isfinite(norms)).astype(jnp.int32))
-    loss = result.loss
-    if axis_name is not None:
-      summed, count, dropped = jax.lax.psum((summed, count, dropped), axis_name)
-      clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
-    noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
-    grads = jax.tree.map(lambda s: (s / count).astype(s.dtype), noised)
-    return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped,
-                   'dropped': dropped}
+    return privatize(result, variables['params'], key, clip_norm=clip_norm,
+                     noise_multiplier=noise_multiplier, axis_name=axis_name,
+                     dense_method=dense_method)
 
   return run
+
+
+def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
+              noise_multiplier: float, axis_name: str | None, dense_method: str,
+              as_grads: Callable[[Any], Any] = lambda tree: tree) -> tuple[Any, dict]:
+  """The DP-SGD gradient and metrics of one pass (either front end's).
+
+  Args:
+    result: The pass.
+    params: The params as nested dicts, keyed like the pass's layer paths.
+    key: The noise key.
+    clip_norm: ``C``.
+    noise_multiplier: ``σ``.
+    axis_name: The data-parallel axis, if any.
+    dense_method: For the norms.
+    as_grads: Turns the clipped sum (shaped like ``params``) into the tree the
+      front end returns (an ``nnx.State`` for NNX) before the noise is added, so
+      that the noise's keys follow that tree's leaves.
+
+  Returns:
+    ``(grads, metrics)`` as :func:`private_grad` documents them.
+  """
+  layers = all_layer_norms(result, dense_method)
+  norms = jnp.sqrt(functools.reduce(jnp.add, flat_squares(layers).values()))
+  factors = clip_factors(norms, clip_norm)
+  summed = as_grads(weighted_sum(result, layers, factors, params))
+  count = jnp.asarray(result.num_examples, jnp.float32)
+  clipped = jnp.mean((norms > clip_norm).astype(jnp.float32))
+  dropped = jnp.sum(jnp.logical_not(jnp.isfinite(norms)).astype(jnp.int32))
+  loss = result.loss
+  if axis_name is not None:
+    summed, count, dropped = jax.lax.psum((summed, count, dropped), axis_name)
+    clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
+  noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
+  grads = jax.tree.map(lambda s: (s / count).astype(s.dtype), noised)
+  return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped,
+                 'dropped': dropped}
 
 
 class PrivateState(NamedTuple):
@@ -291,6 +318,23 @@ class PrivateTraining(NamedTuple):
         'A dp_sgd trainer was used as an optimizer (called with '
         f'{", ".join(map(repr, args)) or "no arguments"}), e.g. as the optimizer of '
         '`perturbkit.interleaved`')
+
+
+def check_optimizer(optimizer: Any) -> None:
+  """Raises unless ``optimizer`` is an optax gradient transformation.
+
+  Raises:
+    InterleavedClippingError: ``optimizer`` is a trainer (``perturbkit.interleaved(...)``).
+    TypeError: anything else without ``init`` and ``update``.
+  """
+  if not (callable(getattr(optimizer, 'init', None))
+          and callable(getattr(optimizer, 'update', None))):
+    if callable(getattr(optimizer, 'step', None)):
+      raise InterleavedClippingError(
+          f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
+          '`perturbkit.interleaved(...)`) as its optimizer')
+    raise TypeError(f'optimizer must be an optax.GradientTransformation (init and update), '
+                    f'got {optimizer!r}.')
 
 
 def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -351,19 +395,13 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> int(state.step), metrics['per_example_norms'].shape, int(metrics['dropped'])
     (1, (4,), 0)
   """
-  if not (callable(getattr(optimizer, 'init', None))
-          and callable(getattr(optimizer, 'update', None))):
-    if callable(getattr(optimizer, 'step', None)):
-      raise InterleavedClippingError(
-          f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
-          '`perturbkit.interleaved(...)`) as its optimizer')
-    raise TypeError(f'optimizer must be an optax.GradientTransformation (init and update), '
-                    f'got {optimizer!r}.')
+  check_optimizer(optimizer)
   grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
                          reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,
                          dense_method=dense_method)
 
   def init(variables) -> PrivateState:
+    check_variables(variables, 'perturbkit.dp_sgd')
     opt_state = optimizer.init(variables['params'])
     refuse_optax_privacy(opt_state, '`perturbkit.dp_sgd`',
                          'the mean gradient dp_sgd has already clipped and noised')

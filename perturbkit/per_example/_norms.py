@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._pass import Pass, run_pass
@@ -61,6 +62,11 @@ def norms_from_squares(squares: dict[tuple, jax.Array]) -> PerExampleNorms:
   return PerExampleNorms(jnp.sqrt(total), {k: jnp.sqrt(v) for k, v in layers.items()},
                          traverse_util.unflatten_dict({k: jnp.sqrt(v)
                                                        for k, v in squares.items()}))
+
+
+def norms_of_pass(result: Pass, dense_method: str) -> PerExampleNorms:
+  """The :class:`PerExampleNorms` of one pass (either front end's)."""
+  return norms_from_squares(flat_squares(all_layer_norms(result, dense_method)))
 
 
 def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mean',
@@ -142,10 +148,10 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
 
   @functools.wraps(loss_fn)
   def run(variables, *args, **kwargs):
+    check_variables(variables, 'perturbkit.per_example_grad_norms')
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
     check_reduction(variables, args, kwargs, result.num_examples)
-    squares = flat_squares(all_layer_norms(result, dense_method))
-    return result.loss, norms_from_squares(squares)
+    return result.loss, norms_of_pass(result, dense_method)
 
   return run

@@ -8,7 +8,6 @@ module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
 """
 from typing import Any, NamedTuple
 
-import flax.errors
 import jax
 
 from perturbkit.per_example._calls import Use, float_part
@@ -24,7 +23,9 @@ class Pair(NamedTuple):
     kwargs: The call's keyword arguments.
     grad: Per-example gradient at the call's floating-point outputs
       (``None`` where an output leaf is not floating-point).
-    variables: The module's other collections (``batch_stats``, ...).
+    variables: The module's other variables (Linen: its other collections,
+      ``batch_stats``, ...; NNX: its state other than ``nnx.Param``), given to
+      ``use.replay``.
   """
   use: Use
   args: tuple
@@ -38,11 +39,11 @@ def call_output(pair: Pair, params: Any, args: tuple | None = None,
   """The floating-point outputs of the use, replayed with ``params`` (the module's subtree).
 
   Raises:
-    RandomCallError: the call draws random numbers: Flax RNG streams (the replay
-      is given none: it could not reproduce the batched forward pass's draws) or
-      a typed PRNG key among its arguments. (A raw ``uint32`` key cannot be told
-      from data; a call drawing from one is replayed with the same key and a
-      batch of one, which draws other numbers.)
+    RandomCallError: the call draws random numbers: a typed PRNG key among its
+      arguments, or (from the front end's replay) an RNG stream of the model
+      (the replay cannot reproduce the batched forward pass's draws). (A raw
+      ``uint32`` key cannot be told from data; a call drawing from one is
+      replayed with the same key and a batch of one, which draws other numbers.)
   """
   args = pair.args if args is None else args
   kwargs = pair.kwargs if kwargs is None else kwargs
@@ -50,12 +51,7 @@ def call_output(pair: Pair, params: Any, args: tuple | None = None,
   if any(hasattr(leaf, 'dtype') and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
          for leaf in jax.tree.leaves((args, kwargs))):
     raise RandomCallError(where, 'it is given a PRNG key')
-  try:
-    out = pair.use.module.apply({**pair.variables, 'params': params}, *args,
-                                method=pair.use.method_name, **kwargs)
-  except flax.errors.InvalidRngError as err:
-    raise RandomCallError(where, str(err).split(' (https://')[0]) from err
-  return float_part(out)
+  return float_part(pair.use.replay(params, pair.variables, args, kwargs))
 
 
 def _scaled(tree: Any, weights: jax.Array) -> Any:

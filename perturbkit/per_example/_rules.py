@@ -28,15 +28,13 @@ weighted sum of them (``sum_i c_i G_i``) instead of one more VJP of each call.
 """
 from typing import Callable, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen.linear import canonicalize_padding
 
 from perturbkit.core._conv_patches import conv_patches as patches_of
 from perturbkit.errors import ExamplesAxisError
-from perturbkit.per_example._replay import Pair, per_example_grads
+from perturbkit.per_example._replay import Pair, call_output, per_example_grads
 
 DENSE_METHODS = ('auto', 'ghost', 'direct')
 
@@ -81,34 +79,26 @@ def _is_plain_call(pair: Pair) -> bool:
 
 
 def _is_dense(pair: Pair) -> bool:
-  m = pair.use.module
-  return (type(m) is nn.Dense and _is_plain_call(pair)
-          and getattr(m, 'dot_general', None) is None
-          and getattr(m, 'dot_general_cls', None) is None)
+  return pair.use.kind.name == 'dense' and _is_plain_call(pair)
 
 
 def _is_conv(pair: Pair) -> bool:
-  m = pair.use.module
-  if not (type(m) is nn.Conv and _is_plain_call(pair)):
-    return False
-  kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
-  padding = canonicalize_padding(m.padding, len(kernel))
-  return (m.shared_weights and m.feature_group_count == 1 and m.mask is None
-          and m.conv_general_dilated is None and m.conv_general_dilated_cls is None
-          and padding not in ('CIRCULAR', 'REFLECT', 'CAUSAL')
-          and jnp.ndim(pair.args[0]) == len(kernel) + 2 and 1 <= len(kernel) <= 3)
+  geometry = pair.use.kind.conv
+  return (pair.use.kind.name == 'conv' and _is_plain_call(pair)
+          and jnp.ndim(pair.args[0]) == len(geometry.kernel) + 2
+          and 1 <= len(geometry.kernel) <= 3)
 
 
 def _is_embed(pair: Pair) -> bool:
-  return type(pair.use.module) is nn.Embed and _is_plain_call(pair)
+  return pair.use.kind.name == 'embed' and _is_plain_call(pair)
 
 
 def _is_norm(pair: Pair) -> bool:
-  m = pair.use.module
-  if type(m) not in (nn.LayerNorm, nn.RMSNorm) or not _is_plain_call(pair):
+  if pair.use.kind.name != 'norm' or not _is_plain_call(pair):
     return False
+  reduction_axes, feature_axes = pair.use.kind.norm_axes
   last = lambda axes: axes in (-1, (-1,)) or axes == jnp.ndim(pair.args[0]) - 1
-  return last(m.reduction_axes) and last(m.feature_axes)
+  return last(reduction_axes) and last(feature_axes)
 
 
 KINDS: dict[str, Callable[[Pair], bool]] = {
@@ -189,13 +179,8 @@ def conv_rule(pairs, params, num_examples, method):
 
 
 def _conv_options(pair: Pair) -> tuple:
-  m = pair.use.module
-  kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
-  spatial = len(kernel)
-  broadcast = lambda v: (1,) * spatial if v is None else (
-      (v,) * spatial if isinstance(v, int) else tuple(v))
-  return (kernel, broadcast(m.strides), broadcast(m.kernel_dilation),
-          broadcast(m.input_dilation), canonicalize_padding(m.padding, spatial))
+  """``(kernel, strides, dilation, input_dilation, padding)`` of a conv use."""
+  return tuple(pair.use.kind.conv)
 
 
 def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -273,7 +258,7 @@ def _normalized(pair: Pair, params: dict) -> jax.Array:
   """x̂ of a LayerNorm/RMSNorm call: the module itself with scale 1 and bias 0."""
   unit = {k: (jnp.ones_like(v) if k == 'scale' else jnp.zeros_like(v))
           for k, v in params.items()}
-  return pair.use.module.apply({'params': unit}, pair.args[0])
+  return call_output(pair, unit)
 
 
 def norm_rule(pairs, params, num_examples, method):

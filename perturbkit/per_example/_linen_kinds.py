@@ -1,0 +1,58 @@
+"""Linen modules as the per-example rules see them: their :class:`LayerKind` and replay.
+
+``nn.Dense``, ``nn.Conv``, ``nn.Embed``, ``nn.LayerNorm`` and ``nn.RMSNorm`` with
+the default dot and convolution functions have fast rules; any other module is
+replayed per example as its own ``module.apply``.
+"""
+import flax.errors
+import flax.linen as nn
+from flax.linen.linear import canonicalize_padding
+
+from perturbkit.errors import RandomCallError
+from perturbkit.per_example._kinds import (GENERAL, ConvGeometry, LayerKind, Replay,
+                                           spatial)
+
+
+def _conv_kind(m: nn.Conv) -> LayerKind:
+  kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
+  padding = canonicalize_padding(m.padding, len(kernel))
+  if not (m.shared_weights and m.feature_group_count == 1 and m.mask is None
+          and m.conv_general_dilated is None and m.conv_general_dilated_cls is None
+          and padding not in ('CIRCULAR', 'REFLECT', 'CAUSAL')):
+    return GENERAL
+  dims = len(kernel)
+  return LayerKind('conv', ConvGeometry(kernel, spatial(m.strides, dims),
+                                        spatial(m.kernel_dilation, dims),
+                                        spatial(m.input_dilation, dims), padding))
+
+
+def linen_kind(module: nn.Module) -> LayerKind:
+  """The fast rule ``module``'s plain calls may use (``GENERAL`` if none)."""
+  kind = type(module)
+  if kind is nn.Dense:
+    custom = (getattr(module, 'dot_general', None) is not None
+              or getattr(module, 'dot_general_cls', None) is not None)
+    return GENERAL if custom else LayerKind('dense')
+  if kind is nn.Conv:
+    return _conv_kind(module)
+  if kind is nn.Embed:
+    return LayerKind('embed')
+  if kind in (nn.LayerNorm, nn.RMSNorm):
+    return LayerKind('norm', norm_axes=(module.reduction_axes, module.feature_axes))
+  return GENERAL
+
+
+def linen_replay(module: nn.Module, method_name: str, where: str) -> Replay:
+  """The call of the unbound ``module`` as ``module.apply``, given its params subtree.
+
+  Raises (from the replay):
+    RandomCallError: the call draws from a Flax RNG stream; the replay is given none.
+  """
+  def replay(params, variables, args, kwargs):
+    try:
+      return module.apply({**variables, 'params': params}, *args, method=method_name,
+                          **kwargs)
+    except flax.errors.InvalidRngError as err:
+      raise RandomCallError(where, str(err).split(' (https://')[0]) from err
+
+  return replay

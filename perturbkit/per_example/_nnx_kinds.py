@@ -1,0 +1,85 @@
+"""NNX modules as the per-example rules see them: their :class:`LayerKind`, replay and mixing.
+
+``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm`` and ``nnx.RMSNorm``
+with the default dot and convolution functions have the fast rules of their Linen
+counterparts (the same param names and layouts); any other module that owns
+``nnx.Param`` s (``nnx.LinearGeneral``, a module of your own) is replayed per
+example: a copy of it merged from its graphdef with the given params, its method
+called on one example's inputs.
+"""
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.nnx.nn.linear import canonicalize_padding
+
+from perturbkit.errors import RandomCallError
+from perturbkit.per_example._kinds import (GENERAL, ConvGeometry, LayerKind, Replay,
+                                           spatial)
+from perturbkit.nnx._segments import with_values
+
+
+def _conv_kind(m: nnx.Conv) -> LayerKind:
+  kernel = tuple(m.kernel_size)
+  padding = canonicalize_padding(m.padding, len(kernel))
+  if not isinstance(padding, str):
+    padding = tuple(tuple(p) for p in padding)
+  if not (m.feature_group_count == 1 and m.mask is None
+          and m.conv_general_dilated is jax.lax.conv_general_dilated
+          and padding not in ('CIRCULAR', 'REFLECT', 'CAUSAL')):
+    return GENERAL
+  dims = len(kernel)
+  return LayerKind('conv', ConvGeometry(kernel, spatial(m.strides, dims),
+                                        spatial(m.kernel_dilation, dims),
+                                        spatial(m.input_dilation, dims), padding))
+
+
+def nnx_kind(module: nnx.Module) -> LayerKind:
+  """The fast rule the plain calls of ``module`` (not instrumented) may use."""
+  kind = type(module)
+  if kind is nnx.Linear:
+    return LayerKind('dense') if module.dot_general is jax.lax.dot_general else GENERAL
+  if kind is nnx.Conv:
+    return _conv_kind(module)
+  if kind is nnx.Embed:
+    return LayerKind('embed')
+  if kind in (nnx.LayerNorm, nnx.RMSNorm):
+    return LayerKind('norm', norm_axes=(module.reduction_axes, module.feature_axes))
+  return GENERAL
+
+
+def _rng_counts(module: nnx.Module) -> list[Any]:
+  return [var.get_value() for _, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
+
+
+def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str) -> Replay:
+  """The call of a module rebuilt from its plain ``graphdef``, given its params subtree.
+
+  ``template`` is the module's ``nnx.Param`` state (for the variables' types);
+  the params come as nested dicts with string keys (``_segments.params_tree``),
+  the other variables as the module's ``nnx.State`` other than params.
+
+  Raises (from the replay):
+    RandomCallError: the call draws from an ``nnx.Rngs`` stream of the model (its
+      RNG counts move); a replay cannot draw the batched pass's numbers.
+  """
+  def replay(params, others, args, kwargs):
+    module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    before = _rng_counts(module)
+    out = getattr(module, method_name)(*args, **kwargs)
+    if any(a is not b for a, b in zip(before, _rng_counts(module))):
+      raise RandomCallError(where, 'it draws from an nnx.Rngs stream of the model')
+    return out
+
+  return replay
+
+
+def nnx_mixing_reason(module: nnx.Module, name: str, args: tuple, kwargs: dict) -> str | None:
+  """Why a call makes one example's output depend on the others, if it does."""
+  if isinstance(module, nnx.BatchNorm):
+    given = kwargs.get('use_running_average', args[1] if len(args) > 1 else None)
+    running = module.use_running_average if given is None else given
+    if not running:
+      return (f'{name} is an nnx.BatchNorm in training mode (batch statistics); call '
+              '`model.eval()` or pass `use_running_average=True`')
+  return None

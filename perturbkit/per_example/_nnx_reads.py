@@ -1,0 +1,101 @@
+"""NNX params read outside the calls of the module that owns them: refused.
+
+Per-example gradients of an NNX model are assembled from each call of a module that
+owns ``nnx.Param`` s directly (its input and output gradient). Any other read that
+reaches the loss (the root module's own params, ``h @ self.embed.embedding[...].T``
+written in a parent, a weight penalty in the loss) carries a part of the gradient no
+call sees. One abstract run finds such reads, as for Linen (``_outside``): every call
+of an owner is a ``custom_vjp`` function named after it that takes the module's
+params explicitly (:func:`named_module_call`), so any other equation reading them is
+a read outside its calls (``_consumers.reads_outside``, which follows a named call
+given another owner's params into its body, where the child's own call is named).
+"""
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from perturbkit.core._consumers import reads_outside, segment_function_name
+from perturbkit.nnx._calls import Call, NNXPath, instrument
+from perturbkit.nnx._segments import params_tree, with_values
+
+
+def _is_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def named_module_call(name: str, call: Call) -> Any:
+  """The call as a ``custom_vjp`` function of its module's params, named after ``name``.
+
+  The module's params (children's included) are the function's argument: a
+  replica merged from them runs the method, so every read of them inside the call
+  is an operand of one ``custom_vjp_call`` equation. The replica keeps the
+  module's instrumentation, so its children's calls are named calls of their
+  own inside. Nothing the call writes (batch statistics, RNG counts) reaches the
+  model. Only traced forward: the jaxpr is inspected, never differentiated.
+  """
+  graphdef, params, others = nnx.split(call.module, nnx.Param, ...)
+  found: list[Any] = []
+
+  def pure(values):
+    replica = nnx.merge(graphdef, with_values(params, values), others, copy=True)
+    leaves, tree = jax.tree.flatten(getattr(replica, call.method_name)(*call.args,
+                                                                        **call.kwargs))
+    found[:] = [tree, leaves]
+    return [leaf for leaf in leaves if _is_array(leaf)]
+
+  pure.__name__ = segment_function_name(name)
+  function = jax.custom_vjp(pure)
+  function.defvjp(lambda values: (pure(values), None), lambda res, g: (None,))
+  arrays = iter(function(params_tree(params)))
+  tree, leaves = found
+  return jax.tree.unflatten(tree, [next(arrays) if _is_array(leaf) else leaf
+                                   for leaf in leaves])
+
+
+def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
+                      kwargs: dict, owners: Mapping[NNXPath, str]) -> dict[str, set[str]]:
+  """``{module name: {primitives}}`` reading an owner's params outside its calls.
+
+  Args:
+    loss_fn: ``(model, *args, **kwargs) -> loss``.
+    model: The ``nnx.Module`` (a copy is traced).
+    args: The loss's positional arguments.
+    kwargs: Its keyword arguments.
+    owners: ``{module path: name}`` of every module owning params directly; the
+      root's (path ``()``) are always read outside a submodule call.
+  """
+  graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
+  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+
+  running: list[NNXPath] = []
+
+  def on_call(call: Call, run: Callable[[], Any]) -> Any:
+    # Inside its own named call, the replica's method runs as itself.
+    if call.path not in owners or call.path in running:
+      return run()
+    running.append(call.path)
+    try:
+      return named_module_call(owners[call.path], call)
+    finally:
+      running.pop()
+
+  def traced(params, kw_arrays, *args):
+    given = iter(kw_arrays)
+    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
+                                      for leaf in kw_leaves])
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    with instrument([copy], on_call):
+      return loss_fn(copy, *args, **kw)
+
+  params = params_tree(template)
+  jaxpr = jax.make_jaxpr(traced)(params, kw_arrays, *args)
+  by_keys = {tuple(map(str, path)): name for path, name in owners.items()}
+  owner_of = {}
+  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
+    if keys[:-1] in by_keys:
+      owner_of[i] = by_keys[keys[:-1]]
+  return reads_outside(jaxpr, owner_of, spared={})
