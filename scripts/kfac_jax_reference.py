@@ -9,10 +9,11 @@ same weights and batch with the file it writes:
   pip install "jax[cpu]==0.6.2" "kfac-jax==0.0.8"
   python scripts/kfac_jax_reference.py --out tests/data/kfac_jax_reference.npz
 
-Two models written in plain ``jax.numpy``/``lax`` (kfac-jax registers their
-layers itself by matching the jaxpr): an MLP (two dense layers with bias) and a
+Three models written in plain ``jax.numpy``/``lax`` (kfac-jax registers their
+layers itself by matching the jaxpr): an MLP (two dense layers with bias), a
 CNN (a 3x3 ``SAME`` conv, a 3x3 stride-2 ``VALID`` conv without bias, a dense
-head), with a softmax cross-entropy registered as the loss. For each, the factors
+head) and a sequence model (a dense layer on ``(batch, T, d)`` inputs, mean-pooled
+over ``T``, a dense head), with a softmax cross-entropy registered as the loss. For each, the factors
 of one batch (``ema_old=0``, ``ema_new=1``) in kfac-jax's ``fisher_empirical``
 (true labels) and ``fisher_exact`` (expectation over labels) modes, together with
 each block's ``fixed_scale`` (the number of spatial locations for a conv, 1 for a
@@ -43,6 +44,12 @@ def cnn(params, x):
   return h @ params['head']['kernel'] + params['head']['bias']
 
 
+def seq(params, x):
+  """A dense layer on ``(batch, T, d)`` inputs (every token), mean-pooled, then a dense head."""
+  h = jnp.tanh(x @ params['token']['kernel'] + params['token']['bias'])
+  return jnp.mean(h, axis=1) @ params['head']['kernel'] + params['head']['bias']
+
+
 def make(name, key):
   """``(model, params, x, y)`` with fixed random weights and batch."""
   keys = iter(jax.random.split(key, 8))
@@ -52,6 +59,11 @@ def make(name, key):
               'dense1': {'kernel': normal((5, 3), 0.5), 'bias': normal((3,), 0.1)}}
     x = normal((16, 6), 1.0)
     model = mlp
+  elif name == 'seq':
+    params = {'token': {'kernel': normal((6, 5), 0.5), 'bias': normal((5,), 0.1)},
+              'head': {'kernel': normal((5, 3), 0.5), 'bias': normal((3,), 0.1)}}
+    x = normal((8, 4, 6), 1.0)
+    model = seq
   else:
     params = {'conv0': {'kernel': normal((3, 3, 2, 3), 0.3), 'bias': normal((3,), 0.1)},
               'conv1': {'kernel': normal((3, 3, 3, 4), 0.3)},
@@ -92,7 +104,7 @@ def main():
   parser.add_argument('--out', required=True)
   args = parser.parse_args()
   arrays = {'versions': np.array([jax.__version__, kfac_jax.__version__])}
-  for name, seed in (('mlp', 0), ('cnn', 1)):
+  for name, seed in (('mlp', 0), ('cnn', 1), ('seq', 2)):
     model, params, x, y = make(name, jax.random.key(seed))
     arrays[f'{name}/x'], arrays[f'{name}/y'] = np.asarray(x), np.asarray(y)
     for (path, leaf) in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -2,7 +2,7 @@
 
 ``tests/data/kfac_jax_reference.npz`` holds the factors kfac-jax 0.0.8 computed
 (``scripts/kfac_jax_reference.py``, run under jax 0.6.2: kfac-jax does not import
-with the jax pinned here) for an MLP and a CNN written in plain ``jax.numpy``/``lax``,
+with the jax pinned here) for an MLP, a CNN and a dense layer on sequences written in plain ``jax.numpy``/``lax``,
 with the weights and the batch. The Flax twins below get those weights. The
 conventions differ by known scalars only:
 
@@ -14,6 +14,10 @@ conventions differ by known scalars only:
   expectation over labels; no sampling). kfac-jax's ``fisher_empirical`` divides the
   statistics once more by the batch size (documented in its
   ``BlockDiagonalCurvature``), so there ``G = B · G_kfac_jax``.
+* A dense layer on ``(B, T, d)`` inputs: ``A`` is equal (both sum over the ``T``
+  positions); kfac-jax sums ``G`` over them where perturbkit averages, and its
+  ``fixed_scale`` is 1, so ``G = G_kfac_jax / T`` (``B / T`` times it for the
+  empirical Fisher) and kfac-jax's block is ``T`` times perturbkit's.
 """
 import os
 
@@ -41,6 +45,15 @@ class CNN(nn.Module):
     h = jnp.tanh(nn.Conv(4, (3, 3), strides=2, padding='VALID', use_bias=False,
                          name='conv1')(h))
     return nn.Dense(3, name='head')(h.reshape(h.shape[0], -1))
+
+
+class Seq(nn.Module):
+  """A dense layer on every token of ``(batch, T, d)`` inputs, mean-pooled, then a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(5, name='token')(x))
+    return nn.Dense(3, name='head')(jnp.mean(h, axis=1))
 
 
 def _reference_model(name):
@@ -74,3 +87,25 @@ def test_factors_equal_kfac_jax(name, model, locations, fisher, kfac_jax_mode):
                                err_msg=f'{layer}.a')
     np.testing.assert_allclose(stats[layer].g, g_scale * REFERENCE[f'{prefix}/g'], **TOL,
                                err_msg=f'{layer}.g')
+
+
+@pytest.mark.parametrize('fisher, kfac_jax_mode', [('exact', 'fisher_exact'),
+                                                   ('empirical', 'fisher_empirical')])
+def test_dense_on_sequences_differs_from_kfac_jax_by_the_number_of_positions(fisher,
+                                                                              kfac_jax_mode):
+  """Dense on ``(B, T, d)``: kfac-jax sums ``G`` over the ``T`` positions, perturbkit averages."""
+  variables, x, y = _reference_model('seq')
+  examples, positions = x.shape[:2]
+  predict = lambda v, inputs: Seq().apply(v, inputs)
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  assert sorted(layers.layers) == ['head', 'token']
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
+  _, _, stats = estimate(variables, x, y)
+  g_scale = examples if fisher == 'empirical' else 1
+  prefix = f'seq/{kfac_jax_mode}'
+  assert float(REFERENCE[f'{prefix}/token/fixed_scale']) == 1
+  np.testing.assert_allclose(stats['token'].a, REFERENCE[f'{prefix}/token/a'], **TOL)
+  np.testing.assert_allclose(stats['token'].g,
+                             g_scale / positions * REFERENCE[f'{prefix}/token/g'], **TOL)
+  np.testing.assert_allclose(stats['head'].a, REFERENCE[f'{prefix}/head/a'], **TOL)
+  np.testing.assert_allclose(stats['head'].g, g_scale * REFERENCE[f'{prefix}/head/g'], **TOL)

@@ -145,8 +145,9 @@ the steps taken); on unmodified Hugging Face BERT, ViT, GPT-2, Llama and ResNet
 
 Relation to kfac-jax
 --------------------
-The factors equal kfac-jax's on an MLP and a CNN (a ``SAME`` conv with bias, a
-strided ``VALID`` conv without, a dense head), for the exact and the empirical
+The factors match kfac-jax's on an MLP, a CNN (a ``SAME`` conv with bias, a
+strided ``VALID`` conv without, a dense head) and a dense layer on sequences
+(mean-pooled, a dense head), for the exact and the empirical
 Fisher (``tests/test_kfac_jax_reference.py``, against factors kfac-jax 0.0.8
 computed under jax 0.6.2, with which it imports; it does not import with the jax
 pinned here: ``scripts/kfac_jax_reference.py`` says how they were made). The
@@ -157,12 +158,13 @@ conventions differ by known scalars only:
   order: flattened ``(kh, kw, in)`` kernel rows, the bias last).
 * ``G`` is equal for the exact Fisher; kfac-jax's empirical mode divides it once
   more by the batch size ``B`` (``G = B·G_kfac-jax``).
-
-These comparisons are of Dense layers on ``(batch, d)`` inputs and of Conv
-layers. A Dense layer on ``(batch, T, d)`` inputs (a sequence) treats the ``T``
-positions as locations, like a conv's (``A`` sums over them, ``G`` averages over
-them; see ``perturbkit.kfac._rules``), but its factors are not compared with
-kfac-jax's by the tests, so no scalar relation is claimed for that case.
+* Dense on ``(batch, T, d)`` inputs (a sequence): perturbkit treats the ``T``
+  positions as locations, as for a conv (``A`` sums over them, ``G`` averages over
+  them). ``A`` equals kfac-jax's; kfac-jax sums ``G`` over the positions and keeps
+  the block's scale at 1, so ``G = G_kfac-jax / T`` for the exact Fisher,
+  ``(B / T)·G_kfac-jax`` for the empirical one, and kfac-jax's block for such a
+  layer is ``T`` times perturbkit's (for a conv the blocks are equal). Scale the
+  damping or the learning rate accordingly when moving settings between the two.
 
 Example:
   >>> from perturbkit import kfac
