@@ -4,9 +4,11 @@ gradients for unmodified Flax models.
 The names here are for Flax Linen models; ``perturbkit.nnx`` has the same functions for Flax NNX
 models, taking the module where the Linen ones take the variables.
 
-Namespaces: ``perturbkit.kfac`` (K-FAC) and ``perturbkit.per_example`` (per-example
-gradient norms and DP-SGD) hold their family's names and conventions, also exported
-here; ``perturbkit.filters`` the call filters; ``perturbkit.nnx`` the NNX front end;
+Namespaces: ``perturbkit.kfac`` (K-FAC), ``perturbkit.per_example`` (per-example
+gradient norms and DP-SGD) and ``perturbkit.interpret`` (caching, interventions,
+activation and attribution patching) hold their family's names and conventions, also
+exported here (the edits only in ``perturbkit.interpret``); ``perturbkit.filters`` the
+call filters; ``perturbkit.nnx`` the NNX front end;
 ``perturbkit.errors`` every error class (each a subclass of ``PerturbkitError``
 whose message says how to fix the problem; also exported here). The conventions of
 activation gradients are in ``help(perturbkit.value_and_grad)``, of interleaved
@@ -70,6 +72,7 @@ standard step (3.41 against 2.87 with the same, untuned adam 3e-3).
 # Namespaces
 from perturbkit import errors
 from perturbkit.core import filters
+from perturbkit import interpret
 from perturbkit import kfac
 from perturbkit import nnx
 from perturbkit import per_example
@@ -92,9 +95,15 @@ from perturbkit.kfac import (categorical_output, damped_inverse, gaussian_output
 # Per-example gradients and DP-SGD
 from perturbkit.per_example import (check_per_example, dp_sgd, per_example_grad_norms,
                                     PerExampleNorms, private_grad, PrivateState, PrivateTraining)
+# Caching, interventions and attribution
+from perturbkit.interpret import (activation_patching, attribution_patching, Cache,
+                                  grad_times_activation, PatchingResult, run_with_cache,
+                                  run_with_edits)
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
+from perturbkit.errors import CallStructureMismatchError
+from perturbkit.errors import EditShapeError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import HasAuxOutputError
@@ -110,6 +119,7 @@ from perturbkit.errors import LossNotCallableError
 from perturbkit.errors import MissingHasAuxError
 from perturbkit.errors import NonDifferentiableOutputError
 from perturbkit.errors import NonScalarLossError
+from perturbkit.errors import NonScalarMetricError
 from perturbkit.errors import NoPerturbationPointsError
 from perturbkit.errors import NotAnOptimizerError
 from perturbkit.errors import NotVariablesError
@@ -120,6 +130,7 @@ from perturbkit.errors import PerExampleError
 from perturbkit.errors import PerturbationsNotAppliedError
 from perturbkit.errors import PerturbationStructureError
 from perturbkit.errors import PerturbkitError
+from perturbkit.errors import PositionOutOfRangeError
 from perturbkit.errors import PRNGKeyError
 from perturbkit.errors import RandomCallError
 from perturbkit.errors import ReductionMismatchError
@@ -129,6 +140,7 @@ from perturbkit.errors import SharedSegmentError
 from perturbkit.errors import StateMismatchError
 from perturbkit.errors import UncoveredParamsError
 from perturbkit.errors import UninitializedStateError
+from perturbkit.errors import UnknownEditPathError
 from perturbkit.errors import UnmatchedFilterError
 from perturbkit.errors import UnperturbedCallsWarning
 from perturbkit.errors import WrongFrontEndError
@@ -137,6 +149,7 @@ __all__ = [
     # Namespaces
     'errors',
     'filters',
+    'interpret',
     'kfac',
     'nnx',
     'per_example',
@@ -173,9 +186,19 @@ __all__ = [
     'private_grad',
     'PrivateState',
     'PrivateTraining',
+    # Caching, interventions and attribution
+    'activation_patching',
+    'attribution_patching',
+    'Cache',
+    'grad_times_activation',
+    'PatchingResult',
+    'run_with_cache',
+    'run_with_edits',
     # Errors and warnings (also in perturbkit.errors)
     'ActivationsUnavailableError',
     'AmbiguousInputError',
+    'CallStructureMismatchError',
+    'EditShapeError',
     'ExamplesAxisError',
     'ExamplesMixedError',
     'HasAuxOutputError',
@@ -191,6 +214,7 @@ __all__ = [
     'MissingHasAuxError',
     'NonDifferentiableOutputError',
     'NonScalarLossError',
+    'NonScalarMetricError',
     'NoPerturbationPointsError',
     'NotAnOptimizerError',
     'NotVariablesError',
@@ -201,6 +225,7 @@ __all__ = [
     'PerturbationsNotAppliedError',
     'PerturbationStructureError',
     'PerturbkitError',
+    'PositionOutOfRangeError',
     'PRNGKeyError',
     'RandomCallError',
     'ReductionMismatchError',
@@ -210,6 +235,7 @@ __all__ = [
     'StateMismatchError',
     'UncoveredParamsError',
     'UninitializedStateError',
+    'UnknownEditPathError',
     'UnmatchedFilterError',
     'UnperturbedCallsWarning',
     'WrongFrontEndError',

@@ -32,6 +32,12 @@ a plain integer random seed).
 K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
 ``KFACLossError``, ``KFACTargetsError`` (targets that do not fit the output loss).
 
+Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
+(an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
+broadcast to the call's output), ``PositionOutOfRangeError``, ``NonScalarMetricError``
+(a subclass of ``NonScalarLossError``) and ``CallStructureMismatchError`` (clean and
+corrupted inputs that make different calls).
+
 NNX (``perturbkit.nnx``): the same ``NoPerturbationPointsError``,
 ``PerturbationsNotAppliedError`` and ``UnperturbedCallsWarning`` as Linen, with
 advice for NNX, and ``CaptureConflictError`` (the loss runs the model inside its
@@ -559,3 +565,62 @@ class UnmappedPerturbationError(PerturbkitError, ValueError):
         'exclude the calls with the filter.')
 
 
+class UnknownEditPathError(PerturbkitError, KeyError):
+  """An edit names a path that no selected call has."""
+
+  def __init__(self, path, known):
+    super().__init__(
+        f'There is an edit at {path!r}, but no selected call has that path. The calls '
+        f'with points are: {_listed(known, 12)}. Key an edit by the call\'s path and point '
+        "key as in run_with_cache's outputs ({'Dense_0': {'__call__': edit}} or "
+        "{'Dense_0/__call__': edit}), or widen the filter to select that call.")
+
+  def __str__(self):
+    return str(self.args[0])
+
+
+class EditShapeError(PerturbkitError, ValueError):
+  """An edit's values do not broadcast to the output of the call it edits."""
+
+  def __init__(self, where, field, shape, output_shape):
+    super().__init__(
+        f'The edit at {where} has {field} of shape {tuple(shape)}, which does not broadcast '
+        f'to the call\'s output of shape {tuple(output_shape)}. Give an array of the '
+        'output\'s shape or one that broadcasts to it (a scalar, or with 1 on the axes to '
+        'share); a value cached for other inputs (another batch size or length) does not fit.')
+
+
+class PositionOutOfRangeError(PerturbkitError, IndexError):
+  """A position index is outside the call's output along the edited axis."""
+
+  def __init__(self, where, positions, axis, shape):
+    size = shape[axis] if -len(shape) <= axis < len(shape) else None
+    within = (f'in [-{size}, {size}) along that axis' if size is not None else
+              f'along an axis the output has (it has {len(shape)})')
+    super().__init__(
+        f'Position(s) {positions} are out of range for axis {axis} of the output of {where}, '
+        f'of shape {tuple(shape)}. Use positions {within}, another axis= (e.g. 1 for the '
+        'tokens of a (batch, length, features) output), or a filter that leaves out the '
+        'calls whose outputs do not have that axis.')
+
+
+class NonScalarMetricError(NonScalarLossError):
+  """The metric function returned something other than a real scalar."""
+
+  def __init__(self, function, got):
+    PerturbkitError.__init__(
+        self, f'The metric function given to {function} must return a real scalar, but it '
+        f'returned {got}. Reduce the model\'s output to one number, e.g. the mean logit '
+        'difference `jnp.mean(logits[:, -1, right] - logits[:, -1, wrong])`.')
+
+
+class CallStructureMismatchError(PerturbkitError, ValueError):
+  """The clean and corrupted inputs make different calls (or outputs of other shapes)."""
+
+  def __init__(self, where, clean, corrupted):
+    super().__init__(
+        f'The clean and corrupted inputs make different calls: at {where} the clean run '
+        f'has {clean} and the corrupted run {corrupted}. Patching puts a call\'s clean '
+        'output into the corrupted run, so both must make the same calls with outputs of '
+        'the same shapes: give inputs of the same shape (pad or trim the corrupted prompt '
+        'to the clean one\'s length, use the same batch size).')

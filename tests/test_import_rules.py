@@ -2,8 +2,8 @@
 
 ``core`` is framework-neutral (no front end, no family); ``linen`` and ``nnx`` find and
 replay calls in their own Flax API and never import each other or a family; the families
-(``kfac``, ``per_example``) build on core and the front ends and not on each other; no
-module imports a name another module keeps private.
+(``interpret``, ``kfac``, ``per_example``) build on core and the front ends and not on each
+other; no module imports a name another module keeps private.
 """
 import ast
 import pathlib
@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'perturbkit'
 FRONT_ENDS = ('linen', 'nnx')
-FAMILIES = ('kfac', 'per_example')
+FAMILIES = ('interpret', 'kfac', 'per_example')
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -92,6 +92,15 @@ owning params called inside an NNX transform (``nnx.scan``, ``nnx.remat``).
 Tested against ``jax.vmap`` of ``nnx.grad`` and the Linen twins
 (``tests/test_nnx_per_example.py``).
 
+Caching, interventions and attribution on NNX models
+----------------------------------------------------
+``perturbkit.nnx.run_with_cache``, ``run_with_edits``, ``activation_patching``,
+``attribution_patching`` and ``grad_times_activation`` are the functions of
+``perturbkit.interpret`` (conventions in ``help(perturbkit.interpret)``) with
+``fn(model, *args)``; the edits are ``perturbkit.interpret``'s. They run a copy of
+the model merged in their own trace, so the model's state does not change; the
+results equal the Linen twin's (``tests/test_interpret.py``).
+
 Not yet on NNX
 --------------
 ``wrap``.
@@ -106,6 +115,11 @@ from perturbkit.nnx._driver import grad
 from perturbkit.nnx._driver import value_and_grad
 from perturbkit.nnx._driver import with_hooks
 from perturbkit.errors import CaptureConflictError
+from perturbkit.interpret._nnx import activation_patching
+from perturbkit.interpret._nnx import attribution_patching
+from perturbkit.interpret._nnx import grad_times_activation
+from perturbkit.interpret._nnx import run_with_cache
+from perturbkit.interpret._nnx import run_with_edits
 from perturbkit.errors import NoPerturbationPointsError
 from perturbkit.errors import PerturbationsNotAppliedError
 from perturbkit.errors import UnperturbedCallsWarning
@@ -126,11 +140,14 @@ from perturbkit.per_example._nnx import per_example_grad_norms
 from perturbkit.per_example._nnx import private_grad
 
 __all__ = [
+    'activation_patching',
+    'attribution_patching',
     'CaptureConflictError',
     'check_per_example',
     'dp_sgd',
     'filters',
     'grad',
+    'grad_times_activation',
     'interleaved',
     'InterleavedOptimizer',
     'InterleavedState',
@@ -143,6 +160,8 @@ __all__ = [
     'per_example_grad_norms',
     'PerturbationsNotAppliedError',
     'private_grad',
+    'run_with_cache',
+    'run_with_edits',
     'SegmentInTransformError',
     'UninstrumentableModuleError',
     'UnmappedPerturbationError',

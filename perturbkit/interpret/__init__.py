@@ -1,0 +1,110 @@
+"""Caching, interventions, activation patching and attribution patching for unmodified models.
+
+A perturbation point is an additive intervention: perturbkit already places one
+after every selected submodule call of an unmodified Flax model, and the same
+point can cache the call's output, edit it, or take the gradient of a metric at
+it. The functions here are written once over those points; the Linen ones take
+``fn(variables, *args)`` (also exported from ``perturbkit``), and
+``perturbkit.nnx`` has the same functions, with the same arguments, for
+``fn(model, *args)``.
+
+* ``run_with_cache(fn, filter=..., return_inputs=False, grads=False)``:
+  ``(output, Cache)`` from one run; ``cache.outputs['Dense_0']['__call__']``
+  is that call's output, keyed like ``grads['perturbations']`` of
+  :func:`perturbkit.value_and_grad`; with ``grads=True`` (``fn`` returns a
+  scalar metric) ``cache.grads`` holds d(metric)/d(output) of every call from
+  the same run.
+* ``run_with_edits(fn)(variables, edits, *args)``: the model's output with
+  each call in ``edits`` edited. Edits (:class:`Edit`) are ``replace``,
+  ``add``, ``scale``, ``zero_ablate``, ``mean_ablate``, each optionally only at
+  ``positions`` along an ``axis`` (one token); they are pytrees of arrays, so
+  ``jax.vmap`` runs a stack of them at once and ``jax.grad`` differentiates
+  through them.
+* ``activation_patching(fn, axis=..., batch_size=...)(variables, clean,
+  corrupted)``: for each call (and position), the metric of the corrupted run
+  with that output patched from the clean run, minus the corrupted metric;
+  one ``vmap`` over (call, position) pairs, ``batch_size`` at a time.
+* ``attribution_patching(fn, axis=...)(variables, clean, corrupted)``: the
+  first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` at the
+  corrupted run, from one backward pass; ``grad_times_activation(fn,
+  axis=...)(variables, inputs)``: ``a . d metric / d a``.
+
+Both patching functions return a :class:`PatchingResult`: ``paths`` (rows),
+``positions`` (columns), ``effects`` of shape ``(calls, positions)``, and the
+clean and corrupted metrics; the labels are static, so everything is jittable.
+
+Conventions
+-----------
+* A call's output is its floating-point part, as in ``value_and_grad``: a call
+  returning a tuple has a tuple of arrays (``None`` for other leaves); an edit's
+  ``scale`` and ``shift`` are then arrays applied to every leaf, or pytrees of
+  that structure. Positions index ``axis`` of every leaf.
+* The cache holds each call's own output, before any edit of that call; the
+  calls after an edited one see the edited value.
+* Where an edit applies, the result is computed without the old value
+  (``jnp.where``): replacing an output by its cached value is exactly the
+  unedited run, and ``replace`` gives exactly the value given.
+* The metric is ``fn``'s output and must be a real scalar (reduce the batch,
+  e.g. the mean logit difference); patching changes every example of the batch
+  at once, and the attributions sum over the batch and every axis but ``axis``.
+* Clean and corrupted inputs must make the same calls with outputs of the same
+  shapes (``CallStructureMismatchError`` names the first call that differs).
+* NNX: the functions run a copy of the model merged in their own trace; the
+  model's state (batch statistics, RNG counts) is not changed.
+* Calls inside lifted transforms (``nn.scan``, ``nn.remat``, NNX transforms)
+  have no output outside them: leave them out with the filter
+  (``ActivationsUnavailableError``).
+
+Errors: ``UnknownEditPathError``, ``EditShapeError``,
+``PositionOutOfRangeError``, ``NonScalarMetricError``,
+``CallStructureMismatchError`` (in ``perturbkit.errors``).
+
+Tested against: Linen's ``capture_intermediates`` (outputs), a per-call
+``jax.vjp`` (metric gradients), hand-edited twins of the models and an explicit
+``self.perturb`` reference (edits, patching, attribution), an unchunked sweep
+(the chunked one), NNX against its Linen twin, and a tiny Hugging Face GPT-2
+(``tests/test_interpret.py``).
+
+Example:
+  >>> import jax, jax.numpy as jnp, flax.linen as nn
+  >>> from perturbkit import interpret
+  >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+  >>> x = jnp.ones((2, 3))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> _, cache = interpret.run_with_cache(model.apply)(variables, x)
+  >>> patch_back = {'layers_0/__call__': interpret.replace(cache.outputs['layers_0']['__call__'])}
+  >>> bool((interpret.run_with_edits(model.apply)(variables, patch_back, x)
+  ...       == model.apply(variables, x)).all())
+  True
+"""
+from perturbkit.interpret._cache import Cache
+from perturbkit.interpret._edits import add
+from perturbkit.interpret._edits import apply_edit
+from perturbkit.interpret._edits import Edit
+from perturbkit.interpret._edits import mean_ablate
+from perturbkit.interpret._edits import replace
+from perturbkit.interpret._edits import scale
+from perturbkit.interpret._edits import zero_ablate
+from perturbkit.interpret._linen import activation_patching
+from perturbkit.interpret._linen import attribution_patching
+from perturbkit.interpret._linen import grad_times_activation
+from perturbkit.interpret._linen import run_with_cache
+from perturbkit.interpret._linen import run_with_edits
+from perturbkit.interpret._result import PatchingResult
+
+__all__ = [
+    'activation_patching',
+    'add',
+    'apply_edit',
+    'attribution_patching',
+    'Cache',
+    'Edit',
+    'grad_times_activation',
+    'mean_ablate',
+    'PatchingResult',
+    'replace',
+    'run_with_cache',
+    'run_with_edits',
+    'scale',
+    'zero_ablate',
+]

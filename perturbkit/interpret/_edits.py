@@ -1,0 +1,248 @@
+"""Edits of a call's output: replace, add, scale, zero- and mean-ablate, at chosen positions.
+
+An :class:`Edit` is data, a pytree of arrays: the edited output is
+``scale * output + shift`` where the edit is active (and, with ``positions``,
+only at those indices along ``axis``), the output itself elsewhere. So a stack of
+edits runs under ``jax.vmap`` as many interventions at once, and ``jax.grad``
+differentiates through ``scale`` and ``shift``. Each kind of edit is one choice
+of ``scale`` and ``shift``; where an edit applies, the result is computed without
+mixing in the old value (``jnp.where``), so replacing an output by itself, or
+scaling it by 1, leaves it bit for bit unchanged.
+"""
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perturbkit.core._traced_points import PointEdit, point_name
+from perturbkit.errors import (EditShapeError, InvalidOptionError, PositionOutOfRangeError,
+                               UnknownEditPathError)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=['scale', 'shift', 'positions', 'active'], meta_fields=['axis'])
+@dataclasses.dataclass(frozen=True)
+class Edit:
+  """``output -> scale * output + shift``, where active and at ``positions`` along ``axis``.
+
+  Build one with :func:`replace`, :func:`add`, :func:`scale`,
+  :func:`zero_ablate` or :func:`mean_ablate`. Every field but ``axis`` is an
+  array (a pytree leaf); ``axis`` is static, so edits stacked for ``jax.vmap``
+  share it.
+
+  Attributes:
+    scale: Multiplies the output; broadcasts to it.
+    shift: Added after scaling; broadcasts to the output. For a call whose
+      output is a pytree, ``scale`` and ``shift`` are either arrays that apply
+      to every floating-point leaf or pytrees of the output's structure.
+    positions: Integer indices along ``axis`` (``None``: the whole output).
+    active: A boolean; ``False`` leaves the output as it is (activation
+      patching switches the edits of a stack on one call at a time).
+    axis: The axis ``positions`` index (``None`` without positions).
+  """
+  scale: Any
+  shift: Any
+  positions: Any = None
+  active: Any = True
+  axis: int | None = None
+
+
+def _edit(scale_value, shift, positions, axis) -> Edit:
+  if (positions is None) != (axis is None):
+    raise InvalidOptionError('axis', axis, 'given exactly when positions are (an int axis '
+                             'such as 1 for tokens, with positions=[...])')
+  if positions is not None:
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise InvalidOptionError('positions', positions, 'integer indices along the axis')
+  return Edit(jax.tree.map(jnp.asarray, scale_value), jax.tree.map(jnp.asarray, shift),
+              positions, jnp.asarray(True), axis)
+
+
+def replace(value: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+  """Replaces the output (at ``positions`` along ``axis``) by ``value``.
+
+  Args:
+    value: An array that broadcasts to the output (a cached output, another
+      run's activation), or a pytree like the output.
+    positions: Integer indices along ``axis``; ``None`` for the whole output.
+    axis: The axis the positions index.
+
+  Returns:
+    The edit.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> interpret.apply_edit(interpret.replace(jnp.zeros(3), positions=[1], axis=1),
+    ...                      jnp.ones((2, 2, 3))).sum(axis=-1).tolist()
+    [[3.0, 0.0], [3.0, 0.0]]
+  """
+  return _edit(0.0, value, positions, axis)
+
+
+def add(delta: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+  """Adds ``delta`` to the output (at ``positions`` along ``axis``), a steering vector.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> interpret.apply_edit(interpret.add(jnp.array([1.0, 2.0])), jnp.ones((1, 2))).tolist()
+    [[2.0, 3.0]]
+  """
+  return _edit(1.0, delta, positions, axis)
+
+
+def scale(factor: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+  """Multiplies the output (at ``positions`` along ``axis``) by ``factor``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> interpret.apply_edit(interpret.scale(2.0), jnp.ones((1, 2))).tolist()
+    [[2.0, 2.0]]
+  """
+  return _edit(factor, 0.0, positions, axis)
+
+
+def zero_ablate(*, positions: Any = None, axis: int | None = None) -> Edit:
+  """Sets the output (at ``positions`` along ``axis``) to zero.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> interpret.apply_edit(interpret.zero_ablate(positions=[0], axis=1),
+    ...                      jnp.ones((1, 2))).tolist()
+    [[0.0, 1.0]]
+  """
+  return _edit(0.0, 0.0, positions, axis)
+
+
+def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: Any = None,
+                axis: int | None = None) -> Edit:
+  """Replaces the output by the mean of ``reference`` over the axes ``over``.
+
+  ``reference`` is the call's output on reference data, e.g.
+  ``cache.outputs['Dense_0']['__call__']`` from :func:`perturbkit.run_with_cache`
+  on a batch; its mean over the examples (``over=0``, kept as an axis of 1)
+  broadcasts to the output for any batch size.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> reference = jnp.array([[0.0, 2.0], [2.0, 4.0]])
+    >>> interpret.apply_edit(interpret.mean_ablate(reference), jnp.zeros((3, 2))).tolist()
+    [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
+  """
+  mean = jax.tree.map(lambda r: jnp.mean(r, axis=over, keepdims=True), reference)
+  return replace(mean, positions=positions, axis=axis)
+
+
+def _broadcast(value: jax.Array, shape: tuple, where: str, field: str) -> jax.Array:
+  try:
+    if jnp.broadcast_shapes(jnp.shape(value), shape) != tuple(shape):
+      raise ValueError
+  except ValueError:
+    raise EditShapeError(where, field, jnp.shape(value), shape) from None
+  return jnp.broadcast_to(value, shape)
+
+
+def _position_mask(positions: jax.Array, axis: int, shape: tuple, where: str) -> jax.Array:
+  if not -len(shape) <= axis < len(shape):
+    raise PositionOutOfRangeError(where, _listed(positions), axis, shape)
+  size = shape[axis]
+  if not isinstance(positions, jax.core.Tracer):
+    given = np.asarray(positions)
+    if given.size and (given.min() < -size or given.max() >= size):
+      raise PositionOutOfRangeError(where, _listed(positions), axis, shape)
+  selected = jnp.zeros(size, bool).at[positions].set(True)
+  return selected.reshape([size if i == axis % len(shape) else 1 for i in range(len(shape))])
+
+
+def _listed(positions) -> Any:
+  return positions if isinstance(positions, jax.core.Tracer) else np.asarray(positions).tolist()
+
+
+def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.Array:
+  shape = jnp.shape(output)
+  target = (_broadcast(scale_value, shape, where, 'scale') * output
+            + _broadcast(shift, shape, where, 'shift')).astype(output.dtype)
+  mask = jnp.asarray(edit.active, bool)
+  if edit.positions is not None:
+    mask = mask & _position_mask(edit.positions, edit.axis, shape, where)
+  return jnp.where(mask, target, output)
+
+
+def _like(value: Any, output: Any) -> list:
+  """``value``'s leaves, one per leaf of ``output``: its own if it has that structure."""
+  leaves = jax.tree.leaves(output)
+  if jax.tree.structure(value) == jax.tree.structure(output):
+    return jax.tree.leaves(value)
+  return [value] * len(leaves)
+
+
+def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
+  """``output`` with ``edit`` applied: the pure function every intervention runs.
+
+  Args:
+    edit: The edit.
+    output: A call's output (an array, or a pytree of floating-point arrays).
+    where: The call's name, for messages.
+
+  Returns:
+    The edited output, of ``output``'s structure, shapes and dtypes.
+
+  Raises:
+    EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
+    PositionOutOfRangeError: a position (known while tracing) is outside the
+      axis, or the output has no such axis.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> output = jnp.arange(4.0).reshape(2, 2)
+    >>> bool((interpret.apply_edit(interpret.replace(output), output) == output).all())
+    True
+  """
+  leaves, treedef = jax.tree.flatten(output)
+  edited = [_leaf(edit, leaf, s, b, where) for leaf, s, b in
+            zip(leaves, _like(edit.scale, output), _like(edit.shift, output))]
+  return jax.tree.unflatten(treedef, edited)
+
+
+def flat_edits(edits: Mapping[Any, Any], prefix: str = '') -> dict[str, Edit]:
+  """``{'Dense_0': {'__call__': e}}`` or ``{'Dense_0/__call__': e}`` as ``{'Dense_0/__call__': e}``."""
+  flat = {}
+  for key, value in edits.items():
+    name = f'{prefix}/{key}' if prefix else str(key)
+    if isinstance(value, Edit):
+      flat[name] = value
+    elif isinstance(value, Mapping):
+      flat.update(flat_edits(value, name))
+    else:
+      raise TypeError(f'The edit at {name!r} is {type(value).__name__}; build edits with '
+                      'perturbkit.interpret.replace, add, scale, zero_ablate or mean_ablate.')
+  return flat
+
+
+def edit_function(edits: Mapping[Any, Any], paths: tuple[tuple, ...]) -> PointEdit:
+  """The ``(point path, output) -> output`` function a front end runs at every point.
+
+  Raises:
+    UnknownEditPathError: an edit's path is not among ``paths``.
+  """
+  by_name = flat_edits(edits)
+  known = {point_name(p): p for p in paths}
+  for name in by_name:
+    if name not in known:
+      raise UnknownEditPathError(name, list(known))
+  by_path = {known[name]: edit for name, edit in by_name.items()}
+
+  def edit(path: tuple, output: Any) -> Any:
+    found = by_path.get(path)
+    return output if found is None else apply_edit(found, output, point_name(path))
+
+  return edit

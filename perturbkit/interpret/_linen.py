@@ -1,0 +1,244 @@
+"""Caching, interventions and patching for Linen models: ``fn(variables, *args)``.
+
+Thin: each function hands the Linen front end's ``traced_points`` to the
+front-end-neutral version; ``perturbkit.nnx`` has the same functions for NNX models.
+"""
+from typing import Any, Callable, Sequence
+
+from perturbkit.core._types import CallFilter
+from perturbkit.interpret import _attribution, _cache, _interventions, _patching
+from perturbkit.interpret._cache import Cache
+from perturbkit.interpret._result import PatchingResult
+from perturbkit.linen._traced_points import traced_points
+
+
+def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                   return_inputs: bool = False,
+                   grads: bool = False) -> Callable[..., tuple[Any, Cache]]:
+  """The output of every selected call, from one run of the unmodified model.
+
+  ``fn(variables, *args, **kwargs)`` runs the model (``model.apply(variables,
+  ...)``) and returns anything. The returned function takes the same arguments
+  and returns ``(fn's output, cache)``; ``cache.outputs`` holds each selected
+  call's output at its module path under its point key, like
+  ``grads['perturbations']`` of :func:`perturbkit.value_and_grad`
+  (``cache.outputs['Dense_0']['__call__']``; ``'__call__#1'`` for a second
+  call). Nothing is differentiated unless ``grads=True``. Jittable.
+
+  Args:
+    fn: ``(variables, *args, **kwargs) -> output``.
+    filter: Which calls to cache (default: all; see ``perturbkit.filters``).
+    return_inputs: Also cache each call's ``(args, kwargs)`` in
+      ``cache.inputs`` (array leaves; ``None`` for the rest).
+    grads: ``fn`` returns a real scalar metric, and ``cache.grads`` holds
+      d(metric)/d(output) of every selected call, from the same run and one
+      backward pass.
+
+  Returns:
+    A function ``(variables, *args, **kwargs) -> (output, Cache)``.
+
+  Raises:
+    NonScalarMetricError: ``grads=True`` and ``fn`` returned no real scalar.
+    NoPerturbationPointsError: the filter selects no call.
+    NotVariablesError: the first argument is not Linen variables.
+    WrongFrontEndError: the first argument is an NNX model (use
+      ``perturbkit.nnx.run_with_cache``).
+    ActivationsUnavailableError: a selected call runs inside a lifted
+      transform (``nn.scan``, ``nn.remat``), where its output does not exist
+      outside; leave it out with the filter.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> out, cache = perturbkit.run_with_cache(model.apply)(variables, x)
+    >>> cache.outputs['layers_0']['__call__'].shape
+    (2, 4)
+    >>> metric = lambda v, x: model.apply(v, x).mean()
+    >>> value, cache = perturbkit.run_with_cache(metric, grads=True)(variables, x)
+    >>> cache.grads['layers_2']['__call__'].tolist()
+    [[0.5], [0.5]]
+  """
+  return _cache.run_with_cache(traced_points, fn, filter=filter, return_inputs=return_inputs,
+                               grads=grads, function='perturbkit.run_with_cache')
+
+
+def run_with_edits(fn: Callable[..., Any], *,
+                   filter: CallFilter | bool | None = None) -> Callable[..., Any]:
+  """Runs the unmodified model with edits of the outputs of chosen calls.
+
+  The returned function takes ``(variables, edits, *args, **kwargs)`` and
+  returns what ``fn(variables, *args, **kwargs)`` returns when each call named
+  in ``edits`` has its output edited (the calls after it see the edited
+  value). ``edits`` maps a call's path and point key to an edit, nested like
+  the cache (``{'Dense_0': {'__call__': edit}}``) or joined
+  (``{'Dense_0/__call__': edit}``); the edits are ``perturbkit.interpret``'s
+  ``replace``, ``add``, ``scale``, ``zero_ablate`` and ``mean_ablate``, each
+  optionally only at ``positions`` along an ``axis``. Edits are pytrees of
+  arrays: ``jax.vmap`` over a stack of them runs many interventions at once,
+  and ``jax.grad`` differentiates through their values. Replacing an output
+  by its cached value gives exactly the unedited run.
+
+  Args:
+    fn: ``(variables, *args, **kwargs) -> output``.
+    filter: The calls that may be edited (default: all).
+
+  Returns:
+    A function ``(variables, edits, *args, **kwargs) -> output``.
+
+  Raises:
+    UnknownEditPathError: an edit at a path no selected call has.
+    EditShapeError: an edit's value does not broadcast to the call's output.
+    PositionOutOfRangeError: a position outside the call's output along the axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> from perturbkit import interpret
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> edited = perturbkit.run_with_edits(model.apply)
+    >>> out = edited(variables, {'layers_0/__call__': interpret.zero_ablate()}, x)
+    >>> out.tolist()   # the last layer's bias, zeros at init
+    [[0.0], [0.0]]
+  """
+  return _interventions.run_with_edits(traced_points, fn, filter=filter,
+                                       function='perturbkit.run_with_edits')
+
+
+def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                        axis: int | None = None, positions: Sequence[int] | None = None,
+                        batch_size: int | None = None) -> Callable[..., PatchingResult]:
+  """The effect on a metric of putting each call's clean output into the corrupted run.
+
+  ``fn(variables, inputs)`` runs the model and returns a real scalar metric
+  (several inputs: pass a tuple and unpack it in ``fn``). The returned function
+  takes ``(variables, clean, corrupted)``, caches every selected call's output
+  on ``clean``, and for each call (and, with ``axis``, each position along
+  that axis) runs ``corrupted`` with that output replaced by its clean value:
+  ``effects[i, j] = metric(patched) - metric(corrupted)``. All the patched
+  runs are one ``jax.vmap`` over (call, position) pairs, ``batch_size`` pairs
+  at a time when given (``jax.lax.map``), which bounds the memory. Jittable.
+
+  Args:
+    fn: ``(variables, inputs) -> metric``.
+    filter: The calls to patch (default: all).
+    axis: Patch one index along this axis of each output at a time (1 for the
+      tokens of ``(batch, length, features)`` outputs); ``None``: whole outputs.
+    positions: The indices along ``axis`` (default: all).
+    batch_size: Patched runs per step of the sweep (default: all at once).
+
+  Returns:
+    A function ``(variables, clean, corrupted) -> PatchingResult``.
+
+  Raises:
+    CallStructureMismatchError: the clean and corrupted inputs make different
+      calls, or outputs of other shapes.
+    NonScalarMetricError: ``fn`` returned no real scalar.
+    PositionOutOfRangeError: a position outside some selected call's output.
+    InvalidOptionError: ``batch_size`` is not a positive int.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> clean, corrupted = jnp.ones((2, 3)), jnp.zeros((2, 3))
+    >>> variables = model.init(jax.random.key(0), clean)
+    >>> metric = lambda v, x: model.apply(v, x).mean()
+    >>> result = perturbkit.activation_patching(metric)(variables, clean, corrupted)
+    >>> result.paths, result.effects.shape
+    (('layers_0/__call__', 'layers_2/__call__'), (2, 1))
+    >>> bool(jnp.allclose(result.effects[1, 0], result.clean_metric - result.corrupted_metric))
+    True
+  """
+  return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
+                                       positions=positions, batch_size=batch_size,
+                                       function='perturbkit.activation_patching')
+
+
+def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                         axis: int | None = None,
+                         positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+  """The first-order estimate of :func:`activation_patching`, from one backward pass.
+
+  ``effects[i, j] = (a_clean - a_corrupted) . d metric / d a`` for each call's
+  output ``a``, the gradient taken on the corrupted run, the product summed
+  over everything but position ``j`` along ``axis`` (everything without
+  ``axis``). One forward pass on ``clean``, one forward and backward pass on
+  ``corrupted``, whatever the number of calls and positions; the same
+  arguments and result as :func:`activation_patching`, so the two compare
+  directly. Exact for a metric linear in the activations; close to activation
+  patching where the clean and corrupted activations are close.
+
+  Args:
+    fn: ``(variables, inputs) -> metric``.
+    filter: The calls to attribute (default: all).
+    axis: Attribute each index along this axis separately; ``None``: whole outputs.
+    positions: The indices along ``axis`` (default: all).
+
+  Returns:
+    A function ``(variables, clean, corrupted) -> PatchingResult``.
+
+  Raises:
+    CallStructureMismatchError: the clean and corrupted inputs make different calls.
+    NonScalarMetricError: ``fn`` returned no real scalar.
+    PositionOutOfRangeError: a position outside some selected call's output.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(1)])   # linear: the estimate is exact
+    >>> clean, corrupted = jnp.ones((2, 3)), jnp.zeros((2, 3))
+    >>> variables = model.init(jax.random.key(0), clean)
+    >>> metric = lambda v, x: model.apply(v, x).mean()
+    >>> estimate = perturbkit.attribution_patching(metric)(variables, clean, corrupted)
+    >>> measured = perturbkit.activation_patching(metric)(variables, clean, corrupted)
+    >>> bool(jnp.allclose(estimate.effects, measured.effects, atol=1e-6))
+    True
+  """
+  return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
+                                           positions=positions,
+                                           function='perturbkit.attribution_patching')
+
+
+def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                          axis: int | None = None,
+                          positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+  """Gradient x activation, ``a . d metric / d a``, of every selected call's output.
+
+  The first-order effect of zero-ablating each call's output (at each
+  position along ``axis``), with the sign flipped: attribution patching from
+  a zero baseline, the gradient taken at ``inputs``. One forward and one
+  backward pass.
+
+  Args:
+    fn: ``(variables, inputs) -> metric``.
+    filter: The calls to attribute (default: all).
+    axis: Attribute each index along this axis separately; ``None``: whole outputs.
+    positions: The indices along ``axis`` (default: all).
+
+  Returns:
+    A function ``(variables, inputs) -> PatchingResult`` (``clean_metric`` and
+    ``corrupted_metric`` are both the metric at ``inputs``).
+
+  Raises:
+    NonScalarMetricError: ``fn`` returned no real scalar.
+    PositionOutOfRangeError: a position outside some selected call's output.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> metric = lambda v, x: model.apply(v, x).mean()
+    >>> result = perturbkit.grad_times_activation(metric, axis=0)(variables, x)
+    >>> result.positions, result.effects.shape
+    ((0, 1), (2, 2))
+  """
+  return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
+                                            positions=positions,
+                                            function='perturbkit.grad_times_activation')

@@ -1,0 +1,130 @@
+"""Caching, interventions and patching for NNX models: ``fn(model, *args)``.
+
+The functions of ``perturbkit.interpret`` (see their docstrings there), taking the
+NNX module where the Linen ones take the variables. Each runs a copy of the
+model merged inside its own trace: the caller's model and its state are never
+changed (batch statistics and RNG counts do not move).
+"""
+from typing import Any, Callable, Sequence
+
+from perturbkit.core._types import CallFilter
+from perturbkit.interpret import _attribution, _cache, _interventions, _patching
+from perturbkit.interpret._cache import Cache
+from perturbkit.interpret._result import PatchingResult
+from perturbkit.nnx._traced_points import traced_points
+
+
+def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                   return_inputs: bool = False,
+                   grads: bool = False) -> Callable[..., tuple[Any, Cache]]:
+  """The output of every selected call of an NNX model, from one run.
+
+  As :func:`perturbkit.run_with_cache`, with ``fn(model, *args, **kwargs)``;
+  the cache is keyed like the params state (``cache.outputs['layers'][0]['__call__']``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> out, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, jnp.ones((2, 3)))
+    >>> cache.outputs['layers'][0]['__call__'].shape
+    (2, 4)
+  """
+  return _cache.run_with_cache(traced_points, fn, filter=filter, return_inputs=return_inputs,
+                               grads=grads, function='perturbkit.nnx.run_with_cache')
+
+
+def run_with_edits(fn: Callable[..., Any], *,
+                   filter: CallFilter | bool | None = None) -> Callable[..., Any]:
+  """Runs an unmodified NNX model with edits at chosen calls: ``(model, edits, *args)``.
+
+  As :func:`perturbkit.run_with_edits`; an edit's key is the call's path in
+  the model and its point key, ``{'layers/0/__call__': edit}`` or
+  ``{'layers': {0: {'__call__': edit}}}``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> from perturbkit import interpret
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> edited = perturbkit.nnx.run_with_edits(lambda m, x: m(x))
+    >>> out = edited(model, {'layers/0/__call__': interpret.zero_ablate()}, jnp.ones((2, 3)))
+    >>> out.tolist()   # the last layer's bias, zeros at init
+    [[0.0], [0.0]]
+  """
+  return _interventions.run_with_edits(traced_points, fn, filter=filter,
+                                       function='perturbkit.nnx.run_with_edits')
+
+
+def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                        axis: int | None = None, positions: Sequence[int] | None = None,
+                        batch_size: int | None = None) -> Callable[..., PatchingResult]:
+  """Activation patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
+
+  As :func:`perturbkit.activation_patching`, with ``fn(model, inputs) -> metric``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> metric = lambda m, x: m(x).mean()
+    >>> patch = perturbkit.nnx.activation_patching(metric)
+    >>> patch(model, jnp.ones((2, 3)), jnp.zeros((2, 3))).paths
+    ('layers/0/__call__', 'layers/2/__call__')
+  """
+  return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
+                                       positions=positions, batch_size=batch_size,
+                                       function='perturbkit.nnx.activation_patching')
+
+
+def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                         axis: int | None = None,
+                         positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+  """Attribution patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
+
+  As :func:`perturbkit.attribution_patching`, with ``fn(model, inputs) -> metric``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> metric = lambda m, x: m(x).mean()
+    >>> result = perturbkit.nnx.attribution_patching(metric)(
+    ...     model, jnp.ones((2, 3)), jnp.zeros((2, 3)))
+    >>> bool(jnp.allclose(result.effects[1, 0], result.clean_metric - result.corrupted_metric))
+    True
+  """
+  return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
+                                           positions=positions,
+                                           function='perturbkit.nnx.attribution_patching')
+
+
+def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                          axis: int | None = None,
+                          positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+  """Gradient x activation of an NNX model's calls: ``(model, inputs) -> PatchingResult``.
+
+  As :func:`perturbkit.grad_times_activation`, with ``fn(model, inputs) -> metric``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> result = perturbkit.nnx.grad_times_activation(lambda m, x: m(x).mean())(
+    ...     model, jnp.ones((2, 3)))
+    >>> result.effects.shape
+    (2, 1)
+  """
+  return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
+                                            positions=positions,
+                                            function='perturbkit.nnx.grad_times_activation')

@@ -1,0 +1,67 @@
+"""Activation patching: each call's clean output put into the corrupted run, one at a time."""
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from perturbkit.core._traced_points import point_name
+from perturbkit.errors import InvalidOptionError
+from perturbkit.interpret._edits import Edit, edit_function
+from perturbkit.interpret._points import Tracer, check_metric, trace
+from perturbkit.interpret._positions import check_same_calls, sweep_positions
+from perturbkit.interpret._result import PatchingResult
+
+
+def sweep(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None) -> jax.Array:
+  """``job`` over the leading axis of ``jobs``: one ``vmap``, or ``batch_size`` at a time."""
+  if batch_size is None:
+    return jax.vmap(job)(jobs)
+  return jax.lax.map(job, jobs, batch_size=batch_size)
+
+
+def patching_edits(outputs: dict[tuple, Any], paths: tuple[tuple, ...], call: jax.Array,
+                   position: jax.Array | None, axis: int | None) -> dict[str, Edit]:
+  """Edits replacing call number ``call`` (at ``position``) by its value in ``outputs``.
+
+  Every call gets an edit, all but one inactive, so that the edits of different
+  calls have one structure and stack along ``jax.vmap``.
+  """
+  at = None if position is None else position[None]
+  return {point_name(p): Edit(jnp.zeros(()), outputs[p], at, call == i, axis)
+          for i, p in enumerate(paths)}
+
+
+def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,
+                        positions: Sequence[int] | None, batch_size: int | None,
+                        function: str) -> Callable[..., PatchingResult]:
+  """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
+  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    raise InvalidOptionError('batch_size', batch_size, 'a positive int or None')
+
+  @functools.wraps(fn)
+  def patch(model, clean, corrupted) -> PatchingResult:
+    clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
+    corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
+    check_same_calls(clean_points, corrupted_points)
+    where = sweep_positions(clean_points, axis, positions)
+    clean_metric, outputs, _ = clean_points.run({}, (clean,), {}, None)
+    corrupted_metric, _, _ = corrupted_points.run({}, (corrupted,), {}, None)
+    clean_metric = check_metric(clean_metric, function)
+    corrupted_metric = check_metric(corrupted_metric, function)
+    paths = corrupted_points.paths
+
+    def job(indices):
+      call, position = indices
+      at = None if where is None else jnp.asarray(where)[position]
+      edit = edit_function(patching_edits(outputs, paths, call, at, axis), paths)
+      patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
+      return check_metric(patched, function) - corrupted_metric
+
+    columns = 1 if where is None else len(where)
+    calls, cols = jnp.meshgrid(jnp.arange(len(paths)), jnp.arange(columns), indexing='ij')
+    effects = sweep(job, (calls.reshape(-1), cols.reshape(-1)), batch_size)
+    return PatchingResult(tuple(map(point_name, paths)), where,
+                          effects.reshape(len(paths), columns), clean_metric, corrupted_metric)
+
+  return patch

@@ -1,0 +1,47 @@
+"""What the interpret functions share: tracing a function's points, nesting, the metric check."""
+from typing import Any, Callable, Mapping, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from perturbkit.core._loss import describe, point_options
+from perturbkit.core._traced_points import TracedPoints
+from perturbkit.core._types import CallFilter
+from perturbkit.errors import NonScalarMetricError
+
+
+class Tracer(Protocol):
+  """A front end's ``traced_points``: ``perturbkit.linen`` or ``perturbkit.nnx``."""
+
+  def __call__(self, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict, *,
+               filter: CallFilter, strict: bool, function: str) -> TracedPoints: ...
+
+
+def trace(tracer: Tracer, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict,
+          filter: CallFilter | bool | None, function: str) -> TracedPoints:
+  """``tracer`` with the filter read as ``value_and_grad`` reads it."""
+  points, strict = point_options(filter, None)
+  return tracer(fn, model, args, kwargs, filter=points, strict=strict, function=function)
+
+
+def nest(flat: Mapping[tuple, Any]) -> dict:
+  """``{('Dense_0', '__call__'): v}`` as ``{'Dense_0': {'__call__': v}}``."""
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = value
+  return tree
+
+
+def check_metric(value: Any, function: str) -> jax.Array:
+  """``value`` checked to be a real scalar.
+
+  Raises:
+    NonScalarMetricError: it is anything else.
+  """
+  if (value is None or not jax.tree_util.treedef_is_leaf(jax.tree.structure(value))
+      or jnp.shape(value) != () or not jnp.issubdtype(jnp.result_type(value), jnp.floating)):
+    raise NonScalarMetricError(function, describe(value))
+  return value

@@ -1,0 +1,67 @@
+"""Which positions a sweep covers, and checks that clean and corrupted runs make the same calls."""
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perturbkit.core._traced_points import TracedPoints, point_name
+from perturbkit.errors import CallStructureMismatchError, PositionOutOfRangeError
+
+
+def sweep_positions(traced: TracedPoints, axis: int | None,
+                    positions: Sequence[int] | None) -> tuple[int, ...] | None:
+  """The positions along ``axis`` (default: all of the first call's), checked at every call.
+
+  Raises:
+    PositionOutOfRangeError: a position outside some selected call's output
+      along ``axis``, or an output without that axis.
+  """
+  if axis is None:
+    return None
+  calls = [(point_name(p), [leaf.shape for leaf in traced.shapes[p].leaves])
+           for p in traced.paths]
+  if positions is None:
+    name, shapes = calls[0]
+    if not -len(shapes[0]) <= axis < len(shapes[0]):
+      raise PositionOutOfRangeError(name, 'all', axis, shapes[0])
+    positions = range(shapes[0][axis])
+  positions = tuple(int(p) for p in np.asarray(positions).reshape(-1))
+  for name, shapes in calls:
+    for shape in shapes:
+      inside = -len(shape) <= axis < len(shape)
+      if not inside or any(not -shape[axis] <= p < shape[axis] for p in positions):
+        raise PositionOutOfRangeError(name, list(positions), axis, shape)
+  return positions
+
+
+def per_position(values: jax.Array, axis: int | None,
+                 positions: tuple[int, ...] | None) -> jax.Array:
+  """``values`` summed over every axis but ``axis``, at ``positions`` (all of it without)."""
+  if axis is None:
+    return jnp.sum(values)[None]
+  return jnp.sum(jnp.moveaxis(values, axis, 0).reshape(values.shape[axis], -1), axis=1)[
+      jnp.asarray(positions)]
+
+
+def _described(traced: TracedPoints, path: tuple | None) -> str:
+  if path is None:
+    return 'no further call'
+  shapes = [(tuple(s.shape), str(s.dtype)) for s in traced.shapes[path].leaves]
+  return f'a call {point_name(path)} with output {shapes[0] if len(shapes) == 1 else shapes}'
+
+
+def check_same_calls(clean: TracedPoints, corrupted: TracedPoints):
+  """Raises a named error, naming the first difference, unless both make the same calls.
+
+  Raises:
+    CallStructureMismatchError: a call one makes and the other does not, or
+      outputs of other shapes or dtypes.
+  """
+  for i in range(max(len(clean.paths), len(corrupted.paths))):
+    a = clean.paths[i] if i < len(clean.paths) else None
+    b = corrupted.paths[i] if i < len(corrupted.paths) else None
+    if a != b or clean.shapes[a] != corrupted.shapes[b]:
+      raise CallStructureMismatchError(f'call {i} ({point_name(a or b)})',
+                                       _described(clean, a), _described(corrupted, b))
+

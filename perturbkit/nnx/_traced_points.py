@@ -1,0 +1,66 @@
+"""An NNX function's selected calls as :class:`TracedPoints`, for the families to run."""
+import warnings
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from perturbkit.core._points import PointShape
+from perturbkit.core._traced_points import PointEdit, TracedPoints
+from perturbkit.core._trees import get_in
+from perturbkit.core._types import CallFilter
+from perturbkit.errors import NoPerturbationPointsError, UnperturbedCallsWarning
+from perturbkit.nnx._driver import check_module, discover, perturbed_call
+
+
+def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
+                  filter: CallFilter, strict: bool, function: str) -> TracedPoints:
+  """The calls ``fn(model, *args, **kwargs)`` makes that ``filter`` selects.
+
+  ``run`` works on a copy of the model merged inside its own trace (split once
+  here), so it is a pure function that ``jax.vmap``, ``jax.grad`` and
+  ``jax.lax.map`` can take; changes of the model's state in it (batch
+  statistics, RNG counts) are dropped, and the caller's model is never touched.
+
+  Args:
+    fn: ``(model, *args, **kwargs) -> anything``.
+    model: The NNX model.
+    args: Example positional arguments (shapes and dtypes matter).
+    kwargs: Example keyword arguments.
+    filter: Which calls get a point.
+    strict: Whether a selected call without floating-point output is an error.
+    function: The public function, for messages.
+
+  Returns:
+    The points and a ``run`` that closes over the model's state.
+
+  Raises:
+    WrongFrontEndError: ``model`` is a Linen module or Linen variables.
+    NoPerturbationPointsError: the filter selects no call.
+  """
+  check_module(model, function)
+  found = discover(fn, model, args, kwargs, points=filter, strict=strict, scalar=False)
+  if found.unreachable:
+    warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=3)
+  if not found.points:
+    raise NoPerturbationPointsError(found.seen, nnx=True)
+  paths = tuple(p.path + (p.key,) for p in found.points)
+  shapes = {path: PointShape(p.structure, tuple(found.shapes[q] for q in p.leaf_paths()))
+            for path, p in zip(paths, found.points)}
+  hand_placed = [PointShape(jax.tree.structure(0), (found.shapes[p],))
+                 for p in found.hand_placed]
+  graphdef, state = nnx.split(model)
+
+  def run(perturbations, args, kwargs, edit: PointEdit | None = None):
+    flat = []
+    for path in paths:
+      value = perturbations[path] if path in perturbations else shapes[path].zeros()
+      flat += jax.tree.leaves(value)
+    flat += [shape.zeros() for shape in hand_placed]
+    out, captured = perturbed_call(fn, nnx.merge(graphdef, state), flat, args, kwargs,
+                                   found=found, points=filter, edit=edit, activations=True,
+                                   inputs=True)
+    return (out, {p: get_in(captured['activations'], p) for p in paths},
+            {p: get_in(captured['inputs'], p) for p in paths})
+
+  return TracedPoints(paths, shapes, run)
