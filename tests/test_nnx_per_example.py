@@ -1,0 +1,223 @@
+"""perturbkit.nnx's per-example norms and DP-SGD against ``jax.vmap`` of ``nnx.grad``,
+against the Linen twins of the same weights, and against optax on the reference.
+
+The reference splits the model, and a vmapped function merges it and takes
+``nnx.grad`` of the loss of one example alone (a batch of one): it shares nothing
+with perturbkit's rules (ghost norms, patches, replayed calls) or its NNX pass.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_models as M
+import perturbkit
+from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError,
+                               ReductionMismatchError, WrongFrontEndError)
+
+TOL = dict(rtol=2e-4, atol=1e-5)
+
+
+def _strings(tree):
+  """Nested dicts with string keys (``nnx.List`` items' integer keys as strings)."""
+  if isinstance(tree, dict):
+    return {str(k): _strings(v) for k, v in tree.items()}
+  return tree
+
+
+def reference_grads(loss_fn, model, *args):
+  """Each example's ``nnx.Param`` gradient (leading axis examples), as string-keyed dicts."""
+  graphdef, state = nnx.split(model)
+
+  def one(state, *example):
+    alone = nnx.merge(graphdef, state)
+    grads = nnx.grad(lambda m: loss_fn(m, *[a[None] for a in example]))(alone)
+    return _strings(nnx.to_pure_dict(grads))
+
+  return jax.jit(jax.vmap(one, in_axes=(None,) + (0,) * len(args)))(state, *args)
+
+
+def norms_of(per_example):
+  sq = jax.tree.map(lambda g: jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1), per_example)
+  return jax.tree.map(jnp.sqrt, sq), jnp.sqrt(sum(jax.tree.leaves(sq)))
+
+
+def assert_norms_equal(norms, per_example):
+  """By param, in total, and each layer's from its own params."""
+  by_param, total = norms_of(per_example)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  for name, layer in norms.by_layer.items():
+    node = functools.reduce(lambda t, k: t[k], name.split('/'), by_param)
+    own = [v for v in node.values() if not isinstance(v, dict)]
+    np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
+  assert float(jnp.min(total)) > 1e-3
+
+
+def squared_error(model, x, reduction='mean'):
+  out = model(x)
+  terms = jnp.sum(jnp.sin(out) ** 2, axis=tuple(range(1, out.ndim)))
+  return terms.mean() if reduction == 'mean' else terms.sum()
+
+
+def _mlp():
+  return M.MLP(rngs=nnx.Rngs(0)), M.random_batch((6, 3))
+
+
+def _cnn():
+  model = M.CNN(rngs=nnx.Rngs(0))  # Conv (fast rule), BatchNorm (replayed), Linear
+  model.eval()  # running averages; Dropout off
+  return model, M.random_batch((4, 6, 6, 1))
+
+
+def _transformer():
+  return M.TransformerBlock(rngs=nnx.Rngs(0)), M.random_batch((4, 5, 8))
+
+
+MODELS = {'mlp': _mlp, 'cnn': _cnn, 'transformer': _transformer}
+
+
+@pytest.fixture(scope='module', params=list(MODELS))
+def case(request):
+  model, x = MODELS[request.param]()
+  return request.param, model, x
+
+
+@pytest.fixture(scope='module')
+def references():
+  return {}
+
+
+def _reference(references, name, model, x, reduction):
+  if (name, reduction) not in references:
+    loss_fn = functools.partial(squared_error, reduction=reduction)
+    references[name, reduction] = reference_grads(loss_fn, model, x)
+  return references[name, reduction]
+
+
+# -- norms against vmap(nnx.grad) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize('reduction, method', [('mean', 'direct'), ('sum', 'ghost')])
+def test_norms_equal_vmap_of_nnx_grad(case, references, reduction, method):
+  name, model, x = case
+  loss_fn = functools.partial(squared_error, reduction=reduction)
+  run = perturbkit.nnx.per_example_grad_norms(loss_fn, reduction=reduction,
+                                              dense_method=method)
+  loss, norms = jax.jit(run)(model, x)
+  assert_norms_equal(norms, _reference(references, name, model, x, reduction))
+  np.testing.assert_allclose(loss, loss_fn(model, x), rtol=1e-5)
+
+
+def test_norms_equal_the_linen_twins():
+  """The NNX MLP and Transformer block give their Linen twins' norms with the same weights."""
+  for model, x, twin in [(*_mlp(), M.LinenMLP()),
+                         (*_transformer(), M.LinenTransformerBlock())]:
+    variables = M.linen_variables(model)
+    linen_loss = lambda v, x, twin=twin: squared_error(functools.partial(twin.apply, v), x)
+    _, want = jax.jit(perturbkit.per_example_grad_norms(linen_loss))(variables, x)
+    _, norms = jax.jit(perturbkit.nnx.per_example_grad_norms(squared_error))(model, x)
+    chex.assert_trees_all_close(norms.by_param, _strings(want.by_param), **TOL)
+    np.testing.assert_allclose(norms.total, want.total, **TOL)
+
+
+# -- DP-SGD --------------------------------------------------------------------------------
+
+
+def reference_private_grad(per_example, grads_like, key, clip_norm, noise_multiplier):
+  """``(Σ_i c_i g_i + σC ξ) / B``, ξ drawn per leaf of the ``nnx.State`` from ``key``."""
+  _, total = norms_of(per_example)
+  factors = jnp.minimum(1.0, clip_norm / total)
+  summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
+  leaves = [functools.reduce(lambda t, k: t[k], map(str, path), summed)
+            for path, _ in nnx.to_flat_state(grads_like)]
+  keys = jax.random.split(key, len(leaves))
+  batch = total.shape[0]
+  return [(s + noise_multiplier * clip_norm * jax.random.normal(k, s.shape)) / batch
+          for s, k in zip(leaves, keys)], total
+
+
+def _leaves(state):
+  return [var.get_value() for _, var in nnx.to_flat_state(state)]
+
+
+def test_private_grad_without_clipping_or_noise_is_nnx_grad():
+  model, x = _cnn()
+  dp = perturbkit.nnx.private_grad(squared_error, clip_norm=1e6, noise_multiplier=0.0)
+  grads, metrics = jax.jit(dp)(model, jax.random.key(0), x)
+  want = nnx.grad(squared_error)(model, x)
+  assert isinstance(grads, nnx.State)
+  chex.assert_trees_all_close(M.pure(grads), M.pure(want), **TOL)
+  assert float(metrics['fraction_clipped']) == 0 and int(metrics['dropped']) == 0
+
+
+def test_private_grad_clips_and_noises_as_the_reference(references):
+  model, x = _mlp()
+  per_example = _reference(references, 'mlp', model, x, 'mean')
+  clip = float(jnp.median(norms_of(per_example)[1]))  # about half the examples clipped
+  key = jax.random.key(7)
+  dp = perturbkit.nnx.private_grad(squared_error, clip_norm=clip, noise_multiplier=0.7)
+  grads, metrics = jax.jit(dp)(model, key, x)
+  want, total = reference_private_grad(per_example, grads, key, clip, 0.7)
+  chex.assert_trees_all_close(_leaves(grads), want, **TOL)
+  np.testing.assert_allclose(metrics['per_example_norms'], total, **TOL)
+  assert 0 < float(metrics['fraction_clipped']) < 1
+
+
+def test_dp_sgd_step_is_optax_on_the_reference(references):
+  model, x = _mlp()
+  per_example = _reference(references, 'mlp', model, x, 'mean')
+  tx = perturbkit.nnx.dp_sgd(squared_error, optax.sgd(0.5), clip_norm=0.3,
+                             noise_multiplier=1.0)
+  state = tx.init(model)
+  step = jax.jit(chex.assert_max_traces(tx.step, n=1))
+  key = jax.random.key(3)
+  new_state, metrics = step(state, key, x)
+  params = nnx.state(model, nnx.Param)
+  want, _ = reference_private_grad(per_example, params, key, 0.3, 1.0)
+  expected = [p - 0.5 * g for p, g in zip(_leaves(params), want)]
+  chex.assert_trees_all_close(_leaves(nnx.state(new_state.model(), nnx.Param)), expected,
+                              **TOL)
+  assert int(new_state.step) == 1 and not bool(metrics['skipped'])
+  step(new_state, jax.random.key(4), x)  # no retrace
+
+
+# -- checks and named errors ----------------------------------------------------------------
+
+
+class RootScale(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(3, 2, rngs=rngs)
+    self.scale = nnx.Param(jnp.ones((2,)))
+
+  def __call__(self, x):
+    return self.dense(x) * self.scale[...][None, :]
+
+
+def test_named_errors():
+  model, x = _mlp()
+  nnx_norms = perturbkit.nnx.per_example_grad_norms(squared_error)
+  with pytest.raises(WrongFrontEndError):
+    nnx_norms(M.linen_variables(model), x)
+  with pytest.raises(WrongFrontEndError):
+    perturbkit.per_example_grad_norms(squared_error)(model, x)
+  with pytest.raises(WrongFrontEndError):
+    perturbkit.check_per_example(squared_error, model, x)
+  with pytest.raises(ReductionMismatchError):
+    perturbkit.nnx.per_example_grad_norms(
+        functools.partial(squared_error, reduction='sum'))(model, x)
+  training = M.CNN(rngs=nnx.Rngs(0))  # BatchNorm in training mode
+  cnn_loss = lambda m, x: jnp.mean(m(x) ** 2)
+  with pytest.raises(ExamplesMixedError, match='BatchNorm'):
+    perturbkit.nnx.per_example_grad_norms(cnn_loss)(training, M.random_batch((4, 6, 6, 1)))
+  with pytest.raises(ExamplesMixedError):
+    perturbkit.nnx.check_per_example(cnn_loss, training, M.random_batch((4, 6, 6, 1)))
+  with pytest.raises(ParamsReadOutsideError, match='<root>'):
+    perturbkit.nnx.private_grad(squared_error, clip_norm=1.0, noise_multiplier=0.0)(
+        RootScale(nnx.Rngs(0)), jax.random.key(0), x)
+  perturbkit.nnx.check_per_example(squared_error, model, x)
