@@ -22,7 +22,15 @@ steps are checked to give the same new params for the same key (exit code 1 if n
   python scripts/bench_per_example.py --out scripts/results/bench_per_example.json
   python scripts/bench_per_example.py --sizes small      # prints only
   python scripts/bench_per_example.py --sizes tiny --models mlp cnn   # the smoke test's run
+
+``--api nnx`` measures the same four steps on the NNX versions of the models
+(``_bench_nnx_models``): ``nnx.value_and_grad`` for plain and noised, ``jax.vmap`` of
+``nnx.grad`` for vmap_grad, ``perturbkit.nnx.dp_sgd`` for perturbkit; the same JSON,
+with ``config['api']``:
+
+  python scripts/bench_per_example.py --api nnx --sizes tiny
 """
+import argparse
 import os
 import sys
 from typing import Any, Callable
@@ -36,8 +44,10 @@ import optax
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
 import perturbkit  # noqa: E402
+from flax import nnx  # noqa: E402
 import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
+import _bench_nnx_models as nnx_models  # noqa: E402
 
 VARIANTS = ('plain', 'noised', 'vmap_grad', 'perturbkit')
 LEARNING_RATE = 0.1
@@ -134,6 +144,69 @@ def perturbkit_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..
   return step
 
 
+# -- the NNX steps: params are the nnx.State of nnx.Param, the rest of the state fixed ---------
+
+
+def nnx_model(name: str, size: dict[str, Any], shape: tuple, seed: int) -> nnx.Module:
+  rngs = nnx.Rngs(seed)
+  if name == 'mlp':
+    return nnx_models.MLP(size['features'], size['widths'], size['classes'], rngs=rngs)
+  if name == 'cnn':
+    return nnx_models.CNN(size['image'], shape[-1], size['channels'], 1, size['classes'],
+                          rngs=rngs)
+  return nnx_models.Transformer(size['features'], size['dim'], size['depth'], size['heads'],
+                                size['classes'], rngs=rngs)
+
+
+def nnx_loss(model: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def nnx_steps(graphdef: Any, others: Any, optimizer) -> dict[str, Callable[..., Any]]:
+  """The four steps ``(params, opt_state, key, x, y) -> (params, opt_state, loss)``."""
+  model_of = lambda params: nnx.merge(graphdef, params, others, copy=True)
+  sigma = jnp.asarray(NOISE_MULTIPLIER * CLIP_NORM, jnp.float32)
+
+  def update(params, opt_state, grads, loss):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  def plain(params, opt_state, key, x, y):
+    del key
+    loss, grads = nnx.value_and_grad(nnx_loss)(model_of(params), x, y)
+    return update(params, opt_state, grads, loss)
+
+  def noised(params, opt_state, key, x, y):
+    loss, grads = nnx.value_and_grad(nnx_loss)(model_of(params), x, y)
+    batch = x.shape[0]
+    summed = jax.tree.map(lambda g: g * batch, grads)
+    noised = perturbkit.per_example._dp.add_noise(key, summed, sigma)
+    return update(params, opt_state, jax.tree.map(lambda g: g / batch, noised), loss)
+
+  def vmap_grad(params, opt_state, key, x, y):
+    def one(params, xi, yi):
+      return nnx.grad(nnx_loss)(model_of(params), xi[None], yi[None])
+    per_example = jax.vmap(one, in_axes=(None, 0, 0))(params, x, y)
+    sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
+             for g in jax.tree.leaves(per_example))
+    factors = CLIP_NORM / jnp.maximum(jnp.sqrt(sq), CLIP_NORM)
+    summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
+    noise = perturbkit.per_example._dp.gaussian_noise(key, summed, sigma)  # the same draws
+    grads = jax.tree.map(lambda s, n: (s + n) / x.shape[0], summed, noise)
+    return update(params, opt_state, grads, nnx_loss(model_of(params), x, y))
+
+  tx = perturbkit.nnx.dp_sgd(nnx_loss, optimizer, clip_norm=CLIP_NORM,
+                             noise_multiplier=NOISE_MULTIPLIER)
+
+  def private(params, opt_state, key, x, y):
+    state = perturbkit.nnx.NNXPrivateState(jnp.zeros((), jnp.int32),
+                                           *nnx.split(model_of(params)), opt_state)
+    state, metrics = tx.step(state, key, x, y)
+    return nnx.state(state.model(), nnx.Param), state.opt_state, metrics['loss']
+
+  return {'plain': plain, 'noised': noised, 'vmap_grad': vmap_grad, 'perturbkit': private}
+
+
 def mismatch(a: Any, b: Any) -> str | None:
   for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
     try:
@@ -143,18 +216,29 @@ def mismatch(a: Any, b: Any) -> str | None:
   return None
 
 
-def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
-            key: jax.Array) -> dict[str, Any]:
-  kp, kd, kn = jax.random.split(key, 3)
-  problem = make_problem(name, size, batch, kd)
+def linen_steps(problem: models.Problem, optimizer) -> dict[str, Callable[..., Any]]:
   loss_fn = models.cross_entropy(problem.model)
-  optimizer = optax.sgd(LEARNING_RATE)
-  params = problem.model.init(kp, problem.x)['params']
-  opt_state = optimizer.init(params)
-  args = (params, opt_state, kn, problem.x, problem.y)
   makers = {'plain': plain_step, 'noised': noised_step, 'vmap_grad': vmap_grad_step,
             'perturbkit': perturbkit_step}
-  compiled = {v: common.compile_timed(makers[v](loss_fn, optimizer), *args) for v in VARIANTS}
+  return {v: makers[v](loss_fn, optimizer) for v in VARIANTS}
+
+
+def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
+            key: jax.Array, api: str = 'linen') -> dict[str, Any]:
+  kp, kd, kn = jax.random.split(key, 3)
+  problem = make_problem(name, size, batch, kd)
+  optimizer = optax.sgd(LEARNING_RATE)
+  if api == 'nnx':
+    graphdef, params, others = nnx.split(
+        nnx_model(name, size, problem.x.shape, int(jax.random.randint(kp, (), 0, 2 ** 30))),
+        nnx.Param, ...)
+    steps = nnx_steps(graphdef, others, optimizer)
+  else:
+    params = problem.model.init(kp, problem.x)['params']
+    steps = linen_steps(problem, optimizer)
+  opt_state = optimizer.init(params)
+  args = (params, opt_state, kn, problem.x, problem.y)
+  compiled = {v: common.compile_timed(steps[v], *args) for v in VARIANTS}
   new_params = {v: compiled[v].call(*args)[0] for v in ('vmap_grad', 'perturbkit')}
   wrong = mismatch(new_params['perturbkit'], new_params['vmap_grad'])
   # vmap(grad) is timed on its own after the others: its working set (up to hundreds of MB)
@@ -211,6 +295,9 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+  front_end = argparse.ArgumentParser(add_help=False)
+  front_end.add_argument('--api', choices=('linen', 'nnx'), default='linen')
+  api, argv = front_end.parse_known_args(argv)
   args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv)
   key = jax.random.key(0)
   results: dict[str, list] = {}
@@ -220,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in size['batches']:
       print(f'[{name} batch {batch}] compiling, checking and timing ...', flush=True)
       results[name].append(measure(name, size, batch, args.repeats,
-                                   jax.random.fold_in(key, 1000 * i + batch)))
+                                   jax.random.fold_in(key, 1000 * i + batch), api.api))
   print(common.format_table(table_rows(results), COLUMNS))
   print()
   for name, runs in results.items():
@@ -236,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f'x time, x mem: ratio to plain. Targets for perturbkit: time <= {TARGETS["time"]}x, '
         f'arg+out+temp bytes <= {TARGETS["memory"]}x.')
   common.write_results(args.out, 'per_example',
-                       {'sizes': args.sizes, 'repeats': args.repeats, 'clip_norm': CLIP_NORM,
+                       {'api': api.api, 'sizes': args.sizes, 'repeats': args.repeats,
+                        'clip_norm': CLIP_NORM,
                         'noise_multiplier': NOISE_MULTIPLIER,
                         'optimizer': f'sgd({LEARNING_RATE})', 'tolerance': TOLERANCE,
                         'targets': TARGETS, 'variants': list(VARIANTS)},
