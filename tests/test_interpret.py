@@ -1,0 +1,388 @@
+"""perturbkit.interpret against independent references, on Linen, NNX and GPT-2.
+
+* Cached outputs against Flax's ``capture_intermediates``; metric gradients against
+  ``jax.vjp`` of the MLP written out by hand with explicit additive deltas.
+* Edits against the same hand-written MLP with the edit written into it; patching a
+  cached value back in is bit for bit the unedited run.
+* Activation patching against each patch run by hand; the sweep in chunks
+  (``jax.lax.map``, jitted) against one ``vmap``.
+* Attribution patching and gradient x activation against ``jnp.vdot`` with the
+  ``jax.vjp`` gradients; attribution patching close to activation patching for a
+  small difference.
+* NNX: the MLP with a module called twice against its Linen twin, and the model's
+  state untouched; GPT-2 (tuple outputs) against ``capture_intermediates`` and by-hand
+  patching. Every named error, and the fix its message suggests.
+"""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hf_models
+import models
+import nnx_models
+import perturbkit
+from perturbkit import filters, interpret
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+NAMES = ('Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__')
+SHAPE = (2, 5, 3)  # (batch, tokens, features): positions are tokens, axis 1
+
+
+def mlp_by_hand(params, x, edit=lambda name, h: h):
+  """``models.MLP`` written out, with ``edit(name, output)`` at each Dense output."""
+  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
+      {'params': params[name]}, h))
+  h = nn.relu(dense('Dense_0', 8, x))
+  h = nn.relu(dense('Dense_1', 8, h)) + h
+  return dense('Dense_2', 2, h)
+
+
+def metric_of(out):
+  return jnp.mean(jnp.tanh(out[..., 0]) + out[..., 1] ** 2)
+
+
+@pytest.fixture(scope='module', name='mlp')
+def _mlp():
+  model = models.MLP()
+  clean = jax.random.normal(jax.random.key(1), SHAPE)
+  corrupted = jax.random.normal(jax.random.key(2), SHAPE)
+  variables = model.init(jax.random.key(0), clean)
+  metric = lambda v, x: metric_of(model.apply(v, x))
+  return model, variables, clean, corrupted, metric
+
+
+def by_hand_outputs(params, x):
+  outputs = {}
+  mlp_by_hand(params, x, lambda name, h: outputs.setdefault(name, h))
+  return outputs
+
+
+def by_hand_grads(params, x):
+  """d metric / d output of each Dense call, by ``jax.vjp`` of explicit additive deltas."""
+  zeros = {k: jnp.zeros_like(v) for k, v in by_hand_outputs(params, x).items()}
+  value, vjp = jax.vjp(lambda d: metric_of(mlp_by_hand(params, x, lambda n, h: h + d[n])), zeros)
+  return value, vjp(jnp.ones_like(value))[0]
+
+
+def flat(tree):
+  return models.unnest(tree)
+
+
+def per_token(values):
+  return jnp.einsum('btd->t', values)
+
+
+# --- caching -------------------------------------------------------------------------
+
+
+def test_cache_equals_capture_intermediates_and_grads_equal_vjp(mlp):
+  model, variables, x, _, metric = mlp
+  out, cache = jax.jit(perturbkit.run_with_cache(model.apply, return_inputs=True))(variables, x)
+  _, state = model.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  want = {f'{k}/__call__': v['__call__'][0] for k, v in state['intermediates'].items()
+          if k != '__call__'}
+  chex.assert_trees_all_close(flat(cache.outputs), want, **TOL)
+  chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
+  (h,), kwargs = cache.inputs['Dense_1']['__call__']
+  chex.assert_trees_all_close(h, nn.relu(want['Dense_0/__call__']), **TOL)
+  assert kwargs == {} and cache.grads is None
+
+  value, cache = jax.jit(perturbkit.run_with_cache(metric, grads=True))(variables, x)
+  want_value, want_grads = by_hand_grads(variables['params'], x)
+  chex.assert_trees_all_close(value, want_value, **TOL)
+  chex.assert_trees_all_close(flat(cache.grads), want_grads, **TOL)
+  chex.assert_trees_all_close(flat(cache.outputs), want, **TOL)
+
+
+# --- interventions -------------------------------------------------------------------
+
+
+def test_patching_the_cached_value_back_is_exactly_the_unedited_run(mlp):
+  model, variables, x, _, _ = mlp
+  plain = model.apply(variables, x)
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, x)
+  edited = perturbkit.run_with_edits(model.apply)
+  back = {name: interpret.replace(v) for name, v in flat(cache.outputs).items()}
+  np.testing.assert_array_equal(edited(variables, back, x), plain)
+  at = {'Dense_1': {'__call__': interpret.replace(cache.outputs['Dense_1']['__call__'],
+                                                  positions=[0, 3], axis=1)}}
+  np.testing.assert_array_equal(edited(variables, at, x), plain)
+  np.testing.assert_array_equal(edited(variables, {'Dense_2/__call__': interpret.scale(1.0)}, x),
+                                plain)
+
+
+def _on_tokens(f, tokens):
+  """``f`` at ``tokens`` of axis 1, the output elsewhere: an edit written by hand."""
+  def edit(h):
+    mask = jnp.zeros(h.shape[1], bool).at[jnp.asarray(tokens)].set(True)[None, :, None]
+    return jnp.where(mask, f(h), h)
+  return edit
+
+
+EDITS = {
+    'replace': (lambda v: interpret.replace(v), lambda v: lambda h: jnp.broadcast_to(v, h.shape)),
+    'add': (lambda v: interpret.add(v), lambda v: lambda h: h + jnp.broadcast_to(v, h.shape)),
+    'scale': (lambda v: interpret.scale(-2.0), lambda v: lambda h: -2.0 * h),
+    'zero': (lambda v: interpret.zero_ablate(), lambda v: jnp.zeros_like),
+}
+
+
+@pytest.mark.parametrize('kind', sorted(EDITS))
+def test_edits_equal_the_model_with_the_edit_written_by_hand(mlp, kind):
+  model, variables, x, _, _ = mlp
+  make, by_hand = EDITS[kind]
+  value = jax.random.normal(jax.random.key(3), (8,))
+  edited = perturbkit.run_with_edits(model.apply)
+  got = edited(variables, {'Dense_1/__call__': make(value)}, x)
+  want = mlp_by_hand(variables['params'], x,
+                     lambda n, h: by_hand(value)(h) if n == 'Dense_1/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+  edit = make(value)
+  at_tokens = interpret.Edit(edit.scale, edit.shift, jnp.array([1, 4]), edit.active, 1)
+  got = edited(variables, {'Dense_1': {'__call__': at_tokens}}, x)
+  want = mlp_by_hand(variables['params'], x, lambda n, h: _on_tokens(by_hand(value), [1, 4])(h)
+                     if n == 'Dense_1/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_mean_ablation_vmap_over_stacked_edits_and_grad_through_them(mlp):
+  model, variables, x, corrupted, metric = mlp
+  params = variables['params']
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, corrupted)
+  reference = cache.outputs['Dense_0']['__call__']
+  edited = perturbkit.run_with_edits(model.apply)
+  got = edited(variables, {'Dense_0/__call__': interpret.mean_ablate(reference)}, x)
+  want = mlp_by_hand(params, x, lambda n, h: jnp.broadcast_to(reference.mean(0), h.shape)
+                     if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+  factors = jnp.array([0.0, 0.5, 3.0])
+  stack = jax.vmap(lambda s: {'Dense_1/__call__': interpret.scale(s, positions=[2], axis=1)})(
+      factors)
+  got = jax.vmap(lambda e: edited(variables, e, x))(stack)
+  for s, g in zip(factors, got):
+    want = mlp_by_hand(params, x, lambda n, h: _on_tokens(lambda h: s * h, [2])(h)
+                       if n == 'Dense_1/__call__' else h)
+    chex.assert_trees_all_close(g, want, **TOL)
+
+  steered = lambda v: metric_of(edited(variables, {'Dense_1/__call__': interpret.add(v)}, x))
+  by_hand = lambda v: metric_of(mlp_by_hand(
+      params, x, lambda n, h: h + jnp.broadcast_to(v, h.shape) if n == 'Dense_1/__call__' else h))
+  v = jax.random.normal(jax.random.key(4), (8,))
+  chex.assert_trees_all_close(jax.grad(steered)(v), jax.grad(by_hand)(v), **TOL)
+
+
+# --- activation patching -------------------------------------------------------------
+
+
+def test_activation_patching_equals_each_patch_by_hand(mlp):
+  model, variables, clean, corrupted, metric = mlp
+  params = variables['params']
+  result = perturbkit.activation_patching(metric, axis=1)(variables, clean, corrupted)
+  assert result.paths == NAMES and result.positions == (0, 1, 2, 3, 4)
+  clean_outputs = by_hand_outputs(params, clean)
+  base = metric_of(mlp_by_hand(params, corrupted))
+  want = [[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
+                                 _on_tokens(lambda _: clean_outputs[n], [t])(h) if n == c else h))
+           - base for token in range(SHAPE[1])] for call in NAMES]
+  chex.assert_trees_all_close(result.effects, jnp.array(want), **TOL)
+  chex.assert_trees_all_close((result.clean_metric, result.corrupted_metric),
+                              (metric_of(mlp_by_hand(params, clean)), base), **TOL)
+
+  whole = perturbkit.activation_patching(metric)(variables, clean, corrupted)
+  assert whole.positions is None and whole.effects.shape == (3, 1)
+  chex.assert_trees_all_close(whole.effects[2, 0], whole.clean_metric - base, **TOL)
+
+  chunked = jax.jit(perturbkit.activation_patching(metric, axis=1, batch_size=4))(
+      variables, clean, corrupted)
+  assert chunked.paths == result.paths and chunked.positions == result.positions
+  chex.assert_trees_all_close(chunked.effects, result.effects, **TOL)
+
+
+# --- attribution patching and gradient x activation ----------------------------------
+
+
+def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
+  model, variables, clean, corrupted, metric = mlp
+  params = variables['params']
+  result = perturbkit.attribution_patching(metric, axis=1)(variables, clean, corrupted)
+  a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
+  _, grads = by_hand_grads(params, corrupted)
+  want = jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
+  assert result.paths == NAMES
+  chex.assert_trees_all_close(result.effects, want, **TOL)
+  whole = perturbkit.attribution_patching(metric)(variables, clean, corrupted)
+  chex.assert_trees_all_close(
+      whole.effects[:, 0], jnp.array([jnp.vdot(a_clean[n] - a_corrupted[n], grads[n])
+                                      for n in NAMES]), **TOL)
+
+  gxa = perturbkit.grad_times_activation(metric, axis=1, positions=[0, 3])(variables, corrupted)
+  want = jnp.stack([per_token(a_corrupted[n] * grads[n])[jnp.array([0, 3])] for n in NAMES])
+  chex.assert_trees_all_close(gxa.effects, want, **TOL)
+
+
+def test_attribution_patching_is_close_to_activation_patching_for_a_small_difference(mlp):
+  _, variables, clean, _, metric = mlp
+  near = clean + 1e-3 * jax.random.normal(jax.random.key(5), SHAPE)
+  estimate = perturbkit.attribution_patching(metric, axis=1)(variables, clean, near)
+  measured = perturbkit.activation_patching(metric, axis=1)(variables, clean, near)
+  scale = float(jnp.abs(measured.effects).max())
+  assert scale > 1e-5
+  chex.assert_trees_all_close(estimate.effects, measured.effects, rtol=0, atol=2e-2 * scale)
+
+
+# --- NNX, against its Linen twin -----------------------------------------------------
+
+
+@pytest.fixture(scope='module', name='twins')
+def _twins():
+  model = nnx_models.MLP(rngs=nnx.Rngs(0))
+  variables = nnx_models.linen_variables(model)
+  linen = nnx_models.LinenMLP()
+  clean = jax.random.normal(jax.random.key(1), SHAPE)
+  corrupted = jax.random.normal(jax.random.key(2), SHAPE)
+  return model, variables, linen, clean, corrupted
+
+
+def test_nnx_equals_its_linen_twin(twins):
+  model, variables, linen, clean, corrupted = twins
+  before = nnx_models.pure(nnx.state(model))
+  nnx_metric = lambda m, x: metric_of(m(x))
+  linen_metric = lambda v, x: metric_of(linen.apply(v, x))
+
+  got = perturbkit.nnx.run_with_cache(nnx_metric, grads=True, return_inputs=True)(model, clean)
+  want = perturbkit.run_with_cache(linen_metric, grads=True, return_inputs=True)(variables, clean)
+  assert set(got[1].outputs['dense_1']) == {'__call__', '__call__#1'}
+  chex.assert_trees_all_close(got, want, **TOL)
+
+  _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, clean)
+  back = {'dense_1/__call__#1': interpret.replace(cache.outputs['dense_1']['__call__#1'])}
+  np.testing.assert_array_equal(
+      perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, back, clean), model(clean))
+  edits = {'dense_1': {'__call__': interpret.zero_ablate(positions=[1], axis=1)},
+           'dense_2/__call__': interpret.add(jnp.ones(2))}
+  chex.assert_trees_all_close(
+      perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, edits, clean),
+      perturbkit.run_with_edits(linen.apply)(variables, edits, clean), **TOL)
+
+  for name in ('activation_patching', 'attribution_patching'):
+    got = getattr(perturbkit.nnx, name)(nnx_metric, axis=1)(model, clean, corrupted)
+    want = getattr(perturbkit, name)(linen_metric, axis=1)(variables, clean, corrupted)
+    assert got.paths == want.paths == ('dense_0/__call__', 'dense_1/__call__',
+                                       'dense_1/__call__#1', 'dense_2/__call__')
+    chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
+
+
+# --- GPT-2: tuple outputs ------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[0])
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[1])
+def test_gpt2_blocks_cache_and_patching():
+  hf = hf_models.hf_model('gpt2')
+  ids, mask, positions = hf_models._tokens()
+  corrupted = ids.at[:, 2].set(7)
+  blocks = filters.by_path('transformer/h/0', 'transformer/h/1')
+  logits = lambda v, ids: hf.module.apply(v, ids, mask, positions).logits
+  metric = lambda v, ids: metric_of_logits(logits(v, ids))
+  with jax.numpy_rank_promotion('allow'):
+    out, cache = perturbkit.run_with_cache(logits, filter=blocks)(hf.variables, ids)
+    _, state = hf.module.apply(hf.variables, ids, mask, positions, capture_intermediates=True,
+                               mutable=['intermediates'])
+    for i in ('0', '1'):
+      want = state['intermediates']['transformer']['h'][i]['__call__'][0]
+      chex.assert_trees_all_close(cache.outputs['transformer']['h'][i]['__call__'], want, **TOL)
+    back = {f'transformer/h/{i}/__call__': interpret.replace(
+        cache.outputs['transformer']['h'][i]['__call__']) for i in ('0', '1')}
+    edited = perturbkit.run_with_edits(logits, filter=blocks)
+    np.testing.assert_array_equal(edited(hf.variables, back, ids), out)
+
+    result = perturbkit.activation_patching(metric, filter=blocks, axis=1, batch_size=8)(
+        hf.variables, ids, corrupted)
+    assert result.paths == ('transformer/h/0/__call__', 'transformer/h/1/__call__')
+    assert result.effects.shape == (2, hf_models.SEQ)
+    for i, token in ((0, 2), (1, 5)):
+      value = cache.outputs['transformer']['h'][str(i)]['__call__']
+      patch = {f'transformer/h/{i}/__call__': interpret.replace(value, positions=[token], axis=1)}
+      by_hand = lambda v, ids: metric_of_logits(edited(v, patch, ids))
+      want = by_hand(hf.variables, corrupted) - metric_of_logits(logits(hf.variables, corrupted))
+      chex.assert_trees_all_close(result.effects[i, token], want, rtol=1e-4, atol=1e-6)
+    # Before the corrupted token nothing changes; block 1's last token carries it all.
+    chex.assert_trees_all_close(result.effects[:, :2], jnp.zeros((2, 2)), atol=1e-6)
+    chex.assert_trees_all_close(result.effects[1, -1], result.clean_metric
+                                - result.corrupted_metric, rtol=1e-4, atol=1e-6)
+
+
+def metric_of_logits(logits):
+  return jnp.mean(logits[:, -1, 5] - logits[:, -1, 6])
+
+
+# --- named errors --------------------------------------------------------------------
+
+
+def test_edit_at_an_unknown_path(mlp):
+  model, variables, x, _, _ = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.UnknownEditPathError, match=r"'Dense_9/__call__'.*Dense_0/__call__"):
+    edited(variables, {'Dense_9': {'__call__': interpret.zero_ablate()}}, x)
+  edited = perturbkit.run_with_edits(model.apply, filter=filters.by_path('Dense_2'))
+  with pytest.raises(perturbkit.UnknownEditPathError, match='widen the filter'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate()}, x)
+
+
+def test_edit_of_another_shape(mlp):
+  model, variables, x, _, _ = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.EditShapeError, match=r'shift of shape \(3, 8\).*\(2, 5, 8\)'):
+    edited(variables, {'Dense_0/__call__': interpret.replace(jnp.zeros((3, 8)))}, x)
+  with pytest.raises(perturbkit.EditShapeError, match='scale of shape'):
+    edited(variables, {'Dense_0/__call__': interpret.scale(jnp.ones(5))}, x)
+  # The fix: a value that broadcasts.
+  got = edited(variables, {'Dense_0/__call__': interpret.replace(jnp.zeros((1, 5, 8)))}, x)
+  want = mlp_by_hand(variables['params'], x, lambda n, h: 0 * h if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_position_out_of_range(mlp):
+  model, variables, x, corrupted, metric = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.PositionOutOfRangeError, match=r'\[5\].*axis 1.*\[-5, 5\)'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(positions=[5], axis=1)}, x)
+  with pytest.raises(perturbkit.PositionOutOfRangeError, match='axis 3'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(positions=[0], axis=3)}, x)
+  with pytest.raises(perturbkit.PositionOutOfRangeError, match='Dense_0/__call__'):
+    perturbkit.activation_patching(metric, axis=1, positions=[0, 7])(variables, x, corrupted)
+  with pytest.raises(perturbkit.PositionOutOfRangeError, match='axis 3'):
+    perturbkit.attribution_patching(metric, axis=3)(variables, x, corrupted)
+
+
+def test_metric_that_is_not_a_scalar(mlp):
+  model, variables, x, corrupted, _ = mlp
+  with pytest.raises(perturbkit.NonScalarMetricError, match='run_with_cache.*shape'):
+    perturbkit.run_with_cache(model.apply, grads=True)(variables, x)
+  with pytest.raises(perturbkit.NonScalarLossError, match='activation_patching'):
+    perturbkit.activation_patching(model.apply)(variables, x, corrupted)
+  with pytest.raises(perturbkit.NonScalarMetricError, match='grad_times_activation'):
+    perturbkit.grad_times_activation(lambda v, x: model.apply(v, x).sum(-1))(variables, x)
+
+
+def test_clean_and_corrupted_inputs_that_make_different_calls(mlp):
+  _, variables, x, _, metric = mlp
+  with pytest.raises(perturbkit.CallStructureMismatchError,
+                     match=r'Dense_0/__call__.*\(2, 5, 8\).*\(2, 4, 8\).*same shape'):
+    perturbkit.activation_patching(metric, axis=1)(variables, x, x[:, :4])
+  with pytest.raises(perturbkit.CallStructureMismatchError, match='Dense_0/__call__'):
+    perturbkit.attribution_patching(metric)(variables, x, x[:, :4])
+
+
+def test_invalid_batch_size_and_positions_without_axis():
+  with pytest.raises(perturbkit.InvalidOptionError, match='batch_size'):
+    perturbkit.activation_patching(lambda v, x: 0.0, batch_size=0)
+  with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
+    interpret.zero_ablate(positions=[1])
