@@ -59,11 +59,12 @@ Errors: ``UnknownEditPathError``, ``EditShapeError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,
 ``CallStructureMismatchError`` (in ``perturbkit.errors``).
 
-Tested against: Linen's ``capture_intermediates`` (outputs), a per-call
-``jax.vjp`` (metric gradients), hand-edited twins of the models and an explicit
-``self.perturb`` reference (edits, patching, attribution), an unchunked sweep
-(the chunked one), NNX against its Linen twin, and a tiny Hugging Face GPT-2
-(``tests/test_interpret.py``).
+Tested against (``tests/test_interpret.py``): Linen's ``capture_intermediates``
+(outputs); the model written out by hand, with explicit additive deltas for
+``jax.vjp`` (metric gradients, attribution) and with each edit written into it
+(edits, each patch of activation patching); an unchunked sweep (the chunked one);
+the NNX model against its Linen twin; a tiny Hugging Face GPT-2, whose blocks
+return tuples.
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn
