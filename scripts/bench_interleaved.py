@@ -15,7 +15,8 @@ checks that 'original' gives the standard step's new params and exits non-zero
 if not.
 
   python scripts/bench_interleaved.py                  # default sizes, a few minutes
-  python scripts/bench_interleaved.py --sizes small    # smoke test, < 90 s
+  python scripts/bench_interleaved.py --sizes small    # a quick look, < 90 s
+  python scripts/bench_interleaved.py --sizes tiny     # the smoke test
 """
 import os
 import re
@@ -50,6 +51,12 @@ TIME_TARGETS = {'mlp': 1.10, 'cnn': 1.10, 'transformer': 1.5}  # updated / stand
 LINEAR_SLACK = 1.25
 
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    'tiny': {  # the smoke test: two depths of each model, seconds
+        'mlp': dict(batch=8, features=16, width=16, classes=10, depths=(1, 2)),
+        'cnn': dict(batch=2, image=8, channels=(4, 4), classes=10, depths=(1, 2)),
+        'transformer': dict(batch=2, seq=4, features=8, dim=16, heads=2, classes=10,
+                            depths=(1, 2)),
+    },
     'small': {
         'mlp': dict(batch=16, features=32, width=32, classes=10, depths=(2, 4)),
         'cnn': dict(batch=4, image=8, channels=(8, 8), classes=10, depths=(2, 4)),

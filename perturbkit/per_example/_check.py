@@ -86,18 +86,21 @@ def stand_in(leaf: Any, index: int) -> Any:
   The reduction is a property of the loss function, not of the numbers it is
   given, so a traced argument (under ``jax.jit``) is replaced by fixed numbers:
   small normal floats (a stand-in for params and features), ones for integers
-  (valid ids, labels and masks), fixed keys for PRNG keys.
+  (valid ids, labels and masks), fixed keys for PRNG keys. Floats and integers
+  are made with NumPy, so that no stand-in costs a compile.
   """
   if not isinstance(leaf, jax.core.Tracer):
     return leaf
   shape, dtype = leaf.shape, leaf.dtype
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    keys = jax.random.split(jax.random.key(index, impl=jax.random.key_impl(leaf)),
-                            int(np.prod(shape)))
-    return keys.reshape(shape)
+    with jax.ensure_compile_time_eval():
+      keys = jax.random.split(jax.random.key(index, impl=jax.random.key_impl(leaf)),
+                              int(np.prod(shape)))
+      return keys.reshape(shape)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return 0.5 * jax.random.normal(jax.random.key(index), shape, dtype)
-  return jnp.ones(shape, dtype)
+    normal = np.random.default_rng(index).standard_normal(shape)
+    return (0.5 * normal).astype(dtype)
+  return np.ones(shape, dtype)
 
 
 def _examples(arg: Any, axis: int | None, rows: tuple[int, ...]) -> Any:
@@ -112,29 +115,29 @@ def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwarg
                  batch_axes: BatchAxes, batches: list[tuple[int, ...]]) -> list[float] | None:
   """The loss of each batch of ``batches`` (rows of the batch), at trace time, in one call.
 
-  Runs on concrete values (``stand_in``), as one small compiled call of the loss.
-  ``None`` if a value depends on a traced value the loss closes over.
+  Runs on concrete values (``stand_in``), as one compiled call of the loss, also
+  while a caller's ``jax.jit`` traces (the call is compiled ahead of time and run
+  on its own, not staged into the caller's computation). ``None`` if the loss
+  closes over a traced value, which has no value to run on.
   """
   axes = per_argument(batch_axes, len(args))
-  with jax.ensure_compile_time_eval():
-    leaves, tree = jax.tree.flatten((variables, args, kwargs))
-    variables, args, kwargs = jax.tree.unflatten(
-        tree, [stand_in(leaf, i) for i, leaf in enumerate(leaves)])
+  leaves, tree = jax.tree.flatten((variables, args, kwargs))
+  leaves = [stand_in(leaf, i) for i, leaf in enumerate(leaves)]
+  where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+  def losses(arrays):
+    full = list(leaves)
+    for i, x in zip(where, arrays):
+      full[i] = x
+    variables, args, kwargs = jax.tree.unflatten(tree, full)
     given = [[_examples(x, a, rows) for x, a in zip(args, axes)] for rows in batches]
-    leaves, tree = jax.tree.flatten((variables, given, kwargs))
-    where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+    return [jnp.asarray(loss_fn(variables, *a, **kwargs), jnp.float32) for a in given]
 
-    def losses(arrays):
-      full = list(leaves)
-      for i, x in zip(where, arrays):
-        full[i] = x
-      variables, given, kwargs = jax.tree.unflatten(tree, full)
-      return [jnp.asarray(loss_fn(variables, *a, **kwargs), jnp.float32) for a in given]
-
-    values = jax.jit(losses)([leaves[i] for i in where])
-  if any(isinstance(v, jax.core.Tracer) for v in values):
-    return None
-  return [float(v) for v in values]
+  arrays = [leaves[i] for i in where]
+  traced = jax.jit(losses).trace(arrays)
+  if len(traced.jaxpr.jaxpr.invars) != len(arrays):
+    return None  # the traced values the loss closes over became inputs of their own
+  return [float(v) for v in traced.lower().compile()(arrays)]
 
 
 def _close(a: float, b: float) -> bool:
