@@ -36,7 +36,10 @@ Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
 broadcast to the call's output), ``PositionOutOfRangeError``, ``NonScalarMetricError``
 (a subclass of ``NonScalarLossError``) and ``CallStructureMismatchError`` (clean and
-corrupted inputs that make different calls).
+corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
+call whose output is not a ``(batch, height, width, channels)`` feature map) and
+``InterventionParamsError`` (learnable interventions given params of another
+structure).
 
 NNX (``perturbkit.nnx``): the same ``NoPerturbationPointsError``,
 ``PerturbationsNotAppliedError`` and ``UnperturbedCallsWarning`` as Linen, with
@@ -166,13 +169,22 @@ class OptimizerStateError(PerturbkitError, ValueError):
 class ActivationsUnavailableError(PerturbkitError, ValueError):
   """Activations were requested for calls inside a lifted transform."""
 
-  def __init__(self, where):
-    super().__init__(
-        f'return_activations=True (or return_inputs=True) cannot return the output (or '
-        f'inputs) of {where}: it runs inside a '
-        'lifted transform (nn.remat, nn.jit, nn.scan, ...), whose intermediate values do '
-        'not exist outside it. Exclude such calls with the filter, or leave '
-        'return_activations off (their activation gradients are still returned).')
+  def __init__(self, where, function=None):
+    self.where = where
+    if function is None:
+      super().__init__(
+          f'return_activations=True (or return_inputs=True) cannot return the output (or '
+          f'inputs) of {where}: it runs inside a '
+          'lifted transform (nn.remat, nn.jit, nn.scan, ...), whose intermediate values do '
+          'not exist outside it. Exclude such calls with the filter, or leave '
+          'return_activations off (their activation gradients are still returned).')
+    else:
+      super().__init__(
+          f'{function} cannot read or edit the output of {where}: it runs inside a lifted '
+          'transform (nn.remat, nn.jit, nn.scan, an NNX transform, ...), whose intermediate '
+          'values do not exist outside it. Leave such calls out with the filter (e.g. '
+          'filter=perturbkit.filters.by_path(...) naming calls outside the transform, or '
+          'the transformed module itself).')
 
 
 class UnperturbedCallsWarning(UserWarning):
@@ -624,3 +636,26 @@ class CallStructureMismatchError(PerturbkitError, ValueError):
         'output into the corrupted run, so both must make the same calls with outputs of '
         'the same shapes: give inputs of the same shape (pad or trim the corrupted prompt '
         'to the clean one\'s length, use the same batch size).')
+
+
+class FeatureMapShapeError(PerturbkitError, ValueError):
+  """Grad-CAM at a call whose output is not a ``(batch, height, width, channels)`` map."""
+
+  def __init__(self, function, where, shapes):
+    super().__init__(
+        f'{function} needs each selected call to return one (batch, height, width, channels) '
+        f'feature map, but {where} returns {shapes}. Select convolutions with the filter '
+        '(the default selects every nn.Conv or nnx.Conv call; e.g. '
+        "filter=perturbkit.filters.by_path('Conv_1')), or reshape a flattened map back to "
+        '(batch, height, width, channels) in a module of its own and select that.')
+
+
+class InterventionParamsError(PerturbkitError, ValueError):
+  """Learnable interventions given params whose keys are not the interventions' names."""
+
+  def __init__(self, names, keys):
+    super().__init__(
+        f'The intervention params have the keys {sorted(map(str, keys))}, but the '
+        f'interventions are named {sorted(map(str, names))}. Build the params with '
+        'perturbkit.interpret.init_interventions(interventions) and train them with their '
+        'structure unchanged (optax keeps it).')

@@ -386,3 +386,23 @@ def test_invalid_batch_size_and_positions_without_axis():
     perturbkit.activation_patching(lambda v, x: 0.0, batch_size=0)
   with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
     interpret.zero_ablate(positions=[1])
+
+
+def test_calls_inside_lifted_transforms_are_named_with_the_function_and_the_filter_fix():
+  model = models.Lifted(transform='remat')
+  x = jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(perturbkit.ActivationsUnavailableError,
+                     match=r'perturbkit.run_with_cache cannot read.*block.*filter'):
+    perturbkit.run_with_cache(model.apply)(variables, x)
+  with pytest.raises(perturbkit.ActivationsUnavailableError,
+                     match='perturbkit.activation_patching cannot'):
+    perturbkit.activation_patching(lambda v, x: model.apply(v, x).mean())(variables, x, x)
+  _, cache = perturbkit.run_with_cache(model.apply, filter=filters.by_path('Dense_0', 'Dense_1'))(
+      variables, x)
+  assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
+
+  nnx_model = nnx_models.RematMLP(rngs=nnx.Rngs(0))
+  with pytest.raises(perturbkit.ActivationsUnavailableError,
+                     match=r'perturbkit.nnx.run_with_cache cannot.*filter'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x))(nnx_model, jnp.ones((2, 4)))

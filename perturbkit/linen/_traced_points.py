@@ -4,7 +4,7 @@ from typing import Any, Callable
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
 from perturbkit.core._types import CallFilter, Variables
-from perturbkit.errors import NoPerturbationPointsError
+from perturbkit.errors import ActivationsUnavailableError, NoPerturbationPointsError
 from perturbkit.linen._driver import check_variables, discover, nested, perturbed_apply
 from perturbkit.linen._interceptor import suspended
 
@@ -29,6 +29,9 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     NotVariablesError: ``variables`` are not Linen variables.
     WrongFrontEndError: ``variables`` is an NNX model.
     NoPerturbationPointsError: the filter selects no call.
+    ActivationsUnavailableError: (from ``run``) a selected call runs inside a
+      lifted transform, where its output does not exist outside; the message
+      names ``function``.
   """
   check_variables(variables, function)
   expected: set[tuple] = set()
@@ -45,9 +48,12 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     tree = nested({p: perturbations[p] if p in perturbations else shape.zeros()
                    for p, shape in found.items()})
     with suspended():
-      out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
-                                      strict=strict, expected=expected, edit=edit,
-                                      activations=True, inputs=True)
+      try:
+        out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
+                                        strict=strict, expected=expected, edit=edit,
+                                        activations=True, inputs=True)
+      except ActivationsUnavailableError as error:
+        raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
 
   return TracedPoints(paths, shapes, run)

@@ -9,7 +9,8 @@ from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import PointEdit, TracedPoints
 from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter
-from perturbkit.errors import NoPerturbationPointsError, UnperturbedCallsWarning
+from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
+                               UnperturbedCallsWarning)
 from perturbkit.nnx._driver import check_module, discover, perturbed_call
 
 
@@ -37,6 +38,8 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   Raises:
     WrongFrontEndError: ``model`` is a Linen module or Linen variables.
     NoPerturbationPointsError: the filter selects no call.
+    ActivationsUnavailableError: (from ``run``) a selected call runs inside an
+      NNX transform; the message names ``function``.
   """
   check_module(model, function)
   found = discover(fn, model, args, kwargs, points=filter, strict=strict, scalar=False)
@@ -57,9 +60,12 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       value = perturbations[path] if path in perturbations else shapes[path].zeros()
       flat += jax.tree.leaves(value)
     flat += [shape.zeros() for shape in hand_placed]
-    out, captured = perturbed_call(fn, nnx.merge(graphdef, state), flat, args, kwargs,
-                                   found=found, points=filter, edit=edit, activations=True,
-                                   inputs=True)
+    try:
+      out, captured = perturbed_call(fn, nnx.merge(graphdef, state), flat, args, kwargs,
+                                     found=found, points=filter, edit=edit, activations=True,
+                                     inputs=True)
+    except ActivationsUnavailableError as error:
+      raise ActivationsUnavailableError(error.where, function) from None
     return (out, {p: get_in(captured['activations'], p) for p in paths},
             {p: get_in(captured['inputs'], p) for p in paths})
 
