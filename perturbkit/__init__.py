@@ -6,7 +6,8 @@ models, taking the module where the Linen ones take the variables.
 
 Namespaces: ``perturbkit.kfac`` (K-FAC), ``perturbkit.per_example`` (per-example
 gradient norms and DP-SGD) and ``perturbkit.interpret`` (caching, interventions,
-activation and attribution patching) hold their family's names and conventions, also
+activation and attribution patching, integrated gradients, Grad-CAM, learnable
+interventions) hold their family's names and conventions, also
 exported here (the edits only in ``perturbkit.interpret``); ``perturbkit.filters`` the
 call filters; ``perturbkit.nnx`` the NNX front end;
 ``perturbkit.errors`` every error class (each a subclass of ``PerturbkitError``
@@ -96,9 +97,10 @@ from perturbkit.kfac import (categorical_output, damped_inverse, gaussian_output
 from perturbkit.per_example import (check_per_example, dp_sgd, per_example_grad_norms,
                                     PerExampleNorms, private_grad, PrivateState, PrivateTraining)
 # Caching, interventions and attribution
-from perturbkit.interpret import (activation_patching, attribution_patching, Cache,
-                                  grad_times_activation, PatchingResult, run_with_cache,
-                                  run_with_edits)
+from perturbkit.interpret import (activation_patching, attribution_patching, Cache, grad_cam,
+                                  grad_times_activation, layer_integrated_gradients,
+                                  PatchingResult, run_with_cache, run_with_edits,
+                                  run_with_interventions)
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
@@ -106,9 +108,11 @@ from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesMixedError
+from perturbkit.errors import FeatureMapShapeError
 from perturbkit.errors import HasAuxOutputError
 from perturbkit.errors import InputMismatchError
 from perturbkit.errors import InterleavedClippingError
+from perturbkit.errors import InterventionParamsError
 from perturbkit.errors import InvalidOptionError
 from perturbkit.errors import KFACLossError
 from perturbkit.errors import KFACOutputError
@@ -190,10 +194,13 @@ __all__ = [
     'activation_patching',
     'attribution_patching',
     'Cache',
+    'grad_cam',
     'grad_times_activation',
+    'layer_integrated_gradients',
     'PatchingResult',
     'run_with_cache',
     'run_with_edits',
+    'run_with_interventions',
     # Errors and warnings (also in perturbkit.errors)
     'ActivationsUnavailableError',
     'AmbiguousInputError',
@@ -201,9 +208,11 @@ __all__ = [
     'EditShapeError',
     'ExamplesAxisError',
     'ExamplesMixedError',
+    'FeatureMapShapeError',
     'HasAuxOutputError',
     'InputMismatchError',
     'InterleavedClippingError',
+    'InterventionParamsError',
     'InvalidOptionError',
     'KFACLossError',
     'KFACOutputError',

@@ -61,6 +61,18 @@ class MLP(nn.Module):
     return perturb(self, 'Dense_2/__call__', nn.Dense(self.out, name='Dense_2')(h))
 
 
+class SmoothMLP(nn.Module):
+  """Dense -> tanh -> Dense (+ skip) -> tanh -> Dense: smooth in every call's output."""
+  hand: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(perturb(self, 'Dense_0/__call__', nn.Dense(8, name='Dense_0')(x)))
+    h2 = perturb(self, 'Dense_1/__call__', nn.Dense(8, name='Dense_1')(h))
+    h = jnp.tanh(h2) + h
+    return perturb(self, 'Dense_2/__call__', nn.Dense(2, name='Dense_2')(h))
+
+
 class CNN(nn.Module):
   """Conv -> BatchNorm -> relu -> mean pool -> Dense."""
   train: bool = True

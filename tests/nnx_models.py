@@ -141,6 +141,31 @@ class LinenCNN(nn.Module):
     return self.head(jnp.mean(h, axis=(1, 2)))
 
 
+# --- Conv -> relu -> mean pool -> Linear (no state besides params) --------------------
+
+
+class ConvNet(nnx.Module):
+  """Conv -> relu -> mean pool -> Linear."""
+
+  def __init__(self, channels: int = 1, *, hand: bool = False, rngs: nnx.Rngs):
+    self.hand = hand
+    self.conv = nnx.Conv(channels, 4, (3, 3), rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.relu(point(self.conv, self, '__call__', self.conv(x)))
+    return point(self.head, self, '__call__', self.head(jnp.mean(h, axis=(1, 2))))
+
+
+class LinenConvNet(nn.Module):
+  def setup(self):
+    self.conv = nn.Conv(4, (3, 3))
+    self.head = nn.Dense(3)
+
+  def __call__(self, x):
+    return self.head(jnp.mean(nn.relu(self.conv(x)), axis=(1, 2)))
+
+
 # --- Transformer block with nnx.MultiHeadAttention -----------------------------------
 
 

@@ -1,13 +1,19 @@
-"""Caching, interventions and patching for Linen models: ``fn(variables, *args)``.
+"""Caching, interventions, patching and attribution for Linen models: ``fn(variables, *args)``.
 
 Thin: each function hands the Linen front end's ``traced_points`` to the
 front-end-neutral version; ``perturbkit.nnx`` has the same functions for NNX models.
 """
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import flax.linen as nn
+import jax
+
+from perturbkit.core import filters
 from perturbkit.core._types import CallFilter
-from perturbkit.interpret import _attribution, _cache, _interventions, _patching
+from perturbkit.interpret import (_attribution, _cache, _grad_cam, _integrated, _interventions,
+                                  _learnable, _patching)
 from perturbkit.interpret._cache import Cache
+from perturbkit.interpret._learnable import Intervention
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.linen._traced_points import traced_points
 
@@ -242,3 +248,150 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
                                             positions=positions,
                                             function='perturbkit.grad_times_activation')
+
+
+def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                               axis: int | None = None, positions: Sequence[int] | None = None,
+                               steps: int = 16, method: str = 'gauss_legendre',
+                               batch_size: int | None = None) -> Callable[..., PatchingResult]:
+  """Integrated gradients of a metric at each selected call's output (layer IG).
+
+  For each call, with output ``a`` on ``inputs`` and baseline ``b`` (zeros, or
+  its output on ``baseline`` inputs), the call's output is replaced by ``b +
+  alpha * (a - b)`` and the metric differentiated there; ``effects[i, j] =
+  (a - b) . integral_0^1 d metric / d output d alpha``, summed over everything
+  but position ``j`` along ``axis``. Completeness: a call's effects sum (over
+  all positions) to ``metric(inputs) - metric(inputs with that call's output
+  replaced by b)``, up to the quadrature's error. The other calls are not
+  edited: each call's path is its own. All (call, node) pairs run as one
+  ``jax.vmap`` (``batch_size`` at a time when given). Jittable.
+
+  Args:
+    fn: ``(variables, inputs) -> metric``.
+    filter: The calls to attribute (default: all).
+    axis: Attribute each index along this axis separately; ``None``: whole outputs.
+    positions: The indices along ``axis`` (default: all).
+    steps: Quadrature nodes along the path.
+    method: ``'gauss_legendre'`` (numpy's nodes and weights; few steps for a
+      smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
+    batch_size: (call, node) pairs per step of the sweep (default: all at once).
+
+  Returns:
+    A function ``(variables, inputs, baseline=None) -> PatchingResult``
+    (``clean_metric``: the metric at ``inputs``; ``corrupted_metric``: at
+    ``baseline``, or at ``inputs`` for the zero baseline).
+
+  Raises:
+    InvalidOptionError: ``steps`` not a positive int (at least 2 for the
+      trapezoid rule), an unknown ``method`` or ``batch_size``.
+    CallStructureMismatchError: ``baseline`` makes other calls than ``inputs``.
+    NonScalarMetricError: ``fn`` returned no real scalar.
+    PositionOutOfRangeError: a position outside some selected call's output.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Dense(4), nn.tanh, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> metric = lambda v, x: jnp.tanh(model.apply(v, x)).mean()
+    >>> result = perturbkit.layer_integrated_gradients(metric)(variables, x)
+    >>> zeroed = perturbkit.run_with_edits(metric)(
+    ...     variables, {'layers_0/__call__': perturbkit.interpret.zero_ablate()}, x)
+    >>> bool(jnp.allclose(result.effects[0, 0], result.clean_metric - zeroed, atol=1e-6))
+    True
+  """
+  return _integrated.layer_integrated_gradients(
+      traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
+      method=method, batch_size=batch_size, function='perturbkit.layer_integrated_gradients')
+
+
+def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+             upsample: bool = False) -> Callable[..., tuple[Any, dict[str, Any]]]:
+  """Grad-CAM maps of convolutions: where in the image their feature maps move the metric.
+
+  For each selected call with feature map ``A`` of shape ``(batch, height,
+  width, channels)`` and ``G = d metric / d A``: the channel weights are the
+  spatial means of ``G`` and the map is ``relu(sum_c w_c A_c)``, one
+  ``(height, width)`` map per example (take the metric as the sum over the
+  batch of each example's class score for maps on each example's own scale).
+  One forward and one backward pass. Jittable.
+
+  Args:
+    fn: ``(variables, images) -> metric``.
+    filter: The convolutions (default: every ``nn.Conv`` call;
+      ``perturbkit.filters.by_path('Conv_1')`` for one).
+    upsample: Resize each map (bilinear) to the images' height and width.
+
+  Returns:
+    A function ``(variables, images) -> (metric, maps)``; ``maps`` maps each
+    call's path and point key (``'Conv_1/__call__'``) to its ``(batch, height,
+    width)`` map.
+
+  Raises:
+    FeatureMapShapeError: a selected call's output is not one ``(batch,
+      height, width, channels)`` array.
+    NonScalarMetricError: ``fn`` returned no real scalar.
+    InvalidOptionError: ``upsample`` with inputs that are not one image batch.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> model = nn.Sequential([nn.Conv(3, (3, 3)), lambda h: h.mean(axis=(1, 2)), nn.Dense(2)])
+    >>> images = jnp.ones((1, 4, 4, 1))
+    >>> variables = model.init(jax.random.key(0), images)
+    >>> metric = lambda v, x: model.apply(v, x)[:, 1].sum()
+    >>> _, maps = perturbkit.grad_cam(metric, upsample=True)(variables, images)
+    >>> maps['layers_0/__call__'].shape
+    (1, 4, 4)
+  """
+  return _grad_cam.grad_cam(traced_points, fn,
+                            filter=filters.by_type(nn.Conv) if filter is None else filter,
+                            upsample=upsample, function='perturbkit.grad_cam')
+
+
+def run_with_interventions(fn: Callable[..., Any], interventions: Mapping[str, Intervention], *,
+                           filter: CallFilter | bool | None = None) -> Callable[..., Any]:
+  """Runs the model with learnable interventions; differentiable in their params only.
+
+  ``interventions`` names each :class:`perturbkit.interpret.Intervention`
+  (``steering_vector``, ``gates``, or your own ``(path, init, apply)``); the
+  returned function takes ``(variables, params, *args, **kwargs)``, ``params``
+  being ``{name: that intervention's params}``
+  (:func:`perturbkit.interpret.init_interventions`), and returns what
+  ``fn(variables, *args, **kwargs)`` returns with each intervention applied to
+  its call's output (in the dict's order where several edit one call). The
+  variables are frozen (``jax.lax.stop_gradient``), so ``jax.grad`` with
+  respect to ``params`` trains the interventions alone, e.g. with ``optax``.
+  Jittable.
+
+  Args:
+    fn: ``(variables, *args, **kwargs) -> output``.
+    interventions: ``{name: Intervention}``.
+    filter: The calls that may be edited (default: all).
+
+  Returns:
+    A function ``(variables, params, *args, **kwargs) -> output``.
+
+  Raises:
+    InterventionParamsError: ``params`` has other keys than ``interventions``.
+    UnknownEditPathError: an intervention at a path no selected call has.
+    EditShapeError: an intervention's params do not broadcast to the output.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import perturbkit
+    >>> from perturbkit import interpret
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(1)])
+    >>> x = jnp.ones((2, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> steer = {'steer': interpret.steering_vector('layers_0/__call__', (4,))}
+    >>> run = perturbkit.run_with_interventions(model.apply, steer)
+    >>> params = interpret.init_interventions(steer)
+    >>> loss = lambda p: jnp.mean((run(variables, p, x) - 1.0) ** 2)
+    >>> jax.grad(loss)(params)['steer'].shape
+    (4,)
+  """
+  return _learnable.run_with_interventions(traced_points, fn, interventions, filter=filter,
+                                           freeze=jax.lax.stop_gradient,
+                                           function='perturbkit.run_with_interventions')

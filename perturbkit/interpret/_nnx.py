@@ -5,11 +5,17 @@ NNX module where the Linen ones take the variables. Each runs a copy of the
 model merged inside its own trace: the caller's model and its state are never
 changed (batch statistics and RNG counts do not move).
 """
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
+from flax import nnx
+
+from perturbkit.core import filters
 from perturbkit.core._types import CallFilter
-from perturbkit.interpret import _attribution, _cache, _interventions, _patching
+from perturbkit.interpret import (_attribution, _cache, _grad_cam, _integrated, _interventions,
+                                  _learnable, _patching)
 from perturbkit.interpret._cache import Cache
+from perturbkit.interpret._learnable import Intervention
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.nnx._traced_points import traced_points
 
@@ -128,3 +134,82 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
                                             positions=positions,
                                             function='perturbkit.nnx.grad_times_activation')
+
+
+def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+                               axis: int | None = None, positions: Sequence[int] | None = None,
+                               steps: int = 16, method: str = 'gauss_legendre',
+                               batch_size: int | None = None) -> Callable[..., PatchingResult]:
+  """Layer integrated gradients of an NNX model: ``(model, inputs, baseline=None)``.
+
+  As :func:`perturbkit.layer_integrated_gradients`, with ``fn(model, inputs) -> metric``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> ig = perturbkit.nnx.layer_integrated_gradients(lambda m, x: m(x).mean(), steps=4)
+    >>> result = ig(model, jnp.ones((2, 3)))
+    >>> bool(jnp.allclose(result.effects[1, 0], result.clean_metric, atol=1e-6))  # linear, zero bias
+    True
+  """
+  return _integrated.layer_integrated_gradients(
+      traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
+      method=method, batch_size=batch_size,
+      function='perturbkit.nnx.layer_integrated_gradients')
+
+
+def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
+             upsample: bool = False) -> Callable[..., tuple[Any, dict[str, Any]]]:
+  """Grad-CAM maps of an NNX model's convolutions: ``(model, images) -> (metric, maps)``.
+
+  As :func:`perturbkit.grad_cam`, with ``fn(model, images) -> metric``; the
+  default filter selects every ``nnx.Conv`` call.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> model = nnx.Sequential(nnx.Conv(1, 3, (3, 3), rngs=nnx.Rngs(0)),
+    ...                        lambda h: h.mean(axis=(1, 2)), nnx.Linear(3, 2, rngs=nnx.Rngs(1)))
+    >>> metric = lambda m, x: m(x)[:, 1].sum()
+    >>> _, maps = perturbkit.nnx.grad_cam(metric)(model, jnp.ones((2, 4, 4, 1)))
+    >>> list(maps), maps['layers/0/__call__'].shape
+    (['layers/0/__call__'], (2, 4, 4))
+  """
+  return _grad_cam.grad_cam(traced_points, fn,
+                            filter=filters.by_type(nnx.Conv) if filter is None else filter,
+                            upsample=upsample, function='perturbkit.nnx.grad_cam')
+
+
+def _frozen(model: nnx.Module) -> nnx.Module:
+  """A copy of ``model`` whose state does not carry gradients."""
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, jax.lax.stop_gradient(state))
+
+
+def run_with_interventions(fn: Callable[..., Any], interventions: Mapping[str, Intervention], *,
+                           filter: CallFilter | bool | None = None) -> Callable[..., Any]:
+  """Runs an NNX model with learnable interventions: ``(model, params, *args)``.
+
+  As :func:`perturbkit.run_with_interventions`, with ``fn(model, *args,
+  **kwargs)``; the model's state is frozen, and not changed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import perturbkit
+    >>> from perturbkit import interpret
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> gate = {'gate': interpret.gates('layers/0/__call__', (4,), init_logit=30.0)}
+    >>> run = perturbkit.nnx.run_with_interventions(lambda m, x: m(x), gate)
+    >>> x = jnp.ones((2, 3))
+    >>> bool(jnp.allclose(run(model, interpret.init_interventions(gate), x), model(x)))
+    True
+  """
+  return _learnable.run_with_interventions(traced_points, fn, interventions, filter=filter,
+                                           freeze=_frozen,
+                                           function='perturbkit.nnx.run_with_interventions')

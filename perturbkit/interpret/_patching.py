@@ -20,6 +20,12 @@ def sweep(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None) ->
   return jax.lax.map(job, jobs, batch_size=batch_size)
 
 
+def check_batch_size(batch_size: int | None) -> None:
+  """Raises ``InvalidOptionError`` unless ``batch_size`` is a positive int or ``None``."""
+  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    raise InvalidOptionError('batch_size', batch_size, 'a positive int or None')
+
+
 def patching_edits(outputs: dict[tuple, Any], paths: tuple[tuple, ...], call: jax.Array,
                    position: jax.Array | None, axis: int | None) -> dict[str, Edit]:
   """Edits replacing call number ``call`` (at ``position``) by its value in ``outputs``.
@@ -36,8 +42,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
                         positions: Sequence[int] | None, batch_size: int | None,
                         function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
-  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-    raise InvalidOptionError('batch_size', batch_size, 'a positive int or None')
+  check_batch_size(batch_size)
 
   @functools.wraps(fn)
   def patch(model, clean, corrupted) -> PatchingResult:

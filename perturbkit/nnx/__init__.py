@@ -95,9 +95,11 @@ Tested against ``jax.vmap`` of ``nnx.grad`` and the Linen twins
 Caching, interventions and attribution on NNX models
 ----------------------------------------------------
 ``perturbkit.nnx.run_with_cache``, ``run_with_edits``, ``activation_patching``,
-``attribution_patching`` and ``grad_times_activation`` are the functions of
-``perturbkit.interpret`` (conventions in ``help(perturbkit.interpret)``) with
-``fn(model, *args)``; the edits are ``perturbkit.interpret``'s. They run a copy of
+``attribution_patching``, ``grad_times_activation``, ``layer_integrated_gradients``,
+``grad_cam`` (default: every ``nnx.Conv`` call) and ``run_with_interventions`` are the
+functions of ``perturbkit.interpret`` (conventions in ``help(perturbkit.interpret)``)
+with ``fn(model, *args)``; the edits and interventions are ``perturbkit.interpret``'s
+(keyed by the NNX path, ``'layers/0/__call__'``). They run a copy of
 the model merged in their own trace, so the model's state does not change; the
 results equal the Linen twin's (``tests/test_interpret.py``).
 
@@ -117,9 +119,12 @@ from perturbkit.nnx._driver import with_hooks
 from perturbkit.errors import CaptureConflictError
 from perturbkit.interpret._nnx import activation_patching
 from perturbkit.interpret._nnx import attribution_patching
+from perturbkit.interpret._nnx import grad_cam
 from perturbkit.interpret._nnx import grad_times_activation
+from perturbkit.interpret._nnx import layer_integrated_gradients
 from perturbkit.interpret._nnx import run_with_cache
 from perturbkit.interpret._nnx import run_with_edits
+from perturbkit.interpret._nnx import run_with_interventions
 from perturbkit.errors import NoPerturbationPointsError
 from perturbkit.errors import PerturbationsNotAppliedError
 from perturbkit.errors import UnperturbedCallsWarning
@@ -147,6 +152,7 @@ __all__ = [
     'dp_sgd',
     'filters',
     'grad',
+    'grad_cam',
     'grad_times_activation',
     'interleaved',
     'InterleavedOptimizer',
@@ -155,6 +161,7 @@ __all__ = [
     'kfac_layers',
     'kfac_preconditioner',
     'kfac_segment',
+    'layer_integrated_gradients',
     'NNXPrivateState',
     'NoPerturbationPointsError',
     'per_example_grad_norms',
@@ -162,6 +169,7 @@ __all__ = [
     'private_grad',
     'run_with_cache',
     'run_with_edits',
+    'run_with_interventions',
     'SegmentInTransformError',
     'UninstrumentableModuleError',
     'UnmappedPerturbationError',

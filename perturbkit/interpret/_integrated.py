@@ -1,0 +1,130 @@
+"""Layer integrated gradients: each call's attribution along a straight path from a baseline.
+
+For one call with output ``a`` and baseline ``b``, the metric is run with that
+output replaced by ``b + alpha * (a - b)`` and differentiated there; the
+attribution is ``(a - b) . integral_0^1 d metric / d output (alpha) d alpha``,
+by a quadrature over ``alpha``. Its sum is the change of the metric along the
+path: ``metric(inputs) - metric(that call's output at the baseline)``
+(completeness), up to the quadrature's error. All (call, node) pairs are one
+``jax.vmap``.
+"""
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from perturbkit.core._traced_points import TracedPoints, point_name
+from perturbkit.core._validate import positive_int
+from perturbkit.errors import InvalidOptionError
+from perturbkit.interpret._attribution import first_order
+from perturbkit.interpret._edits import Edit, edit_function
+from perturbkit.interpret._patching import check_batch_size, sweep
+from perturbkit.interpret._points import Tracer, check_metric, trace
+from perturbkit.interpret._positions import check_same_calls, sweep_positions
+from perturbkit.interpret._result import PatchingResult
+
+METHODS = ('gauss_legendre', 'riemann_trapezoid')
+
+
+def quadrature(method: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
+  """Nodes in ``[0, 1]`` and weights (summing to 1) for ``integral_0^1 f(alpha) d alpha``.
+
+  ``'gauss_legendre'``: numpy's Gauss-Legendre nodes moved from ``[-1, 1]``
+  (exact for polynomials of degree ``2 * steps - 1``). ``'riemann_trapezoid'``:
+  ``steps`` equally spaced nodes, both ends included, and the trapezoid rule.
+
+  Args:
+    method: ``'gauss_legendre'`` or ``'riemann_trapezoid'``.
+    steps: The number of nodes (at least 2 for the trapezoid rule).
+
+  Returns:
+    ``(alphas, weights)``, two float64 arrays of length ``steps``.
+
+  Raises:
+    InvalidOptionError: an unknown method, or ``steps`` not a positive int
+      (or 1 with the trapezoid rule).
+
+  Example:
+    >>> alphas, weights = quadrature('riemann_trapezoid', 3)
+    >>> alphas.tolist(), weights.tolist()
+    ([0.0, 0.5, 1.0], [0.25, 0.5, 0.25])
+    >>> alphas, weights = quadrature('gauss_legendre', 2)
+    >>> round(float(weights @ alphas ** 3), 12)   # exact for a cubic
+    0.25
+  """
+  if method not in METHODS:
+    raise InvalidOptionError('method', method, ' or '.join(map(repr, METHODS)))
+  positive_int('steps', steps)
+  if method == 'gauss_legendre':
+    nodes, weights = np.polynomial.legendre.leggauss(int(steps))
+    return (nodes + 1) / 2, weights / 2
+  if steps < 2:
+    raise InvalidOptionError('steps', steps, "an integer >= 2 with method='riemann_trapezoid'")
+  weights = np.full(int(steps), 1.0 / (steps - 1))
+  weights[[0, -1]] /= 2
+  return np.linspace(0.0, 1.0, int(steps)), weights
+
+
+def path_edits(baselines: dict, deltas: dict, paths: tuple[tuple, ...], call: jax.Array,
+               alpha: jax.Array) -> dict[str, Edit]:
+  """Edits putting call number ``call`` at ``baseline + alpha * delta``, the others untouched.
+
+  Every call gets an edit, all but one inactive, so that the edits have one
+  structure along ``jax.vmap``.
+  """
+  between = lambda b, d: b + alpha * d
+  return {point_name(p): Edit(jnp.zeros(()), jax.tree.map(between, baselines[p], deltas[p]),
+                              None, call == i, None)
+          for i, p in enumerate(paths)}
+
+
+def baseline_outputs(tracer: Tracer, fn: Callable[..., Any], model: Any, traced: TracedPoints,
+                     outputs: dict, metric: jax.Array, baseline: Any, filter: Any,
+                     function: str) -> tuple[dict, jax.Array]:
+  """Each call's baseline (zeros, or its output on ``baseline``) and the metric there."""
+  if baseline is None:
+    return {p: jax.tree.map(jnp.zeros_like, outputs[p]) for p in traced.paths}, metric
+  baseline_points = trace(tracer, fn, model, (baseline,), {}, filter, function)
+  check_same_calls(traced, baseline_points)
+  value, baselines, _ = baseline_points.run({}, (baseline,), {}, None)
+  return baselines, check_metric(value, function)
+
+
+def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
+                               axis: int | None, positions: Sequence[int] | None, steps: int,
+                               method: str, batch_size: int | None,
+                               function: str) -> Callable[..., PatchingResult]:
+  """The front-end-neutral :func:`perturbkit.layer_integrated_gradients`."""
+  alphas, weights = quadrature(method, steps)
+  check_batch_size(batch_size)
+
+  @functools.wraps(fn)
+  def attribute(model, inputs, baseline=None) -> PatchingResult:
+    traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
+    where = sweep_positions(traced, axis, positions)
+    metric, outputs, _ = traced.run({}, (inputs,), {}, None)
+    metric = check_metric(metric, function)
+    baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, outputs, metric,
+                                                  baseline, filter, function)
+    paths = traced.paths
+    deltas = {p: jax.tree.map(jnp.subtract, outputs[p], baselines[p]) for p in paths}
+    zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
+
+    def job(node):
+      call, alpha = node
+      edit = edit_function(path_edits(baselines, deltas, paths, call, alpha), paths)
+      on_path = lambda perturbations: check_metric(
+          traced.run(perturbations, (inputs,), {}, edit)[0], function)
+      # The gradient at each call's point is d metric / d (its edited output).
+      return first_order(traced, deltas, jax.grad(on_path)(zeros), axis, where)[call]
+
+    calls, nodes = np.meshgrid(np.arange(len(paths)), alphas, indexing='ij')
+    per_node = sweep(job, (jnp.asarray(calls.reshape(-1)),
+                           jnp.asarray(nodes.reshape(-1), jnp.float32)), batch_size)
+    effects = jnp.einsum('cnp,n->cp', per_node.reshape(len(paths), len(alphas), -1),
+                         jnp.asarray(weights, per_node.dtype))
+    return PatchingResult(tuple(map(point_name, paths)), where, effects, metric, baseline_metric)
+
+  return attribute

@@ -1,0 +1,176 @@
+"""Learnable interventions: trainable perturbations of chosen calls, the model's params frozen.
+
+An :class:`Intervention` is a pair of pure functions, like an optax
+transformation: ``init() -> params`` and ``apply(params, output) -> output``,
+and the path of the call it edits. The params of a dict of interventions form
+one pytree, ``{name: params}``, that ``jax.grad`` differentiates and ``optax``
+updates; the model's own variables are held constant (``jax.lax.stop_gradient``).
+"""
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from perturbkit.core._traced_points import PointEdit, point_name
+from perturbkit.errors import InterventionParamsError, UnknownEditPathError
+from perturbkit.interpret._edits import add, apply_edit, scale
+from perturbkit.interpret._points import Tracer, trace
+
+
+class Intervention(NamedTuple):
+  """A trainable edit of one call's output.
+
+  Attributes:
+    path: The call's path and point key, ``'Dense_1/__call__'`` (as in
+      ``run_with_edits``'s keys and ``PatchingResult.paths``).
+    init: ``() -> params``, the initial trainable values.
+    apply: ``(params, output) -> edited output``.
+  """
+  path: str
+  init: Callable[[], Any]
+  apply: Callable[[Any, Any], Any]
+
+
+def steering_vector(path: str, shape: Sequence[int], *, positions: Any = None,
+                    axis: int | None = None, dtype: Any = jnp.float32) -> Intervention:
+  """A vector added to a call's output (at ``positions`` along ``axis``), zeros at init.
+
+  Args:
+    path: The call's path and point key, ``'Dense_1/__call__'``.
+    shape: The vector's shape; it broadcasts to the output (``(features,)``
+      adds the same vector at every example and token).
+    positions: Integer indices along ``axis`` to steer (default: everywhere).
+    axis: The axis the positions index (1 for tokens).
+    dtype: The vector's dtype.
+
+  Returns:
+    The intervention; its params are the vector.
+
+  Raises:
+    InvalidOptionError: ``positions`` without ``axis`` or the other way round.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> steer = interpret.steering_vector('Dense_0/__call__', (2,))
+    >>> steer.apply(jnp.array([1.0, -1.0]), jnp.zeros((3, 2))).tolist()
+    [[1.0, -1.0], [1.0, -1.0], [1.0, -1.0]]
+  """
+  shape = tuple(shape)
+  add(jnp.zeros(shape, dtype), positions=positions, axis=axis)  # checks the options now
+  return Intervention(
+      path, lambda: jnp.zeros(shape, dtype),
+      lambda vector, output: apply_edit(add(vector, positions=positions, axis=axis), output,
+                                        path))
+
+
+def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions: Any = None,
+          axis: int | None = None) -> Intervention:
+  """A gate per unit, ``output * sigmoid(logits)``: a differentiable mask of the output.
+
+  Trained with a sparsity penalty on the gates (:func:`gate_penalty`, added to
+  the loss by the user), the gates that stay open show which units the metric
+  needs (Differentiable Masking). At large logits the gates are 1 and the run
+  is the unedited one.
+
+  Args:
+    path: The call's path and point key.
+    shape: The logits' shape; it broadcasts to the output (``(features,)``:
+      one gate per hidden unit).
+    init_logit: The logits' initial value (3.0: gates at 0.95).
+    positions: Integer indices along ``axis`` to gate (default: everywhere).
+    axis: The axis the positions index.
+
+  Returns:
+    The intervention; its params are the logits.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> gate = interpret.gates('Dense_0/__call__', (2,))
+    >>> gate.apply(jnp.array([30.0, -30.0]), jnp.ones((1, 2))).tolist()
+    [[1.0, 0.0]]
+  """
+  shape = tuple(shape)
+  scale(jnp.ones(shape), positions=positions, axis=axis)  # checks the options now
+  return Intervention(
+      path, lambda: jnp.full(shape, init_logit, jnp.float32),
+      lambda logits, output: apply_edit(scale(jax.nn.sigmoid(logits), positions=positions,
+                                              axis=axis), output, path))
+
+
+def gate_penalty(logits: Any) -> jax.Array:
+  """The sum of the gates ``sigmoid(logits)``: their L1 norm, and the expected L0 norm.
+
+  The expected number of open gates were each gate open with probability
+  ``sigmoid(logit)``; add ``coefficient * gate_penalty(params[name])`` to the
+  loss to close the gates the metric does not need.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from perturbkit import interpret
+    >>> float(interpret.gate_penalty(jnp.array([0.0, 0.0, 100.0])))
+    2.0
+  """
+  return sum(jnp.sum(jax.nn.sigmoid(leaf)) for leaf in jax.tree.leaves(logits))
+
+
+def init_interventions(interventions: Mapping[str, Intervention]) -> dict[str, Any]:
+  """The initial params of named interventions: ``{name: intervention.init()}``.
+
+  Example:
+    >>> from perturbkit import interpret
+    >>> params = interpret.init_interventions(
+    ...     {'steer': interpret.steering_vector('Dense_0/__call__', (3,))})
+    >>> params['steer'].tolist()
+    [0.0, 0.0, 0.0]
+  """
+  return {name: intervention.init() for name, intervention in interventions.items()}
+
+
+def intervention_edit(interventions: Mapping[str, Intervention], params: Mapping[str, Any],
+                      paths: tuple[tuple, ...]) -> PointEdit:
+  """The ``(point path, output) -> output`` function applying each intervention with its params.
+
+  Interventions at the same call apply in the order of ``interventions``.
+
+  Raises:
+    InterventionParamsError: ``params`` has other keys than ``interventions``.
+    UnknownEditPathError: an intervention at a path no selected call has.
+  """
+  if not isinstance(params, Mapping) or set(params) != set(interventions):
+    raise InterventionParamsError(list(interventions),
+                                  list(params) if isinstance(params, Mapping) else [])
+  known = {point_name(p): p for p in paths}
+  by_path: dict[tuple, list[str]] = {}
+  for name, intervention in interventions.items():
+    if intervention.path not in known:
+      raise UnknownEditPathError(intervention.path, list(known))
+    by_path.setdefault(known[intervention.path], []).append(name)
+
+  def edit(path: tuple, output: Any) -> Any:
+    for name in by_path.get(path, ()):
+      output = interventions[name].apply(params[name], output)
+    return output
+
+  return edit
+
+
+def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
+                           interventions: Mapping[str, Intervention], *, filter: Any,
+                           freeze: Callable[[Any], Any],
+                           function: str) -> Callable[..., Any]:
+  """The front-end-neutral :func:`perturbkit.run_with_interventions` (``freeze`` per API)."""
+  if not isinstance(interventions, Mapping) or not all(
+      isinstance(i, Intervention) for i in interventions.values()):
+    raise TypeError(f'{function} takes a dict of named interventions, e.g. '
+                    "{'steer': perturbkit.interpret.steering_vector('Dense_1/__call__', (8,))}"
+                    f', got {interventions!r}.')
+
+  def run(model, params, *args, **kwargs):
+    traced = trace(tracer, fn, freeze(model), args, kwargs, filter, function)
+    edit = intervention_edit(interventions, params, traced.paths)
+    out, _, _ = traced.run({}, args, kwargs, edit)
+    return out
+
+  return run

@@ -1,0 +1,347 @@
+"""Layer integrated gradients, Grad-CAM and learnable interventions against independent references.
+
+* Integrated gradients: completeness (each call's attributions sum to the metric's change when
+  that call's output goes to the baseline, measured with the model written out by hand), with
+  an error that shrinks with the steps; each attribution against ``jax.grad`` of the
+  hand-written model with the call's output as an explicit argument, at numpy's Gauss-Legendre
+  nodes (or the trapezoid rule's), summed with their weights here.
+* Grad-CAM against ``jax.vjp`` of the demo CNN written out with explicit deltas at its
+  convolutions, the map computed here from the definition.
+* A steering vector's gradient against ``jax.grad`` of the hand-written model with the vector
+  as an explicit parameter; optax training it lowers a loss; gates at 1 give the unedited run;
+  the model's variables get no gradient.
+* NNX against the Linen twin, for all three. Every named error, and the fix it suggests.
+"""
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import nnx_models
+import perturbkit
+from perturbkit import filters, interpret
+from perturbkit.demo._digits import SmallCNN
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+NAMES = ('Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__')
+SHAPE = (2, 5, 3)  # (batch, tokens, features): positions are tokens, axis 1
+
+
+def smooth_by_hand(params, x, edit=lambda name, h: h):
+  """``models.SmoothMLP`` written out, with ``edit(name, output)`` at each Dense output."""
+  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
+      {'params': params[name]}, h))
+  h = jnp.tanh(dense('Dense_0', 8, x))
+  h = jnp.tanh(dense('Dense_1', 8, h)) + h
+  return dense('Dense_2', 2, h)
+
+
+def metric_of(out):
+  return jnp.mean(jnp.tanh(out[..., 0]) + out[..., 1] ** 2)
+
+
+def outputs_by_hand(params, x):
+  outputs = {}
+  smooth_by_hand(params, x, lambda name, h: outputs.setdefault(name, h))
+  return outputs
+
+
+def replaced(params, x, name, value):
+  """The metric with call ``name``'s output replaced by ``value``."""
+  return metric_of(smooth_by_hand(params, x, lambda n, h: jnp.broadcast_to(value, h.shape)
+                                  if n == name else h))
+
+
+@pytest.fixture(scope='module', name='smooth')
+def _smooth():
+  model = models.SmoothMLP()
+  x = jax.random.normal(jax.random.key(1), SHAPE)
+  baseline = jax.random.normal(jax.random.key(2), SHAPE)
+  variables = model.init(jax.random.key(0), x)
+  metric = lambda v, x: metric_of(model.apply(v, x))
+  return variables, x, baseline, metric
+
+
+# --- layer integrated gradients ------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def ig_by_hand(params, x, name, b, alphas, weights):
+  """Per token: ``(a - b) . sum_k w_k grad(alpha_k)``, ``grad`` by ``jax.grad`` of the model."""
+  a = outputs_by_hand(params, x)[name]
+  grad = jax.grad(lambda h: replaced(params, x, name, h))
+  grads = jax.vmap(lambda alpha: grad(b + alpha * (a - b)))(jnp.asarray(alphas, jnp.float32))
+  mean_grad = jnp.tensordot(jnp.asarray(weights, jnp.float32), grads, axes=1)
+  return jnp.einsum('btd->t', (a - b) * mean_grad)
+
+
+def test_integrated_gradients_equal_grad_of_the_model_by_hand_at_the_same_nodes(smooth):
+  variables, x, baseline, metric = smooth
+  params = variables['params']
+  steps = 5
+  nodes, weights = np.polynomial.legendre.leggauss(steps)
+  ig = perturbkit.layer_integrated_gradients(metric, axis=1, steps=steps)
+  result = jax.jit(ig)(variables, x, baseline)
+  base = outputs_by_hand(params, baseline)
+  want = jnp.stack([ig_by_hand(params, x, n, base[n], (nodes + 1) / 2, weights / 2)
+                    for n in NAMES])
+  assert result.paths == NAMES and result.positions == tuple(range(SHAPE[1]))
+  chex.assert_trees_all_close(result.effects, want, **TOL)
+  chex.assert_trees_all_close((result.clean_metric, result.corrupted_metric),
+                              (metric_of(smooth_by_hand(params, x)),
+                               metric_of(smooth_by_hand(params, baseline))), **TOL)
+
+  alphas, weights = np.linspace(0, 1, 4), np.array([0.5, 1.0, 1.0, 0.5]) / 3
+  zero = jax.jit(perturbkit.layer_integrated_gradients(
+      metric, steps=4, method='riemann_trapezoid', batch_size=5))(variables, x)
+  want = [ig_by_hand(params, x, n, 0.0, alphas, weights).sum() for n in NAMES]
+  chex.assert_trees_all_close(zero.effects[:, 0], jnp.stack(want), **TOL)
+
+
+def test_integrated_gradients_are_complete_with_an_error_that_shrinks_with_steps(smooth):
+  variables, x, baseline, metric = smooth
+  params = variables['params']
+  base = outputs_by_hand(params, baseline)
+  total = metric_of(smooth_by_hand(params, x))
+  run = lambda steps, method, b: jax.jit(perturbkit.layer_integrated_gradients(
+      metric, steps=steps, method=method))(variables, x, b).effects[:, 0]
+  change = jnp.stack([total - replaced(params, x, n, 0.0) for n in NAMES])
+  np.testing.assert_allclose(run(16, 'gauss_legendre', None), change, rtol=1e-4, atol=1e-6)
+
+  change = jnp.stack([total - replaced(params, x, n, base[n]) for n in NAMES])
+  np.testing.assert_allclose(run(16, 'gauss_legendre', baseline), change, rtol=1e-4, atol=1e-6)
+  errors = [float(jnp.abs(run(steps, 'riemann_trapezoid', baseline) - change).max())
+            for steps in (3, 9)]
+  # The trapezoid rule's error falls as 1/steps^2: (8/2)^2 = 16 times from 3 to 9 steps.
+  assert errors[1] < errors[0] / 8 and errors[1] < 2e-2 * float(jnp.abs(change).max()), errors
+
+
+def test_integrated_gradients_of_nnx_equal_its_linen_twin():
+  model = nnx_models.MLP(rngs=nnx.Rngs(0))
+  variables = nnx_models.linen_variables(model)
+  linen = nnx_models.LinenMLP()
+  x, baseline = (jax.random.normal(jax.random.key(k), SHAPE) for k in (1, 2))
+  got = jax.jit(perturbkit.nnx.layer_integrated_gradients(lambda m, x: metric_of(m(x)), axis=1,
+                                                          steps=2))(model, x, baseline)
+  want = jax.jit(perturbkit.layer_integrated_gradients(lambda v, x: metric_of(linen.apply(v, x)),
+                                                       axis=1, steps=2))(variables, x, baseline)
+  assert got.paths == want.paths == ('dense_0/__call__', 'dense_1/__call__',
+                                     'dense_1/__call__#1', 'dense_2/__call__')
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_invalid_steps_and_method():
+  for steps in (0, -2, 1.5, True, '8'):
+    with pytest.raises(perturbkit.InvalidOptionError, match='steps'):
+      perturbkit.layer_integrated_gradients(lambda v, x: 0.0, steps=steps)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'steps.*riemann_trapezoid'):
+    perturbkit.nnx.layer_integrated_gradients(lambda m, x: 0.0, steps=1,
+                                              method='riemann_trapezoid')
+  with pytest.raises(perturbkit.InvalidOptionError, match="method.*'gauss_legendre'"):
+    perturbkit.layer_integrated_gradients(lambda v, x: 0.0, method='simpson')
+  with pytest.raises(perturbkit.InvalidOptionError, match='batch_size'):
+    perturbkit.layer_integrated_gradients(lambda v, x: 0.0, batch_size=0)
+  alphas, weights = interpret.quadrature('gauss_legendre', 1)
+  assert alphas.tolist() == [0.5] and weights.tolist() == [1.0]
+
+
+# --- Grad-CAM ------------------------------------------------------------------------
+
+
+def cnn_by_hand(params, x, deltas):
+  """``SmallCNN`` written out, with explicit additive deltas at its two convolutions."""
+  conv = lambda name, n, h: nn.Conv(n, (3, 3)).apply({'params': params[name]}, h)
+  a0 = conv('Conv_0', 16, x) + deltas[0]
+  h = nn.avg_pool(nn.relu(a0), (2, 2), strides=(2, 2))
+  a1 = conv('Conv_1', 32, h) + deltas[1]
+  h = nn.avg_pool(nn.relu(a1), (2, 2), strides=(2, 2)).reshape((x.shape[0], -1))
+  h = nn.relu(nn.Dense(64).apply({'params': params['Dense_0']}, h))
+  return nn.Dense(10).apply({'params': params['Dense_1']}, h), (a0, a1)
+
+
+def test_grad_cam_equals_the_definition_with_vjp_gradients():
+  model = SmallCNN()
+  images = jax.random.uniform(jax.random.key(1), (3, 8, 8, 1))
+  labels = jnp.array([1, 4, 7])
+  variables = model.init(jax.random.key(0), images)
+  score = lambda logits: jnp.sum(jnp.take_along_axis(logits, labels[:, None], axis=1))
+  metric, maps = jax.jit(perturbkit.grad_cam(lambda v, x: score(model.apply(v, x))))(
+      variables, images)
+
+  params = variables['params']
+  zeros = (jnp.zeros((3, 8, 8, 16)), jnp.zeros((3, 4, 4, 32)))
+
+
+  @jax.jit
+  def by_hand(params, images):
+    (value, feature_maps), vjp = jax.vjp(lambda d: cnn_by_hand(params, images, d), zeros)
+    grads = vjp((jax.nn.one_hot(labels, 10), jax.tree.map(jnp.zeros_like, feature_maps)))[0]
+    cams = {}
+    for name, a, g in zip(('Conv_0/__call__', 'Conv_1/__call__'), feature_maps, grads):
+      weights = g.mean(axis=(1, 2))
+      cams[name] = jnp.maximum(jnp.sum(a * weights[:, None, None, :], axis=-1), 0.0)
+    return value, cams
+
+  value, want = by_hand(params, images)
+  chex.assert_trees_all_close(metric, score(value), **TOL)
+  chex.assert_trees_all_close(maps, want, **TOL)
+  assert maps['Conv_1/__call__'].shape == (3, 4, 4) and float(maps['Conv_1/__call__'].max()) > 0
+
+  one = perturbkit.grad_cam(lambda v, x: score(model.apply(v, x)), upsample=True,
+                            filter=filters.by_path('Conv_1'))
+  _, upsampled = jax.jit(one)(variables, images)
+  assert list(upsampled) == ['Conv_1/__call__']
+  chex.assert_trees_all_close(
+      upsampled['Conv_1/__call__'],
+      jax.image.resize(want['Conv_1/__call__'], (3, 8, 8), 'bilinear'), **TOL)
+
+
+def test_grad_cam_of_nnx_equals_its_linen_twin():
+  model = nnx_models.ConvNet(rngs=nnx.Rngs(0))
+  variables = nnx_models.linen_variables(model)
+  twin = nnx_models.LinenConvNet()
+  images = nnx_models.random_batch((2, 5, 5, 1))
+  got = jax.jit(perturbkit.nnx.grad_cam(lambda m, x: m(x)[:, 0].sum(), upsample=True))(
+      model, images)
+  want = jax.jit(perturbkit.grad_cam(lambda v, x: twin.apply(v, x)[:, 0].sum(), upsample=True))(
+      variables, images)
+  assert list(got[1]) == ['conv/__call__'] and list(want[1]) == ['conv/__call__']
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_grad_cam_at_a_call_that_is_not_a_feature_map():
+  model = SmallCNN()
+  images = jnp.ones((2, 8, 8, 1))
+  variables = model.init(jax.random.key(0), images)
+  metric = lambda v, x: model.apply(v, x)[:, 0].sum()
+  with pytest.raises(perturbkit.FeatureMapShapeError, match=r'Dense_0/__call__ returns \(2, 64\)'):
+    perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1', 'Dense_0'))(variables, images)
+  with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
+    perturbkit.grad_cam(lambda v, x: metric(v, x[0]), upsample=True)(variables, images[None])
+  _, maps = jax.jit(perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1')))(
+      variables, images)
+  assert list(maps) == ['Conv_1/__call__']
+
+
+# --- learnable interventions ---------------------------------------------------------
+
+
+@pytest.fixture(scope='module', name='mlp')
+def _mlp():
+  model = models.MLP()
+  x = jax.random.normal(jax.random.key(1), SHAPE)
+  variables = model.init(jax.random.key(0), x)
+  return model, variables, x
+
+
+def mlp_by_hand(params, x, edit):
+  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
+      {'params': params[name]}, h))
+  h = nn.relu(dense('Dense_0', 8, x))
+  h = nn.relu(dense('Dense_1', 8, h)) + h
+  return dense('Dense_2', 2, h)
+
+
+def target_loss(out):
+  return jnp.mean((out[..., 0] - 1.0) ** 2 + (out[..., 1] + 1.0) ** 2)
+
+
+def test_steering_vector_gradient_equals_the_vector_as_an_explicit_parameter(mlp):
+  model, variables, x = mlp
+  interventions = {
+      'steer': interpret.steering_vector('Dense_1/__call__', (8,), positions=[1, 3], axis=1),
+      'gate': interpret.gates('Dense_0/__call__', (8,), init_logit=0.5)}
+  run = perturbkit.run_with_interventions(model.apply, interventions)
+  params = interpret.init_interventions(interventions)
+  params['steer'] = jax.random.normal(jax.random.key(5), (8,))
+  loss = lambda p: target_loss(run(variables, p, x)) + 0.1 * interpret.gate_penalty(p['gate'])
+
+  tokens = jnp.zeros(SHAPE[1], bool).at[jnp.array([1, 3])].set(True)[None, :, None]
+
+  def by_hand(p):
+    def edit(name, h):
+      if name == 'Dense_1/__call__':
+        return jnp.where(tokens, h + jnp.broadcast_to(p['steer'], h.shape), h)
+      if name == 'Dense_0/__call__':
+        return h * jnp.broadcast_to(jax.nn.sigmoid(p['gate']), h.shape)
+      return h
+    return (target_loss(mlp_by_hand(variables['params'], x, edit))
+            + 0.1 * jnp.sum(jax.nn.sigmoid(p['gate'])))
+
+  chex.assert_trees_all_close(jax.jit(jax.value_and_grad(loss))(params),
+                              jax.jit(jax.value_and_grad(by_hand))(params), **TOL)
+  # The model's variables are frozen: no gradient reaches them.
+  frozen = jax.grad(lambda v: target_loss(run(v, params, x)))(variables)
+  assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(frozen))
+
+
+def test_optax_trains_a_steering_vector_to_lower_a_loss(mlp):
+  model, variables, x = mlp
+  steer = {'steer': interpret.steering_vector('Dense_1/__call__', (8,))}
+  run = perturbkit.run_with_interventions(model.apply, steer)
+  loss = lambda p: target_loss(run(variables, p, x))
+  optimizer = optax.adam(0.1)
+
+  @jax.jit
+  def step(params, opt_state):
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  params = interpret.init_interventions(steer)
+  opt_state = optimizer.init(params)
+  losses = []
+  for _ in range(15):
+    params, opt_state, value = step(params, opt_state)
+    losses.append(float(value))
+  np.testing.assert_allclose(losses[0], target_loss(model.apply(variables, x)), rtol=1e-6)
+  assert loss(params) < 0.5 * losses[0], losses
+
+
+def test_gates_at_one_are_the_unedited_run_and_nnx_equals_its_linen_twin(mlp):
+  model, variables, x = mlp
+  gate = {'gate': interpret.gates('Dense_1/__call__', (8,), init_logit=30.0)}
+  run = perturbkit.run_with_interventions(model.apply, gate)
+  chex.assert_trees_all_close(run(variables, interpret.init_interventions(gate), x),
+                              model.apply(variables, x), **TOL)
+
+  nnx_model = nnx_models.MLP(rngs=nnx.Rngs(0))
+  linen_variables = nnx_models.linen_variables(nnx_model)
+  linen = nnx_models.LinenMLP()
+  interventions = {'gate': interpret.gates('dense_0/__call__', (6,)),
+                   'steer': interpret.steering_vector('dense_1/__call__#1', (6,), positions=[2],
+                                                      axis=1)}
+  params = interpret.init_interventions(interventions)
+  params['steer'] = jnp.linspace(-1.0, 1.0, 6)
+  before = nnx_models.pure(nnx.state(nnx_model))
+  got = jax.value_and_grad(lambda p: target_loss(perturbkit.nnx.run_with_interventions(
+      lambda m, x: m(x), interventions)(nnx_model, p, x)))(params)
+  want = jax.value_and_grad(lambda p: target_loss(perturbkit.run_with_interventions(
+      linen.apply, interventions)(linen_variables, p, x)))(params)
+  chex.assert_trees_all_close(got, want, **TOL)
+  assert float(jnp.abs(got[1]['steer']).max()) > 0 and float(jnp.abs(got[1]['gate']).max()) > 0
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(nnx_model)), before, rtol=0, atol=0)
+
+
+def test_intervention_errors(mlp):
+  model, variables, x = mlp
+  steer = {'steer': interpret.steering_vector('Dense_1/__call__', (8,))}
+  run = perturbkit.run_with_interventions(model.apply, steer)
+  with pytest.raises(perturbkit.InterventionParamsError, match=r"\['vector'\].*\['steer'\]"):
+    run(variables, {'vector': jnp.zeros(8)}, x)
+  wrong = {'steer': interpret.steering_vector('Dense_9/__call__', (8,))}
+  with pytest.raises(perturbkit.UnknownEditPathError, match='Dense_9/__call__'):
+    perturbkit.run_with_interventions(model.apply, wrong)(variables, {'steer': jnp.zeros(8)}, x)
+  with pytest.raises(perturbkit.EditShapeError, match=r'\(3,\)'):
+    run(variables, {'steer': jnp.zeros(3)}, x)
+  with pytest.raises(TypeError, match='dict of named interventions'):
+    perturbkit.run_with_interventions(model.apply, [steer['steer']])
+  with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
+    interpret.steering_vector('Dense_1/__call__', (8,), positions=[1])
