@@ -26,7 +26,7 @@ def test_notebooks_found():
   assert [p.name for p in NOTEBOOKS] == [
       '01_activation_gradients.ipynb', '02_interleaved_training.ipynb',
       '03_nested_gradients.ipynb', '04_real_model.ipynb', '05_nnx.ipynb', '06_kfac.ipynb',
-      '07_private_training.ipynb']
+      '07_private_training.ipynb', '08_interpretability.ipynb']
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=_ids(NOTEBOOKS))
