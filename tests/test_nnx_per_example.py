@@ -31,13 +31,13 @@ def _strings(tree):
 
 
 def reference_grads(loss_fn, model, *args):
-  """Each example's ``nnx.Param`` gradient (leading axis examples), as string-keyed dicts."""
+  """Each example's ``nnx.Param`` gradient (leading axis examples), as nested dicts."""
   graphdef, state = nnx.split(model)
 
   def one(state, *example):
     alone = nnx.merge(graphdef, state)
     grads = nnx.grad(lambda m: loss_fn(m, *[a[None] for a in example]))(alone)
-    return _strings(nnx.to_pure_dict(grads))
+    return nnx.to_pure_dict(grads)
 
   return jax.jit(jax.vmap(one, in_axes=(None,) + (0,) * len(args)))(state, *args)
 
@@ -53,7 +53,8 @@ def assert_norms_equal(norms, per_example):
   chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
   np.testing.assert_allclose(norms.total, total, **TOL)
   for name, layer in norms.by_layer.items():
-    node = functools.reduce(lambda t, k: t[k], name.split('/'), by_param)
+    node = functools.reduce(lambda t, k: t[k] if k in t else t[int(k)], name.split('/'),
+                            by_param)
     own = [v for v in node.values() if not isinstance(v, dict)]
     np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
   assert float(jnp.min(total)) > 1e-3
@@ -134,7 +135,7 @@ def reference_private_grad(per_example, grads_like, key, clip_norm, noise_multip
   _, total = norms_of(per_example)
   factors = jnp.minimum(1.0, clip_norm / total)
   summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
-  leaves = [functools.reduce(lambda t, k: t[k], map(str, path), summed)
+  leaves = [functools.reduce(lambda t, k: t[k], path, summed)
             for path, _ in nnx.to_flat_state(grads_like)]
   keys = jax.random.split(key, len(leaves))
   batch = total.shape[0]

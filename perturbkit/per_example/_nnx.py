@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._sweep import guarded_step
@@ -24,7 +24,16 @@ from perturbkit.per_example._check import check_per_example as check_functional
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._dp import PrivateTraining, check_key, check_optimizer, privatize
 from perturbkit.per_example._nnx_pass import run_nnx_pass
-from perturbkit.per_example._norms import norms_of_pass
+from perturbkit.per_example._norms import PerExampleNorms, norms_of_pass
+
+
+def keyed_like_state(norms: PerExampleNorms, model: nnx.Module) -> PerExampleNorms:
+  """``norms`` with ``by_param`` keyed as ``nnx.state(model, nnx.Param)`` (list items by int)."""
+  keys = {tuple(map(str, path)): tuple(path)
+          for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  flat = traverse_util.flatten_dict(norms.by_param)
+  return norms._replace(by_param=traverse_util.unflatten_dict(
+      {keys.get(path, path): value for path, value in flat.items()}))
 
 
 def _functional(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,8 +64,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   ``nnx.RMSNorm`` have the fast rules; any other submodule owning ``nnx.Param`` s
   (``nnx.LinearGeneral``, ``nnx.BatchNorm`` in eval mode, a module of your own) is
   replayed per example. Layers are named by their path (``'layers/0'``), and
-  ``by_param`` is keyed like ``nnx.state(model, nnx.Param)`` with string keys
-  (``norms.by_param['layers']['0']['kernel']``).
+  ``by_param`` is keyed like ``nnx.state(model, nnx.Param)``
+  (``norms.by_param['layers'][0]['kernel']``).
 
   Args:
     loss_fn: ``(model, *args, **kwargs) -> scalar loss``, a sum or mean over examples.
@@ -91,6 +100,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> loss, norms = perturbkit.nnx.per_example_grad_norms(loss_fn, reduction='sum')(model, x)
     >>> norms.total  # ‖(x_i, 1)‖
     Array([1.4142135, 2.236068 ], dtype=float32)
+    >>> norms.by_param['layers'][0]['kernel']  # keyed as nnx.state(model, nnx.Param)
+    Array([1., 2.], dtype=float32)
   """
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
@@ -100,7 +111,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     result = run_nnx_pass(loss_fn, model, args, kwargs, reduction=reduction,
                           batch_axes=batch_axes)
     check_reduction(model, args, kwargs, result.num_examples)
-    return result.loss, norms_of_pass(result, dense_method)
+    return result.loss, keyed_like_state(norms_of_pass(result, dense_method), model)
 
   return run
 
