@@ -10,6 +10,7 @@ functions are compiled and then timed round-robin:
                state donated.
   interleaved  ``perturbkit.interleaved`` with the default (layer-wise) segments,
                ``propagate='updated'``, state donated.
+  original     the same with ``propagate='original'`` (the standard step's maths).
   blocks       the same with the Transformer blocks as segments
                (``segments=filters.by_type(FlaxGPT2Block)`` / ``FlaxViTLayer``).
 
@@ -18,13 +19,14 @@ plain's, and that ``propagate='original'`` (default segments) gives the standard
 step's new params (with SGD: adam's first step divides each gradient entry by its own
 magnitude, so entries of about 1e-9, whose rounding differs between two float32
 programs, would move by up to the learning rate); it exits non-zero if a check fails. Reported: time ratios
-(targets: perturbkit <= 1.05x plain, interleaved <= 1.15x standard, blocks <= 1.35x
-standard), ``memory_analysis`` bytes (perturbkit's argument bytes equal plain's;
+(targets: perturbkit <= 1.05x plain, interleaved and original <= 1.15x standard, blocks
+<= 1.35x standard), ``memory_analysis`` bytes (perturbkit's argument bytes equal plain's;
 interleaved's argument + output + temp bytes at most standard's), and lowering +
 compile time against the number of segments.
 
   python scripts/bench_real_models.py --out scripts/results/bench_real_models.json
   python scripts/bench_real_models.py --quick          # tiny sizes, a smoke test
+  python scripts/bench_real_models.py --size 124m --repeats 7 --models gpt2   # GPT-2 small
 """
 import argparse
 import logging
@@ -46,7 +48,7 @@ import _bench_common as common  # noqa: E402
 from bench_interleaved import compile_donated, copy_tree, stepper  # noqa: E402
 
 GRAD_VARIANTS = ('plain', 'perturbkit')
-STEP_VARIANTS = ('standard', 'interleaved', 'blocks')
+STEP_VARIANTS = ('standard', 'interleaved', 'original', 'blocks')
 VARIANTS = GRAD_VARIANTS + STEP_VARIANTS
 MODELS = ('gpt2', 'vit')
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_real_models.json')
@@ -57,12 +59,13 @@ CHECK_OPTIMIZER, CHECK_LEARNING_RATE = optax.sgd, 0.1
 GRAD_TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 STEP_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 TARGETS = {'perturbkit_over_plain': 1.05, 'interleaved_over_standard': 1.15,
-           'blocks_over_standard': 1.35}
-DEFAULTS = dict(layers=4, width=256, heads=4, seq=128, batch=8, vocab=256,
+           'original_over_standard': 1.15, 'blocks_over_standard': 1.35}
+DEFAULTS = dict(layers=4, width=256, heads=4, seq=128, positions=0, batch=8, vocab=256,
                 image=32, patch=4, vit_width=192, vit_heads=3, classes=10, repeats=20)
 FLAG_HELP = {
     'layers': 'Transformer blocks of both models', 'width': 'GPT-2 embedding width',
     'heads': 'GPT-2 attention heads', 'seq': 'GPT-2 tokens per sequence',
+    'positions': 'GPT-2 position embeddings (0: as many as --seq)',
     'batch': 'sequences or images per batch', 'vocab': 'GPT-2 vocabulary size',
     'image': 'ViT image side in pixels', 'patch': 'ViT patch side in pixels',
     'vit_width': 'ViT hidden width (MLP: 4x)', 'vit_heads': 'ViT attention heads',
@@ -70,6 +73,10 @@ FLAG_HELP = {
 }
 QUICK = dict(layers=1, width=32, heads=2, seq=16, batch=2, vocab=64,
              image=16, patch=8, vit_width=32, vit_heads=2, classes=10, repeats=2)
+# The published sizes: GPT-2 small (124M params) and ViT-B/16 (86M), at batch 2.
+SIZES = {'124m': dict(layers=12, width=768, heads=12, seq=128, positions=1024, batch=2,
+                      vocab=50257, image=224, patch=16, vit_width=768, vit_heads=12,
+                      classes=1000)}
 
 
 class StandardState(NamedTuple):
@@ -103,7 +110,8 @@ def gpt2_problem(size: dict[str, Any], key: jax.Array) -> Problem:
   """GPT-2 with its tied LM head; next-token cross-entropy on random token ids."""
   import transformers as T
   from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
-  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'], n_embd=size['width'],
+  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['positions'] or size['seq'],
+                        n_embd=size['width'],
                         n_layer=size['layers'], n_head=size['heads'])
   hf = T.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False)
   variables = {'params': init_params(hf, (1, size['seq']))}
@@ -174,6 +182,7 @@ def measure_model(problem: Problem, repeats: int) -> dict[str, Any]:
   optimizer = optax.adam(LEARNING_RATE)
   blocks = perturbkit.filters.by_type(problem.block)
   txs = {'interleaved': perturbkit.interleaved(loss_fn, optimizer),
+         'original': perturbkit.interleaved(loss_fn, optimizer, propagate='original'),
          'blocks': perturbkit.interleaved(loss_fn, optimizer, segments=blocks)}
   listings = {v: tx.segments(problem.variables, *batch) for v, tx in txs.items()}
 
@@ -257,9 +266,12 @@ def ratios_and_targets(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
   ratios = {
       'perturbkit_over_plain': t('perturbkit') / t('plain'),
       'interleaved_over_standard': t('interleaved') / t('standard'),
+      'original_over_standard': t('original') / t('standard'),
       'blocks_over_standard': t('blocks') / t('standard'),
       'interleaved_sum_bytes_over_standard':
           mem('interleaved', 'sum_bytes') / mem('standard', 'sum_bytes'),
+      'original_sum_bytes_over_standard':
+          mem('original', 'sum_bytes') / mem('standard', 'sum_bytes'),
       'blocks_sum_bytes_over_standard': mem('blocks', 'sum_bytes') / mem('standard', 'sum_bytes'),
       'interleaved_compile_over_standard':
           variants['interleaved']['total_compile_s'] / variants['standard']['total_compile_s'],
@@ -331,12 +343,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help='models to run')
   parser.add_argument('--quick', action='store_true',
                       help=f'tiny sizes for a smoke test: {QUICK}, overriding the size flags')
+  parser.add_argument('--size', choices=sorted(SIZES), default=None,
+                      help='a published model size, overriding the size flags (not --repeats): '
+                      f'{SIZES}')
   parser.add_argument('--out', default=None,
                       help='where to write the JSON results; nothing is written without it '
                       f'(the README quotes {os.path.relpath(DEFAULT_OUT)})')
   args = parser.parse_args(argv)
   if args.quick:
     vars(args).update(QUICK)
+  elif args.size:
+    vars(args).update(SIZES[args.size])
   return args
 
 

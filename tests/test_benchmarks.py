@@ -128,11 +128,12 @@ def check_per_example(stdout: str, data: dict, api: str = 'linen',
 
 
 def check_real_models(stdout: str, data: dict):
-  variants = {'plain', 'perturbkit', 'standard', 'interleaved', 'blocks'}
+  variants = {'plain', 'perturbkit', 'standard', 'interleaved', 'original', 'blocks'}
   checks = {'loss_perturbkit_vs_plain', 'params_grad_perturbkit_vs_plain',
             'original_step_vs_standard'}
-  ratios = {'perturbkit_over_plain', 'interleaved_over_standard', 'blocks_over_standard',
-            'interleaved_sum_bytes_over_standard', 'blocks_sum_bytes_over_standard',
+  ratios = {'perturbkit_over_plain', 'interleaved_over_standard', 'original_over_standard',
+            'blocks_over_standard', 'interleaved_sum_bytes_over_standard',
+            'original_sum_bytes_over_standard', 'blocks_sum_bytes_over_standard',
             'interleaved_compile_over_standard', 'blocks_compile_over_standard'}
   assert 'checks: OK' in stdout, stdout[-3000:]
   assert data['benchmark'] == 'real_models'
