@@ -279,6 +279,38 @@ def test_nnx_equals_its_linen_twin(twins):
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
 
 
+class _BatchNormNet(nnx.Module):
+  """Linear -> BatchNorm (training mode) -> relu -> Linear, with an explicit delta after the norm."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.dense_0 = nnx.Linear(3, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+    self.dense_1 = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x, delta=0.0):
+    return self.dense_1(jax.nn.relu(self.norm(self.dense_0(x)) + delta))
+
+
+def test_nnx_batchnorm_in_training_mode_gives_grads_and_keeps_the_model():
+  """The batch statistics update inside the cached run without touching the caller's model."""
+  model = _BatchNormNet(nnx.Rngs(0))
+  model.train()
+  x = jax.random.normal(jax.random.key(3), (5, 3))
+  before = nnx_models.pure(nnx.state(model))
+  fn = lambda m, x: jnp.sum(m(x)[:, 0] ** 2)
+  value, cache = perturbkit.nnx.run_with_cache(fn, grads=True)(model, x)
+  graphdef, state = nnx.split(model)
+  want_value, want_grad = jax.value_and_grad(
+      lambda d: fn(lambda x: nnx.merge(graphdef, state, copy=True)(x, d), x))(
+          jnp.zeros((5, 4)))
+  np.testing.assert_allclose(value, want_value, **TOL)
+  np.testing.assert_allclose(cache.grads['norm']['__call__'], want_grad, **TOL)
+  assert float(jnp.abs(want_grad).max()) > 1e-3
+  attributions = perturbkit.nnx.grad_times_activation(fn)(model, x)
+  assert 'norm/__call__' in attributions.paths
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
+
+
 # --- GPT-2: tuple outputs ------------------------------------------------------------
 
 

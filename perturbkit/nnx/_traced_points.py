@@ -61,9 +61,11 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       flat += jax.tree.leaves(value)
     flat += [shape.zeros() for shape in hand_placed]
     try:
-      out, captured = perturbed_call(fn, nnx.merge(graphdef, state), flat, args, kwargs,
-                                     found=found, points=filter, edit=edit, activations=True,
-                                     inputs=True)
+      # A copy: Variables merged from the closed-over state belong to no trace, and a
+      # module that updates its own state (BatchNorm in training mode) could not write them.
+      model = nnx.merge(graphdef, state, copy=True)
+      out, captured = perturbed_call(fn, model, flat, args, kwargs, found=found, points=filter,
+                                     edit=edit, activations=True, inputs=True)
     except ActivationsUnavailableError as error:
       raise ActivationsUnavailableError(error.where, function) from None
     return (out, {p: get_in(captured['activations'], p) for p in paths},
