@@ -159,11 +159,39 @@ def check_real_models(stdout: str, data: dict):
   assert data['models']['vit']['rest'] == {}
 
 
+def check_interventions(stdout: str, data: dict):
+  variant_keys = {'median_s', 'p25_s', 'p75_s', 'samples_s', 'lower_s', 'compile_s',
+                  'argument_bytes', 'output_bytes', 'temp_bytes'}
+  assert data['benchmark'] == 'interventions'
+  assert data['config']['sizes'] == 'tiny' and data['config']['repeats'] == 2
+  assert data['all_ok'] is True
+  assert set(data['models']) == {'gpt2'}
+  model = data['models']['gpt2']
+  # The script's own checks: the sweep equals the loop of single patched runs, attribution
+  # patching equals vdot with jax.grad of explicit deltas, and the corruption matters.
+  assert model['ok'] is True and model['mismatches'] == {}, model['mismatches']
+  assert model['checks'] == {'sweep_vs_loop': True, 'attribution_vs_vdot_grad': True}
+  size = model['size']
+  assert model['patched_runs'] == size['layers'] * size['seq']
+  assert model['attribution_calls'] > size['layers']
+  assert set(model['variants']) == {'sweep', 'loop', 'attribution', 'forward'}
+  for v, m in model['variants'].items():
+    assert variant_keys <= set(m), (v, variant_keys - set(m))
+    assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
+  assert set(model['ratios']) == {'loop_over_sweep', 'attribution_over_forward',
+                                  'sweep_over_forward'}
+  assert all(r > 0 for r in model['ratios'].values())
+  assert len(model['targets_met']) == 2
+  assert 'gpt2: OK' in stdout, stdout[-3000:]
+
+
 RUNS = {
     'activation_grads': ('bench_activation_grads.py', ['--sizes', 'small', '--repeats', '2'],
                          check_activation_grads),
     'interleaved': ('bench_interleaved.py', ['--sizes', 'tiny', '--repeats', '2', '--models',
                                              'mlp', 'transformer'], check_interleaved),
+    'interventions': ('bench_interventions.py', ['--sizes', 'tiny', '--repeats', '2'],
+                      check_interventions),
     'kfac': ('bench_kfac.py', ['--sizes', 'small', '--models', 'mlp', '--repeats', '2'],
              check_kfac),
     'per_example': ('bench_per_example.py', ['--sizes', 'tiny', '--models', 'mlp', 'cnn',

@@ -1,0 +1,287 @@
+"""Activation and attribution patching on an unmodified Hugging Face GPT-2, side by side in one run.
+
+A tiny GPT-2 (4 blocks, 32 tokens by default) is built in code (nothing is downloaded) and
+used as it is: the metric, a logit difference at the last token, calls
+``hf_model.module.apply``. The clean and corrupted inputs differ in one token. Variants,
+compiled first, then timed round-robin:
+
+  sweep        ``perturbkit.activation_patching(metric, filter=<every block>, axis=1)``:
+               the clean run, the corrupted run, and every (block, position) patched run
+               as one ``jax.vmap``.
+  loop         the same numbers from a Python loop: one jitted clean run recording the
+               block outputs, one jitted corrupted run, then one call per (block, position)
+               of a single jitted patched forward that takes the block, the position and
+               the clean outputs as arguments (compiled once; written with
+               ``nn.intercept_methods`` alone, no perturbkit code).
+  attribution  ``perturbkit.attribution_patching(metric, axis=1)`` of every call (default
+               filter) at every position.
+  forward      one jitted forward pass of the metric on the corrupted inputs.
+
+Before timing, the script checks that the sweep equals the loop, and that attribution
+patching of the blocks equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position with
+``g`` from ``jax.grad`` of explicit deltas added to the block outputs by an interceptor;
+it exits non-zero if a check fails. Targets: loop / sweep >= 5, attribution / forward <= 3.2.
+Memory: ``memory_analysis`` bytes of each compiled function (the loop's are its single
+patched forward's).
+
+  python scripts/bench_interventions.py --out scripts/results/bench_interventions.json
+  python scripts/bench_interventions.py --sizes tiny --repeats 2     # a smoke test
+"""
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Measure the checkout this script lives in, installed or not.
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+import perturbkit  # noqa: E402
+import _bench_common as common  # noqa: E402
+from perturbkit import filters  # noqa: E402
+
+VARIANTS = ('sweep', 'loop', 'attribution', 'forward')
+DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interventions.json')
+TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+TARGETS = {'loop_over_sweep_ge': 5.0, 'attribution_over_forward_le': 3.2}
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    'tiny': {'gpt2': dict(layers=2, width=32, heads=2, seq=8, batch=2, vocab=64)},
+    'default': {'gpt2': dict(layers=4, width=64, heads=4, seq=32, batch=4, vocab=128)},
+}
+
+
+class Problem(NamedTuple):
+  """GPT-2's Linen module and variables, the metric, and the two inputs."""
+  module: Any
+  variables: dict
+  metric: Callable[..., jax.Array]
+  clean: jax.Array
+  corrupted: jax.Array
+  blocks: tuple[str, ...]
+
+
+def quiet_transformers() -> None:
+  """transformers 4.x says its Flax classes are deprecated (a log line, or a warning)."""
+  logging.getLogger('transformers').setLevel(logging.ERROR)
+  warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+
+
+def gpt2_problem(size: dict[str, Any], key: jax.Array) -> Problem:
+  """A tiny GPT-2, its logit-difference metric, and inputs that differ in one token."""
+  import transformers as T
+  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'], n_embd=size['width'],
+                        n_layer=size['layers'], n_head=size['heads'])
+  hf = T.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False)
+  init = jax.jit(hf.init_weights, static_argnames='input_shape')
+  variables = {'params': dict(init(hf.key, input_shape=(1, size['seq'])))}
+  batch, seq = size['batch'], size['seq']
+  clean = jax.random.randint(key, (batch, seq), 0, size['vocab'])
+  corrupted = clean.at[:, seq // 4].set((clean[:, seq // 4] + 1) % size['vocab'])
+  mask = jnp.ones((batch, seq), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+  module = hf.module
+
+  def metric(variables, ids):
+    logits = module.apply(variables, ids, mask, positions, deterministic=True).logits
+    return jnp.mean(logits[:, -1, 0] - logits[:, -1, 1])
+
+  blocks = tuple(f'transformer/h/{i}' for i in range(size['layers']))
+  return Problem(module, variables, metric, clean, corrupted, blocks)
+
+
+def intercepted(fn: Callable[..., Any], blocks: tuple[str, ...],
+                edit: Callable[[int, jax.Array], jax.Array]) -> Callable[..., Any]:
+  """``fn`` with each block's hidden state ``h`` (its output's first item) as ``edit(i, h)``."""
+  index = {path: i for i, path in enumerate(blocks)}
+
+  def interceptor(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    i = index.get('/'.join(context.module.path))
+    if context.method_name != '__call__' or i is None:
+      return out
+    return (edit(i, out[0]),) + tuple(out[1:])
+
+  def edited(*args):
+    with nn.intercept_methods(interceptor):
+      return fn(*args)
+
+  return edited
+
+
+def loop_functions(p: Problem) -> dict[str, Callable[..., Any]]:
+  """The loop's three jitted functions: clean run with block outputs, metric, patched run."""
+
+  def clean_run(variables, ids):
+    hidden = {}
+
+    def record(i, h):
+      hidden[i] = h
+      return h
+    intercepted(p.metric, p.blocks, record)(variables, ids)
+    return jnp.stack([hidden[i] for i in range(len(p.blocks))])
+
+  def patched(variables, clean_hidden, block, position, ids):
+    def put(i, h):
+      at = (jnp.arange(h.shape[1]) == position)[None, :, None] & (block == i)
+      return jnp.where(at, clean_hidden[i], h)
+    return intercepted(p.metric, p.blocks, put)(variables, ids)
+
+  return {'clean_run': clean_run, 'metric': p.metric, 'patched': patched}
+
+
+def run_loop(compiled: dict[str, Any], p: Problem, seq: int) -> jax.Array:
+  """``(blocks, positions)`` effects from one patched forward per (block, position)."""
+  clean_hidden = compiled['clean_run'].call(p.variables, p.clean)
+  corrupted_metric = compiled['metric'].call(p.variables, p.corrupted)
+  rows = [[compiled['patched'].call(p.variables, clean_hidden, np.int32(i), np.int32(j),
+                                    p.corrupted) for j in range(seq)]
+          for i in range(len(p.blocks))]
+  return jnp.array(rows) - corrupted_metric
+
+
+def attribution_reference(p: Problem) -> jax.Array:
+  """``vdot(a_clean - a_corrupted, g)`` per block and position, ``g`` by ``jax.grad``."""
+  functions = loop_functions(p)
+  clean = jax.jit(functions['clean_run'])(p.variables, p.clean)
+  corrupted = jax.jit(functions['clean_run'])(p.variables, p.corrupted)
+  with_deltas = lambda deltas: intercepted(p.metric, p.blocks, lambda i, h: h + deltas[i])(
+      p.variables, p.corrupted)
+  g = jax.jit(jax.grad(with_deltas))(jnp.zeros_like(corrupted))
+  # (blocks, batch, seq, width): sum over batch and width, per block and position.
+  return jnp.einsum('lbsw,lbsw->ls', clean - corrupted, g)
+
+
+def mismatch(actual: jax.Array, expected: jax.Array) -> str | None:
+  """``None`` if the two match within ``TOLERANCE``, else numpy's summary of the worst entry."""
+  try:
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), **TOLERANCE)
+  except AssertionError as err:
+    return '; '.join(ln.strip() for ln in str(err).splitlines() if ln.strip().startswith('Max'))
+  return None
+
+
+def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[str, Any]:
+  """Compiles, checks and times the four variants on GPT-2 at ``size``."""
+  p = gpt2_problem(size, key)
+  sweep = perturbkit.activation_patching(p.metric, filter=filters.by_path(*p.blocks), axis=1)
+  attribution = perturbkit.attribution_patching(p.metric, axis=1)
+  args = (p.variables, p.clean, p.corrupted)
+  compiled = {
+      'sweep': common.compile_timed(lambda *a: sweep(*a).effects, *args),
+      'attribution': common.compile_timed(lambda *a: attribution(*a).effects, *args),
+      'forward': common.compile_timed(p.metric, p.variables, p.corrupted),
+  }
+  functions = loop_functions(p)
+  compiled['clean_run'] = common.compile_timed(functions['clean_run'], p.variables, p.clean)
+  compiled['metric'] = compiled['forward']
+  clean_hidden = compiled['clean_run'].call(p.variables, p.clean)
+  compiled['patched'] = common.compile_timed(functions['patched'], p.variables, clean_hidden,
+                                             np.int32(0), np.int32(0), p.corrupted)
+  seq = size['seq']
+
+  sweep_effects = compiled['sweep'].call(*args)
+  loop_effects = run_loop(compiled, p, seq)
+  attribution_effects = compiled['attribution'].call(*args)
+  block_rows = [sweep(*args).paths.index(f'{b}/__call__') for b in p.blocks]
+  all_paths = attribution(*args).paths
+  attribution_rows = jnp.stack([attribution_effects[all_paths.index(f'{b}/__call__')]
+                                for b in p.blocks])
+  mismatches = {
+      'sweep_vs_loop': mismatch(sweep_effects[jnp.array(block_rows)], loop_effects),
+      'attribution_vs_vdot_grad': mismatch(attribution_rows, attribution_reference(p)),
+  }
+  # The corruption has to matter for the comparison to mean anything.
+  if not float(jnp.abs(loop_effects).max()) > 1e-6:
+    mismatches['corruption_has_an_effect'] = 'every patch leaves the metric unchanged'
+
+  thunks = {
+      'sweep': lambda: compiled['sweep'].call(*args),
+      'loop': lambda: run_loop(compiled, p, seq),
+      'attribution': lambda: compiled['attribution'].call(*args),
+      'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
+  }
+  samples = common.time_round_robin(thunks, repeats)
+  memory_of = {'sweep': 'sweep', 'loop': 'patched', 'attribution': 'attribution',
+               'forward': 'forward'}
+  variants = {}
+  for v in VARIANTS:
+    c = compiled[memory_of[v]]
+    variants[v] = {**common.summarize(samples[v]), 'lower_s': c.lower_s,
+                   'compile_s': c.compile_s, **c.memory, 'samples_s': samples[v]}
+  t = {v: variants[v]['median_s'] for v in VARIANTS}
+  ratios = {'loop_over_sweep': t['loop'] / t['sweep'],
+            'attribution_over_forward': t['attribution'] / t['forward'],
+            'sweep_over_forward': t['sweep'] / t['forward']}
+  targets = {
+      f'loop_over_sweep_ge_{TARGETS["loop_over_sweep_ge"]}':
+          ratios['loop_over_sweep'] >= TARGETS['loop_over_sweep_ge'],
+      f'attribution_over_forward_le_{TARGETS["attribution_over_forward_le"]}':
+          ratios['attribution_over_forward'] <= TARGETS['attribution_over_forward_le'],
+  }
+  return {
+      'size': dict(size),
+      'num_params': sum(x.size for x in jax.tree.leaves(p.variables)),
+      'patched_runs': len(p.blocks) * seq,
+      'attribution_calls': len(all_paths),
+      'checks': {k: m is None for k, m in mismatches.items()},
+      'mismatches': {k: m for k, m in mismatches.items() if m is not None},
+      'ok': all(m is None for m in mismatches.values()),
+      'variants': variants,
+      'ratios': ratios,
+      'targets_met': targets,
+  }
+
+
+COLUMNS = ('model', 'variant', 'median ms', 'p25-p75 ms', 'x forward', 'lower s', 'compile s',
+           'arg bytes', 'temp bytes', 'out bytes')
+
+
+def report(results: dict[str, Any]) -> None:
+  """Prints the table, the checks, ratios and targets."""
+  rows = []
+  for name, r in results.items():
+    forward = r['variants']['forward']['median_s']
+    for v in VARIANTS:
+      m = r['variants'][v]
+      rows.append({
+          'model': name, 'variant': v, 'median ms': f'{m["median_s"] * 1e3:.2f}',
+          'p25-p75 ms': f'{m["p25_s"] * 1e3:.2f}-{m["p75_s"] * 1e3:.2f}',
+          'x forward': f'{m["median_s"] / forward:.2f}',
+          'lower s': f'{m["lower_s"]:.2f}', 'compile s': f'{m["compile_s"]:.2f}',
+          'arg bytes': f'{m.get("argument_bytes", -1):,}',
+          'temp bytes': f'{m.get("temp_bytes", -1):,}',
+          'out bytes': f'{m.get("output_bytes", -1):,}'})
+  print(common.format_table(rows, COLUMNS))
+  print()
+  for name, r in results.items():
+    status, met = common.check_lines(r)
+    print(f'{name}: {status} ({r["patched_runs"]} patched runs, '
+          f'{r["attribution_calls"]} calls attributed, {r["num_params"]:,} params)')
+    print('  ratios: ' + ', '.join(f'{k}={v:.2f}' for k, v in r['ratios'].items()))
+    print(f'  targets: {met}')
+
+
+def main(argv: list[str] | None = None) -> int:
+  quiet_transformers()
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv)
+  key = jax.random.key(0)
+  results = {}
+  for i, name in enumerate(args.models):
+    print(f'[{name}] compiling and timing ...', flush=True)
+    results[name] = measure_model(SIZES[args.sizes][name], args.repeats,
+                                  jax.random.fold_in(key, i))
+  report(results)
+  all_ok = all(r['ok'] for r in results.values())
+  common.write_results(args.out, 'interventions',
+                       {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
+                        'variants': list(VARIANTS), 'targets': TARGETS}, results, all_ok)
+  return 0 if all_ok else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
