@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'scripts')
 
@@ -203,8 +202,23 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize('name', sorted(RUNS))
-def test_benchmark_runs_and_checks_pass(name, tmp_path):
+def run_and_check(name: str, tmp_path):
   script, args, check = RUNS[name]
   stdout, data = _run(script, args, tmp_path / 'results' / f'{name}.json', timeout=600)
   check(stdout, data)
+
+
+def _runs_class(name: str):
+  """``TestBenchInterleaved``: a class per script run, so pytest-xdist (``--dist loadscope``)
+  gives each run to whichever worker is free."""
+  def test_runs_and_checks_pass(self, tmp_path):
+    del self
+    run_and_check(name, tmp_path)
+  title = ''.join(part.title() for part in name.split('_'))
+  return type(f'TestBench{title}', (), {'test_runs_and_checks_pass': test_runs_and_checks_pass,
+                                         '__doc__': f'The {name} benchmark.'})
+
+
+for _name in sorted(RUNS):
+  _class = _runs_class(_name)
+  globals()[_class.__name__] = _class

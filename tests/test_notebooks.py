@@ -41,14 +41,14 @@ def test_notebook_committed_executed(path):
   assert path.stat().st_size < MAX_NOTEBOOK_BYTES, (path.name, path.stat().st_size)
 
 
-@pytest.mark.parametrize('path', NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_runs(path, monkeypatch):
+def run_small(path, monkeypatch):
+  """Runs the notebook at ``path`` top to bottom in a fresh kernel at its small sizes."""
   nb = nbformat.read(path, as_version=4)
   first = next(cell for cell in nb.cells if cell.cell_type == 'code')
   assert 'PERTURBKIT_NOTEBOOK_SMALL' in first.source, 'the first code cell sets the sizes'
   # The kernel inherits this process's environment (with conftest's cheaper XLA compile
-  # passes: at small sizes the notebooks spend most of their time compiling). jupyter_client starts the
-  # 'python3' kernel with sys.executable, so it sees the same installed packages.
+  # passes: at small sizes the notebooks spend most of their time compiling). jupyter_client
+  # starts the 'python3' kernel with sys.executable, so it sees the same installed packages.
   monkeypatch.setenv('PERTURBKIT_NOTEBOOK_SMALL', '1')
   client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name='python3',
                           resources={'metadata': {'path': str(path.parent)}})
@@ -56,3 +56,21 @@ def test_notebook_runs(path, monkeypatch):
     client.execute()
   except CellExecutionError as error:
     pytest.fail(f'{path.name} failed:\n{error}')
+
+
+def _class_name(path) -> str:
+  return 'TestNotebook' + ''.join(part.title() for part in path.stem.split('_'))
+
+
+def _runs_class(path):
+  """``TestNotebook08Interpretability``: a class per notebook, so pytest-xdist (``--dist loadscope``) gives
+  each notebook's run to whichever worker is free; a parametrized function would keep them all
+  on one worker."""
+  def test_runs(self, monkeypatch):
+    del self
+    run_small(path, monkeypatch)
+  return type(_class_name(path), (), {'test_runs': test_runs, '__doc__': f'{path.name} runs.'})
+
+
+for _path in NOTEBOOKS:
+  globals()[_class_name(_path)] = _runs_class(_path)
