@@ -18,15 +18,30 @@ and optimizer state) leaves the backward pass as the cotangent of a zero
 Nothing here knows which Flax API built the model: a front end supplies the
 segment as a pure function ``pure(w, x) -> (y, aux)``.
 """
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
 from perturbkit.core._consumers import segment_function_name
 from perturbkit.core._points import is_inexact_array
 
-# (g, dw, w, dyn) -> (weights to propagate with or None, values carried out)
-Backward = Callable[[Any, Any, Any, Any], tuple[Any, Any]]
+
+class Backward(NamedTuple):
+  """What a segment does in the backward pass, once it has its gradient.
+
+  Attributes:
+    step: ``(g, dw, w, dyn, after) -> (new_w, carried)``, called with the
+      output cotangent ``g``, the (averaged) gradient ``dw`` at the old weights
+      ``w`` and the segment's floating-point inputs ``dyn`` (this device's);
+      ``carried`` leaves the backward pass as the cotangent of the carrier.
+      ``after`` is ``None``, or values the step should depend on (the old
+      weights' input cotangent), so that XLA can order the step after the
+      old weights' last read.
+    propagate_updated: Whether the input cotangent is computed at ``new_w``
+      (the call is replayed) or at ``w``.
+  """
+  step: Callable[[Any, Any, Any, Any, Any], tuple[Any, Any]]
+  propagate_updated: bool
 
 
 def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -56,12 +71,8 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     w: The segment's params.
     dyn: The floating-point inputs.
     carrier: Zeros shaped like what ``backward`` carries out.
-    backward: ``(g, dw, w, dyn) -> (w_propagate, carried)``, called in the
-      backward pass with the output cotangent ``g``, the (averaged) gradient
-      ``dw`` at the old weights ``w`` and the segment's floating-point inputs
-      ``dyn`` (this device's). The input cotangent is computed at
-      ``w_propagate`` (``None``: at ``w``, no replay), and ``carried`` leaves the
-      backward pass as the cotangent of ``carrier``.
+    backward: The segment's step in the backward pass, and at which weights
+      its input cotangent is computed.
     axis_name: If given, ``dw`` is averaged over this mapped axis first (data
       parallelism under ``shard_map``/``pmap``).
 
@@ -86,10 +97,15 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
-    w_propagate, carried = backward(g, dw, w, dyn)
-    if w_propagate is not None:
-      _, vjp_new = jax.vjp(lambda d: pure(w_propagate, d)[0], dyn)
+    if backward.propagate_updated:
+      new_w, carried = backward.step(g, dw, w, dyn, None)
+      _, vjp_new = jax.vjp(lambda d: pure(new_w, d)[0], dyn)
       (d_dyn,) = vjp_new(g)
+    else:
+      # The input cotangent is the old weights' last read. A step that depends
+      # on it can write the new weights over the old ones (a donated state);
+      # otherwise XLA copies every weight first, as in a plain optax step.
+      _, carried = backward.step(g, dw, w, dyn, d_dyn)
     return dw, d_dyn, carried
 
   segment.defvjp(fwd, bwd)

@@ -222,16 +222,38 @@ def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, 
   return tx.update(grads, opt_state, params)
 
 
+def always_true_after(values: PyTree) -> jax.Array:
+  """``True``, computed from one entry of each array in ``values``.
+
+  XLA updates a donated buffer in place only after every read of its old
+  value that the update depends on; a step gated by this waits for
+  ``values`` (e.g. the input cotangent at the old weights) at the cost of
+  reading a scalar per array.
+  """
+  firsts = [leaf.ravel()[0] for leaf in jax.tree.leaves(values) if jnp.size(leaf)]
+  if not firsts:
+    return jnp.ones((), bool)
+  first = jnp.stack([x.astype(jnp.float32) for x in firsts])
+  # Equal or unequal to itself (NaN included): true, and not folded away by XLA.
+  return jnp.all((first == first) | (first != first))
+
+
 def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
-                 params: PyTree, scale: jax.Array, guard: bool, extra_args: dict | None = None):
+                 params: PyTree, scale: jax.Array, guard: bool, extra_args: dict | None = None,
+                 after: PyTree = None):
   """One optimizer step on one group: ``(params, opt_state, finite)``.
 
   With ``guard``, a gradient whose norm is not finite keeps the old params and
   state. A conditional (not an elementwise select) skips the work, so the
   finite path makes no extra pass over the state and can update it in place.
-  ``extra_args`` go to a ``GradientTransformationExtraArgs``'s update.
+  ``extra_args`` go to a ``GradientTransformationExtraArgs``'s update. With
+  ``guard`` and ``after``, the conditional also waits for ``after`` (the old
+  params' last reads), so that XLA updates the params in place without first
+  copying them.
   """
   finite = jnp.isfinite(optax.tree.norm(grads))
+  if guard and after is not None:
+    finite = jnp.logical_and(finite, always_true_after(after))
 
   def take():
     updates, new_opt = _update(tx, jax.tree.map(lambda g: g * scale, grads), opt_state, params,
@@ -263,16 +285,16 @@ def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
   """
   tx = optimizer_for(sweep.optimizer, name)
 
-  def backward(g, dw, w, dyn):
+  def step(g, dw, w, dyn, after):
     carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
     swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
     new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
-                                     sweep.skip_nonfinite, extra_args)
+                                     sweep.skip_nonfinite, extra_args, after)
     carried['step'] = (new_w, split_floats(new_opt)[0])
-    return (new_w if sweep.propagate == 'updated' else None), carried
+    return new_w, carried
 
-  return backward
+  return Backward(step, propagate_updated=sweep.propagate == 'updated')
 
 
 def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
