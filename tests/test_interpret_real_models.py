@@ -11,8 +11,8 @@ model is checked against references that use no perturbkit code:
   equals the model run with the clean value written in by an ``nn.intercept_methods``
   interceptor of this file;
 * attribution patching equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position, the
-  activations from ``capture_intermediates`` and ``g`` from ``jax.vjp`` with respect to an
-  explicit delta added by that interceptor.
+  activations from ``capture_intermediates`` and ``g`` from ``jax.value_and_grad`` with
+  respect to an explicit delta added by that interceptor.
 """
 import dataclasses
 from typing import Any, Callable
@@ -63,11 +63,15 @@ class Problem:
   def metric(self, variables, inputs):
     return self.score(self.run(variables, inputs))
 
-  def intermediates(self, variables, inputs) -> dict[str, Any]:
-    """``{'a/b/__call__': output}`` of each module's first ``__call__``, from Flax itself."""
-    _, state = self.forward(variables, inputs, capture_intermediates=True,
-                            mutable=['intermediates'])
-    return {k: v[0] for k, v in flat(flax.core.unfreeze(state['intermediates'])).items()}
+  def intermediates(self, variables, inputs) -> tuple[jax.Array, dict[str, Any]]:
+    """The output and ``{'a/b/__call__': output}`` of each module's first ``__call__``.
+
+    From Flax itself (``capture_intermediates``).
+    """
+    out, state = self.forward(variables, inputs, capture_intermediates=True,
+                              mutable=['intermediates'])
+    calls = flat(flax.core.unfreeze(state['intermediates']))
+    return self.head(out), {k: v[0] for k, v in calls.items()}
 
 
 def _bert(hf):
@@ -107,73 +111,7 @@ def _resnet(hf):
 MAKERS = {'bert': _bert, 'vit': _vit, 'llama': _llama, 'resnet_eval': _resnet}
 
 
-@dataclasses.dataclass(frozen=True)
-class Runs:
-  """What every test reads, computed once per model.
-
-  Attributes:
-    output: The model's output on the clean inputs (jitted, unedited).
-    cached: ``run_with_cache``'s outputs of every call on the clean inputs, flattened.
-    clean: ``capture_intermediates`` on the clean inputs, flattened.
-    corrupted: The same on the corrupted inputs.
-    corrupted_metric: The metric on the corrupted inputs (jitted).
-  """
-  output: jax.Array
-  cached: dict[str, Any]
-  clean: dict[str, Any]
-  corrupted: dict[str, Any]
-  corrupted_metric: jax.Array
-
-
-@pytest.fixture(scope='module', params=sorted(MAKERS))
-def built(request) -> tuple[hf_models.Case, Problem, Runs]:
-  case = hf_models.CASES[request.param]
-  hf = hf_models.hf_model(case.model)
-  p = Problem(hf.variables, **MAKERS[request.param](hf))
-  with case.strictness():
-    output, cache = jax.jit(perturbkit.run_with_cache(p.run))(p.variables, p.clean)
-    captured = jax.jit(p.intermediates)
-    runs = Runs(output, flat(cache.outputs), captured(p.variables, p.clean),
-                captured(p.variables, p.corrupted),
-                jax.jit(p.metric)(p.variables, p.corrupted))
-  return case, p, runs
-
-
-@pytest.fixture
-def problem(built) -> tuple[Problem, Runs]:
-  case, p, runs = built
-  with case.strictness():
-    yield p, runs
-
-
 # --- The independent reference: an interceptor of this file -----------------------------
-
-def hand_edited(fn: Callable[..., Any], edits: dict[str, Callable[[jax.Array], jax.Array]]):
-  """``fn`` with ``edits[path](hidden)`` in place of that layer's hidden state.
-
-  HF's layers return a tuple whose first item is the hidden state; ResNet's stages return
-  the array itself. Written with ``nn.intercept_methods`` alone, no perturbkit code.
-  """
-
-  def interceptor(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    path = '/'.join(context.module.path)
-    if context.method_name != '__call__' or path not in edits:
-      return out
-    if isinstance(out, tuple):
-      return (edits[path](out[0]),) + out[1:]
-    return edits[path](out)
-
-  def edited(variables, inputs):
-    with nn.intercept_methods(interceptor):
-      return fn(variables, inputs)
-
-  return edited
-
-
-def hidden(output):
-  return output[0] if isinstance(output, tuple) else output
-
 
 def flat(outputs: dict, prefix: str = '') -> dict[str, Any]:
   """``{'a/b/__call__': output}``; outputs that are mappings (HF's ModelOutput) stay whole."""
@@ -186,13 +124,109 @@ def flat(outputs: dict, prefix: str = '') -> dict[str, Any]:
   return out
 
 
+def hidden(output):
+  """A layer's hidden state: HF's layers return a tuple starting with it, ResNet's stages
+  the array itself."""
+  return output[0] if isinstance(output, tuple) else output
+
+
+def by_hand(p: Problem) -> Callable[..., jax.Array]:
+  """``(variables, inputs, deltas, replaced) -> metric``, each layer's hidden state ``h``
+  edited to ``where(mask, value, h) + delta``.
+
+  ``deltas[layer]`` is an array like ``h``; ``replaced[layer] = (mask, value)``. Written
+  with ``nn.intercept_methods`` alone, no perturbkit code.
+  """
+
+  def metric(variables, inputs, deltas, replaced):
+    def interceptor(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      path = '/'.join(context.module.path)
+      if context.method_name != '__call__' or path not in deltas:
+        return out
+      mask, value = replaced[path]
+      edited = jnp.where(mask, value, hidden(out)) + deltas[path]
+      return (edited,) + out[1:] if isinstance(out, tuple) else edited
+
+    with nn.intercept_methods(interceptor):
+      return p.metric(variables, inputs)
+
+  return metric
+
+
+def at_position(p: Problem, shape: tuple[int, ...], position: int) -> jax.Array:
+  """A boolean mask, True at ``position`` along ``p.axis``, broadcasting to ``shape``."""
+  return jnp.expand_dims(jnp.arange(shape[p.axis]) == position,
+                         tuple(i for i in range(len(shape)) if i != p.axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+  """What every test reads, computed once per model.
+
+  Attributes:
+    output: The model's output on the clean inputs, from ``run_with_cache``.
+    cached: ``run_with_cache``'s outputs of every call on the clean inputs, flattened.
+    captured_output: The model's output on the clean inputs, from the capture run.
+    clean: ``capture_intermediates`` on the clean inputs, flattened.
+    corrupted: The same on the corrupted inputs.
+    reference: ``jax.value_and_grad`` of :func:`by_hand` w.r.t. the deltas, jitted.
+    corrupted_metric: The metric on the corrupted inputs, from ``reference``.
+    grads: d metric / d hidden state of each layer on the corrupted inputs, from ``reference``.
+  """
+  output: jax.Array
+  cached: dict[str, Any]
+  captured_output: jax.Array
+  clean: dict[str, Any]
+  corrupted: dict[str, Any]
+  reference: Callable[..., Any]
+  corrupted_metric: jax.Array
+  grads: dict[str, jax.Array]
+
+  def nothing_replaced(self, p: Problem) -> dict[str, tuple[jax.Array, jax.Array]]:
+    return {layer: (jnp.asarray(False), jnp.zeros(())) for layer in p.layers}
+
+  def zero_deltas(self, p: Problem) -> dict[str, jax.Array]:
+    return {layer: jnp.zeros_like(hidden(self.corrupted[f'{layer}/__call__']))
+            for layer in p.layers}
+
+
+@pytest.fixture(scope='module', params=sorted(MAKERS))
+def built(request) -> tuple[hf_models.Case, Problem, Runs]:
+  case = hf_models.CASES[request.param]
+  hf = hf_models.hf_model(case.model)
+  p = Problem(hf.variables, **MAKERS[request.param](hf))
+  with case.strictness():
+    output, cache = jax.jit(perturbkit.run_with_cache(p.run))(p.variables, p.clean)
+    captured = jax.jit(p.intermediates)
+    captured_output, clean = captured(p.variables, p.clean)
+    _, corrupted = captured(p.variables, p.corrupted)
+    reference = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))
+    partial = Runs(output, flat(cache.outputs), captured_output, clean, corrupted, reference,
+                   None, None)
+    value, grads = reference(p.variables, p.corrupted, partial.zero_deltas(p),
+                             partial.nothing_replaced(p))
+  return case, p, dataclasses.replace(partial, corrupted_metric=value, grads=grads)
+
+
+@pytest.fixture
+def problem(built) -> tuple[Problem, Runs]:
+  case, p, runs = built
+  with case.strictness():
+    yield p, runs
+
+
 def _floats(tree) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
+def _positions(p: Problem, output: jax.Array) -> tuple[int, ...]:
+  return p.positions if p.positions is not None else tuple(range(output.shape[p.axis]))
+
+
 def test_cache_patch_back_and_capture_intermediates(problem):
   p, runs = problem
-  np.testing.assert_array_equal(runs.output, jax.jit(p.run)(p.variables, p.clean))
+  chex.assert_trees_all_close(runs.output, runs.captured_output, **TOL)
 
   # (a) Every call's cached output put back: the unedited output, bit for bit.
   back = {name: interpret.replace(value) for name, value in runs.cached.items()}
@@ -205,10 +239,6 @@ def test_cache_patch_back_and_capture_intermediates(problem):
   assert set(calls) <= set(runs.clean) and len(calls) > 10
   for name in calls:
     chex.assert_trees_all_close(_floats(runs.cached[name]), _floats(runs.clean[name]), **TOL)
-
-
-def _positions(p: Problem, output: jax.Array) -> tuple[int, ...]:
-  return p.positions if p.positions is not None else tuple(range(output.shape[p.axis]))
 
 
 def test_activation_patching(problem):
@@ -241,11 +271,10 @@ def test_activation_patching(problem):
   # One entry by hand: the clean hidden state from capture_intermediates written in.
   layer, position = p.layers[1], positions[-1]
   clean_hidden = hidden(runs.clean[f'{layer}/__call__'])
-  put = lambda h: jnp.where(
-      jnp.expand_dims(jnp.arange(h.shape[p.axis]) == position,
-                      tuple(i for i in range(h.ndim) if i != p.axis)), clean_hidden, h)
-  by_hand = hand_edited(p.metric, {layer: put})(p.variables, p.corrupted)
-  chex.assert_trees_all_close(result.effects[1, -1], by_hand - runs.corrupted_metric, **TOL)
+  replaced = {**runs.nothing_replaced(p),
+              layer: (at_position(p, clean_hidden.shape, position), clean_hidden)}
+  value, _ = runs.reference(p.variables, p.corrupted, runs.zero_deltas(p), replaced)
+  chex.assert_trees_all_close(result.effects[1, -1], value - runs.corrupted_metric, **TOL)
 
 
 def test_attribution_patching(problem):
@@ -253,21 +282,13 @@ def test_attribution_patching(problem):
   result = jax.jit(perturbkit.attribution_patching(
       p.metric, filter=filters.by_path(*p.layers), axis=p.axis, positions=p.positions))(
           p.variables, p.clean, p.corrupted)
+  chex.assert_trees_all_close(result.corrupted_metric, runs.corrupted_metric, **TOL)
+  # g: the metric's gradient w.r.t. a delta added to each layer's hidden state (jax.grad).
   difference = {layer: hidden(runs.clean[f'{layer}/__call__'])
                 - hidden(runs.corrupted[f'{layer}/__call__']) for layer in p.layers}
-
-  # g: the metric's gradient w.r.t. a delta added to each layer's hidden state, by jax.vjp.
-  def with_deltas(deltas):
-    edits = {layer: (lambda h, layer=layer: h + deltas[layer]) for layer in p.layers}
-    return hand_edited(p.metric, edits)(p.variables, p.corrupted)
-
-  zeros = {layer: jnp.zeros_like(d) for layer, d in difference.items()}
-  value, vjp = jax.vjp(with_deltas, zeros)
-  (g,) = jax.jit(vjp)(jnp.ones_like(value))
   positions = _positions(p, difference[p.layers[0]])
   want = [[jnp.vdot(jnp.take(difference[layer], position, axis=p.axis),
-                    jnp.take(g[layer], position, axis=p.axis)) for position in positions]
-          for layer in p.layers]
+                    jnp.take(runs.grads[layer], position, axis=p.axis))
+           for position in positions] for layer in p.layers]
   assert result.positions == positions
   chex.assert_trees_all_close(result.effects, jnp.array(want), **TOL)
-  chex.assert_trees_all_close(result.corrupted_metric, value, **TOL)
