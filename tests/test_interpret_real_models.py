@@ -4,7 +4,7 @@ Tiny configs built in code (``hf_models``); GPT-2 is covered in ``test_interpret
 model is checked against references that use no perturbkit code:
 
 * caching every call's output and patching the same values back in with ``run_with_edits``
-  gives the unedited output;
+  gives the unedited output, bit for bit;
 * the cached outputs equal Linen's ``capture_intermediates`` on the same inputs;
 * activation patching of two layers (every token, or two rows of a feature map) equals a
   Python loop of single patched runs with ``run_with_edits(replace(...))``, and one entry
@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATIO
 
 # float32; the references run the same ops in another order or fusion.
 TOL = dict(rtol=1e-4, atol=1e-5)
-# Each program here runs a few times on inputs of a few KB: LLVM's optimizations would cost
-# more compile time than they save (about a third of this file's time on a 2-core CPU).
+# Each program here runs a few times on inputs of a few KB: LLVM's optimizations cost more
+# compile time than they save (a third to two fifths of a compile, measured on a 2-core CPU).
 jit = functools.partial(jax.jit, compiler_options={'xla_backend_optimization_level': 0,
                                                    'xla_llvm_disable_expensive_passes': True})
 
