@@ -12,6 +12,7 @@ the machine:
     ``custom-call``, ...);
   * matrix products (``dot``) anywhere, fused or not;
   * donated parameters that XLA aliases to an output (``input_output_alias``);
+  * fusions to a scalar (norms, finiteness tests) and the size of what they take;
   * ``cost_analysis()`` (flops, bytes accessed) and ``memory_analysis()``;
   * the largest ``copy`` ops, each with the innermost perturbkit (or, failing that, any)
     source line that made it.
@@ -246,6 +247,7 @@ def table(profiles: dict[str, dict[str, Any]]) -> str:
     row(f'{op} ops', lambda p, op=op: p['ops'].get(op, {}).get('count', 0))
     row(f'{op} MB', lambda p, op=op: p['ops'].get(op, {}).get('bytes', 0), mb)
   row('fusions to a scalar', lambda p: p['scalar_fusions']['count'])
+  # Whole operands, even where the fusion reads one entry of them: a bound, not a measure.
   row('  their operands MB', lambda p: p['scalar_fusions']['operand_bytes'], mb)
   row('all top-level ops', lambda p: sum(o['count'] for o in p['ops'].values()))
   row('dot (anywhere)', lambda p: p['dots_anywhere'])
