@@ -14,7 +14,8 @@ from perturbkit.core._sweep import always_true_after
 
 def test_always_true_after_is_true_for_every_value():
   values = [jnp.array([np.nan, 1.0]), jnp.array([[np.inf]]), jnp.array([-np.inf]),
-            jnp.zeros((0,)), jnp.array([3], jnp.int32), jnp.array([2.0], jnp.bfloat16)]
+            jnp.zeros((0,)), jnp.array([3], jnp.int32), jnp.array([2.0], jnp.bfloat16),
+            jnp.array([np.nan + 1j], jnp.complex64)]
   for value in values:
     assert bool(jax.jit(always_true_after)([value])), value
   assert bool(jax.jit(always_true_after)(values))

@@ -231,11 +231,8 @@ def always_true_after(values: PyTree) -> jax.Array:
   reading a scalar per array.
   """
   firsts = [leaf.ravel()[0] for leaf in jax.tree.leaves(values) if jnp.size(leaf)]
-  if not firsts:
-    return jnp.ones((), bool)
-  first = jnp.stack([x.astype(jnp.float32) for x in firsts])
   # Equal or unequal to itself (NaN included): true, and not folded away by XLA.
-  return jnp.all((first == first) | (first != first))
+  return jnp.all(jnp.stack([(x == x) | (x != x) for x in firsts] or [jnp.ones((), bool)]))
 
 
 def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
