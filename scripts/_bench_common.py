@@ -191,13 +191,17 @@ def check_lines(result: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def parse_args(description: str, sizes: Mapping[str, Mapping[str, Any]], default_out: str,
-               default_repeats: int, argv: list[str] | None = None) -> argparse.Namespace:
-  """The flags both benchmark scripts take: --sizes, --repeats, --models, --out.
+               default_repeats: int, argv: list[str] | None = None,
+               parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.Namespace:
+  """The flags every benchmark script takes: --sizes, --repeats, --models, --out.
+
+  A script's own flags come in ``parents`` (parsers made with ``add_help=False``),
+  so that ``--help`` lists them too.
 
   Results are written only where ``--out`` says (``default_out`` is suggested
   in the help, for the file the README quotes), never over a tracked file by default.
   """
-  parser = argparse.ArgumentParser(description=description,
+  parser = argparse.ArgumentParser(description=description, parents=list(parents),
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--sizes', choices=sorted(sizes), default='default')
   parser.add_argument('--repeats', type=int, default=default_repeats,

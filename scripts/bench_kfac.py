@@ -280,12 +280,11 @@ def main(argv: list[str] | None = None) -> int:
   extra = argparse.ArgumentParser(add_help=False)
   extra.add_argument('--k', type=int, default=10, help='refresh the inverses every k steps')
   extra.add_argument('--steps', type=int, default=10, help='steps per timed sample')
-  known, rest = extra.parse_known_args(argv)
-  k, steps = known.k, known.steps
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, argv, parents=[extra])
+  k, steps = args.k, args.steps
   if steps % k:
     raise SystemExit(f'--steps ({steps}) must be a multiple of --k ({k}): kfac_host_switch '
                      'counts its calls to know when the statistics are due.')
-  args = common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, rest)
   key = jax.random.key(0)
   results = {}
   for i, name in enumerate(args.models):

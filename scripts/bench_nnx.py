@@ -366,12 +366,9 @@ def report_interleaved(results: dict[str, Any]) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
   """The common flags, plus ``--parts`` (which measurements to run, both by default)."""
   pre = argparse.ArgumentParser(add_help=False)
-  pre.add_argument('--parts', nargs='+', choices=PARTS, default=list(PARTS))
-  parts, rest = pre.parse_known_args(argv)
-  args = common.parse_args(__doc__.split('\n')[0] + f' (--parts {" ".join(PARTS)})',
-                           SIZES, None, 20, rest)
-  args.parts = parts.parts
-  return args
+  pre.add_argument('--parts', nargs='+', choices=PARTS, default=list(PARTS),
+                   help='which measurements to run')
+  return common.parse_args(__doc__.split('\n')[0], SIZES, None, 20, argv, parents=[pre])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -296,9 +296,10 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
   front_end = argparse.ArgumentParser(add_help=False)
-  front_end.add_argument('--api', choices=('linen', 'nnx'), default='linen')
-  api, argv = front_end.parse_known_args(argv)
-  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv)
+  front_end.add_argument('--api', choices=('linen', 'nnx'), default='linen',
+                         help='the Flax API of the models and of perturbkit\'s functions')
+  args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 15, argv,
+                           parents=[front_end])
   key = jax.random.key(0)
   results: dict[str, list] = {}
   for i, name in enumerate(args.models):
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in size['batches']:
       print(f'[{name} batch {batch}] compiling, checking and timing ...', flush=True)
       results[name].append(measure(name, size, batch, args.repeats,
-                                   jax.random.fold_in(key, 1000 * i + batch), api.api))
+                                   jax.random.fold_in(key, 1000 * i + batch), args.api))
   print(common.format_table(table_rows(results), COLUMNS))
   print()
   for name, runs in results.items():
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f'x time, x mem: ratio to plain. Targets for perturbkit: time <= {TARGETS["time"]}x, '
         f'arg+out+temp bytes <= {TARGETS["memory"]}x.')
   common.write_results(args.out, 'per_example',
-                       {'api': api.api, 'sizes': args.sizes, 'repeats': args.repeats,
+                       {'api': args.api, 'sizes': args.sizes, 'repeats': args.repeats,
                         'clip_norm': CLIP_NORM,
                         'noise_multiplier': NOISE_MULTIPLIER,
                         'optimizer': f'sgd({LEARNING_RATE})', 'tolerance': TOLERANCE,
