@@ -222,3 +222,40 @@ def test_named_errors():
     perturbkit.nnx.private_grad(squared_error, clip_norm=1.0, noise_multiplier=0.0)(
         RootScale(nnx.Rngs(0)), jax.random.key(0), x)
   perturbkit.nnx.check_per_example(squared_error, model, x)
+
+
+# -- a tied output head: one nnx.Embed called and then attend-ed ------------------------------
+
+
+class TiedLM(nnx.Module):
+  """Token embedding, a hidden layer, and the output logits from the same embedding."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(11, 6, rngs=rngs)
+    self.hidden = nnx.Linear(6, 6, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.embed.attend(jnp.tanh(self.hidden(self.embed(tokens))))
+
+
+def next_token_loss(model, tokens, reduction='mean'):
+  logits = model(tokens[:, :-1])
+  terms = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).sum(axis=1)
+  return terms.mean() if reduction == 'mean' else terms.sum()
+
+
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_tied_head_norms_equal_vmap_of_nnx_grad(reduction):
+  """The embedding's per-example gradient is the sum over its lookup and its ``attend``."""
+  model = TiedLM(nnx.Rngs(1))
+  tokens = jax.random.randint(jax.random.key(2), (5, 7), 0, 11)
+  loss_fn = functools.partial(next_token_loss, reduction=reduction)
+  _, norms = jax.jit(perturbkit.nnx.per_example_grad_norms(loss_fn, reduction=reduction))(
+      model, tokens)
+  assert_norms_equal(norms, reference_grads(loss_fn, model, tokens))
+  # The clipped mean with nothing clipped and no noise is the mean loss's gradient.
+  dp = perturbkit.nnx.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0,
+                                   reduction=reduction)
+  grads, _ = jax.jit(dp)(model, jax.random.key(0), tokens)
+  want = nnx.grad(next_token_loss)(model, tokens)
+  chex.assert_trees_all_close(M.pure(grads), M.pure(want), **TOL)
