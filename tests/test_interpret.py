@@ -25,6 +25,7 @@ import hf_models
 import models
 import nnx_models
 import perturbkit
+import perturbkit.interpret._sweep as sweep_module
 from perturbkit import filters, interpret
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -202,6 +203,29 @@ def test_activation_patching_equals_each_patch_by_hand(mlp):
       variables, clean, corrupted)
   assert chunked.paths == result.paths and chunked.positions == result.positions
   chex.assert_trees_all_close(chunked.effects, result.effects, **TOL)
+
+
+def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypatch):
+  """15 (call, token) runs in batches of 4 (three full ones and a rest of 3): the bar moves after
+  each batch and reaches 15 on every run of the compiled sweep; the effects do not change."""
+  _, variables, clean, corrupted, metric = mlp
+  counts = []
+
+  class Recorded(sweep_module.tqdm):
+    def update(self, n=1):
+      super().update(n)
+      counts.append(self.n)
+
+  monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
+  plain = perturbkit.activation_patching(metric, axis=1)(variables, clean, corrupted)
+  patch = jax.jit(perturbkit.activation_patching(metric, axis=1, batch_size=4, progress=True))
+  capsys.readouterr()
+  for _ in range(2):
+    result = patch(variables, clean, corrupted)
+    chex.assert_trees_all_close(result.effects, plain.effects, **TOL)
+  jax.effects_barrier()
+  assert counts == [4, 8, 12, 15] * 2
+  assert capsys.readouterr().err.count('activation patching: 100%') == 2
 
 
 # --- attribution patching and gradient x activation ----------------------------------
@@ -416,6 +440,8 @@ def test_clean_and_corrupted_inputs_that_make_different_calls(mlp):
 def test_invalid_batch_size_and_positions_without_axis():
   with pytest.raises(perturbkit.InvalidOptionError, match='batch_size'):
     perturbkit.activation_patching(lambda v, x: 0.0, batch_size=0)
+  with pytest.raises(perturbkit.InvalidOptionError, match='progress'):
+    perturbkit.activation_patching(lambda v, x: 0.0, progress='yes')
   with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
     interpret.zero_ablate(positions=[1])
 

@@ -100,7 +100,7 @@ def test_integrated_gradients_equal_grad_of_the_model_by_hand_at_the_same_nodes(
 
   alphas, weights = np.linspace(0, 1, 4), np.array([0.5, 1.0, 1.0, 0.5]) / 3
   zero = jax.jit(perturbkit.layer_integrated_gradients(
-      metric, steps=4, method='riemann_trapezoid', batch_size=5))(variables, x)
+      metric, steps=4, method='riemann_trapezoid', batch_size=5, progress=True))(variables, x)
   want = [ig_by_hand(params, x, n, 0.0, alphas, weights).sum() for n in NAMES]
   chex.assert_trees_all_close(zero.effects[:, 0], jnp.stack(want), **TOL)
 

@@ -20,10 +20,10 @@ from perturbkit.core._validate import positive_int
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import first_order
 from perturbkit.interpret._edits import Edit, edit_function
-from perturbkit.interpret._patching import check_batch_size, sweep
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, sweep_positions
 from perturbkit.interpret._result import PatchingResult
+from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
 METHODS = ('gauss_legendre', 'riemann_trapezoid')
 
@@ -94,11 +94,12 @@ def baseline_outputs(tracer: Tracer, fn: Callable[..., Any], model: Any, traced:
 
 def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                                axis: int | None, positions: Sequence[int] | None, steps: int,
-                               method: str, batch_size: int | None,
+                               method: str, batch_size: int | None, progress: bool,
                                function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.layer_integrated_gradients`."""
   alphas, weights = quadrature(method, steps)
   check_batch_size(batch_size)
+  check_progress(progress)
 
   @functools.wraps(fn)
   def attribute(model, inputs, baseline=None) -> PatchingResult:
@@ -122,7 +123,8 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
 
     calls, nodes = np.meshgrid(np.arange(len(paths)), alphas, indexing='ij')
     per_node = sweep(job, (jnp.asarray(calls.reshape(-1)),
-                           jnp.asarray(nodes.reshape(-1), jnp.float32)), batch_size)
+                           jnp.asarray(nodes.reshape(-1), jnp.float32)), batch_size,
+                     'integrated gradients' if progress else None)
     effects = jnp.einsum('cnp,n->cp', per_node.reshape(len(paths), len(alphas), -1),
                          jnp.asarray(weights, per_node.dtype))
     return PatchingResult(tuple(map(point_name, paths)), where, effects, metric, baseline_metric)

@@ -117,7 +117,8 @@ def run_with_edits(fn: Callable[..., Any], *,
 
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
-                        batch_size: int | None = None) -> Callable[..., PatchingResult]:
+                        batch_size: int | None = None,
+                        progress: bool = False) -> Callable[..., PatchingResult]:
   """The effect on a metric of putting each call's clean output into the corrupted run.
 
   ``fn(variables, inputs)`` runs the model and returns a real scalar metric
@@ -136,6 +137,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
       tokens of ``(batch, length, features)`` outputs); ``None``: whole outputs.
     positions: The indices along ``axis`` (default: all).
     batch_size: Patched runs per step of the sweep (default: all at once).
+    progress: Show a progress bar (tqdm) of the patched runs done, moved after
+      each batch of ``batch_size`` as the compiled sweep runs (also under
+      ``jax.jit``; not under a ``jax.vmap`` of the returned function).
 
   Returns:
     A function ``(variables, clean, corrupted) -> PatchingResult``.
@@ -145,7 +149,8 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
       calls, or outputs of other shapes.
     NonScalarMetricError: ``fn`` returned no real scalar.
     PositionOutOfRangeError: a position outside some selected call's output.
-    InvalidOptionError: ``batch_size`` is not a positive int.
+    InvalidOptionError: ``batch_size`` is not a positive int, or ``progress``
+      not a bool.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -162,7 +167,7 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
                                        positions=positions, batch_size=batch_size,
-                                       function='perturbkit.activation_patching')
+                                       progress=progress, function='perturbkit.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
@@ -253,7 +258,8 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
-                               batch_size: int | None = None) -> Callable[..., PatchingResult]:
+                               batch_size: int | None = None,
+                               progress: bool = False) -> Callable[..., PatchingResult]:
   """Integrated gradients of a metric at each selected call's output (layer IG).
 
   For each call, with output ``a`` on ``inputs`` and baseline ``b`` (zeros, or
@@ -275,6 +281,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     method: ``'gauss_legendre'`` (numpy's nodes and weights; few steps for a
       smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
     batch_size: (call, node) pairs per step of the sweep (default: all at once).
+    progress: Show a progress bar (tqdm) of the (call, node) pairs done, moved
+      after each batch of ``batch_size`` (also under ``jax.jit``).
 
   Returns:
     A function ``(variables, inputs, baseline=None) -> PatchingResult``
@@ -303,7 +311,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
   """
   return _integrated.layer_integrated_gradients(
       traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
-      method=method, batch_size=batch_size, function='perturbkit.layer_integrated_gradients')
+      method=method, batch_size=batch_size, progress=progress,
+      function='perturbkit.layer_integrated_gradients')
 
 
 def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,

@@ -68,7 +68,8 @@ def run_with_edits(fn: Callable[..., Any], *,
 
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
-                        batch_size: int | None = None) -> Callable[..., PatchingResult]:
+                        batch_size: int | None = None,
+                        progress: bool = False) -> Callable[..., PatchingResult]:
   """Activation patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
 
   As :func:`perturbkit.activation_patching`, with ``fn(model, inputs) -> metric``.
@@ -86,7 +87,7 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
                                        positions=positions, batch_size=batch_size,
-                                       function='perturbkit.nnx.activation_patching')
+                                       progress=progress, function='perturbkit.nnx.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
@@ -139,7 +140,8 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
-                               batch_size: int | None = None) -> Callable[..., PatchingResult]:
+                               batch_size: int | None = None,
+                               progress: bool = False) -> Callable[..., PatchingResult]:
   """Layer integrated gradients of an NNX model: ``(model, inputs, baseline=None)``.
 
   As :func:`perturbkit.layer_integrated_gradients`, with ``fn(model, inputs) -> metric``.
@@ -157,7 +159,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
   """
   return _integrated.layer_integrated_gradients(
       traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
-      method=method, batch_size=batch_size,
+      method=method, batch_size=batch_size, progress=progress,
       function='perturbkit.nnx.layer_integrated_gradients')
 
 

@@ -6,24 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.core._traced_points import point_name
-from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._edits import Edit, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, sweep_positions
 from perturbkit.interpret._result import PatchingResult
-
-
-def sweep(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None) -> jax.Array:
-  """``job`` over the leading axis of ``jobs``: one ``vmap``, or ``batch_size`` at a time."""
-  if batch_size is None:
-    return jax.vmap(job)(jobs)
-  return jax.lax.map(job, jobs, batch_size=batch_size)
-
-
-def check_batch_size(batch_size: int | None) -> None:
-  """Raises ``InvalidOptionError`` unless ``batch_size`` is a positive int or ``None``."""
-  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-    raise InvalidOptionError('batch_size', batch_size, 'a positive int or None')
+from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
 
 def patching_edits(outputs: dict[tuple, Any], paths: tuple[tuple, ...], call: jax.Array,
@@ -40,9 +27,10 @@ def patching_edits(outputs: dict[tuple, Any], paths: tuple[tuple, ...], call: ja
 
 def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,
                         positions: Sequence[int] | None, batch_size: int | None,
-                        function: str) -> Callable[..., PatchingResult]:
+                        progress: bool, function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
   check_batch_size(batch_size)
+  check_progress(progress)
 
   @functools.wraps(fn)
   def patch(model, clean, corrupted) -> PatchingResult:
@@ -65,7 +53,8 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
 
     columns = 1 if where is None else len(where)
     calls, cols = jnp.meshgrid(jnp.arange(len(paths)), jnp.arange(columns), indexing='ij')
-    effects = sweep(job, (calls.reshape(-1), cols.reshape(-1)), batch_size)
+    effects = sweep(job, (calls.reshape(-1), cols.reshape(-1)), batch_size,
+                    'activation patching' if progress else None)
     return PatchingResult(tuple(map(point_name, paths)), where,
                           effects.reshape(len(paths), columns), clean_metric, corrupted_metric)
 
