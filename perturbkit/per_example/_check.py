@@ -30,7 +30,8 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   mode) or a loss over batch statistics almost never does, because each
   example's loss changes when it is alone. Passing does not prove the loss is
   separable; failing proves it is not. It costs one extra forward pass (a vmap
-  over examples, each a batch of one) and runs eagerly, outside ``jax.jit``.
+  over examples, each a batch of one), compiled, and is called outside ``jax.jit``
+  (it compares values).
 
   Args:
     loss_fn: ``(variables, *args) -> scalar loss``.
@@ -61,14 +62,15 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   non_negative('rtol', rtol)
   non_negative('atol', atol)
   axes = per_argument(batch_axes, len(args))
-  whole = float(loss_fn(variables, *args))
+  whole = float(_compiled(loss_fn, variables, *args))
 
-  def alone(*example):
+  def alone(variables, *example):
     batch = [x if a is None else jax.tree.map(lambda t, a=a: jnp.expand_dims(t, a), x)
              for x, a in zip(example, axes)]
     return loss_fn(variables, *batch)
 
-  terms = jax.vmap(alone, in_axes=axes)(*args)
+  terms = _compiled(lambda v, *a: jax.vmap(alone, in_axes=(None, *axes))(v, *a),
+                    variables, *args)
   combined = float(reduce(terms, reduction))
   if not np.isclose(whole, combined, rtol=rtol, atol=atol):
     raise ExamplesMixedError(
@@ -78,6 +80,20 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
 
 def _is_array(leaf: Any) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _compiled(fn: Callable[..., Any], *tree: Any) -> Any:
+  """``fn(*tree)`` as one compiled call over the array leaves (the others stay as given)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+  def on_arrays(arrays):
+    full = list(leaves)
+    for i, x in zip(where, arrays):
+      full[i] = x
+    return fn(*jax.tree.unflatten(treedef, full))
+
+  return jax.jit(on_arrays)([leaves[i] for i in where])
 
 
 def stand_in(leaf: Any, index: int) -> Any:

@@ -274,7 +274,7 @@ def check_per_example(loss_fn: Callable[..., Any], model: nnx.Module, *args: Any
                       rtol: float = 1e-4, atol: float = 1e-6) -> None:
   """Raises unless the loss of the batch equals the ``reduction`` of each example's loss alone.
 
-  ``perturbkit.check_per_example`` for NNX (one extra forward pass, eagerly); the
+  ``perturbkit.check_per_example`` for NNX (one extra forward pass, compiled); the
   model's state is not changed.
 
   Args:
