@@ -1,16 +1,33 @@
-"""Strict JAX for every test, and XLA's cheaper CPU compile passes for a fast suite.
+"""Strict JAX for every test, XLA's cheaper CPU compile passes and one compilation cache.
 
 Rank promotion is an error, not a silent broadcast. The tiny test models spend most of
-their time compiling; XLA's backend optimization level 0 and no expensive LLVM passes
-about a third less CPU time there, with the same HLO (fusion and buffer assignment, so the
-compiled-memory tests see the same bytes). Set before JAX starts its backend; flags the
-environment already has (e.g. a device count) are kept.
+their time compiling. XLA's backend optimization level 0 and no expensive LLVM passes take
+about a third less CPU time there, with the same HLO; XLA:CPU's older fusion emitters
+(``--xla_cpu_use_fusion_emitters=false``) take about half the remaining compile time, with
+the same fusions but temp buffers a few percent apart, so compiled-memory tests compare
+two functions compiled under the same flags, never bytes against a fixed number. Set before
+JAX starts its backend; flags the environment already has (e.g. a device count) are kept.
+
+The test processes (the pytest-xdist workers, and the notebooks' kernels, benchmark
+scripts and multi-device children they start, which inherit the environment) share one
+JAX compilation cache, made empty for this run and removed at its end: a computation
+compiled in one process (the same model's step, or one eager op on the same shapes) is
+read from it in the others. Nothing is kept from one run to the next.
 """
 import os
+import shutil
+import tempfile
 
-FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+FAST_COMPILE_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
+                      '--xla_cpu_use_fusion_emitters=false')
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+_OWN_CACHE = None
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _OWN_CACHE = tempfile.mkdtemp(prefix='perturbkit-test-jax-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _OWN_CACHE
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
@@ -27,6 +44,12 @@ LONGEST_FIRST = (
     'test_interpret.py', 'test_nnx_per_example.py', 'test_threads_and_nesting.py',
     'test_nnx_interleaved.py', 'test_real_models_kfac.py', 'test_interpret_attribution.py',
 )
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE is not None:  # the process that made the cache (the controller) removes it
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):

@@ -15,7 +15,6 @@ model is checked against references that use no perturbkit code:
   respect to an explicit delta added by that interceptor.
 """
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import chex
@@ -34,10 +33,6 @@ pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATIO
 
 # float32; the references run the same ops in another order or fusion.
 TOL = dict(rtol=1e-4, atol=1e-5)
-# Each program here runs a few times on inputs of a few KB: LLVM's optimizations cost more
-# compile time than they save (a third to two fifths of a compile, measured on a 2-core CPU).
-jit = functools.partial(jax.jit, compiler_options={'xla_backend_optimization_level': 0,
-                                                   'xla_llvm_disable_expensive_passes': True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +197,11 @@ def built(request) -> tuple[hf_models.Case, Problem, Runs]:
   hf = hf_models.hf_model(case.model)
   p = Problem(hf.variables, **MAKERS[request.param](hf))
   with case.strictness():
-    output, cache = jit(perturbkit.run_with_cache(p.run))(p.variables, p.clean)
-    captured = jit(p.intermediates)
+    output, cache = jax.jit(perturbkit.run_with_cache(p.run))(p.variables, p.clean)
+    captured = jax.jit(p.intermediates)
     captured_output, clean = captured(p.variables, p.clean)
     _, corrupted = captured(p.variables, p.corrupted)
-    reference = jit(jax.value_and_grad(by_hand(p), argnums=2))
+    reference = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))
     partial = Runs(output, flat(cache.outputs), captured_output, clean, corrupted, reference,
                    None, None)
     value, grads = reference(p.variables, p.corrupted, partial.zero_deltas(p),
@@ -235,7 +230,7 @@ def test_cache_patch_back_and_capture_intermediates(problem):
 
   # (a) Every call's cached output put back: the unedited output, bit for bit.
   back = {name: interpret.replace(value) for name, value in runs.cached.items()}
-  edited = jit(perturbkit.run_with_edits(p.run))(p.variables, back, p.clean)
+  edited = jax.jit(perturbkit.run_with_edits(p.run))(p.variables, back, p.clean)
   np.testing.assert_array_equal(edited, runs.output)
 
   # (b) Flax's capture_intermediates: every module's __call__, the layers among them.
@@ -249,7 +244,7 @@ def test_cache_patch_back_and_capture_intermediates(problem):
 def test_activation_patching(problem):
   p, runs = problem
   layers = filters.by_path(*p.layers)
-  result = jit(perturbkit.activation_patching(p.metric, filter=layers, axis=p.axis,
+  result = jax.jit(perturbkit.activation_patching(p.metric, filter=layers, axis=p.axis,
                                                   positions=p.positions))(
       p.variables, p.clean, p.corrupted)
   names = tuple(f'{layer}/__call__' for layer in p.layers)
@@ -260,7 +255,7 @@ def test_activation_patching(problem):
 
   # A Python loop of single patched runs, one compile: every layer gets its clean value
   # at the position, all but one switched off.
-  single = jit(perturbkit.run_with_edits(p.metric, filter=layers))
+  single = jax.jit(perturbkit.run_with_edits(p.metric, filter=layers))
   loop = []
   for name in names:
     for position in positions:
@@ -284,7 +279,7 @@ def test_activation_patching(problem):
 
 def test_attribution_patching(problem):
   p, runs = problem
-  result = jit(perturbkit.attribution_patching(
+  result = jax.jit(perturbkit.attribution_patching(
       p.metric, filter=filters.by_path(*p.layers), axis=p.axis, positions=p.positions))(
           p.variables, p.clean, p.corrupted)
   chex.assert_trees_all_close(result.corrupted_metric, runs.corrupted_metric, **TOL)
