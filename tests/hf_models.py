@@ -262,13 +262,17 @@ def hf_model(model: str) -> Built:
   """
   with next(c for c in CASES.values() if c.model == model).strictness():
     hf = BUILDERS[model]()
+  return Built(hf.module, filled_variables(hf), hf.config)
+
+
+def filled_variables(hf) -> dict:
+  """The variables of an HF Flax model built with ``_do_init=False``, filled in numpy."""
   shapes = flax.traverse_util.flatten_dict(flax.core.unfreeze(hf.params_shape_tree))
   rng = np.random.default_rng(0)
   flat = {path: jnp.asarray(_initial_value(path, leaf.shape, rng))
           for path, leaf in sorted(shapes.items())}
   params = flax.traverse_util.unflatten_dict(flat)
-  variables = params if 'params' in params else {'params': params}
-  return Built(hf.module, variables, hf.config)
+  return params if 'params' in params else {'params': params}
 
 
 def direct_owners(params, prefix=()) -> list[str]:

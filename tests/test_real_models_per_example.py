@@ -19,6 +19,9 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
   those modules gives per-example gradients; a per-example replay of the whole apply does.
 * CLIP: its contrastive loss pairs the batch's texts with its images: ``ExamplesMixedError``,
   found while tracing.
+* More families, norms against the reference: ALBERT (factorized embedding, one layer
+  shared by every block), RoBERTa, Mistral and Gemma (grouped-query attention), GPT-Neo
+  (local and global attention), DINOv2, RegNet in eval mode (grouped convolutions).
 """
 import dataclasses
 from typing import Any, Callable
@@ -346,3 +349,67 @@ def test_clip_contrastive_loss_is_refused():
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), hf.variables, *batch)
   with case.strictness(), pytest.raises(perturbkit.ExamplesMixedError):  # the value check agrees
     perturbkit.check_per_example(loss_fn, hf.variables, *batch)
+
+
+# -- more families -----------------------------------------------------------------------------
+
+_SMALL = dict(vocab_size=hf_models.VOCAB, hidden_size=16, num_hidden_layers=2,
+              num_attention_heads=2, intermediate_size=32, max_position_embeddings=16)
+
+
+def _encoder_loss(module):
+  def loss_fn(variables, ids, mask, token_types, positions):
+    out = module.apply(variables, ids, mask, token_types, positions)
+    return (jnp.mean(out.last_hidden_state ** 2, axis=(1, 2))
+            + jnp.mean(out.pooler_output ** 2, axis=1)).mean()
+  mask = jnp.ones((B, hf_models.SEQ), jnp.int32)
+  return loss_fn, (_ids(), mask, jnp.zeros_like(mask), _positions() + 2)  # RoBERTa: pad id 1
+
+
+def _image_loss(module):
+  def loss_fn(variables, pixels, labels):
+    out = module.apply(variables, pixels, deterministic=True) if 'batch_stats' in variables else (
+        module.apply(variables, pixels))
+    if hasattr(out, 'logits'):
+      return optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean()
+    return (jnp.mean(out.last_hidden_state ** 2, axis=(1, 2))
+            + jnp.mean(out.pooler_output ** 2, axis=1)).mean()
+  return loss_fn, (_pixels(), jnp.array([0, 2, 1]))
+
+
+def _more_families():
+  import transformers as T
+  return {
+      'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(embedding_size=8, **{
+          **_SMALL, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
+      'roberta': (lambda: T.FlaxRobertaModel(T.RobertaConfig(**{
+          **_SMALL, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
+      'mistral': (lambda: T.FlaxMistralForCausalLM(T.MistralConfig(
+          num_key_value_heads=1, sliding_window=None, **_SMALL), _do_init=False), _causal_lm),
+      'gemma': (lambda: T.FlaxGemmaForCausalLM(T.GemmaConfig(
+          num_key_value_heads=1, head_dim=8, hidden_activation='gelu_pytorch_tanh', **_SMALL),
+          _do_init=False), _causal_lm),
+      'gpt_neo': (lambda: T.FlaxGPTNeoForCausalLM(T.GPTNeoConfig(
+          vocab_size=hf_models.VOCAB, hidden_size=16, num_layers=2, num_heads=2,
+          attention_types=[[['global', 'local'], 1]], window_size=4,
+          max_position_embeddings=16, intermediate_size=32), _do_init=False), _causal_lm),
+      'dinov2': (lambda: T.FlaxDinov2Model(T.Dinov2Config(
+          hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+          image_size=hf_models.IMAGE, patch_size=8), _do_init=False), _image_loss),
+      'regnet': (lambda: T.FlaxRegNetForImageClassification(T.RegNetConfig(
+          embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
+          num_labels=3), _do_init=False), _image_loss),
+  }
+
+
+@pytest.mark.parametrize('name', ['albert', 'dinov2', 'gemma', 'gpt_neo', 'mistral', 'regnet',
+                                  'roberta'])
+def test_more_families_norms_equal_vmap_grad(name):
+  build, make_loss = _more_families()[name]
+  with jax.numpy_rank_promotion('allow'):
+    hf = build()
+    variables = hf_models.filled_variables(hf)
+    loss_fn, batch = make_loss(hf.module)
+    _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *batch)
+    per_example = reference_grads(loss_fn, variables, *batch)
+  assert_norms_equal(norms, per_example, TOL)

@@ -91,8 +91,9 @@ counted once, as part of that call.
 
 Hugging Face models
 -------------------
-Tested on GPT-2, BERT, ViT, Llama and ResNet in eval mode, and on BART,
-DistilBERT, OPT, Whisper and Wav2Vec2 (through the apply's replay, above) against
+Tested on GPT-2, BERT, ViT, Llama, ResNet in eval mode, ALBERT, RoBERTa,
+Mistral, Gemma, GPT-Neo, DINOv2 and RegNet in eval mode, and on BART, DistilBERT,
+OPT, Whisper and Wav2Vec2 (through the apply's replay, above) against
 ``jax.vmap(jax.grad)``, and DP-SGD steps against a ``vmap(grad)`` reference
 (``tests/test_real_models_per_example.py``, ``tests/test_per_example_lifted.py``).
 Pass ``position_ids`` as batched loss arguments to keep the fast paths; ids made
