@@ -23,7 +23,8 @@ it. The functions here are written once over those points; the Linen ones take
 * ``activation_patching(fn, axis=..., batch_size=...)(variables, clean,
   corrupted)``: for each call (and position), the metric of the corrupted run
   with that output patched from the clean run, minus the corrupted metric;
-  one ``vmap`` over (call, position) pairs, ``batch_size`` at a time.
+  one ``vmap`` over (call, position) pairs, ``batch_size`` at a time;
+  ``progress=True`` shows a progress bar moved after each batch.
 * ``attribution_patching(fn, axis=...)(variables, clean, corrupted)``: the
   first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` at the
   corrupted run, from one backward pass; ``grad_times_activation(fn,
