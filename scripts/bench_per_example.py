@@ -23,6 +23,12 @@ steps are checked to give the same new params for the same key (exit code 1 if n
   python scripts/bench_per_example.py --sizes small      # prints only
   python scripts/bench_per_example.py --sizes tiny --models mlp cnn   # the smoke test's run
 
+``--sizes 124m`` measures an unmodified Hugging Face GPT-2 small (124M params, its LM head tied
+to the token embedding) at batch 8, sequence 128, instead of the three models
+(``--sizes gpt2_tiny``: the same code on a one-block GPT-2):
+
+  python scripts/bench_per_example.py --sizes 124m --repeats 5
+
 ``--api nnx`` measures the same four steps on the NNX versions of the models
 (``_bench_nnx_models``): ``nnx.value_and_grad`` for plain and noised, ``jax.vmap`` of
 ``nnx.grad`` for vmap_grad, ``perturbkit.nnx.dp_sgd`` for perturbkit; the same JSON,
@@ -76,7 +82,12 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         'transformer': dict(batches=(64, 256), seq=32, features=16, dim=64, depth=2, heads=4,
                             classes=10),
     },
+    # Hugging Face GPT-2 small (124M params, tied LM head), as in bench_real_models.py.
+    '124m': {'gpt2': dict(batches=(8,), layers=12, width=768, heads=12, seq=128,
+                          vocab=50257)},
+    'gpt2_tiny': {'gpt2': dict(batches=(3,), layers=1, width=16, heads=2, seq=8, vocab=32)},
 }
+GPT2_SIZES = ('124m', 'gpt2_tiny')
 
 
 def make_problem(name: str, size: dict[str, Any], batch: int, key: jax.Array) -> models.Problem:
@@ -91,6 +102,34 @@ def make_problem(name: str, size: dict[str, Any], batch: int, key: jax.Array) ->
   else:
     raise ValueError(f'Unknown model {name!r}.')
   return models.random_problem(model, shape, size['classes'], key)
+
+
+def gpt2_case(size: dict[str, Any], batch: int,
+              key: jax.Array) -> tuple[Callable[..., jax.Array], Any, jax.Array, jax.Array]:
+  """Unmodified HF GPT-2: ``(loss, params, ids, (mask, positions) stacked on axis 1)``.
+
+  The loss is each sequence's mean next-token cross-entropy, averaged over the batch; the
+  mask and positions come in as batched arguments (ids made inside the loss would be
+  shared constants, not per-example inputs).
+  """
+  import transformers as T
+  from bench_real_models import init_params, quiet_transformers
+  quiet_transformers()
+  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'],
+                        n_embd=size['width'], n_layer=size['layers'], n_head=size['heads'])
+  hf = T.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False)
+  params = init_params(hf, (1, size['seq']))
+  ids = jax.random.randint(key, (batch, size['seq']), 0, size['vocab'])
+  positions = jnp.broadcast_to(jnp.arange(size['seq']), ids.shape)
+  extra = jnp.stack([jnp.ones_like(ids), positions], axis=1)
+
+  def loss_fn(variables, ids, extra):
+    logits = hf.module.apply(variables, ids, extra[:, 0], extra[:, 1],
+                             deterministic=True).logits
+    terms = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])
+    return terms.mean(axis=1).mean()
+
+  return loss_fn, params, ids, extra
 
 
 def plain_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
@@ -216,8 +255,7 @@ def mismatch(a: Any, b: Any) -> str | None:
   return None
 
 
-def linen_steps(problem: models.Problem, optimizer) -> dict[str, Callable[..., Any]]:
-  loss_fn = models.cross_entropy(problem.model)
+def linen_steps(loss_fn: Callable[..., jax.Array], optimizer) -> dict[str, Callable[..., Any]]:
   makers = {'plain': plain_step, 'noised': noised_step, 'vmap_grad': vmap_grad_step,
             'perturbkit': perturbkit_step}
   return {v: makers[v](loss_fn, optimizer) for v in VARIANTS}
@@ -226,18 +264,26 @@ def linen_steps(problem: models.Problem, optimizer) -> dict[str, Callable[..., A
 def measure(name: str, size: dict[str, Any], batch: int, repeats: int,
             key: jax.Array, api: str = 'linen') -> dict[str, Any]:
   kp, kd, kn = jax.random.split(key, 3)
-  problem = make_problem(name, size, batch, kd)
   optimizer = optax.sgd(LEARNING_RATE)
-  if api == 'nnx':
+  if name == 'gpt2':
+    if api == 'nnx':
+      raise SystemExit('GPT-2 is a Hugging Face Linen model: measure it with --api linen.')
+    loss_fn, params, x, y = gpt2_case(size, batch, kd)
+    steps = linen_steps(loss_fn, optimizer)
+  elif api == 'nnx':
+    problem = make_problem(name, size, batch, kd)
+    x, y = problem.x, problem.y
     graphdef, params, others = nnx.split(
         nnx_model(name, size, problem.x.shape, int(jax.random.randint(kp, (), 0, 2 ** 30))),
         nnx.Param, ...)
     steps = nnx_steps(graphdef, others, optimizer)
   else:
-    params = problem.model.init(kp, problem.x)['params']
-    steps = linen_steps(problem, optimizer)
+    problem = make_problem(name, size, batch, kd)
+    x, y = problem.x, problem.y
+    params = problem.model.init(kp, x)['params']
+    steps = linen_steps(models.cross_entropy(problem.model), optimizer)
   opt_state = optimizer.init(params)
-  args = (params, opt_state, kn, problem.x, problem.y)
+  args = (params, opt_state, kn, x, y)
   compiled = {v: common.compile_timed(steps[v], *args) for v in VARIANTS}
   new_params = {v: compiled[v].call(*args)[0] for v in ('vmap_grad', 'perturbkit')}
   wrong = mismatch(new_params['perturbkit'], new_params['vmap_grad'])
@@ -302,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                            parents=[front_end])
   key = jax.random.key(0)
   results: dict[str, list] = {}
-  for i, name in enumerate(args.models):
+  names = ['gpt2'] if args.sizes in GPT2_SIZES else args.models
+  for i, name in enumerate(names):
     size = SIZES[args.sizes][name]
     results[name] = []
     for batch in size['batches']:
