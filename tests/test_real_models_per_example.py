@@ -145,6 +145,33 @@ def test_norms_equal_vmap_grad(problem):
     np.testing.assert_allclose(norms.by_param['transformer']['wte']['embedding'], wte, **TOL)
 
 
+def test_gpt2_conv1d_layers_on_the_direct_path():
+  """GPT-2's ``FlaxConv1D`` layers (kernel stored ``(out, in)``) on the dense rule's direct
+  path: each example's kernel gradient formed in the kernel's own layout. At width 8 and 16
+  tokens these are smaller than the calls' inputs and output gradients, so the clipped sum
+  uses them as they are (a wrong layout would mix up its entries)."""
+  import transformers as T
+  ids = jax.random.randint(jax.random.key(4), (B, 16), 3, hf_models.VOCAB)
+  batch = (ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(16), ids.shape))
+  with jax.numpy_rank_promotion('allow'):
+    hf = T.FlaxGPT2LMHeadModel(T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16,
+                                            n_embd=8, n_layer=1, n_head=2), _do_init=False)
+    variables = hf_models.filled_variables(hf)
+    loss_fn, _ = _causal_lm(hf.module)
+    per_example = reference_grads(loss_fn, variables, *batch)
+    _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, dense_method='direct'))(
+        variables, *batch)
+    by_param = assert_norms_equal(norms, per_example, TOL)
+    assert float(jnp.min(by_param['transformer']['h']['0']['attn']['c_attn']['kernel'])) > 1e-4
+    key, clip = jax.random.key(3), float(np.median(norms.total))
+    want, _ = jax.jit(reference_private_grad, static_argnums=(2, 3))(per_example, key, clip, 0.0)
+    dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.0,
+                                 dense_method='direct')
+    grads, metrics = jax.jit(dp)(variables, key, *batch)
+  assert float(metrics['fraction_clipped']) > 0
+  chex.assert_trees_all_close(grads, want, **TOL)
+
+
 # -- DP-SGD ------------------------------------------------------------------------------
 
 def reference_private_grad(per_example, key, clip_norm, noise_multiplier):

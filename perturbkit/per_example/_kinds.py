@@ -35,10 +35,13 @@ class LayerKind(NamedTuple):
       per-example replay of the call).
     conv: The geometry of a ``'conv'`` module.
     norm_axes: ``(reduction_axes, feature_axes)`` of a ``'norm'`` module.
+    transposed: A ``'dense'`` module whose kernel is stored ``(out, in)`` and used
+      transposed (Hugging Face's ``FlaxConv1D`` in GPT-2).
   """
   name: str
   conv: ConvGeometry | None = None
   norm_axes: tuple | None = None
+  transposed: bool = False
 
 
 GENERAL = LayerKind('general')

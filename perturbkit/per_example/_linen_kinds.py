@@ -1,9 +1,12 @@
 """Linen modules as the per-example rules see them: their :class:`LayerKind` and replay.
 
 ``nn.Dense``, ``nn.Conv``, ``nn.Embed``, ``nn.LayerNorm`` and ``nn.RMSNorm`` with
-the default dot and convolution functions have fast rules; any other module is
+the default dot and convolution functions, and Hugging Face's ``FlaxConv1D`` (GPT-2's
+dense layers, kernel stored transposed), have fast rules; any other module is
 replayed per example as its own ``module.apply``.
 """
+import dataclasses
+
 import flax.errors
 import flax.linen as nn
 from flax.linen.linear import canonicalize_padding
@@ -26,9 +29,19 @@ def _conv_kind(m: nn.Conv) -> LayerKind:
                                         spatial(m.input_dilation, dims), padding))
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+  """Hugging Face's ``FlaxConv1D`` (GPT-2): ``inputs @ kernel.T + bias``, kernel ``(out, in)``."""
+  kind = type(module)
+  fields = {f.name for f in dataclasses.fields(module)} - {'parent', 'name'}
+  return (kind.__name__ == 'FlaxConv1D' and kind.__module__.startswith('transformers.')
+          and fields == {'features', 'use_bias', 'dtype', 'precision'})
+
+
 def linen_kind(module: nn.Module) -> LayerKind:
   """The fast rule ``module``'s plain calls may use (``GENERAL`` if none)."""
   kind = type(module)
+  if _is_hf_conv1d(module):
+    return LayerKind('dense', transposed=True)
   if kind is nn.Dense:
     custom = (getattr(module, 'dot_general', None) is not None
               or getattr(module, 'dot_general_cls', None) is not None)

@@ -146,7 +146,8 @@ def _linear_rule(pairs: list[Pair], params: dict, num_examples: int, method: str
   g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in pairs], axis=1)
   bias = {'bias': jnp.sum(g, axis=1)} if 'bias' in params else {}
   if not uses_ghost(a.shape[1], a.shape[2], g.shape[2], method):
-    kernel = jnp.einsum('bti,bto->bio', a, g).reshape((num_examples,) + params['kernel'].shape)
+    layout = 'bti,bto->boi' if pairs[0].use.kind.transposed else 'bti,bto->bio'
+    kernel = jnp.einsum(layout, a, g).reshape((num_examples,) + params['kernel'].shape)
     return _kept(pairs, {'kernel': kernel, **bias})
   squares = {'kernel': ghost_sq_norms(a, g)}
   squares.update({k: _sq(v) for k, v in bias.items()})
