@@ -8,7 +8,7 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
 
 * GPT-2: its LM head is tied to ``wte`` through a nested ``apply`` (a read outside the
   embedding's call): the per-example gradient of ``wte`` is the sum of both uses before the
-  norm. Its ``FlaxConv1D`` layers go through the general path.
+  norm. Its ``FlaxConv1D`` layers (kernel stored ``(out, in)``) take the dense rule.
 * BERT, ViT (Conv patch embedding), Llama (RMSNorm, rotary positions), ResNet with BatchNorm
   in eval mode: norms equal the reference; in train mode, ``ExamplesMixedError``.
 * ``private_grad`` / ``dp_sgd``: one step with a fixed key equals clipping the reference's
