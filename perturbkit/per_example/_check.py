@@ -82,9 +82,12 @@ def _is_array(leaf: Any) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray))
 
 
-def _compiled(fn: Callable[..., Any], *tree: Any) -> Any:
-  """``fn(*tree)`` as one compiled call over the array leaves (the others stay as given)."""
-  leaves, treedef = jax.tree.flatten(tree)
+def over_arrays(fn: Callable[..., Any], leaves: list[Any],
+                treedef: Any) -> tuple[Callable[[list[Any]], Any], list[Any]]:
+  """``fn`` of the tree ``leaves`` make, as a function of its array leaves alone, and those.
+
+  The other leaves (Python numbers, strings, ``None``) stay as they are, closed over.
+  """
   where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
   def on_arrays(arrays):
@@ -93,7 +96,13 @@ def _compiled(fn: Callable[..., Any], *tree: Any) -> Any:
       full[i] = x
     return fn(*jax.tree.unflatten(treedef, full))
 
-  return jax.jit(on_arrays)([leaves[i] for i in where])
+  return on_arrays, [leaves[i] for i in where]
+
+
+def _compiled(fn: Callable[..., Any], *tree: Any) -> Any:
+  """``fn(*tree)`` as one compiled call over the array leaves (the others stay as given)."""
+  on_arrays, arrays = over_arrays(fn, *jax.tree.flatten(tree))
+  return jax.jit(on_arrays)(arrays)
 
 
 def stand_in(leaf: Any, index: int) -> Any:
@@ -139,18 +148,13 @@ def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwarg
   axes = per_argument(batch_axes, len(args))
   leaves, tree = jax.tree.flatten((variables, args, kwargs))
   leaves = [stand_in(leaf, i) for i, leaf in enumerate(leaves)]
-  where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
-  def losses(arrays):
-    full = list(leaves)
-    for i, x in zip(where, arrays):
-      full[i] = x
-    variables, args, kwargs = jax.tree.unflatten(tree, full)
+  def losses(variables, args, kwargs):
     given = [[_examples(x, a, rows) for x, a in zip(args, axes)] for rows in batches]
     return [jnp.asarray(loss_fn(variables, *a, **kwargs), jnp.float32) for a in given]
 
-  arrays = [leaves[i] for i in where]
-  traced = jax.jit(losses).trace(arrays)
+  on_arrays, arrays = over_arrays(losses, leaves, tree)
+  traced = jax.jit(on_arrays).trace(arrays)
   if len(traced.jaxpr.jaxpr.invars) != len(arrays):
     return None  # the traced values the loss closes over became inputs of their own
   return [float(v) for v in traced.lower().compile()(arrays)]
