@@ -106,30 +106,21 @@ def make_problem(name: str, size: dict[str, Any], batch: int, key: jax.Array) ->
 
 def gpt2_case(size: dict[str, Any], batch: int,
               key: jax.Array) -> tuple[Callable[..., jax.Array], Any, jax.Array, jax.Array]:
-  """Unmodified HF GPT-2: ``(loss, params, ids, (mask, positions) stacked on axis 1)``.
+  """Unmodified HF GPT-2 (``bench_real_models.gpt2_problem``) as ``(loss, params, x, y)``.
 
-  The loss is each sequence's mean next-token cross-entropy, averaged over the batch; the
-  mask and positions come in as batched arguments (ids made inside the loss would be
-  shared constants, not per-example inputs).
+  ``x`` is the token ids, ``y`` the mask and positions stacked on axis 1: both come in as
+  batched arguments (ids made inside the loss would be shared constants, not per-example
+  inputs), in the two-argument form the steps here take.
   """
-  import transformers as T
-  from bench_real_models import init_params, quiet_transformers
+  from bench_real_models import gpt2_problem, quiet_transformers
   quiet_transformers()
-  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'],
-                        n_embd=size['width'], n_layer=size['layers'], n_head=size['heads'])
-  hf = T.FlaxGPT2LMHeadModel(config, seed=0, _do_init=False)
-  params = init_params(hf, (1, size['seq']))
-  ids = jax.random.randint(key, (batch, size['seq']), 0, size['vocab'])
-  positions = jnp.broadcast_to(jnp.arange(size['seq']), ids.shape)
-  extra = jnp.stack([jnp.ones_like(ids), positions], axis=1)
+  problem = gpt2_problem({**size, 'positions': 0, 'batch': batch}, key)
+  ids, mask, positions = problem.batch
 
   def loss_fn(variables, ids, extra):
-    logits = hf.module.apply(variables, ids, extra[:, 0], extra[:, 1],
-                             deterministic=True).logits
-    terms = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:])
-    return terms.mean(axis=1).mean()
+    return problem.loss_fn(variables, ids, extra[:, 0], extra[:, 1])
 
-  return loss_fn, params, ids, extra
+  return loss_fn, problem.variables['params'], ids, jnp.stack([mask, positions], axis=1)
 
 
 def plain_step(loss_fn: Callable[..., jax.Array], optimizer) -> Callable[..., Any]:
