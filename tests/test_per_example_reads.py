@@ -9,10 +9,12 @@ modules, methods such as ``attend``, nested applies on tied weights and reads in
 the ``apply`` must all give the norms of ``jax.vmap(jax.grad)``, as must a read under
 ``jax.lax.stop_gradient`` (it adds nothing to the gradient).
 """
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import perturbkit
@@ -131,3 +133,88 @@ def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
 
   np.testing.assert_allclose(norms.total, jax.vmap(one)(inputs), rtol=2e-4, atol=1e-5)
   np.testing.assert_allclose(loss, loss_fn(variables, inputs), rtol=1e-5)
+
+
+class TiedLM(nn.Module):
+  """A language model whose output head is its embedding, tied in one of three ways.
+
+  ``'nested'``: a Dense layer applied on the transposed embedding (GPT-2's LM head);
+  ``'stored_transposed'``: Hugging Face's ``FlaxConv1D`` (kernel stored ``(out, in)``)
+  applied on the embedding itself; ``'attend'``: ``embed.attend``.
+  """
+  head: str
+  vocab: int = 7
+  width: int = 8
+
+  def setup(self):
+    self.embed = nn.Embed(self.vocab, self.width)
+    self.body = nn.Dense(self.width)
+
+  def __call__(self, ids):
+    h = nn.tanh(self.body(self.embed(ids)))
+    embedding = self.embed.variables['params']['embedding']
+    if self.head == 'attend':
+      return self.embed.attend(h)
+    if self.head == 'nested':
+      return nn.Dense(self.vocab, use_bias=False, parent=None).apply({'params': {'kernel': embedding.T}}, h)
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D
+    return FlaxConv1D(self.vocab, use_bias=False, parent=None).apply({'params': {'kernel': embedding}}, h)
+
+
+def _lm_loss(model):
+  def loss_fn(variables, ids):
+    logits = model.apply(variables, ids)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+  return loss_fn
+
+
+def _per_example_reference(loss_fn, variables, ids):
+  """Each example's gradient by ``jax.vmap(jax.grad)``, and its norm."""
+  grads = jax.vmap(lambda i: jax.grad(lambda p: loss_fn({'params': p}, i[None]))(
+      variables['params']))(ids)
+  norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(ids), -1) ** 2, axis=1)
+                       for g in jax.tree.leaves(grads)))
+  return grads, norms
+
+
+@pytest.mark.parametrize('dense_method', ['auto', 'ghost', 'direct'])
+@pytest.mark.parametrize('head', ['nested', 'stored_transposed', 'attend'])
+def test_tied_heads_give_the_norms_and_clipped_sum_of_vmap_grad(head, dense_method):
+  # Six tokens out of seven ids: repeated ids, so the cross terms between the lookups and
+  # the head (and between lookups) are all exercised.
+  ids = jax.random.randint(jax.random.key(4), (4, 6), 0, 7)
+  model = TiedLM(head)
+  variables = model.init(jax.random.key(5), ids)
+  loss_fn = _lm_loss(model)
+  grads, norms = _per_example_reference(loss_fn, variables, ids)
+  _, got = jax.jit(perturbkit.per_example_grad_norms(loss_fn, dense_method=dense_method))(
+      variables, ids)
+  np.testing.assert_allclose(got.total, norms, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got.by_layer['embed'], jnp.sqrt(jnp.sum(
+      grads['embed']['embedding'] ** 2, axis=(1, 2))), rtol=1e-5, atol=1e-6)
+
+  clip_norm = float(jnp.median(norms))  # half the examples clipped
+  private = perturbkit.private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=0.0,
+                                    dense_method=dense_method)
+  got_sum, metrics = jax.jit(private)(variables, jax.random.key(6), ids)
+  factors = jnp.minimum(1.0, clip_norm / norms)
+  want = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1) / len(ids), grads)
+  chex.assert_trees_all_close(got_sum, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics['per_example_norms'], norms, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_head_norms_never_form_per_example_embedding_gradients():
+  # A vocabulary large next to the tokens: the per-example embedding gradients
+  # (examples x vocabulary x features) are the largest arrays the direct path has.
+  ids = jax.random.randint(jax.random.key(4), (8, 4), 0, 2048)
+  model = TiedLM('nested', vocab=2048, width=64)
+  variables = model.init(jax.random.key(5), ids)
+  per_example_bytes = 8 * 2048 * 64 * 4
+
+  def temp_bytes(dense_method):
+    norms = perturbkit.per_example_grad_norms(_lm_loss(model), dense_method=dense_method)
+    compiled = jax.jit(norms).lower(variables, ids).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temp_bytes('direct') >= per_example_bytes  # formed in full
+  assert temp_bytes('auto') < per_example_bytes / 4

@@ -79,15 +79,19 @@ Shared modules and tied weights
 -------------------------------
 The per-example gradient is the sum over the module's uses, then the norm. For
 the fast paths the uses' tokens are concatenated, so the ghost norm includes the
-cross terms between uses; mixed uses (an ``Embed`` called and then
-``attend``-ed) go through the general path, whose per-use per-example gradients
-are summed. A nested ``module.apply`` whose params are computed from the model's
-(GPT-2's LM head on the transposed ``wte``) is found while tracing, replayed per
-example, and its per-example gradients are pulled back to the layer they come
-from and added before the norm; such a layer keeps its full per-example
-gradients in memory (batch × vocab × width for GPT-2's ``wte``), which DP-SGD
-also uses for the clipped sum. A nested apply run inside its owner's own call is
-counted once, as part of that call.
+cross terms between uses. A nested ``module.apply`` whose params are computed
+from the model's is found while tracing. When it is an output head tied to an
+embedding (a Dense layer given ``embedding.T``, as GPT-2's LM head on ``wte``,
+or ``embed.attend``), the embedding's norm over its lookups and the head, cross
+terms included, is a ghost norm: ``T²`` per example, never the ``batch × vocab
+× width`` per-example gradients; DP-SGD's clipped sum is then one weighted VJP
+of the head, the same matmul as the ordinary backward pass
+(``dense_method='direct'`` forms the gradients instead). Any other nested
+apply is replayed per example, and its per-example gradients are pulled back
+to the layer they come from and added before the norm; such a layer keeps its
+full per-example gradients in memory, which DP-SGD also uses for the clipped
+sum. A nested apply run inside its owner's own call is counted once, as part
+of that call.
 
 Hugging Face models
 -------------------

@@ -37,6 +37,7 @@ from perturbkit.per_example._check import reduction_checker
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.per_example._norms import all_layer_norms, flat_squares
 from perturbkit.per_example._pass import Pass, run_pass
+from perturbkit.per_example._reads import at_path
 from perturbkit.per_example._replay import Pair, weighted_grad
 from perturbkit.per_example._rules import LayerNorms
 from perturbkit.core._sweep import guarded_step
@@ -96,6 +97,10 @@ def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array
       for pair in layer.pairs:
         grads = weighted_grad(without_dropped(pair, kept_rows), layer.params, weights)
         total = {k: total[k] + grads[k] for k in total}
+      for read in layer.reads:  # a tied head: its weighted gradient, pulled back
+        given = weighted_grad(without_dropped(read.pair, kept_rows), read.params, weights)
+        grads = at_path(read.pullback(given), layer.path)
+        total = {k: total[k] + grads[k].astype(total[k].dtype) for k in total}
     flat.update({layer.path + (k,): v.astype(layer.direct[k].dtype) for k, v in total.items()})
   order = traverse_util.flatten_dict(dict(params))
   return traverse_util.unflatten_dict({k: flat[k] for k in order})

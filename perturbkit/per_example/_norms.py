@@ -10,8 +10,9 @@ from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._pass import Pass, run_pass
-from perturbkit.per_example._reads import grads_with_reads, per_example_sq
-from perturbkit.per_example._rules import DENSE_METHODS, LayerNorms, layer_norms
+from perturbkit.per_example._reads import grads_with_reads, per_example_sq, tied_head
+from perturbkit.per_example._rules import (DENSE_METHODS, LayerNorms, embed_rule, heads_of,
+                                           heads_use_ghost, kind_of, layer_norms)
 from perturbkit.core._types import Path
 
 
@@ -34,7 +35,13 @@ def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
     raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
   out = {}
   for layer in result.layers:
-    if layer.reads:  # params also used by nested applies (a tied head): formed in full
+    heads = [tied_head(r, layer.path, layer.direct) for r in layer.reads]
+    if (layer.reads and all(h is not None for h in heads)
+        and (not layer.pairs or kind_of(layer.pairs) == 'embed')
+        and heads_use_ghost(heads + heads_of(layer.pairs), layer.direct, dense_method)):
+      out[layer.path] = embed_rule(layer.pairs, layer.direct, result.num_examples,
+                                   dense_method, tuple(heads))
+    elif layer.reads:  # params also used by other nested applies: formed in full
       grads = grads_with_reads(layer.path, layer.pairs, layer.params, layer.direct,
                                list(layer.reads), result.num_examples)
       out[layer.path] = LayerNorms({k: per_example_sq(v) for k, v in grads.items()}, grads)

@@ -16,7 +16,7 @@ from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_f
                                            module_variables)
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.per_example._fallback import check_sources
-from perturbkit.per_example._linen_kinds import linen_replay
+from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
 from perturbkit.per_example._nested import (nested_applies, nested_others, nested_params,
                                             params_of_reads)
 from perturbkit.per_example._reads import READS, Read, read_of
@@ -103,6 +103,7 @@ def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_example
   where = f'apply #{read.index} ({type(read.module).__name__}.{read.method_name})'
   args, kwargs = merge_static(arrays, read.template, where)
   use = Use((), where, read.method_name, read.module, read.template, read.sources,
+            kind=linen_kind(read.module),
             replay=linen_replay(read.module, read.method_name, where))
   check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
   grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]

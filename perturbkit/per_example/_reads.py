@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.per_example._replay import Pair, per_example_grads
+from perturbkit.per_example._rules import Head
 from perturbkit.core._types import Path
 
 READS = '__perturbkit_reads__'  # the key of the reads' zero perturbations in ``params``
@@ -66,7 +67,7 @@ def read_of(pair: Pair, params: Any, pullback: Callable[[Any], Any],
   return Read(pair, params, pullback, grads)
 
 
-def _at(tree: Any, path: Path) -> Any:
+def at_path(tree: Any, path: Path) -> Any:
   for name in path:
     tree = tree[name]
   return tree
@@ -83,9 +84,50 @@ def grads_with_reads(path: Path, pairs: list[Pair], params: Any, direct: dict,
     grads = per_example_grads(p, params, num_examples)
     total = {k: total[k] + grads[k] for k in total}
   for read in reads:
-    own = _at(read.grads(), path)
+    own = at_path(read.grads(), path)
     total = {k: total[k] + own[k].astype(total[k].dtype) for k in total}
   return total
+
+
+def _key(entry: Any) -> Any:
+  return getattr(entry, 'key', getattr(entry, 'name', getattr(entry, 'idx', entry)))
+
+
+def _leaf_paths(tree: Any) -> list[tuple]:
+  return [tuple(_key(e) for e in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def tied_head(read: Read, path: Path, direct: dict) -> Head | None:
+  """The read as a :class:`Head` of the embedding at ``path``, or ``None`` if it is not one.
+
+  It is one when the read is a plain call of a Dense layer whose kernel is the
+  module's ``embedding`` transposed (``nn.Dense``: ``kernel = embedding.T``; a
+  kernel stored ``(out, in)`` like ``FlaxConv1D``: the embedding itself), so that
+  the module's gradient through it is ``Gᵀ H``. Read off the VJP of the params'
+  computation as a jaxpr: the embedding's cotangent must be the kernel's,
+  transposed by one ``transpose`` or passed as it is, and nothing else.
+  """
+  pair = read.pair
+  if (set(direct) != {'embedding'} or pair.use.kind.name != 'dense'
+      or pair.use.method_name != '__call__' or len(pair.args) != 1 or pair.kwargs
+      or not isinstance(pair.grad, jax.Array) or not isinstance(read.params, dict)
+      or jnp.ndim(read.params.get('kernel')) != 2 or jnp.ndim(direct['embedding']) != 2):
+    return None
+  closed, out_shape = jax.make_jaxpr(read.pullback, return_shape=True)(read.params)
+  jaxpr = closed.jaxpr
+  inputs, outputs = _leaf_paths(read.params), _leaf_paths(out_shape)
+  if ('kernel',) not in inputs or path + ('embedding',) not in outputs:
+    return None
+  kernel = jaxpr.invars[inputs.index(('kernel',))]
+  embedding = jaxpr.outvars[outputs.index(path + ('embedding',))]
+  if pair.use.kind.transposed:
+    return Head(pair.args[0], pair.grad) if embedding is kernel else None
+  producers = [e for e in jaxpr.eqns if any(v is embedding for v in e.outvars)]
+  if (len(producers) == 1 and producers[0].primitive.name == 'transpose'
+      and tuple(producers[0].params['permutation']) == (1, 0)
+      and producers[0].invars[0] is kernel):
+    return Head(pair.args[0], pair.grad)
+  return None
 
 
 def per_example_sq(per_example: jax.Array) -> jax.Array:

@@ -15,7 +15,12 @@ a shared module is the sum over its uses, so the rules never add norms of uses:
   runs on the patches; the direct per-example kernel gradient is formed offset by
   offset (``conv_kernel_blocks``), which never forms the patches.
 * ``embed``: row ``v`` of an example's embedding gradient is the sum of ``g_t``
-  over its tokens with id ``v``: ``sum_{t,s} [id_t = id_s] (g_t·g_s)``.
+  over its tokens with id ``v``: ``sum_{t,s} [id_t = id_s] (g_t·g_s)``. An output
+  head tied to the embedding (``embed.attend(h)``, or a Dense layer given the
+  embedding's transpose: ``logits = h @ embeddingᵀ``) adds ``Gᵀ H`` to it, whose
+  ghost norm is that of a Dense layer (``T²`` per example instead of
+  ``vocabulary × features``), plus the cross term
+  ``2 sum_{t,s} G[s, id_t] (g_t·h_s)`` between the lookups and the head.
 * ``norm``: LayerNorm/RMSNorm scale and bias gradients (``sum_t g_t ⊙ x̂_t`` and
   ``sum_t g_t``) are formed per example directly; they are small.
 * ``general``: anything else: each use's call replayed per example (a vmap of its
@@ -89,8 +94,14 @@ def _is_conv(pair: Pair) -> bool:
           and 1 <= len(geometry.kernel) <= 3)
 
 
+def _is_attend(pair: Pair) -> bool:
+  """``embed.attend(h)``: ``h @ embeddingᵀ``, the output head of a tied embedding."""
+  return (pair.use.method_name == 'attend' and len(pair.args) == 1 and not pair.kwargs
+          and isinstance(pair.grad, jax.Array))
+
+
 def _is_embed(pair: Pair) -> bool:
-  return pair.use.kind.name == 'embed' and _is_plain_call(pair)
+  return pair.use.kind.name == 'embed' and (_is_plain_call(pair) or _is_attend(pair))
 
 
 def _is_norm(pair: Pair) -> bool:
@@ -246,13 +257,54 @@ def conv_direct_rule(pairs, params, num_examples, method):
   return LayerNorms(squares, {'kernel': kernel, **bias} if keep else None)
 
 
-def embed_rule(pairs, params, num_examples, method):
+class Head(NamedTuple):
+  """An output head ``logits = inputs @ embeddingᵀ`` tied to an embedding, as arrays.
+
+  Attributes:
+    inputs: ``(examples, ..., features)``.
+    grad: The per-example gradient at the logits, ``(examples, ..., vocabulary)``.
+  """
+  inputs: jax.Array
+  grad: jax.Array
+
+
+def heads_of(pairs: list[Pair]) -> list[Head]:
+  """The ``attend`` uses among an embedding's ``pairs``, as :class:`Head` s."""
+  return [Head(p.args[0], p.grad) for p in pairs if p.use.method_name == 'attend']
+
+
+def heads_use_ghost(heads: list[Head], params: dict, method: str) -> bool:
+  """Whether the heads' part of the norm is a ghost norm (else per-example gradients are formed)."""
+  tokens = sum(int(np.prod(jnp.shape(h.inputs)[1:-1])) for h in heads)
+  vocabulary, features = params['embedding'].shape
+  return uses_ghost(tokens, features, vocabulary, method)
+
+
+def embed_rule(pairs, params, num_examples, method, heads: tuple[Head, ...] = ()):
+  """Lookups (``ids -> rows``), and heads tied to the embedding (module docstring)."""
   del params, method
-  ids = jnp.concatenate([_first_input(p).reshape(num_examples, -1) for p in pairs], axis=1)
-  g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in pairs], axis=1)
-  same = ids[:, :, None] == ids[:, None, :]
-  gg = jnp.einsum('btd,bsd->bts', g, g)
-  return LayerNorms({'embedding': jnp.sum(jnp.where(same, gg, 0), axis=(1, 2))})
+  lookups = [p for p in pairs if p.use.method_name != 'attend']
+  heads = heads_of(pairs) + list(heads)
+  terms = []
+  if lookups:
+    ids = jnp.concatenate([_first_input(p).reshape(num_examples, -1) for p in lookups], axis=1)
+    g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in lookups], axis=1)
+    same = ids[:, :, None] == ids[:, None, :]
+    gg = jnp.einsum('btd,bsd->bts', g, g)
+    terms.append(jnp.sum(jnp.where(same, gg, 0), axis=(1, 2)))
+  if heads:
+    where = f'the output head tied to {_where(pairs[0]) if pairs else "an embedding"}'
+    h = jnp.concatenate([_tokens(x.inputs, num_examples, where) for x in heads], axis=1)
+    logits_grad = jnp.concatenate([_tokens(x.grad, num_examples, where) for x in heads], axis=1)
+    terms.append(ghost_sq_norms(h, logits_grad))
+    if lookups:
+      # <Oᵀ g, Gᵀ h> = sum_{t,s} G[s, id_t] (g_t·h_s): the head's gradient at each looked-up row.
+      at_ids = jnp.take_along_axis(
+          logits_grad, jnp.broadcast_to(ids[:, None, :], ids.shape[:1] + (h.shape[1],)
+                                        + ids.shape[1:]), axis=2)
+      gh = jnp.einsum('btd,bsd->bst', g, h)
+      terms.append(2 * jnp.sum(at_ids * gh, axis=(1, 2)))
+  return LayerNorms({'embedding': sum(terms[1:], terms[0])})
 
 
 def _normalized(pair: Pair, params: dict) -> jax.Array:
@@ -304,5 +356,8 @@ def layer_norms(pairs: list[Pair], params_subtree: dict, direct: dict, num_examp
     # Patches (prod(kernel) times the input) are never formed for the direct path.
     if all(d == 1 for p in pairs for d in _conv_options(p)[3]):
       return conv_direct_rule(pairs, direct, num_examples, method)
+    return general_rule(pairs, params_subtree, num_examples, direct)
+  if (kind == 'embed' and heads_of(pairs)
+      and not heads_use_ghost(heads_of(pairs), direct, method)):
     return general_rule(pairs, params_subtree, num_examples, direct)
   return FAST_RULES[kind](pairs, direct, num_examples, method)
