@@ -431,14 +431,16 @@ class ParamsReadOutsideError(PerExampleError):
     if nnx:
       super().__init__(
           f'The params of {listed} are read outside the calls of the submodule that owns '
-          'them. Per-example gradients of an NNX model come from those calls (their inputs '
-          'and output gradients), so the part of the gradient flowing through another read '
-          'would be missing from the norms and from the clipping. Such reads are the root '
-          "module's own params, a weight used inline by another module or in the loss "
-          '(`h @ self.embed.embedding[...].T`), or a weight penalty in the loss. Move the '
-          'params into a submodule that is called (a method such as `embed.attend(h)` is a '
-          'call), and compute a weight penalty outside the per-example loss (or use '
-          '`optax.add_decayed_weights`).')
+          'them, where no per-example replay of a call of the whole model (`model(x)` in '
+          'the loss) covers them. Per-example gradients of an NNX model come from the calls '
+          'of its modules and of the model (their inputs and output gradients), so the part '
+          'of the gradient flowing through such a read would be missing from the norms and '
+          'from the clipping. Such reads are a weight penalty in the loss, a weight used '
+          'inline in the loss (`h @ model.embed.embedding[...].T`), or reads inside the '
+          'model when the loss never calls the whole model, or calls it on inputs that do '
+          'not hold the examples on axis 0. Compute a weight penalty outside the per-example '
+          'loss (or use `optax.add_decayed_weights`), and move other uses of a weight into '
+          'the model.')
       return
     super().__init__(
         f'The params of {listed} are also read in the loss outside every `model.apply`. '

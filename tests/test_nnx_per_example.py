@@ -53,8 +53,8 @@ def assert_norms_equal(norms, per_example):
   chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
   np.testing.assert_allclose(norms.total, total, **TOL)
   for name, layer in norms.by_layer.items():
-    node = functools.reduce(lambda t, k: t[k] if k in t else t[int(k)], name.split('/'),
-                            by_param)
+    keys = [k for k in name.split('/') if k]  # '': the root module's own params
+    node = functools.reduce(lambda t, k: t[k] if k in t else t[int(k)], keys, by_param)
     own = [v for v in node.values() if not isinstance(v, dict)]
     np.testing.assert_allclose(layer, jnp.sqrt(sum(v ** 2 for v in own)), **TOL)
   assert float(jnp.min(total)) > 1e-3
@@ -218,8 +218,9 @@ def test_named_errors():
     perturbkit.nnx.per_example_grad_norms(cnn_loss)(training, M.random_batch((4, 6, 6, 1)))
   with pytest.raises(ExamplesMixedError):
     perturbkit.nnx.check_per_example(cnn_loss, training, M.random_batch((4, 6, 6, 1)))
-  with pytest.raises(ParamsReadOutsideError, match='<root>'):
-    perturbkit.nnx.private_grad(squared_error, clip_norm=1.0, noise_multiplier=0.0)(
+  with pytest.raises(ParamsReadOutsideError, match='<root>'):  # read outside the model call
+    perturbkit.nnx.private_grad(lambda m, x: squared_error(m, x) + jnp.sum(m.scale[...]),
+                                clip_norm=1.0, noise_multiplier=0.0)(
         RootScale(nnx.Rngs(0)), jax.random.key(0), x)
   perturbkit.nnx.check_per_example(squared_error, model, x)
 

@@ -271,7 +271,7 @@ def submodules(model: nnx.Module) -> list[tuple[NNXPath, nnx.Module]]:
 
 @contextlib.contextmanager
 def instrument(roots: Sequence[nnx.Module], on_call: Handler, *, transparent: bool = False,
-               prefix: NNXPath = ()) -> Iterator[None]:
+               prefix: NNXPath = (), include_roots: bool = False) -> Iterator[None]:
   """Hands every submodule method call inside the block to ``on_call``.
 
   Blocks nest: a call on a module instrumented by several open blocks of this
@@ -288,6 +288,8 @@ def instrument(roots: Sequence[nnx.Module], on_call: Handler, *, transparent: bo
       wrap what it returns, and its replay can hand them its inner calls
       (:func:`replay_hooks`).
     prefix: Put before every path (the roots' own path in a larger model).
+    include_roots: Instrument the roots as well, at path ``prefix`` (the calls
+      of the whole model: per-example replays of a whole model call).
 
   Yields:
     Nothing; classes and attributes are restored when the block ends, also
@@ -302,7 +304,7 @@ def instrument(roots: Sequence[nnx.Module], on_call: Handler, *, transparent: bo
   missing = object()
   try:
     for root in roots:
-      for path, module in submodules(root):
+      for path, module in [((), root)] * include_roots + submodules(root):
         if any(m is module for m, _, _ in swapped):
           continue
         cls = type(module)

@@ -230,8 +230,10 @@ model in place of the variables, gradients as the ``nnx.State`` of ``nnx.grad``.
 An NNX front end records the same calls (``_nnx_pass``), so the rules, the norms
 and the DP step above are shared; ``nnx.Linear`` has Dense's rules. What Linen
 covers by replaying the whole ``apply`` (the root module's own params, a weight
-read outside its module's calls, modules inside ``nnx.scan``/``nnx.remat``) is
-refused on NNX with a named error.
+read outside its module's calls inside the model, modules inside
+``nnx.scan``/``nnx.remat``) NNX covers by replaying the whole model call in the
+loss (``model(x)``) per example; a read outside every model call (a penalty in
+the loss) is refused with a named error, as on Linen.
 
 Example:
   >>> from perturbkit import per_example

@@ -63,7 +63,11 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   pass. ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm`` and
   ``nnx.RMSNorm`` have the fast rules; any other submodule owning ``nnx.Param`` s
   (``nnx.LinearGeneral``, ``nnx.BatchNorm`` in eval mode, a module of your own) is
-  replayed per example. Layers are named by their path (``'layers/0'``), and
+  replayed per example. Modules called inside ``nnx.scan`` or ``nnx.remat``, the
+  root module's own params and weights read inline inside the model get theirs
+  from a per-example replay of the whole model call in the loss (``model(x)``),
+  at the cost of ``jax.vmap(nnx.grad)`` of that call (the scanned layers' stacked
+  params: each iteration's gradient in its slice). Layers are named by their path (``'layers/0'``), and
   ``by_param`` is keyed like ``nnx.state(model, nnx.Param)``
   (``norms.by_param['layers'][0]['kernel']``).
 
@@ -84,10 +88,12 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     ExamplesMixedError: an ``nnx.BatchNorm`` in training mode, or the loss mixes examples.
     ExamplesAxisError, AmbiguousInputError, SharedCallError: see
       ``help(perturbkit.per_example)``.
-    ParamsReadOutsideError: params read outside their module's calls (the root
-      module's own params, a weight used inline elsewhere, a penalty in the loss).
+    ParamsReadOutsideError: params read outside their module's calls and outside
+      every call of the whole model (a penalty in the loss, a weight used inline in
+      the loss).
     UncoveredParamsError: a module owning params is never called.
-    PerExampleError: a module owning params is called inside an NNX transform.
+    PerExampleError: a module owning params is called inside an NNX transform
+      outside any call of the whole model.
 
   Example:
     >>> import jax.numpy as jnp

@@ -54,8 +54,12 @@ def named_module_call(name: str, call: Call) -> Any:
                                    for leaf in leaves])
 
 
+ROOT = '<model-call>'  # the whole model's calls' name (one word), with ``outside_model_calls``
+
+
 def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
-                      kwargs: dict, owners: Mapping[NNXPath, str]) -> dict[str, set[str]]:
+                      kwargs: dict, owners: Mapping[NNXPath, str], *,
+                      outside_model_calls: bool = False) -> dict[str, set[str]]:
   """``{module name: {primitives}}`` reading an owner's params outside its calls.
 
   Args:
@@ -65,6 +69,9 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
     kwargs: Its keyword arguments.
     owners: ``{module path: name}`` of every module owning params directly; the
       root's (path ``()``) are always read outside a submodule call.
+    outside_model_calls: Only the reads outside every call of the whole model
+      (``model(x)`` in the loss): a weight penalty, a weight used inline in the
+      loss. The reads inside them are covered by a per-example replay of the call.
   """
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
   kw_leaves, kw_tree = jax.tree.flatten(kwargs)
@@ -74,11 +81,11 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
     # Inside its own named call, the replica's method runs as itself.
-    if call.path not in owners or call.path in running:
+    if (call.path not in owners and call.path != ()) or call.path in running:
       return run()
     running.append(call.path)
     try:
-      return named_module_call(owners[call.path], call)
+      return named_module_call(ROOT if call.path == () else owners[call.path], call)
     finally:
       running.pop()
 
@@ -87,15 +94,18 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
     kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
                                       for leaf in kw_leaves])
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
-    with instrument([copy], on_call):
+    with instrument([copy], on_call, include_roots=outside_model_calls):
       return loss_fn(copy, *args, **kw)
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, kw_arrays, *args)
+  # A model call's replica is given every param: what it does with them is covered.
+  spared = ({segment_function_name(ROOT): len(jax.tree.leaves(params))}
+            if outside_model_calls else {})
   by_keys = {tuple(map(str, path)): name for path, name in owners.items()}
   owner_of = {}
   for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
     keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
     if keys[:-1] in by_keys:
       owner_of[i] = by_keys[keys[:-1]]
-  return reads_outside(jaxpr, owner_of, spared={})
+  return reads_outside(jaxpr, owner_of, spared=spared)
