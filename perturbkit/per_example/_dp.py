@@ -86,6 +86,7 @@ def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array
   example of weight 0 adds nothing even where its gradient is not finite.
   """
   kept_rows = weights != 0
+  pair_weights = weights * result.scale  # the pairs hold the loss's gradients
   flat = {}
   for layer in result.layers:
     kept = norms[layer.path].per_example
@@ -95,10 +96,11 @@ def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array
     else:
       total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}
       for pair in layer.pairs:
-        grads = weighted_grad(without_dropped(pair, kept_rows), layer.params, weights)
+        grads = weighted_grad(without_dropped(pair, kept_rows), layer.params, pair_weights)
         total = {k: total[k] + grads[k] for k in total}
       for read in layer.reads:  # a tied head: its weighted gradient, pulled back
-        given = weighted_grad(without_dropped(read.pair, kept_rows), read.params, weights)
+        given = weighted_grad(without_dropped(read.pair, kept_rows), read.params,
+                              pair_weights)
         grads = at_path(read.pullback(given), layer.path)
         total = {k: total[k] + grads[k].astype(total[k].dtype) for k in total}
     flat.update({layer.path + (k,): v.astype(layer.direct[k].dtype) for k, v in total.items()})

@@ -273,7 +273,7 @@ def _shapes(tree: Any) -> list[tuple[int, ...]]:
 
 
 def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
-                      kwargs: dict, calls: tuple[ModelCall, ...], scale: float,
+                      kwargs: dict, calls: tuple[ModelCall, ...],
                       num_examples: int) -> tuple[jax.Array, list[Read]]:
   """The loss, and each call of the whole model as a :class:`Read` of every param.
 
@@ -314,8 +314,7 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
     where = f'the model call #{position} ({type(model).__name__}.{call.method_name})'
     call_args, call_kwargs = merge_static(arrays, call.template, where)
     check_sources(call.sources, _shapes((call_args, call_kwargs)), num_examples, where)
-    grad = jax.tree.unflatten(call.out_tree,
-                              [g * jax.numpy.asarray(scale, g.dtype) for g in cotangent])
+    grad = jax.tree.unflatten(call.out_tree, list(cotangent))
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
               replay=nnx_replay(plain_graphdef, nnx.state(model, nnx.Param), call.method_name,
                                 where))
@@ -342,7 +341,7 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
   model_reads: list[Read] = []
   if found.covered:
     loss, model_reads = _model_call_reads(loss_fn, model, args, kwargs, found.model_calls,
-                                          scale, num_examples)
+                                          num_examples)
   grads, inputs = {'perturbations': {}}, {}
   if called or not found.covered:
     loss, grads, inputs = value_and_grad(loss_fn, filter=selected, return_inputs=True,
@@ -361,7 +360,6 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
       call_args, call_kwargs = merge_static(find_in(inputs, path + (use.key,)), use.template,
                                             where)
       check_sources(use.sources, _shapes((call_args, call_kwargs)), num_examples, where)
-      grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
       pairs.append(Pair(use, tuple(call_args), dict(call_kwargs), grad, others[path]))
     subtree = find_in(params, name)
     layers.append(Layer(name, pairs, subtree,
@@ -369,4 +367,4 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
                         tuple(model_reads) if name in found.covered else ()))
   if found.mixed:  # after the pairs: an examples axis in the wrong place is named as such first
     raise ExamplesMixedError(found.mixed)
-  return Pass(loss, num_examples, layers)
+  return Pass(loss, num_examples, layers, scale)

@@ -29,8 +29,23 @@ class PerExampleNorms(NamedTuple):
   by_param: dict
 
 
+def _scaled(norms: LayerNorms, scale: float) -> LayerNorms:
+  """``norms`` of gradients ``scale`` times larger."""
+  if scale == 1.0:
+    return norms
+  kept = norms.per_example
+  return LayerNorms({k: v * (scale * scale) for k, v in norms.squares.items()},
+                    None if kept is None else {k: v * scale for k, v in kept.items()})
+
+
 def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
-  """Every layer's :class:`LayerNorms`, by module path."""
+  """Every layer's :class:`LayerNorms` (of each example's own term), by module path."""
+  return {path: _scaled(norms, result.scale)
+          for path, norms in _unscaled_layer_norms(result, dense_method).items()}
+
+
+def _unscaled_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
+  """Every layer's :class:`LayerNorms` from the pairs' gradients as they are."""
   if dense_method not in DENSE_METHODS:
     raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
   out = {}

@@ -2,8 +2,10 @@
 
 The loss is run through ``value_and_grad(return_inputs=True)`` with a filter
 selecting the calls of modules that own params; each call becomes a
-:class:`Pair` whose output gradient is scaled to the gradient of its own
-example's loss term (see ``reduction_scale``).
+:class:`Pair` with the loss's gradient at its output, which ``Pass.scale``
+turns into the gradient of each example's own loss term (``reduction_scale``):
+the norms and the weights of a weighted sum are scaled instead of every output
+gradient, which would be one more copy of each.
 """
 from typing import Any, Callable, NamedTuple
 
@@ -44,17 +46,26 @@ class Layer(NamedTuple):
 
 
 class Pass(NamedTuple):
-  """What one pass gives: the loss, the number of examples and every layer."""
+  """What one pass gives.
+
+  Attributes:
+    loss: The loss.
+    num_examples: The number of examples.
+    layers: Every param-owning module's uses.
+    scale: The factor from the loss's gradients in the pairs to each example's
+      own term's gradient (``reduction_scale``: the number of examples for a mean).
+  """
   loss: jax.Array
   num_examples: int
   layers: list[Layer]
+  scale: float = 1.0
 
 
 def _shapes(tree: Any) -> list[tuple[int, ...]]:
   return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
-def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
+def _pair(use: Use, inputs: Any, grads: Any, variables: Variables,
           num_examples: int) -> Pair | None:
   where = '/'.join(use.path + (use.key,))
   grad = find_in(grads, use.path + (use.key,))
@@ -62,7 +73,6 @@ def _pair(use: Use, inputs: Any, grads: Any, variables: Variables, scale: float,
     return None  # no floating-point output: nothing flows back through this call
   args, kwargs = merge_static(find_in(inputs, use.path + (use.key,)), use.template, where)
   check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
-  grad = jax.tree.map(lambda g: g * jax.numpy.asarray(scale, g.dtype), grad)
   return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
 
 
@@ -96,7 +106,7 @@ def _with_reads(loss_fn: Callable[..., Any], reads: list[ReadUse]) -> Callable[.
   return run
 
 
-def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_examples: int,
+def _read(read: ReadUse, found: Any, grads: list[Any], num_examples: int,
           pullback: Callable[[Any], Any]) -> Read:
   """One nested or top-level apply as a :class:`Read`: its call's pair and the pullback."""
   arrays, params, others = found
@@ -106,9 +116,8 @@ def _read(read: ReadUse, found: Any, grads: list[Any], scale: float, num_example
             kind=linen_kind(read.module),
             replay=linen_replay(read.module, read.method_name, where))
   check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
-  grad = [g * jax.numpy.asarray(scale, g.dtype) for g in grads]
   # The cotangent of the replayed call's floating-point outputs (``call_output``).
-  grad = jax.tree.unflatten(read.out_tree, grad)
+  grad = jax.tree.unflatten(read.out_tree, list(grads))
   return read_of(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback,
                  num_examples)
 
@@ -153,11 +162,11 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
               for j, p in enumerate(given)]
       return pullback(full)[0]
 
-    pulled = [_read(r, f, g, scale, num_examples, lambda c, i=i: pull(i, c))
+    pulled = [_read(r, f, g, num_examples, lambda c, i=i: pull(i, c))
               for i, (r, f, g) in enumerate(zip(reads, found, read_grads))]
   layers = []
   for path, module_uses in uses.items():
-    pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, scale, num_examples)
+    pairs = [_pair(u, inputs, grads[PERTURBATIONS], variables, num_examples)
              for u in module_uses]
     pairs = [p for p in pairs if p is not None]
     params = find_in(variables['params'], path)
@@ -166,4 +175,4 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
                         layer_reads))
   if mixed:  # after the pairs: an examples axis in the wrong place is named as such first
     raise ExamplesMixedError(mixed)
-  return Pass(loss, num_examples, layers)
+  return Pass(loss, num_examples, layers, scale)

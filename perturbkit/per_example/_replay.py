@@ -1,8 +1,8 @@
 """One use of a module at run time, and its call rebuilt as a function of the module's params.
 
 A :class:`Pair` is what per-example methods run on: the call's inputs next to the
-gradient at its output, already scaled so that row ``i`` is d(loss term of
-example i)/d(output). ``weighted_grad`` gives ``sum_i w_i * grad_i`` of the
+loss's gradient at its output, whose row ``i`` times the pass's scale
+(``_pass.Pass.scale``) is d(loss term of example i)/d(output). ``weighted_grad`` gives ``sum_i w_i * grad_i`` of the
 module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
 ``per_example_grads`` vmaps that VJP over examples (the general path).
 """
@@ -21,8 +21,9 @@ class Pair(NamedTuple):
     use: What was recorded while tracing.
     args: The call's positional arguments.
     kwargs: The call's keyword arguments.
-    grad: Per-example gradient at the call's floating-point outputs
-      (``None`` where an output leaf is not floating-point).
+    grad: The loss's gradient at the call's floating-point outputs (``None``
+      where an output leaf is not floating-point); row ``i`` is example ``i``'s,
+      up to the pass's scale.
     variables: The module's other variables (Linen: its other collections,
       ``batch_stats``, ...; NNX: its state other than ``nnx.Param``), given to
       ``use.replay``.
