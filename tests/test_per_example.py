@@ -439,31 +439,34 @@ SHARD_MAP_CHILD = textwrap.dedent('''
     chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
 
     # The NNX front end: the model goes in as (graphdef, state), merged on each device.
+    # A scanned model takes the per-example replay of its model call on each device.
     from flax import nnx
     import nnx_models
-    graphdef, state = nnx.split(nnx_models.MLP(din=5, dout=3, rngs=nnx.Rngs(0)))
     def nnx_loss(model, x, y):
       return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-    def nnx_grad(state, key, x, y, axis_name=None):
-      dp = perturbkit.nnx.private_grad(nnx_loss, axis_name=axis_name, **options)
-      return dp(nnx.merge(graphdef, state), key, x, y)
-    single, single_metrics = jax.jit(nnx_grad)(state, key, x, y)
-    run = jax.jit(jax.shard_map(
-        lambda *a: nnx_grad(*a, axis_name='data'), mesh=mesh,
-        in_specs=(P(), P(), P('data'), P('data')),
-        out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
-                         'fraction_clipped': P(), 'dropped': P()}), check_vma=False))
-    grads, metrics = run(state, key, x, y)
-    chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(single),
-                                rtol=1e-5, atol=1e-7)
-    chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
+    for model, labels in [(nnx_models.MLP(din=5, dout=3, rngs=nnx.Rngs(0)), y),
+                          (nnx_models.ScanMLP(width=5, rngs=nnx.Rngs(0)), y % 2)]:
+      graphdef, state = nnx.split(model)
+      def nnx_grad(state, key, x, y, axis_name=None, graphdef=graphdef):
+        dp = perturbkit.nnx.private_grad(nnx_loss, axis_name=axis_name, **options)
+        return dp(nnx.merge(graphdef, state), key, x, y)
+      single, single_metrics = jax.jit(nnx_grad)(state, key, x, labels)
+      run = jax.jit(jax.shard_map(
+          lambda *a: nnx_grad(*a, axis_name='data'), mesh=mesh,
+          in_specs=(P(), P(), P('data'), P('data')),
+          out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
+                           'fraction_clipped': P(), 'dropped': P()}), check_vma=False))
+      grads, metrics = run(state, key, x, labels)
+      chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(single),
+                                  rtol=1e-5, atol=1e-7)
+      chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
     print('ok')
 ''')
 
 
 def test_shard_map_adds_noise_once():
   """Four devices with two examples each give the one-device gradient, noise included
-  (Linen and NNX)."""
+  (Linen, NNX, and an NNX model whose scanned layers take the model call's replay)."""
   tests = os.path.dirname(os.path.abspath(__file__))
   env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(tests),
                                                       os.environ.get('PYTHONPATH', '')])}
