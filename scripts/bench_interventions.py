@@ -6,8 +6,8 @@ used as it is: the metric, a logit difference at the last token, calls
 compiled first, then timed round-robin:
 
   sweep        ``perturbkit.activation_patching(metric, filter=<every block>, axis=1)``:
-               the clean run, the corrupted run, and every (block, position) patched run
-               as one ``jax.vmap``.
+               the clean run, the corrupted run, and each block's (block, position)
+               patched runs as one ``jax.vmap`` (the blocks before it run once).
   sweep_chunked  the same with ``batch_size=8``: 8 patched runs per step of a ``lax.map``.
   loop         the same numbers from a Python loop: one jitted clean run recording the
                block outputs, one jitted corrupted run, then one call per (block, position)

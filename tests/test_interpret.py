@@ -181,7 +181,11 @@ def test_mean_ablation_vmap_over_stacked_edits_and_grad_through_them(mlp):
 # --- activation patching -------------------------------------------------------------
 
 
-def test_activation_patching_equals_each_patch_by_hand(mlp):
+@pytest.mark.parametrize('groups', [1, 2, 8])
+def test_activation_patching_equals_each_patch_by_hand(mlp, groups, monkeypatch):
+  """At most ``groups`` groups of neighbouring calls: one group of all three, groups of two
+  calls and one, each call its own group (the default)."""
+  monkeypatch.setattr(sweep_module, 'GROUPS', groups)
   model, variables, clean, corrupted, metric = mlp
   params = variables['params']
   result = perturbkit.activation_patching(metric, axis=1)(variables, clean, corrupted)
@@ -205,16 +209,23 @@ def test_activation_patching_equals_each_patch_by_hand(mlp):
   chex.assert_trees_all_close(chunked.effects, result.effects, **TOL)
 
 
-def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypatch):
-  """15 (call, token) runs in batches of 4 (three full ones and a rest of 3): the bar moves after
-  each batch and reaches 15 on every run of the compiled sweep; the effects do not change."""
+# The bar after each batch of 4: the calls' 5 tokens each, in groups of calls
+# (3 calls: one group; two calls and one; each call its own).
+@pytest.mark.parametrize('groups, counts', [(1, [4, 8, 12, 15]), (2, [4, 8, 10, 14, 15]),
+                                            (8, [4, 5, 9, 10, 14, 15])])
+def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypatch, groups,
+                                                          counts):
+  """15 (call, token) runs, 5 tokens for each of 3 calls, in batches of 4 within each group of
+  calls: the bar moves after each batch and reaches 15 on every run of the compiled sweep; the
+  effects do not change."""
+  monkeypatch.setattr(sweep_module, 'GROUPS', groups)
   _, variables, clean, corrupted, metric = mlp
-  counts = []
+  recorded = []
 
   class Recorded(sweep_module.tqdm):
     def update(self, n=1):
       super().update(n)
-      counts.append(self.n)
+      recorded.append(self.n)
 
   monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
   plain = perturbkit.activation_patching(metric, axis=1)(variables, clean, corrupted)
@@ -224,7 +235,7 @@ def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypat
     result = patch(variables, clean, corrupted)
     chex.assert_trees_all_close(result.effects, plain.effects, **TOL)
   jax.effects_barrier()
-  assert counts == [4, 8, 12, 15] * 2
+  assert recorded == counts * 2
   assert capsys.readouterr().err.count('activation patching: 100%') == 2
 
 

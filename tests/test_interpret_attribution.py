@@ -26,6 +26,7 @@ from flax import nnx
 import models
 import nnx_models
 import perturbkit
+import perturbkit.interpret._sweep as sweep_module
 from perturbkit import filters, interpret
 from perturbkit.demo._digits import SmallCNN
 
@@ -82,7 +83,11 @@ def ig_by_hand(params, x, name, b, alphas, weights):
   return jnp.einsum('btd->t', (a - b) * mean_grad)
 
 
-def test_integrated_gradients_equal_grad_of_the_model_by_hand_at_the_same_nodes(smooth):
+@pytest.mark.parametrize('groups', [1, 2, 8])
+def test_integrated_gradients_equal_grad_of_the_model_by_hand_at_the_same_nodes(
+    smooth, groups, monkeypatch):
+  """In at most ``groups`` groups of neighbouring calls (see the activation patching test)."""
+  monkeypatch.setattr(sweep_module, 'GROUPS', groups)
   variables, x, baseline, metric = smooth
   params = variables['params']
   steps = 5

@@ -23,7 +23,8 @@ it. The functions here are written once over those points; the Linen ones take
 * ``activation_patching(fn, axis=..., batch_size=...)(variables, clean,
   corrupted)``: for each call (and position), the metric of the corrupted run
   with that output patched from the clean run, minus the corrupted metric;
-  one ``vmap`` over (call, position) pairs, ``batch_size`` at a time;
+  per group of neighbouring calls, the model before the group once and the
+  rest one ``vmap`` over (call, position) pairs, ``batch_size`` at a time;
   ``progress=True`` shows a progress bar moved after each batch.
 * ``attribution_patching(fn, axis=...)(variables, clean, corrupted)``: the
   first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` at the
@@ -33,7 +34,7 @@ it. The functions here are written once over those points; the Linen ones take
   method='gauss_legendre')(variables, inputs, baseline=None)``: each call's
   output moved from a baseline (zeros, or its output on ``baseline``) to its
   value, ``(a - b) . mean d metric / d a`` along the path (``quadrature``'s
-  nodes, one ``vmap`` over (call, node) pairs); a call's effects sum to
+  nodes, swept as the patched runs are); a call's effects sum to
   ``metric(inputs) - metric(that call at b)``.
 * ``grad_cam(fn, filter=..., upsample=False)(variables, images)``: ``(metric,
   maps)``, ``relu(sum_c mean_hw(d metric / d A)_c A_c)`` per convolution

@@ -22,11 +22,11 @@ def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
   return value, outputs, grads
 
 
-def first_order(traced: TracedPoints, deltas: dict, grads: dict, axis: int | None,
+def first_order(paths: Sequence[tuple], deltas: dict, grads: dict, axis: int | None,
                 positions: tuple[int, ...] | None) -> jax.Array:
-  """``(calls, positions)``: ``delta . grad`` of each call, summed per position."""
+  """``(calls, positions)``: ``delta . grad`` of each call in ``paths``, summed per position."""
   rows = []
-  for path in traced.paths:
+  for path in paths:
     terms = [per_position(d * g, axis, positions)
              for d, g in zip(jax.tree.leaves(deltas[path]), jax.tree.leaves(grads[path]))]
     rows.append(functools.reduce(jnp.add, terms))
@@ -49,7 +49,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
     corrupted_metric, outputs, grads = metric_and_grads(corrupted_points, corrupted, function)
     deltas = {p: jax.tree.map(jnp.subtract, clean_outputs[p], outputs[p])
               for p in corrupted_points.paths}
-    effects = first_order(corrupted_points, deltas, grads, axis, where)
+    effects = first_order(corrupted_points.paths, deltas, grads, axis, where)
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
                           clean_metric, corrupted_metric)
 
@@ -66,7 +66,7 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     where = sweep_positions(traced, axis, positions)
     metric, outputs, grads = metric_and_grads(traced, inputs, function)
-    effects = first_order(traced, outputs, grads, axis, where)
+    effects = first_order(traced.paths, outputs, grads, axis, where)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)
 
   return attribute

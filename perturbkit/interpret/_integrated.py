@@ -5,8 +5,8 @@ output replaced by ``b + alpha * (a - b)`` and differentiated there; the
 attribution is ``(a - b) . integral_0^1 d metric / d output (alpha) d alpha``,
 by a quadrature over ``alpha``. Its sum is the change of the metric along the
 path: ``metric(inputs) - metric(that call's output at the baseline)``
-(completeness), up to the quadrature's error. All (call, node) pairs are one
-``jax.vmap``.
+(completeness), up to the quadrature's error. The (call, node) pairs are a
+sweep (``_sweep.sweep``): one ``jax.vmap`` per group of neighbouring calls.
 """
 import functools
 from typing import Any, Callable, Sequence
@@ -67,11 +67,11 @@ def quadrature(method: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
   return np.linspace(0.0, 1.0, int(steps)), weights
 
 
-def path_edits(baselines: dict, deltas: dict, paths: tuple[tuple, ...], call: jax.Array,
+def path_edits(baselines: dict, deltas: dict, paths: Sequence[tuple], call: jax.Array,
                alpha: jax.Array) -> dict[str, Edit]:
-  """Edits putting call number ``call`` at ``baseline + alpha * delta``, the others untouched.
+  """Edits of ``paths`` putting call number ``call`` of them at ``baseline + alpha * delta``.
 
-  Every call gets an edit, all but one inactive, so that the edits have one
+  Every path gets an edit, all but one inactive, so that the edits have one
   structure along ``jax.vmap``.
   """
   between = lambda b, d: b + alpha * d
@@ -113,20 +113,20 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     deltas = {p: jax.tree.map(jnp.subtract, outputs[p], baselines[p]) for p in paths}
     zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
 
-    def job(node):
-      call, alpha = node
-      edit = edit_function(path_edits(baselines, deltas, paths, call, alpha), paths)
-      on_path = lambda perturbations: check_metric(
-          traced.run(perturbations, (inputs,), {}, edit)[0], function)
-      # The gradient at each call's point is d metric / d (its edited output).
-      return first_order(traced, deltas, jax.grad(on_path)(zeros), axis, where)[call]
+    def job(group, call, alpha):
+      group_paths = [paths[i] for i in group]
+      edit = edit_function(path_edits(baselines, deltas, group_paths, call - group[0], alpha),
+                           paths)
+      at_group = lambda perturbations: check_metric(
+          traced.run({**zeros, **perturbations}, (inputs,), {}, edit)[0], function)
+      # The gradient at each call's point is d metric / d (its edited output); only the
+      # group's calls and what follows them are differentiated.
+      grads = jax.grad(at_group)({p: zeros[p] for p in group_paths})
+      return first_order(group_paths, deltas, grads, axis, where)[call - group[0]]
 
-    calls, nodes = np.meshgrid(np.arange(len(paths)), alphas, indexing='ij')
-    per_node = sweep(job, (jnp.asarray(calls.reshape(-1)),
-                           jnp.asarray(nodes.reshape(-1), jnp.float32)), batch_size,
+    per_node = sweep(job, len(paths), jnp.asarray(alphas, jnp.float32), batch_size,
                      'integrated gradients' if progress else None)
-    effects = jnp.einsum('cnp,n->cp', per_node.reshape(len(paths), len(alphas), -1),
-                         jnp.asarray(weights, per_node.dtype))
+    effects = jnp.einsum('cnp,n->cp', per_node, jnp.asarray(weights, per_node.dtype))
     return PatchingResult(tuple(map(point_name, paths)), where, effects, metric, baseline_metric)
 
   return attribute

@@ -126,9 +126,13 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   takes ``(variables, clean, corrupted)``, caches every selected call's output
   on ``clean``, and for each call (and, with ``axis``, each position along
   that axis) runs ``corrupted`` with that output replaced by its clean value:
-  ``effects[i, j] = metric(patched) - metric(corrupted)``. All the patched
-  runs are one ``jax.vmap`` over (call, position) pairs, ``batch_size`` pairs
-  at a time when given (``jax.lax.map``), which bounds the memory. Jittable.
+  ``effects[i, j] = metric(patched) - metric(corrupted)``. The patched runs
+  are cut into at most 8 groups of neighbouring calls: in each, the model up
+  to the group's first call runs once, unbatched, and the rest as one
+  ``jax.vmap`` over the group's (call, position) pairs, ``batch_size`` pairs
+  at a time when given (``jax.lax.map``), which bounds the memory. The
+  compiled sweep holds the model after each group's first call once per
+  group. Jittable.
 
   Args:
     fn: ``(variables, inputs) -> metric``.
@@ -269,8 +273,10 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
   but position ``j`` along ``axis``. Completeness: a call's effects sum (over
   all positions) to ``metric(inputs) - metric(inputs with that call's output
   replaced by b)``, up to the quadrature's error. The other calls are not
-  edited: each call's path is its own. All (call, node) pairs run as one
-  ``jax.vmap`` (``batch_size`` at a time when given). Jittable.
+  edited: each call's path is its own. The (call, node) pairs run as
+  :func:`activation_patching`'s runs do: per group of neighbouring calls, the
+  model before the group once and the rest as one ``jax.vmap`` (``batch_size``
+  at a time when given). Jittable.
 
   Args:
     fn: ``(variables, inputs) -> metric``.

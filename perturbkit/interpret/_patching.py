@@ -13,11 +13,11 @@ from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
 
-def patching_edits(outputs: dict[tuple, Any], paths: tuple[tuple, ...], call: jax.Array,
+def patching_edits(outputs: dict[tuple, Any], paths: Sequence[tuple], call: jax.Array,
                    position: jax.Array | None, axis: int | None) -> dict[str, Edit]:
-  """Edits replacing call number ``call`` (at ``position``) by its value in ``outputs``.
+  """Edits of ``paths`` replacing call number ``call`` of them (at ``position``) by its clean value.
 
-  Every call gets an edit, all but one inactive, so that the edits of different
+  Every path gets an edit, all but one inactive, so that the edits of different
   calls have one structure and stack along ``jax.vmap``.
   """
   at = None if position is None else position[None]
@@ -44,18 +44,18 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     corrupted_metric = check_metric(corrupted_metric, function)
     paths = corrupted_points.paths
 
-    def job(indices):
-      call, position = indices
-      at = None if where is None else jnp.asarray(where)[position]
-      edit = edit_function(patching_edits(outputs, paths, call, at, axis), paths)
+    def job(group, call, column):
+      at = None if where is None else jnp.asarray(where)[column]
+      group_paths = [paths[i] for i in group]
+      edit = edit_function(patching_edits(outputs, group_paths, call - group[0], at, axis),
+                           paths)
       patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
       return check_metric(patched, function) - corrupted_metric
 
     columns = 1 if where is None else len(where)
-    calls, cols = jnp.meshgrid(jnp.arange(len(paths)), jnp.arange(columns), indexing='ij')
-    effects = sweep(job, (calls.reshape(-1), cols.reshape(-1)), batch_size,
+    effects = sweep(job, len(paths), jnp.arange(columns), batch_size,
                     'activation patching' if progress else None)
     return PatchingResult(tuple(map(point_name, paths)), where,
-                          effects.reshape(len(paths), columns), clean_metric, corrupted_metric)
+                          effects, clean_metric, corrupted_metric)
 
   return patch

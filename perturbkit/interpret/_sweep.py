@@ -1,4 +1,4 @@
-"""A sweep of one function over a stack of jobs: one ``vmap``, in batches, with a progress bar.
+"""A sweep over calls and a stack of jobs: one ``vmap`` per group of calls, in batches, with a bar.
 
 The bar is driven from inside the computation (``jax.debug.callback`` after each
 batch, ordered), so it shows the progress of the compiled sweep as it runs, under
@@ -12,6 +12,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from perturbkit.errors import InvalidOptionError
+
+# The most groups of calls a sweep is cut into (see ``sweep``).
+GROUPS = 8
 
 
 def check_batch_size(batch_size: int | None) -> None:
@@ -46,21 +49,16 @@ class ProgressBar:
       self.bar = None
 
 
-def sweep(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
-          progress: str | None = None) -> jax.Array:
-  """``job`` over the leading axis of ``jobs``: one ``vmap``, or ``batch_size`` at a time.
-
-  With ``progress`` (the bar's description), a progress bar counts the jobs
-  done, moved after each batch.
-  """
-  if progress is None:
+def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
+             bar: ProgressBar | None, offset: int) -> jax.Array:
+  """``job`` over the leading axis of ``jobs``, ``bar`` moved to ``offset`` + the jobs done."""
+  if bar is None:
     if batch_size is None:
       return jax.vmap(job)(jobs)
     return jax.lax.map(job, jobs, batch_size=batch_size)
   total = jax.tree.leaves(jobs)[0].shape[0]
   size = total if batch_size is None else min(batch_size, total)
   full, rest = divmod(total, size)
-  bar = ProgressBar(total, progress)
   head = jax.tree.map(lambda x: x[:full * size].reshape((full, size) + x.shape[1:]), jobs)
 
   def batch(done, chunk):
@@ -69,10 +67,45 @@ def sweep(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
     jax.debug.callback(bar.advance, done, out, ordered=True)
     return done, out
 
-  done, outs = jax.lax.scan(batch, jnp.zeros((), jnp.int32), head)
+  done, outs = jax.lax.scan(batch, jnp.asarray(offset, jnp.int32), head)
   outs = jax.tree.map(lambda x: x.reshape((full * size,) + x.shape[2:]), outs)
   if rest:
     tail = jax.vmap(job)(jax.tree.map(lambda x: x[full * size:], jobs))
     jax.debug.callback(bar.advance, done + rest, tail, ordered=True)
     outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, tail)
   return outs
+
+
+def call_groups(calls: int) -> list[tuple[int, ...]]:
+  """The call numbers ``0 .. calls - 1`` cut into at most ``GROUPS`` runs of neighbours."""
+  return [tuple(int(c) for c in group)
+          for group in np.array_split(np.arange(calls), min(calls, GROUPS))]
+
+
+def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: int, jobs: Any,
+          batch_size: int | None, progress: str | None = None) -> jax.Array:
+  """``job(group, call, j)`` for every call number and every ``j`` along ``jobs``' leading axis.
+
+  The calls are cut into :func:`call_groups` (neighbours in call order), a
+  Python loop; each group's (call, ``j``) pairs are one ``vmap``, or
+  ``batch_size`` at a time. A job edits its ``call`` among the ``group``'s
+  calls (a traced number), so what the model computes before the group's first
+  call does not depend on the batched jobs and runs once per group, not once
+  per job; only the rest runs batched. Groups trade compiled size (the model
+  after a group's first call is in the program once per group) for time (the
+  model before it is not repeated per job). With ``progress`` (the bar's
+  description), a progress bar counts the jobs done, moved after each batch.
+
+  Returns:
+    The results stacked as ``(calls, jobs, ...)``.
+  """
+  per_call = jax.tree.leaves(jobs)[0].shape[0]
+  bar = None if progress is None else ProgressBar(calls * per_call, progress)
+  results = []
+  for group in call_groups(calls):
+    pairs = (jnp.repeat(jnp.asarray(group), per_call),
+             jax.tree.map(lambda x: jnp.tile(x, (len(group),) + (1,) * (x.ndim - 1)), jobs))
+    out = _batched(lambda pair: job(group, *pair), pairs, batch_size, bar,
+                   group[0] * per_call)
+    results.append(out.reshape((len(group), per_call) + out.shape[1:]))
+  return jnp.concatenate(results)
