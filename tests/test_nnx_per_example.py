@@ -188,6 +188,19 @@ def test_dp_sgd_step_is_optax_on_the_reference(references):
   step(new_state, jax.random.key(4), x)  # no retrace
 
 
+def test_dp_sgd_skips_a_step_whose_gradient_is_not_finite():
+  model, x = _mlp()
+  # Noise of standard deviation 3e38 (float32's largest is 3.4e38): some entries are inf.
+  tx = perturbkit.nnx.dp_sgd(squared_error, optax.adam(0.1), clip_norm=1e30,
+                             noise_multiplier=3e8)
+  state = tx.init(model)
+  new_state, metrics = jax.jit(tx.step)(state, jax.random.key(0), x)
+  assert bool(metrics['skipped']) and int(metrics['dropped']) == 0
+  chex.assert_trees_all_equal(nnx.state(new_state.model()), nnx.state(state.model()))
+  chex.assert_trees_all_equal(new_state.opt_state, state.opt_state)
+  assert int(new_state.step) == 1
+
+
 # -- checks and named errors ----------------------------------------------------------------
 
 

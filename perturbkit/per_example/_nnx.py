@@ -15,14 +15,14 @@ import optax
 from flax import nnx, traverse_util
 
 from perturbkit.core._optax_privacy import refuse_optax_privacy
-from perturbkit.core._sweep import guarded_step
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, with_values
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import check_per_example as check_functional
 from perturbkit.per_example._check import reduction_checker
-from perturbkit.per_example._dp import PrivateTraining, check_key, check_optimizer, privatize
+from perturbkit.per_example._dp import (PrivateTraining, check_key, check_optimizer, finite_step,
+                                        privatize)
 from perturbkit.per_example._nnx_pass import run_nnx_pass
 from perturbkit.per_example._norms import PerExampleNorms, norms_of_pass
 
@@ -265,8 +265,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
   def step(state: NNXPrivateState, key: jax.Array, *args, **kwargs):
     model = state.model()
     grads, metrics = grad_fn(model, key, *args, **kwargs)
-    params, opt_state, finite = guarded_step(optimizer, grads, state.opt_state,
-                                             nnx.state(model, nnx.Param), jnp.ones(()), True)
+    params, opt_state, finite = finite_step(optimizer, grads, state.opt_state,
+                                            nnx.state(model, nnx.Param))
     nnx.update(model, params)
     graphdef, variables = nnx.split(model)
     metrics = {**metrics, 'skipped': jnp.logical_not(finite)}
