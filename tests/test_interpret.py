@@ -21,29 +21,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import hand_mlp
 import hf_models
 import models
 import nnx_models
 import perturbkit
 import perturbkit.interpret._sweep as sweep_module
+from hand_mlp import NAMES, SHAPE, metric_of
 from perturbkit import filters, interpret
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-NAMES = ('Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__')
-SHAPE = (2, 5, 3)  # (batch, tokens, features): positions are tokens, axis 1
-
-
-def mlp_by_hand(params, x, edit=lambda name, h: h):
-  """``models.MLP`` written out, with ``edit(name, output)`` at each Dense output."""
-  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
-      {'params': params[name]}, h))
-  h = nn.relu(dense('Dense_0', 8, x))
-  h = nn.relu(dense('Dense_1', 8, h)) + h
-  return dense('Dense_2', 2, h)
-
-
-def metric_of(out):
-  return jnp.mean(jnp.tanh(out[..., 0]) + out[..., 1] ** 2)
+mlp_by_hand = hand_mlp.by_hand  # models.MLP
 
 
 @pytest.fixture(scope='module', name='mlp')
@@ -56,10 +44,7 @@ def _mlp():
   return model, variables, clean, corrupted, metric
 
 
-def by_hand_outputs(params, x):
-  outputs = {}
-  mlp_by_hand(params, x, lambda name, h: outputs.setdefault(name, h))
-  return outputs
+by_hand_outputs = hand_mlp.outputs_by_hand
 
 
 def by_hand_grads(params, x):

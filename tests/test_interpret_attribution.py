@@ -23,35 +23,18 @@ import optax
 import pytest
 from flax import nnx
 
+import hand_mlp
 import models
 import nnx_models
 import perturbkit
 import perturbkit.interpret._sweep as sweep_module
+from hand_mlp import NAMES, SHAPE, metric_of
 from perturbkit import filters, interpret
 from perturbkit.demo._digits import SmallCNN
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-NAMES = ('Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__')
-SHAPE = (2, 5, 3)  # (batch, tokens, features): positions are tokens, axis 1
-
-
-def smooth_by_hand(params, x, edit=lambda name, h: h):
-  """``models.SmoothMLP`` written out, with ``edit(name, output)`` at each Dense output."""
-  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
-      {'params': params[name]}, h))
-  h = jnp.tanh(dense('Dense_0', 8, x))
-  h = jnp.tanh(dense('Dense_1', 8, h)) + h
-  return dense('Dense_2', 2, h)
-
-
-def metric_of(out):
-  return jnp.mean(jnp.tanh(out[..., 0]) + out[..., 1] ** 2)
-
-
-def outputs_by_hand(params, x):
-  outputs = {}
-  smooth_by_hand(params, x, lambda name, h: outputs.setdefault(name, h))
-  return outputs
+smooth_by_hand = functools.partial(hand_mlp.by_hand, activation=jnp.tanh)  # models.SmoothMLP
+outputs_by_hand = functools.partial(hand_mlp.outputs_by_hand, activation=jnp.tanh)
 
 
 def replaced(params, x, name, value):
@@ -246,12 +229,7 @@ def _mlp():
   return model, variables, x
 
 
-def mlp_by_hand(params, x, edit):
-  dense = lambda name, n, h: edit(f'{name}/__call__', nn.Dense(n).apply(
-      {'params': params[name]}, h))
-  h = nn.relu(dense('Dense_0', 8, x))
-  h = nn.relu(dense('Dense_1', 8, h)) + h
-  return dense('Dense_2', 2, h)
+mlp_by_hand = hand_mlp.by_hand  # models.MLP
 
 
 def target_loss(out):
