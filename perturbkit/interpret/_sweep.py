@@ -90,8 +90,9 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   Python loop; each group's (call, ``j``) pairs are one ``vmap``, or
   ``batch_size`` at a time. A job edits its ``call`` among the ``group``'s
   calls (a traced number), so what the model computes before the group's first
-  call does not depend on the batched jobs and runs once per group, not once
-  per job; only the rest runs batched. Groups trade compiled size (the model
+  call does not depend on the batched jobs and runs once per group (at most
+  once per batch of ``batch_size``), not once per job; only the rest runs
+  batched. Groups trade compiled size (the model
   after a group's first call is in the program once per group) for time (the
   model before it is not repeated per job). With ``progress`` (the bar's
   description), a progress bar counts the jobs done, moved after each batch.
