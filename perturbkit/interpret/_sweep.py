@@ -92,10 +92,10 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   calls (a traced number), so what the model computes before the group's first
   call does not depend on the batched jobs and runs once per group (at most
   once per batch of ``batch_size``), not once per job; only the rest runs
-  batched. Groups trade compiled size (the model
-  after a group's first call is in the program once per group) for time (the
-  model before it is not repeated per job). With ``progress`` (the bar's
-  description), a progress bar counts the jobs done, moved after each batch.
+  batched. Groups trade compiled size (the model after a group's first call
+  is in the program once per group) for time (the model before it is not
+  repeated per job). With ``progress`` (the bar's description), a progress
+  bar counts the jobs done, moved after each batch.
 
   Returns:
     The results stacked as ``(calls, jobs, ...)``.
