@@ -106,6 +106,7 @@ from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import EditShapeError
+from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import FeatureMapShapeError
@@ -206,6 +207,7 @@ __all__ = [
     'AmbiguousInputError',
     'CallStructureMismatchError',
     'EditShapeError',
+    'EditViewError',
     'ExamplesAxisError',
     'ExamplesMixedError',
     'FeatureMapShapeError',

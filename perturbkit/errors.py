@@ -34,7 +34,8 @@ K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
 
 Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
-broadcast to the call's output), ``PositionOutOfRangeError``, ``NonScalarMetricError``
+broadcast to the call's output), ``EditViewError`` (an edit's ``view`` of another size than
+the call's output), ``PositionOutOfRangeError``, ``NonScalarMetricError``
 (a subclass of ``NonScalarLossError``) and ``CallStructureMismatchError`` (clean and
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
@@ -602,6 +603,17 @@ class EditShapeError(PerturbkitError, ValueError):
         f'to the call\'s output of shape {tuple(output_shape)}. Give an array of the '
         'output\'s shape or one that broadcasts to it (a scalar, or with 1 on the axes to '
         'share); a value cached for other inputs (another batch size or length) does not fit.')
+
+
+class EditViewError(PerturbkitError, ValueError):
+  """An edit's ``view`` does not hold the elements of the output of the call it edits."""
+
+  def __init__(self, where, view, output_shape):
+    super().__init__(
+        f'The edit at {where} views the output of shape {tuple(output_shape)} as {tuple(view)}, '
+        'which does not hold the same number of elements. Give view= a shape of the output\'s '
+        'size, with -1 for one axis to infer (e.g. (-1, tokens, heads, head_dim) for a '
+        '(batch, tokens, heads * head_dim) output, then positions=[head], axis=2).')
 
 
 class PositionOutOfRangeError(PerturbkitError, IndexError):

@@ -136,6 +136,40 @@ def test_edits_equal_the_model_with_the_edit_written_by_hand(mlp, kind):
   chex.assert_trees_all_close(got, want, **TOL)
 
 
+def _on_head(f, head, heads=2):
+  """``f`` at ``head`` of the last axis split into ``heads``, the output elsewhere, by hand."""
+  def edit(h):
+    split = h.reshape(h.shape[:-1] + (heads, h.shape[-1] // heads))
+    return split.at[..., head, :].set(f(split[..., head, :])).reshape(h.shape)
+  return edit
+
+
+def test_edits_of_a_view_equal_the_head_edited_by_hand(mlp):
+  """Dense_1's 8 features as 2 heads of 4: ``view=(-1, 5, 2, 4)``, head 1 along axis 2."""
+  model, variables, x, corrupted, _ = mlp
+  params = variables['params']
+  edited = perturbkit.run_with_edits(model.apply)
+  view = (-1, SHAPE[1], 2, 4)
+  by_hand = lambda f: mlp_by_hand(params, x, lambda n, h: _on_head(f, 1)(h)
+                                  if n == 'Dense_1/__call__' else h)
+  got = edited(variables, {'Dense_1/__call__': interpret.zero_ablate(
+      positions=[1], axis=2, view=view)}, x)
+  chex.assert_trees_all_close(got, by_hand(jnp.zeros_like), **TOL)
+  assert float(jnp.abs(got - model.apply(variables, x)).max()) > 1e-3
+
+  value = jax.random.normal(jax.random.key(5), (4,))  # one head's features
+  got = edited(variables, {'Dense_1/__call__': interpret.replace(
+      value, positions=[1], axis=2, view=view)}, x)
+  chex.assert_trees_all_close(got, by_hand(lambda h: jnp.broadcast_to(value, h.shape)), **TOL)
+
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, corrupted)
+  reference = cache.outputs['Dense_1']['__call__']
+  got = edited(variables, {'Dense_1/__call__': interpret.mean_ablate(
+      reference, positions=[1], axis=2, view=view)}, x)
+  mean = reference.reshape(view).mean(0)[:, 1]  # (tokens, head_dim)
+  chex.assert_trees_all_close(got, by_hand(lambda h: jnp.broadcast_to(mean, h.shape)), **TOL)
+
+
 def test_mean_ablation_vmap_over_stacked_edits_and_grad_through_them(mlp):
   model, variables, x, corrupted, metric = mlp
   params = variables['params']
@@ -285,7 +319,9 @@ def test_nnx_equals_its_linen_twin(twins):
   np.testing.assert_array_equal(
       perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, back, clean), model(clean))
   edits = {'dense_1': {'__call__': interpret.zero_ablate(positions=[1], axis=1)},
-           'dense_2/__call__': interpret.add(jnp.ones(2))}
+           'dense_2/__call__': interpret.add(jnp.ones(2)),
+           'dense_0/__call__': interpret.scale(-1.0, positions=[0], axis=2,
+                                               view=(-1, SHAPE[1], 2, 3))}
   chex.assert_trees_all_close(
       perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, edits, clean),
       perturbkit.run_with_edits(linen.apply)(variables, edits, clean), **TOL)
@@ -371,6 +407,36 @@ def test_gpt2_blocks_cache_and_patching():
                                 - result.corrupted_metric, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[0])
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[1])
+def test_gpt2_one_attention_head_ablated_through_a_view():
+  """Head 1 of block 0's query, key and value (``c_attn``'s ``(batch, tokens, 3 * width)``
+  output viewed as ``(batch, tokens, 3, heads, head_dim)``) zeroed, against an interceptor
+  written here that does the same by hand."""
+  hf = hf_models.hf_model('gpt2')
+  ids, mask, positions = hf_models._tokens()
+  heads, head_dim = hf_models.HEADS, hf_models.WIDTH // hf_models.HEADS
+  logits = lambda v, ids: hf.module.apply(v, ids, mask, positions).logits
+  path = 'transformer/h/0/attn/c_attn'
+
+  def by_hand(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if '/'.join(context.module.path) != path or context.method_name != '__call__':
+      return out
+    split = out.reshape(out.shape[:-1] + (3, heads, head_dim))
+    return split.at[..., 1, :].set(0.0).reshape(out.shape)
+
+  with jax.numpy_rank_promotion('allow'):
+    edit = interpret.zero_ablate(positions=[1], axis=3,
+                                 view=(-1, hf_models.SEQ, 3, heads, head_dim))
+    got = perturbkit.run_with_edits(logits)(hf.variables, {f'{path}/__call__': edit}, ids)
+    with nn.intercept_methods(by_hand):
+      want = logits(hf.variables, ids)
+    plain = logits(hf.variables, ids)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(got - plain).max()) > 1e-4
+
+
 def metric_of_logits(logits):
   return jnp.mean(logits[:, -1, 5] - logits[:, -1, 6])
 
@@ -397,6 +463,25 @@ def test_edit_of_another_shape(mlp):
     edited(variables, {'Dense_0/__call__': interpret.scale(jnp.ones(5))}, x)
   # The fix: a value that broadcasts.
   got = edited(variables, {'Dense_0/__call__': interpret.replace(jnp.zeros((1, 5, 8)))}, x)
+  want = mlp_by_hand(variables['params'], x, lambda n, h: 0 * h if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_edit_view_of_another_size_and_invalid_views(mlp):
+  model, variables, x, _, _ = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.EditViewError, match=r'\(2, 5, 8\) as \(-1, 5, 3, 4\).*-1'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(view=(-1, 5, 3, 4))}, x)
+  with pytest.raises(perturbkit.EditViewError, match=r'as \(2, 5, 2, 2\)'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(view=(2, 5, 2, 2))}, x)
+  with pytest.raises(perturbkit.PositionOutOfRangeError, match=r'\[2\].*axis 2.*\(2, 5, 2, 4\)'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(
+        positions=[2], axis=2, view=(-1, 5, 2, 4))}, x)
+  for view in [(-1, -1, 8), (2, 0, 8), (2.5, 8), 'heads']:
+    with pytest.raises(perturbkit.InvalidOptionError, match='view'):
+      interpret.add(1.0, view=view)
+  # The fix: a view of the output's size.
+  got = edited(variables, {'Dense_0/__call__': interpret.zero_ablate(view=(-1, 5, 2, 4))}, x)
   want = mlp_by_hand(variables['params'], x, lambda n, h: 0 * h if n == 'Dense_0/__call__' else h)
   chex.assert_trees_all_close(got, want, **TOL)
 

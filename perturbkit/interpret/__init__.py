@@ -17,7 +17,9 @@ it. The functions here are written once over those points; the Linen ones take
 * ``run_with_edits(fn)(variables, edits, *args)``: the model's output with
   each call in ``edits`` edited. Edits (:class:`Edit`) are ``replace``,
   ``add``, ``scale``, ``zero_ablate``, ``mean_ablate``, each optionally only at
-  ``positions`` along an ``axis`` (one token); they are pytrees of arrays, so
+  ``positions`` along an ``axis`` (one token), of the output or of a ``view``
+  of it (``view=(-1, tokens, heads, head_dim)``, ``axis=2``: one attention
+  head of a ``(batch, tokens, heads * head_dim)`` output); they are pytrees of arrays, so
   ``jax.vmap`` runs a stack of them at once and ``jax.grad`` differentiates
   through them.
 * ``activation_patching(fn, axis=..., batch_size=...)(variables, clean,
@@ -72,7 +74,7 @@ Conventions
   have no output outside them: leave them out with the filter
   (``ActivationsUnavailableError``).
 
-Errors: ``UnknownEditPathError``, ``EditShapeError``,
+Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,
 ``CallStructureMismatchError``, ``FeatureMapShapeError``,
 ``InterventionParamsError``, ``ActivationsUnavailableError`` (in ``perturbkit.errors``).

@@ -4,13 +4,18 @@ An :class:`Edit` is data, a pytree of arrays: the edited output is
 ``scale * output + shift`` where the edit is active (and, with ``positions``,
 only at those indices along ``axis``), the output itself elsewhere. So a stack of
 edits runs under ``jax.vmap`` as many interventions at once, and ``jax.grad``
-differentiates through ``scale`` and ``shift``. Each kind of edit is one choice
+differentiates through ``scale`` and ``shift``. With ``view``, all of this
+happens on the output reshaped to ``view`` (one attention head of a
+``(batch, tokens, heads * head_dim)`` output is index ``h`` along axis 2 of
+``view=(-1, tokens, heads, head_dim)``), and the result takes the output's
+shape again. Each kind of edit is one choice
 of ``scale`` and ``shift``; where an edit applies, the result is computed without
 mixing in the old value (``jnp.where``), so replacing an output by itself, or
 scaling it by 1, leaves it bit for bit unchanged.
 """
 import dataclasses
 import functools
+import operator
 from typing import Any, Mapping
 
 import jax
@@ -18,20 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
-from perturbkit.errors import (EditShapeError, InvalidOptionError, PositionOutOfRangeError,
-                               UnknownEditPathError)
+from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError,
+                               PositionOutOfRangeError, UnknownEditPathError)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=['scale', 'shift', 'positions', 'active'], meta_fields=['axis'])
+                   data_fields=['scale', 'shift', 'positions', 'active'],
+                   meta_fields=['axis', 'view'])
 @dataclasses.dataclass(frozen=True)
 class Edit:
   """``output -> scale * output + shift``, where active and at ``positions`` along ``axis``.
 
   Build one with :func:`replace`, :func:`add`, :func:`scale`,
-  :func:`zero_ablate` or :func:`mean_ablate`. Every field but ``axis`` is an
-  array (a pytree leaf); ``axis`` is static, so edits stacked for ``jax.vmap``
-  share it.
+  :func:`zero_ablate` or :func:`mean_ablate`. Every field but ``axis`` and
+  ``view`` is an array (a pytree leaf); those two are static, so edits stacked
+  for ``jax.vmap`` share them.
 
   Attributes:
     scale: Multiplies the output; broadcasts to it.
@@ -42,15 +48,34 @@ class Edit:
     active: A boolean; ``False`` leaves the output as it is (activation
       patching switches the edits of a stack on one call at a time).
     axis: The axis ``positions`` index (``None`` without positions).
+    view: A shape the output is reshaped to before the edit (``-1`` for one
+      axis to infer), e.g. ``(-1, tokens, heads, head_dim)``; ``scale``,
+      ``shift``, ``positions`` and ``axis`` then refer to it. ``None``: the
+      output's own shape.
   """
   scale: Any
   shift: Any
   positions: Any = None
   active: Any = True
   axis: int | None = None
+  view: tuple[int, ...] | None = None
 
 
-def _edit(scale_value, shift, positions, axis) -> Edit:
+def _checked_view(view: Any) -> tuple[int, ...] | None:
+  if view is None:
+    return None
+  try:
+    view = tuple(operator.index(n) for n in view)
+  except TypeError:
+    view = None
+  if view is None or any(n < 1 and n != -1 for n in view) or view.count(-1) > 1:
+    raise InvalidOptionError('view', view, 'a tuple of sizes (ints >= 1), at most one of them '
+                             '-1, e.g. (-1, tokens, heads, head_dim)')
+  return view
+
+
+def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
+  view = _checked_view(view)
   if (positions is None) != (axis is None):
     raise InvalidOptionError('axis', axis, 'given exactly when positions are (an int axis '
                              'such as 1 for tokens, with positions=[...])')
@@ -59,10 +84,11 @@ def _edit(scale_value, shift, positions, axis) -> Edit:
     if not jnp.issubdtype(positions.dtype, jnp.integer):
       raise InvalidOptionError('positions', positions, 'integer indices along the axis')
   return Edit(jax.tree.map(jnp.asarray, scale_value), jax.tree.map(jnp.asarray, shift),
-              positions, jnp.asarray(True), axis)
+              positions, jnp.asarray(True), axis, view)
 
 
-def replace(value: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+def replace(value: Any, *, positions: Any = None, axis: int | None = None,
+            view: tuple[int, ...] | None = None) -> Edit:
   """Replaces the output (at ``positions`` along ``axis``) by ``value``.
 
   Args:
@@ -70,6 +96,8 @@ def replace(value: Any, *, positions: Any = None, axis: int | None = None) -> Ed
       run's activation), or a pytree like the output.
     positions: Integer indices along ``axis``; ``None`` for the whole output.
     axis: The axis the positions index.
+    view: Edit the output reshaped to this shape (see :class:`Edit`); the
+      other edits take it too.
 
   Returns:
     The edit.
@@ -81,10 +109,11 @@ def replace(value: Any, *, positions: Any = None, axis: int | None = None) -> Ed
     ...                      jnp.ones((2, 2, 3))).sum(axis=-1).tolist()
     [[3.0, 0.0], [3.0, 0.0]]
   """
-  return _edit(0.0, value, positions, axis)
+  return _edit(0.0, value, positions, axis, view)
 
 
-def add(delta: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+def add(delta: Any, *, positions: Any = None, axis: int | None = None,
+        view: tuple[int, ...] | None = None) -> Edit:
   """Adds ``delta`` to the output (at ``positions`` along ``axis``), a steering vector.
 
   Example:
@@ -93,10 +122,11 @@ def add(delta: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
     >>> interpret.apply_edit(interpret.add(jnp.array([1.0, 2.0])), jnp.ones((1, 2))).tolist()
     [[2.0, 3.0]]
   """
-  return _edit(1.0, delta, positions, axis)
+  return _edit(1.0, delta, positions, axis, view)
 
 
-def scale(factor: Any, *, positions: Any = None, axis: int | None = None) -> Edit:
+def scale(factor: Any, *, positions: Any = None, axis: int | None = None,
+          view: tuple[int, ...] | None = None) -> Edit:
   """Multiplies the output (at ``positions`` along ``axis``) by ``factor``.
 
   Example:
@@ -105,10 +135,11 @@ def scale(factor: Any, *, positions: Any = None, axis: int | None = None) -> Edi
     >>> interpret.apply_edit(interpret.scale(2.0), jnp.ones((1, 2))).tolist()
     [[2.0, 2.0]]
   """
-  return _edit(factor, 0.0, positions, axis)
+  return _edit(factor, 0.0, positions, axis, view)
 
 
-def zero_ablate(*, positions: Any = None, axis: int | None = None) -> Edit:
+def zero_ablate(*, positions: Any = None, axis: int | None = None,
+                view: tuple[int, ...] | None = None) -> Edit:
   """Sets the output (at ``positions`` along ``axis``) to zero.
 
   Example:
@@ -117,18 +148,23 @@ def zero_ablate(*, positions: Any = None, axis: int | None = None) -> Edit:
     >>> interpret.apply_edit(interpret.zero_ablate(positions=[0], axis=1),
     ...                      jnp.ones((1, 2))).tolist()
     [[0.0, 1.0]]
+    >>> # head 1 of 2 (features 2 and 3) of a (batch, tokens, heads * head_dim) output
+    >>> interpret.apply_edit(interpret.zero_ablate(positions=[1], axis=2, view=(-1, 1, 2, 2)),
+    ...                      jnp.ones((1, 1, 4))).tolist()
+    [[[1.0, 1.0, 0.0, 0.0]]]
   """
-  return _edit(0.0, 0.0, positions, axis)
+  return _edit(0.0, 0.0, positions, axis, view)
 
 
 def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: Any = None,
-                axis: int | None = None) -> Edit:
+                axis: int | None = None, view: tuple[int, ...] | None = None) -> Edit:
   """Replaces the output by the mean of ``reference`` over the axes ``over``.
 
   ``reference`` is the call's output on reference data, e.g.
   ``cache.outputs['Dense_0']['__call__']`` from :func:`perturbkit.run_with_cache`
   on a batch; its mean over the examples (``over=0``, kept as an axis of 1)
-  broadcasts to the output for any batch size.
+  broadcasts to the output for any batch size. With ``view``, the reference
+  is viewed the same way before the mean (``over`` counts the view's axes).
 
   Example:
     >>> import jax.numpy as jnp
@@ -137,8 +173,10 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
     >>> interpret.apply_edit(interpret.mean_ablate(reference), jnp.zeros((3, 2))).tolist()
     [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
   """
-  mean = jax.tree.map(lambda r: jnp.mean(r, axis=over, keepdims=True), reference)
-  return replace(mean, positions=positions, axis=axis)
+  view = _checked_view(view)
+  viewed = lambda r: r if view is None else _viewed(r, view, 'the mean-ablation reference')
+  mean = jax.tree.map(lambda r: jnp.mean(viewed(r), axis=over, keepdims=True), reference)
+  return replace(mean, positions=positions, axis=axis, view=view)
 
 
 def _broadcast(value: jax.Array, shape: tuple, where: str, field: str) -> jax.Array:
@@ -166,7 +204,19 @@ def _listed(positions) -> Any:
   return positions if isinstance(positions, jax.core.Tracer) else np.asarray(positions).tolist()
 
 
+def _viewed(x: jax.Array, view: tuple[int, ...], where: str) -> jax.Array:
+  """``x`` reshaped to ``view``, or ``EditViewError`` if it does not hold ``x``'s elements."""
+  size, known = int(np.prod(jnp.shape(x))), int(np.prod([n for n in view if n != -1]))
+  if (size != known if -1 not in view else known == 0 or size % known):
+    raise EditViewError(where, view, jnp.shape(x))
+  return jnp.reshape(x, view)
+
+
 def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.Array:
+  if edit.view is not None:
+    shape = jnp.shape(output)
+    return _leaf(dataclasses.replace(edit, view=None), _viewed(output, edit.view, where),
+                 scale_value, shift, where).reshape(shape)
   shape = jnp.shape(output)
   target = (_broadcast(scale_value, shape, where, 'scale') * output
             + _broadcast(shift, shape, where, 'shift')).astype(output.dtype)
@@ -197,8 +247,10 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
   Raises:
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
+    EditViewError: the edit's ``view`` holds another number of elements than
+      the output.
     PositionOutOfRangeError: a position (known while tracing) is outside the
-      axis, or the output has no such axis.
+      axis, or the output (or its view) has no such axis.
 
   Example:
     >>> import jax.numpy as jnp
