@@ -258,6 +258,42 @@ def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypat
   assert capsys.readouterr().err.count('activation patching: 100%') == 2
 
 
+def test_patching_and_attribution_per_head_of_a_view_equal_the_heads_by_hand(mlp):
+  """Dense_0's and Dense_1's 8 features as 2 heads of 4 (``view=(-1, 5, 2, 4)``, ``axis=2``):
+  one row per head, patched (activation patching) or attributed by hand."""
+  model, variables, clean, corrupted, metric = mlp
+  params = variables['params']
+  names = NAMES[:2]
+  calls = filters.by_path('Dense_0', 'Dense_1')
+  view = dict(axis=2, view=(-1, SHAPE[1], 2, 4))
+  clean_outputs = by_hand_outputs(params, clean)
+  base = metric_of(mlp_by_hand(params, corrupted))
+  clean_head = lambda n, head: clean_outputs[n].reshape(SHAPE[:2] + (2, 4))[..., head, :]
+  patched = lambda name, head: metric_of(mlp_by_hand(params, corrupted, lambda n, h: _on_head(
+      lambda _: clean_head(n, head), head)(h) if n == name else h))
+  want = jnp.array([[patched(n, head) - base for head in (0, 1)] for n in names])
+  result = jax.jit(perturbkit.activation_patching(metric, filter=calls, batch_size=3, **view))(
+      variables, clean, corrupted)
+  assert result.paths == names and result.positions == (0, 1)
+  chex.assert_trees_all_close(result.effects, want, **TOL)
+  assert float(jnp.abs(want).min()) > 1e-5
+
+  a_corrupted = by_hand_outputs(params, corrupted)
+  _, grads = by_hand_grads(params, corrupted)
+  per_head = lambda v: jnp.einsum('btkd->k', v.reshape(v.shape[:-1] + (2, 4)))
+  want = jnp.stack([per_head((clean_outputs[n] - a_corrupted[n]) * grads[n]) for n in names])
+  got = perturbkit.attribution_patching(metric, filter=calls, **view)(variables, clean, corrupted)
+  chex.assert_trees_all_close(got.effects, want, **TOL)
+  # Both heads' rows add up to the whole output's attribution.
+  whole = perturbkit.attribution_patching(metric, filter=calls)(variables, clean, corrupted)
+  chex.assert_trees_all_close(got.effects.sum(1), whole.effects[:, 0], **TOL)
+
+  with pytest.raises(perturbkit.EditViewError, match='Dense_2/__call__'):
+    perturbkit.attribution_patching(metric, **view)(variables, clean, corrupted)
+  with pytest.raises(perturbkit.InvalidOptionError, match='view'):
+    perturbkit.activation_patching(metric, axis=2, view=(-1, -1, 8))
+
+
 # --- attribution patching and gradient x activation ----------------------------------
 
 
@@ -331,6 +367,13 @@ def test_nnx_equals_its_linen_twin(twins):
     want = getattr(perturbkit, name)(linen_metric, axis=1)(variables, clean, corrupted)
     assert got.paths == want.paths == ('dense_0/__call__', 'dense_1/__call__',
                                        'dense_1/__call__#1', 'dense_2/__call__')
+    chex.assert_trees_all_close(got, want, **TOL)
+    heads = dict(axis=2, view=(-1, SHAPE[1], 2, 3))  # dense_0 and dense_1: 2 heads of 3
+    got = getattr(perturbkit.nnx, name)(nnx_metric, filter=filters.by_path('dense_0'), **heads)(
+        model, clean, corrupted)
+    want = getattr(perturbkit, name)(linen_metric, filter=filters.by_path('dense_0'), **heads)(
+        variables, clean, corrupted)
+    assert got.effects.shape == (1, 2)
     chex.assert_trees_all_close(got, want, **TOL)
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
 

@@ -56,14 +56,16 @@ def _smooth():
 # --- layer integrated gradients ------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def ig_by_hand(params, x, name, b, alphas, weights):
-  """Per token: ``(a - b) . sum_k w_k grad(alpha_k)``, ``grad`` by ``jax.grad`` of the model."""
+@functools.partial(jax.jit, static_argnums=(2, 6))
+def ig_by_hand(params, x, name, b, alphas, weights, per='btd->t'):
+  """Per token (or as ``per`` sums): ``(a - b) . sum_k w_k grad(alpha_k)``, ``grad`` by
+  ``jax.grad`` of the model."""
   a = outputs_by_hand(params, x)[name]
   grad = jax.grad(lambda h: replaced(params, x, name, h))
   grads = jax.vmap(lambda alpha: grad(b + alpha * (a - b)))(jnp.asarray(alphas, jnp.float32))
   mean_grad = jnp.tensordot(jnp.asarray(weights, jnp.float32), grads, axes=1)
-  return jnp.einsum('btd->t', (a - b) * mean_grad)
+  product = (a - b) * mean_grad
+  return jnp.einsum(per, product if per == 'btd->t' else product.reshape(SHAPE[:2] + (2, 4)))
 
 
 @pytest.mark.parametrize('groups', [1, 2, 8])
@@ -91,6 +93,21 @@ def test_integrated_gradients_equal_grad_of_the_model_by_hand_at_the_same_nodes(
       metric, steps=4, method='riemann_trapezoid', batch_size=5, progress=True))(variables, x)
   want = [ig_by_hand(params, x, n, 0.0, alphas, weights).sum() for n in NAMES]
   chex.assert_trees_all_close(zero.effects[:, 0], jnp.stack(want), **TOL)
+
+
+def test_integrated_gradients_per_head_of_a_view_equal_the_heads_by_hand(smooth):
+  """Dense_0's and Dense_1's 8 features as 2 heads of 4: one row per head."""
+  variables, x, baseline, metric = smooth
+  params = variables['params']
+  nodes, weights = np.polynomial.legendre.leggauss(4)
+  base = outputs_by_hand(params, baseline)
+  ig = perturbkit.layer_integrated_gradients(metric, filter=filters.by_path('Dense_0', 'Dense_1'),
+                                             axis=2, view=(-1, SHAPE[1], 2, 4), steps=4)
+  got = jax.jit(ig)(variables, x, baseline)
+  want = jnp.stack([ig_by_hand(params, x, n, base[n], (nodes + 1) / 2, weights / 2, 'btkd->k')
+                    for n in NAMES[:2]])
+  assert got.positions == (0, 1)
+  chex.assert_trees_all_close(got.effects, want, **TOL)
 
 
 def test_integrated_gradients_are_complete_with_an_error_that_shrinks_with_steps(smooth):

@@ -27,7 +27,9 @@ it. The functions here are written once over those points; the Linen ones take
   with that output patched from the clean run, minus the corrupted metric;
   per group of neighbouring calls, the model before the group once and the
   rest one ``vmap`` over (call, position) pairs, ``batch_size`` at a time;
-  ``progress=True`` shows a progress bar moved after each batch.
+  ``progress=True`` shows a progress bar moved after each batch. With
+  ``view=(-1, tokens, heads, head_dim)`` and ``axis=2`` (here and in the
+  attribution functions below), the positions are attention heads.
 * ``attribution_patching(fn, axis=...)(variables, clean, corrupted)``: the
   first-order estimate ``(a_clean - a_corrupted) . d metric / d a`` at the
   corrupted run, from one backward pass; ``grad_times_activation(fn,

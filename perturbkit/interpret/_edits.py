@@ -61,7 +61,8 @@ class Edit:
   view: tuple[int, ...] | None = None
 
 
-def _checked_view(view: Any) -> tuple[int, ...] | None:
+def checked_view(view: Any) -> tuple[int, ...] | None:
+  """``view`` as a tuple of ints, or ``InvalidOptionError`` if it is no shape (``None`` passes)."""
   if view is None:
     return None
   try:
@@ -75,7 +76,7 @@ def _checked_view(view: Any) -> tuple[int, ...] | None:
 
 
 def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
-  view = _checked_view(view)
+  view = checked_view(view)
   if (positions is None) != (axis is None):
     raise InvalidOptionError('axis', axis, 'given exactly when positions are (an int axis '
                              'such as 1 for tokens, with positions=[...])')
@@ -173,7 +174,7 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
     >>> interpret.apply_edit(interpret.mean_ablate(reference), jnp.zeros((3, 2))).tolist()
     [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
   """
-  view = _checked_view(view)
+  view = checked_view(view)
   viewed = lambda r: r if view is None else _viewed(r, view, 'the mean-ablation reference')
   mean = jax.tree.map(lambda r: jnp.mean(viewed(r), axis=over, keepdims=True), reference)
   return replace(mean, positions=positions, axis=axis, view=view)
@@ -204,12 +205,20 @@ def _listed(positions) -> Any:
   return positions if isinstance(positions, jax.core.Tracer) else np.asarray(positions).tolist()
 
 
-def _viewed(x: jax.Array, view: tuple[int, ...], where: str) -> jax.Array:
-  """``x`` reshaped to ``view``, or ``EditViewError`` if it does not hold ``x``'s elements."""
-  size, known = int(np.prod(jnp.shape(x))), int(np.prod([n for n in view if n != -1]))
+def viewed_shape(shape: tuple, view: tuple[int, ...], where: str) -> tuple[int, ...]:
+  """``view`` with its ``-1`` filled in for an array of ``shape``.
+
+  Raises:
+    EditViewError: ``view`` does not hold the array's elements.
+  """
+  size, known = int(np.prod(shape)), int(np.prod([n for n in view if n != -1]))
   if (size != known if -1 not in view else known == 0 or size % known):
-    raise EditViewError(where, view, jnp.shape(x))
-  return jnp.reshape(x, view)
+    raise EditViewError(where, view, shape)
+  return tuple(size // known if n == -1 else n for n in view)
+
+
+def _viewed(x: jax.Array, view: tuple[int, ...], where: str) -> jax.Array:
+  return jnp.reshape(x, viewed_shape(jnp.shape(x), view, where))
 
 
 def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.Array:

@@ -19,7 +19,7 @@ from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._validate import positive_int
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import first_order
-from perturbkit.interpret._edits import Edit, edit_function
+from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, sweep_positions
 from perturbkit.interpret._result import PatchingResult
@@ -95,16 +95,18 @@ def baseline_outputs(tracer: Tracer, fn: Callable[..., Any], model: Any, traced:
 def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                                axis: int | None, positions: Sequence[int] | None, steps: int,
                                method: str, batch_size: int | None, progress: bool,
+                               view: tuple[int, ...] | None = None,
                                function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.layer_integrated_gradients`."""
   alphas, weights = quadrature(method, steps)
   check_batch_size(batch_size)
+  view = checked_view(view)
   check_progress(progress)
 
   @functools.wraps(fn)
   def attribute(model, inputs, baseline=None) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
-    where = sweep_positions(traced, axis, positions)
+    where = sweep_positions(traced, axis, positions, view)
     metric, outputs, _ = traced.run({}, (inputs,), {}, None)
     metric = check_metric(metric, function)
     baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, outputs, metric,
@@ -122,7 +124,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
       # The gradient at each call's point is d metric / d (its edited output); only the
       # group's calls and what follows them are differentiated.
       grads = jax.grad(at_group)({p: zeros[p] for p in group_paths})
-      return first_order(group_paths, deltas, grads, axis, where)[call - group[0]]
+      return first_order(group_paths, deltas, grads, axis, where, view)[call - group[0]]
 
     per_node = sweep(job, len(paths), jnp.asarray(alphas, jnp.float32), batch_size,
                      'integrated gradients' if progress else None)

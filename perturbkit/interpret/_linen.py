@@ -98,6 +98,7 @@ def run_with_edits(fn: Callable[..., Any], *,
     UnknownEditPathError: an edit at a path no selected call has.
     EditShapeError: an edit's value does not broadcast to the call's output.
     PositionOutOfRangeError: a position outside the call's output along the axis.
+    EditViewError: an edit's ``view`` does not hold its call's output.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -117,6 +118,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
+                        view: tuple[int, ...] | None = None,
                         batch_size: int | None = None,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """The effect on a metric of putting each call's clean output into the corrupted run.
@@ -140,6 +142,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     axis: Patch one index along this axis of each output at a time (1 for the
       tokens of ``(batch, length, features)`` outputs); ``None``: whole outputs.
     positions: The indices along ``axis`` (default: all).
+    view: Read ``axis`` and ``positions`` on every selected output reshaped to
+      this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
+      with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
     batch_size: Patched runs per step of the sweep (default: all at once).
     progress: Show a progress bar (tqdm) of the patched runs done, moved after
       each batch of ``batch_size`` as the compiled sweep runs (also under
@@ -153,6 +158,7 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
       calls, or outputs of other shapes.
     NonScalarMetricError: ``fn`` returned no real scalar.
     PositionOutOfRangeError: a position outside some selected call's output.
+    EditViewError: ``view`` does not hold some selected call's output.
     InvalidOptionError: ``batch_size`` is not a positive int, or ``progress``
       not a bool.
 
@@ -170,13 +176,14 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     True
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
-                                       positions=positions, batch_size=batch_size,
+                                       positions=positions, view=view, batch_size=batch_size,
                                        progress=progress, function='perturbkit.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                          axis: int | None = None,
-                         positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+                         positions: Sequence[int] | None = None,
+                         view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
   """The first-order estimate of :func:`activation_patching`, from one backward pass.
 
   ``effects[i, j] = (a_clean - a_corrupted) . d metric / d a`` for each call's
@@ -193,6 +200,9 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
     positions: The indices along ``axis`` (default: all).
+    view: Read ``axis`` and ``positions`` on every selected output reshaped to
+      this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
+      with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
 
   Returns:
     A function ``(variables, clean, corrupted) -> PatchingResult``.
@@ -201,6 +211,7 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     CallStructureMismatchError: the clean and corrupted inputs make different calls.
     NonScalarMetricError: ``fn`` returned no real scalar.
     PositionOutOfRangeError: a position outside some selected call's output.
+    EditViewError: ``view`` does not hold some selected call's output.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -215,13 +226,14 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     True
   """
   return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
-                                           positions=positions,
+                                           positions=positions, view=view,
                                            function='perturbkit.attribution_patching')
 
 
 def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                           axis: int | None = None,
-                          positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+                          positions: Sequence[int] | None = None,
+                          view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
   """Gradient x activation, ``a . d metric / d a``, of every selected call's output.
 
   The first-order effect of zero-ablating each call's output (at each
@@ -234,6 +246,9 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
     positions: The indices along ``axis`` (default: all).
+    view: Read ``axis`` and ``positions`` on every selected output reshaped to
+      this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
+      with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
 
   Returns:
     A function ``(variables, inputs) -> PatchingResult`` (``clean_metric`` and
@@ -242,6 +257,7 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
   Raises:
     NonScalarMetricError: ``fn`` returned no real scalar.
     PositionOutOfRangeError: a position outside some selected call's output.
+    EditViewError: ``view`` does not hold some selected call's output.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -255,12 +271,13 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     ((0, 1), (2, 2))
   """
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
-                                            positions=positions,
+                                            positions=positions, view=view,
                                             function='perturbkit.grad_times_activation')
 
 
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
+                               view: tuple[int, ...] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
                                batch_size: int | None = None,
                                progress: bool = False) -> Callable[..., PatchingResult]:
@@ -283,6 +300,9 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
     positions: The indices along ``axis`` (default: all).
+    view: Read ``axis`` and ``positions`` on every selected output reshaped to
+      this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
+      with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
     steps: Quadrature nodes along the path.
     method: ``'gauss_legendre'`` (numpy's nodes and weights; few steps for a
       smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
@@ -301,6 +321,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     CallStructureMismatchError: ``baseline`` makes other calls than ``inputs``.
     NonScalarMetricError: ``fn`` returned no real scalar.
     PositionOutOfRangeError: a position outside some selected call's output.
+    EditViewError: ``view`` does not hold some selected call's output.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -316,7 +337,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     True
   """
   return _integrated.layer_integrated_gradients(
-      traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
+      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, steps=steps,
       method=method, batch_size=batch_size, progress=progress,
       function='perturbkit.layer_integrated_gradients')
 

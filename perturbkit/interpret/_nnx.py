@@ -68,6 +68,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
+                        view: tuple[int, ...] | None = None,
                         batch_size: int | None = None,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """Activation patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
@@ -86,13 +87,14 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ('layers/0/__call__', 'layers/2/__call__')
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
-                                       positions=positions, batch_size=batch_size,
+                                       positions=positions, view=view, batch_size=batch_size,
                                        progress=progress, function='perturbkit.nnx.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                          axis: int | None = None,
-                         positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+                         positions: Sequence[int] | None = None,
+                         view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
   """Attribution patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
 
   As :func:`perturbkit.attribution_patching`, with ``fn(model, inputs) -> metric``.
@@ -110,13 +112,14 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     True
   """
   return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
-                                           positions=positions,
+                                           positions=positions, view=view,
                                            function='perturbkit.nnx.attribution_patching')
 
 
 def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                           axis: int | None = None,
-                          positions: Sequence[int] | None = None) -> Callable[..., PatchingResult]:
+                          positions: Sequence[int] | None = None,
+                          view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
   """Gradient x activation of an NNX model's calls: ``(model, inputs) -> PatchingResult``.
 
   As :func:`perturbkit.grad_times_activation`, with ``fn(model, inputs) -> metric``.
@@ -133,12 +136,13 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     (2, 1)
   """
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
-                                            positions=positions,
+                                            positions=positions, view=view,
                                             function='perturbkit.nnx.grad_times_activation')
 
 
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
+                               view: tuple[int, ...] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
                                batch_size: int | None = None,
                                progress: bool = False) -> Callable[..., PatchingResult]:
@@ -158,7 +162,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     True
   """
   return _integrated.layer_integrated_gradients(
-      traced_points, fn, filter=filter, axis=axis, positions=positions, steps=steps,
+      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, steps=steps,
       method=method, batch_size=batch_size, progress=progress,
       function='perturbkit.nnx.layer_integrated_gradients')
 

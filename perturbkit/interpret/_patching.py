@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.core._traced_points import point_name
-from perturbkit.interpret._edits import Edit, edit_function
+from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed_shape
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, sweep_positions
 from perturbkit.interpret._result import PatchingResult
@@ -14,21 +14,31 @@ from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
 
 def patching_edits(outputs: dict[tuple, Any], paths: Sequence[tuple], call: jax.Array,
-                   position: jax.Array | None, axis: int | None) -> dict[str, Edit]:
+                   position: jax.Array | None, axis: int | None,
+                   view: tuple[int, ...] | None = None) -> dict[str, Edit]:
   """Edits of ``paths`` replacing call number ``call`` of them (at ``position``) by its clean value.
 
   Every path gets an edit, all but one inactive, so that the edits of different
   calls have one structure and stack along ``jax.vmap``.
   """
   at = None if position is None else position[None]
-  return {point_name(p): Edit(jnp.zeros(()), outputs[p], at, call == i, axis)
+  return {point_name(p): Edit(jnp.zeros(()), _viewed_like(outputs[p], view), at, call == i,
+                              axis, view)
           for i, p in enumerate(paths)}
+
+
+def _viewed_like(value: Any, view: tuple[int, ...] | None) -> Any:
+  """A clean output as the edit's shift: viewed like the output it replaces."""
+  return value if view is None else jax.tree.map(
+      lambda x: jnp.reshape(x, viewed_shape(jnp.shape(x), view, 'the clean output')), value)
 
 
 def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,
                         positions: Sequence[int] | None, batch_size: int | None,
-                        progress: bool, function: str) -> Callable[..., PatchingResult]:
+                        progress: bool, view: tuple[int, ...] | None = None,
+                        function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
+  view = checked_view(view)
   check_batch_size(batch_size)
   check_progress(progress)
 
@@ -37,7 +47,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
     corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
     check_same_calls(clean_points, corrupted_points)
-    where = sweep_positions(clean_points, axis, positions)
+    where = sweep_positions(clean_points, axis, positions, view)
     clean_metric, outputs, _ = clean_points.run({}, (clean,), {}, None)
     corrupted_metric, _, _ = corrupted_points.run({}, (corrupted,), {}, None)
     clean_metric = check_metric(clean_metric, function)
@@ -47,8 +57,8 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     def job(group, call, column):
       at = None if where is None else jnp.asarray(where)[column]
       group_paths = [paths[i] for i in group]
-      edit = edit_function(patching_edits(outputs, group_paths, call - group[0], at, axis),
-                           paths)
+      edit = edit_function(patching_edits(outputs, group_paths, call - group[0], at, axis,
+                                          view), paths)
       patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
       return check_metric(patched, function) - corrupted_metric
 

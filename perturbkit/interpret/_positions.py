@@ -7,20 +7,28 @@ import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import CallStructureMismatchError, PositionOutOfRangeError
+from perturbkit.interpret._edits import viewed_shape
 
 
-def sweep_positions(traced: TracedPoints, axis: int | None,
-                    positions: Sequence[int] | None) -> tuple[int, ...] | None:
+def _viewed(shape: tuple, view: tuple[int, ...] | None, name: str) -> tuple:
+  return shape if view is None else viewed_shape(shape, view, name)
+
+
+def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
+                    view: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
   """The positions along ``axis`` (default: all of the first call's), checked at every call.
 
+  With ``view``, ``axis`` and the positions refer to every output viewed so.
+
   Raises:
+    EditViewError: ``view`` does not hold some selected call's output.
     PositionOutOfRangeError: a position outside some selected call's output
       along ``axis``, or an output without that axis.
   """
+  calls = [(point_name(p), [_viewed(tuple(leaf.shape), view, point_name(p))
+                            for leaf in traced.shapes[p].leaves]) for p in traced.paths]
   if axis is None:
     return None
-  calls = [(point_name(p), [leaf.shape for leaf in traced.shapes[p].leaves])
-           for p in traced.paths]
   if positions is None:
     name, shapes = calls[0]
     if not -len(shapes[0]) <= axis < len(shapes[0]):
@@ -35,9 +43,11 @@ def sweep_positions(traced: TracedPoints, axis: int | None,
   return positions
 
 
-def per_position(values: jax.Array, axis: int | None,
-                 positions: tuple[int, ...] | None) -> jax.Array:
-  """``values`` summed over every axis but ``axis``, at ``positions`` (all of it without)."""
+def per_position(values: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
+                 view: tuple[int, ...] | None = None) -> jax.Array:
+  """``values`` (viewed as ``view``) summed over every axis but ``axis``, at ``positions``."""
+  if view is not None:
+    values = jnp.reshape(values, viewed_shape(jnp.shape(values), view, 'the call'))
   if axis is None:
     return jnp.sum(values)[None]
   return jnp.sum(jnp.moveaxis(values, axis, 0).reshape(values.shape[axis], -1), axis=1)[
