@@ -27,20 +27,16 @@ its own forward pass, since the two run in different processes).
   python scripts/bench_interventions_nnsight.py \\
       --out scripts/results/bench_interventions_nnsight.json
 """
-import argparse
-import json
-import platform
-import statistics
+import os
 import sys
-import time
 
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_torch  # noqa: E402
 
 SIZES = {
     'tiny': dict(layers=2, width=32, heads=2, seq=8, batch=2, vocab=64),
     'default': dict(layers=4, width=64, heads=4, seq=32, batch=4, vocab=128),
 }
-VARIANTS = ('forward', 'loop', 'attribution')
 
 
 def build(size: dict, seed: int = 0):
@@ -177,46 +173,8 @@ def checks(model, traced, metric, clean, corrupted) -> dict[str, bool]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument('--sizes', choices=sorted(SIZES), default='default')
-  parser.add_argument('--repeats', type=int, default=9, help='timed samples per variant')
-  parser.add_argument('--out', default=None, help='where to write the JSON results')
-  args = parser.parse_args(argv)
-  import importlib.metadata
-  import torch
-  size = SIZES[args.sizes]
-  model, traced, metric, clean, corrupted = build(size)
-  found = checks(model, traced, metric, clean, corrupted)
-  samples = {v: [] for v in VARIANTS}
-  for v in VARIANTS:  # warm-up
-    FUNCTIONS[v](model, traced, metric, clean, corrupted)
-  for _ in range(args.repeats):
-    for v in VARIANTS:
-      start = time.perf_counter()
-      FUNCTIONS[v](model, traced, metric, clean, corrupted)
-      samples[v].append(time.perf_counter() - start)
-  median = {v: statistics.median(s) for v, s in samples.items()}
-  ratios = {f'{v}_over_forward': median[v] / median['forward'] for v in VARIANTS[1:]}
-  for v in VARIANTS:
-    q = np.percentile(samples[v], [25, 75])
-    print(f'{v:12s} {median[v] * 1e3:9.2f} ms  (p25 {q[0] * 1e3:.2f}, p75 {q[1] * 1e3:.2f})'
-          + (f'  {ratios[f"{v}_over_forward"]:7.1f}x forward' if v != 'forward' else ''))
-  print('checks: ' + ', '.join(f'{k}={"OK" if ok else "MISMATCH"}' for k, ok in found.items()))
-  if args.out:
-    with open(args.out, 'w') as f:
-      json.dump({'benchmark': 'interventions_nnsight',
-                 'config': {'sizes': args.sizes, 'repeats': args.repeats, 'size': size,
-                            'patched_runs': size['layers'] * size['seq']},
-                 'machine': {'python': sys.version.split()[0], 'platform': platform.platform(),
-                             'torch': torch.__version__,
-                             'nnsight': importlib.metadata.version('nnsight'),
-                             'transformers': importlib.metadata.version('transformers'),
-                             'threads': torch.get_num_threads()},
-                 'checks': found, 'all_ok': all(found.values()),
-                 'median_s': median, 'samples_s': samples, 'ratios': ratios}, f, indent=1)
-    print(f'wrote {args.out}')
-  return 0 if all(found.values()) else 1
+  return _bench_torch.main(__doc__, 'interventions_nnsight', SIZES, FUNCTIONS, build, checks,
+                           ('nnsight', 'transformers'), argv)
 
 
 if __name__ == '__main__':
