@@ -1,7 +1,7 @@
 """What the PyTorch comparison scripts share: arguments, round-robin timing, report and JSON.
 
 Each script (``bench_interventions_transformer_lens.py``, ``bench_interventions_nnsight.py``)
-gives its sizes, its variants (``'forward'`` first: the ratios are to it), how to build the
+gives its variants (``'forward'`` first: the ratios are to it), how to build the
 problem and how to check it; :func:`main` does the rest. torch is imported only here, at run
 time, so the scripts' ``--help`` works without it.
 """
@@ -16,8 +16,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+# The GPT-2 sizes of bench_interventions.py (which imports jax; these scripts need only torch).
+SIZES = {
+    'tiny': dict(layers=2, width=32, heads=2, seq=8, batch=2, vocab=64),
+    'default': dict(layers=4, width=64, heads=4, seq=32, batch=4, vocab=128),
+}
 
-def main(doc: str, benchmark: str, sizes: dict[str, dict], functions: dict[str, Callable],
+
+def main(doc: str, benchmark: str, functions: dict[str, Callable],
          build: Callable[[dict], tuple], checks: Callable[..., dict[str, bool]],
          packages: Sequence[str], argv: Sequence[str] | None = None) -> int:
   """Parses ``--sizes --repeats --out``, checks, times ``functions`` round-robin, reports.
@@ -25,7 +31,6 @@ def main(doc: str, benchmark: str, sizes: dict[str, dict], functions: dict[str, 
   Args:
     doc: The script's docstring (its first line is the description).
     benchmark: The JSON's ``benchmark`` name.
-    sizes: ``{name: size}``; ``'default'`` is the default.
     functions: ``{variant: f(*problem)}``, ``'forward'`` first.
     build: ``size -> problem`` (the arguments of every function and of ``checks``).
     checks: ``(*problem) -> {check: passed}``.
@@ -37,12 +42,12 @@ def main(doc: str, benchmark: str, sizes: dict[str, dict], functions: dict[str, 
   """
   parser = argparse.ArgumentParser(description=doc.split('\n')[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument('--sizes', choices=sorted(sizes), default='default')
+  parser.add_argument('--sizes', choices=sorted(SIZES), default='default')
   parser.add_argument('--repeats', type=int, default=9, help='timed samples per variant')
   parser.add_argument('--out', default=None, help='where to write the JSON results')
   args = parser.parse_args(argv)
   import torch
-  size = sizes[args.sizes]
+  size = SIZES[args.sizes]
   problem = build(size)
   found = checks(*problem)
   variants = list(functions)

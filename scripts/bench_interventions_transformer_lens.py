@@ -32,12 +32,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_torch  # noqa: E402
 
-SIZES = {
-    'tiny': dict(layers=2, width=32, heads=2, seq=8, batch=2, vocab=64),
-    'default': dict(layers=4, width=64, heads=4, seq=32, batch=4, vocab=128),
-}
-
-
 def build(size: dict, seed: int = 0):
   """The HookedTransformer, the metric and the two inputs."""
   import torch
@@ -140,7 +134,7 @@ def checks(model, metric, clean, corrupted) -> dict[str, bool]:
 
 
 def main(argv=None) -> int:
-  return _bench_torch.main(__doc__, 'interventions_transformer_lens', SIZES, FUNCTIONS, build,
+  return _bench_torch.main(__doc__, 'interventions_transformer_lens', FUNCTIONS, build,
                            checks, ('transformer-lens',), argv)
 
 
