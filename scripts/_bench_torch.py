@@ -23,6 +23,22 @@ SIZES = {
 }
 
 
+def inputs(size: dict, seed: int = 0):
+  """Clean token ids and corrupted ones: one token changed, at a quarter of the sequence."""
+  import torch
+  generator = torch.Generator().manual_seed(seed)
+  clean = torch.randint(0, size['vocab'], (size['batch'], size['seq']), generator=generator)
+  corrupted = clean.clone()
+  at = size['seq'] // 4
+  corrupted[:, at] = (clean[:, at] + 1) % size['vocab']
+  return clean, corrupted
+
+
+def metric(logits):
+  """The mean over the batch of the logit difference of tokens 0 and 1 at the last position."""
+  return (logits[:, -1, 0] - logits[:, -1, 1]).mean()
+
+
 def main(doc: str, benchmark: str, functions: dict[str, Callable],
          build: Callable[[dict], tuple], checks: Callable[..., dict[str, bool]],
          packages: Sequence[str], argv: Sequence[str] | None = None) -> int:

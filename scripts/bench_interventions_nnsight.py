@@ -42,16 +42,8 @@ def build(size: dict, seed: int = 0):
   config = GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'], n_embd=size['width'],
                       n_layer=size['layers'], n_head=size['heads'])
   model = GPT2LMHeadModel(config).eval()
-  generator = torch.Generator().manual_seed(seed)
-  clean = torch.randint(0, size['vocab'], (size['batch'], size['seq']), generator=generator)
-  corrupted = clean.clone()
-  at = size['seq'] // 4
-  corrupted[:, at] = (clean[:, at] + 1) % size['vocab']
-
-  def metric(logits):
-    return (logits[:, -1, 0] - logits[:, -1, 1]).mean()
-
-  return model, NNsight(model), metric, clean, corrupted
+  clean, corrupted = _bench_torch.inputs(size, seed)
+  return model, NNsight(model), _bench_torch.metric, clean, corrupted
 
 
 def block_outputs(traced, inputs, layers: int) -> list:

@@ -43,16 +43,8 @@ def build(size: dict, seed: int = 0):
       d_head=size['width'] // size['heads'], d_mlp=4 * size['width'], n_ctx=size['seq'],
       d_vocab=size['vocab'], act_fn='gelu_new', normalization_type='LN', seed=seed)
   model = HookedTransformer(config).eval()
-  generator = torch.Generator().manual_seed(seed)
-  clean = torch.randint(0, size['vocab'], (size['batch'], size['seq']), generator=generator)
-  corrupted = clean.clone()
-  at = size['seq'] // 4
-  corrupted[:, at] = (clean[:, at] + 1) % size['vocab']
-
-  def metric(logits):
-    return (logits[:, -1, 0] - logits[:, -1, 1]).mean()
-
-  return model, metric, clean, corrupted
+  clean, corrupted = _bench_torch.inputs(size, seed)
+  return model, _bench_torch.metric, clean, corrupted
 
 
 def loop_patching(model, metric, clean, corrupted):
