@@ -175,8 +175,8 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
     [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
   """
   view = checked_view(view)
-  viewed = lambda r: r if view is None else _viewed(r, view, 'the mean-ablation reference')
-  mean = jax.tree.map(lambda r: jnp.mean(viewed(r), axis=over, keepdims=True), reference)
+  mean = jax.tree.map(lambda r: jnp.mean(viewed(r, view, 'the mean-ablation reference'),
+                                         axis=over, keepdims=True), reference)
   return replace(mean, positions=positions, axis=axis, view=view)
 
 
@@ -217,14 +217,15 @@ def viewed_shape(shape: tuple, view: tuple[int, ...], where: str) -> tuple[int, 
   return tuple(size // known if n == -1 else n for n in view)
 
 
-def _viewed(x: jax.Array, view: tuple[int, ...], where: str) -> jax.Array:
-  return jnp.reshape(x, viewed_shape(jnp.shape(x), view, where))
+def viewed(x: jax.Array, view: tuple[int, ...] | None, where: str) -> jax.Array:
+  """``x`` reshaped to ``view`` (``x`` itself for ``None``); ``EditViewError`` if it does not fit."""
+  return x if view is None else jnp.reshape(x, viewed_shape(jnp.shape(x), view, where))
 
 
 def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.Array:
   if edit.view is not None:
     shape = jnp.shape(output)
-    return _leaf(dataclasses.replace(edit, view=None), _viewed(output, edit.view, where),
+    return _leaf(dataclasses.replace(edit, view=None), viewed(output, edit.view, where),
                  scale_value, shift, where).reshape(shape)
   shape = jnp.shape(output)
   target = (_broadcast(scale_value, shape, where, 'scale') * output

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.core._traced_points import point_name
-from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed_shape
+from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, sweep_positions
 from perturbkit.interpret._result import PatchingResult
@@ -22,15 +22,9 @@ def patching_edits(outputs: dict[tuple, Any], paths: Sequence[tuple], call: jax.
   calls have one structure and stack along ``jax.vmap``.
   """
   at = None if position is None else position[None]
-  return {point_name(p): Edit(jnp.zeros(()), _viewed_like(outputs[p], view), at, call == i,
-                              axis, view)
+  clean = lambda p: jax.tree.map(lambda x: viewed(x, view, point_name(p)), outputs[p])
+  return {point_name(p): Edit(jnp.zeros(()), clean(p), at, call == i, axis, view)
           for i, p in enumerate(paths)}
-
-
-def _viewed_like(value: Any, view: tuple[int, ...] | None) -> Any:
-  """A clean output as the edit's shift: viewed like the output it replaces."""
-  return value if view is None else jax.tree.map(
-      lambda x: jnp.reshape(x, viewed_shape(jnp.shape(x), view, 'the clean output')), value)
 
 
 def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,

@@ -7,7 +7,7 @@ import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import CallStructureMismatchError, PositionOutOfRangeError
-from perturbkit.interpret._edits import viewed_shape
+from perturbkit.interpret._edits import viewed, viewed_shape
 
 
 def _viewed(shape: tuple, view: tuple[int, ...] | None, name: str) -> tuple:
@@ -46,8 +46,7 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
 def per_position(values: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
                  view: tuple[int, ...] | None = None) -> jax.Array:
   """``values`` (viewed as ``view``) summed over every axis but ``axis``, at ``positions``."""
-  if view is not None:
-    values = jnp.reshape(values, viewed_shape(jnp.shape(values), view, 'the call'))
+  values = viewed(values, view, 'the call')
   if axis is None:
     return jnp.sum(values)[None]
   return jnp.sum(jnp.moveaxis(values, axis, 0).reshape(values.shape[axis], -1), axis=1)[
