@@ -87,6 +87,23 @@ def flat_leaf_owners(params: Any, names: list[str]) -> dict[int, str]:
   return owners
 
 
+def direct_leaf_owners(params: Any, names: Mapping[Path, str]) -> dict[int, str]:
+  """Input position of each leaf of ``params`` -> the name of the module owning it directly.
+
+  Unlike :func:`flat_leaf_owners` (a segment owns its whole subtree), a leaf
+  belongs to the module at its key path less the param's own name, so a
+  module and its children are told apart. Keys are matched as strings (an NNX
+  list index ``0`` as ``'0'``).
+  """
+  by_keys = {tuple(map(str, path)): name for path, name in names.items()}
+  owners = {}
+  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
+    if keys[:-1] in by_keys:
+      owners[i] = by_keys[keys[:-1]]
+  return owners
+
+
 def _nearest_ancestor(path: Path, chosen: set) -> Path | None:
   return next((path[:n] for n in range(1, len(path)) if path[:n] in chosen), None)
 

@@ -11,7 +11,7 @@ other equation reading them is a read outside the calls
 (``_consumers.reads_outside``).
 """
 import contextlib
-from typing import Any, ContextManager, Mapping
+from typing import Any, ContextManager
 
 import flax
 import flax.linen as nn
@@ -52,19 +52,3 @@ def named_call(name: str, module: nn.Module, method_name: str, args: tuple, kwar
   function = jax.custom_vjp(pure)
   function.defvjp(lambda w, dyn: (pure(w, dyn), None), lambda res, g: (None, None))
   return function(flax.core.unfreeze(variables.get('params', {})), dynamic)
-
-
-def direct_leaf_owners(params: Any, names: Mapping[Path, str]) -> dict[int, str]:
-  """Input position of each leaf of ``params`` -> the name of the module owning it directly.
-
-  Unlike ``_segment_choice.flat_leaf_owners`` (a segment owns its whole
-  subtree), a leaf belongs to the module at its key path less the param's own
-  name, so a module and its children are told apart.
-  """
-  by_keys = {tuple(map(str, path)): name for path, name in names.items()}
-  owners = {}
-  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
-    if keys[:-1] in by_keys:
-      owners[i] = by_keys[keys[:-1]]
-  return owners

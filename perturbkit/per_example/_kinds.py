@@ -58,3 +58,17 @@ def spatial(value: Any, dims: int, default: int = 1) -> tuple[int, ...]:
   if isinstance(value, int):
     return (value,) * dims
   return tuple(value)
+
+
+def conv_kind(kernel: tuple[int, ...], strides: Any, dilation: Any, input_dilation: Any,
+              padding: Any) -> LayerKind:
+  """The ``'conv'`` kind of a plain convolution, options as its module holds them.
+
+  ``padding`` is canonical (``canonicalize_padding``); circular, reflect and
+  causal padding have no fast rule (``GENERAL``).
+  """
+  if padding in ('CIRCULAR', 'REFLECT', 'CAUSAL'):
+    return GENERAL
+  dims = len(kernel)
+  return LayerKind('conv', ConvGeometry(kernel, spatial(strides, dims), spatial(dilation, dims),
+                                        spatial(input_dilation, dims), padding))

@@ -12,21 +12,16 @@ import flax.linen as nn
 from flax.linen.linear import canonicalize_padding
 
 from perturbkit.errors import RandomCallError
-from perturbkit.per_example._kinds import (GENERAL, ConvGeometry, LayerKind, Replay,
-                                           spatial)
+from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
 
 
 def _conv_kind(m: nn.Conv) -> LayerKind:
   kernel = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
-  padding = canonicalize_padding(m.padding, len(kernel))
   if not (m.shared_weights and m.feature_group_count == 1 and m.mask is None
-          and m.conv_general_dilated is None and m.conv_general_dilated_cls is None
-          and padding not in ('CIRCULAR', 'REFLECT', 'CAUSAL')):
+          and m.conv_general_dilated is None and m.conv_general_dilated_cls is None):
     return GENERAL
-  dims = len(kernel)
-  return LayerKind('conv', ConvGeometry(kernel, spatial(m.strides, dims),
-                                        spatial(m.kernel_dilation, dims),
-                                        spatial(m.input_dilation, dims), padding))
+  return conv_kind(kernel, m.strides, m.kernel_dilation, m.input_dilation,
+                   canonicalize_padding(m.padding, len(kernel)))
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:

@@ -14,8 +14,7 @@ from flax import nnx
 from flax.nnx.nn.linear import canonicalize_padding
 
 from perturbkit.errors import RandomCallError
-from perturbkit.per_example._kinds import (GENERAL, ConvGeometry, LayerKind, Replay,
-                                           spatial)
+from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
 from perturbkit.nnx._segments import with_values
 
 
@@ -25,13 +24,9 @@ def _conv_kind(m: nnx.Conv) -> LayerKind:
   if not isinstance(padding, str):
     padding = tuple(tuple(p) for p in padding)
   if not (m.feature_group_count == 1 and m.mask is None
-          and m.conv_general_dilated is jax.lax.conv_general_dilated
-          and padding not in ('CIRCULAR', 'REFLECT', 'CAUSAL')):
+          and m.conv_general_dilated is jax.lax.conv_general_dilated):
     return GENERAL
-  dims = len(kernel)
-  return LayerKind('conv', ConvGeometry(kernel, spatial(m.strides, dims),
-                                        spatial(m.kernel_dilation, dims),
-                                        spatial(m.input_dilation, dims), padding))
+  return conv_kind(kernel, m.strides, m.kernel_dilation, m.input_dilation, padding)
 
 
 def nnx_kind(module: nnx.Module) -> LayerKind:

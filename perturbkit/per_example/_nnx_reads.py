@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from perturbkit.core._consumers import reads_outside, segment_function_name
+from perturbkit.core._segment_choice import direct_leaf_owners
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.nnx._segments import params_tree, with_values
 
@@ -102,10 +103,4 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
   # A model call's replica is given every param: what it does with them is covered.
   spared = ({segment_function_name(ROOT): len(jax.tree.leaves(params))}
             if outside_model_calls else {})
-  by_keys = {tuple(map(str, path)): name for path, name in owners.items()}
-  owner_of = {}
-  for i, (key_path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
-    keys = tuple(str(getattr(k, 'key', k)) for k in key_path)
-    if keys[:-1] in by_keys:
-      owner_of[i] = by_keys[keys[:-1]]
-  return reads_outside(jaxpr, owner_of, spared=spared)
+  return reads_outside(jaxpr, direct_leaf_owners(params, owners), spared=spared)

@@ -22,8 +22,9 @@ import numpy as np
 from perturbkit.core._consumers import reads_outside, segment_function_name
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core.filters import module_path
-from perturbkit.linen._param_reads import direct_leaf_owners, named_call
+from perturbkit.linen._param_reads import named_call
 from perturbkit.per_example._nested import nested_applies, replay
+from perturbkit.core._segment_choice import direct_leaf_owners
 from perturbkit.core._types import Path, Variables
 
 
