@@ -311,9 +311,12 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
       whole.effects[:, 0], jnp.array([jnp.vdot(a_clean[n] - a_corrupted[n], grads[n])
                                       for n in NAMES]), **TOL)
 
-  gxa = perturbkit.grad_times_activation(metric, axis=1, positions=[0, 3])(variables, corrupted)
-  want = jnp.stack([per_token(a_corrupted[n] * grads[n])[jnp.array([0, 3])] for n in NAMES])
-  chex.assert_trees_all_close(gxa.effects, want, **TOL)
+  every = jnp.stack([per_token(a_corrupted[n] * grads[n]) for n in NAMES])
+  # Scattered, unordered, negative (a run that ends at the last token) and neighbouring positions.
+  for positions in ([0, 3], [3, 0], [-2, -1], [1, 2]):
+    gxa = perturbkit.grad_times_activation(metric, axis=1, positions=positions)(
+        variables, corrupted)
+    chex.assert_trees_all_close(gxa.effects, every[:, jnp.array(positions)], **TOL)
 
 
 def test_attribution_patching_is_close_to_activation_patching_for_a_small_difference(mlp):

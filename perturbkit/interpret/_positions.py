@@ -45,12 +45,19 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
 
 def per_position(values: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
                  view: tuple[int, ...] | None = None) -> jax.Array:
-  """``values`` (viewed as ``view``) summed over every axis but ``axis``, at ``positions``."""
+  """``values`` (viewed as ``view``) summed over every axis but ``axis``, at ``positions``.
+
+  One reduction, then a slice where the positions are a run of neighbours (no gather).
+  """
   values = viewed(values, view, 'the call')
   if axis is None:
     return jnp.sum(values)[None]
-  return jnp.sum(jnp.moveaxis(values, axis, 0).reshape(values.shape[axis], -1), axis=1)[
-      jnp.asarray(positions)]
+  axis = axis % values.ndim
+  sums = jnp.sum(values, axis=tuple(a for a in range(values.ndim) if a != axis))
+  first = positions[0] % sums.shape[0]
+  if all(p % sums.shape[0] == first + i for i, p in enumerate(positions)):
+    return sums[first:first + len(positions)]
+  return sums[np.asarray(positions)]
 
 
 def _described(traced: TracedPoints, path: tuple | None) -> str:
