@@ -21,6 +21,10 @@ segment as a pure function ``pure(w, x) -> (y, aux)``.
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import (CustomVJPPrimal, SymbolicZero,
+                                     custom_vjp_primal_tree_values)
 
 from perturbkit.core._consumers import segment_function_name
 from perturbkit.core._points import is_inexact_array
@@ -58,6 +62,22 @@ def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
   return [leaves[i] for i in where], rebuild
 
 
+def _is_primal(x: Any) -> bool:
+  return isinstance(x, CustomVJPPrimal)
+
+
+def _instantiated(tree: Any) -> Any:
+  """``tree`` with each symbolic zero cotangent (an output the loss does not use) as zeros."""
+  def zeros(x):
+    if not isinstance(x, SymbolicZero):
+      return x
+    if x.aval.dtype == jax.dtypes.float0:  # an integer output's cotangent
+      return np.zeros(x.aval.shape, jax.dtypes.float0)
+    return jnp.zeros(x.aval.shape, x.aval.dtype)
+
+  return jax.tree.map(zeros, tree, is_leaf=lambda x: isinstance(x, SymbolicZero))
+
+
 def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any, dyn: Any,
                  carrier: Any, backward: Backward, axis_name: str | None = None
                  ) -> tuple[Any, Any]:
@@ -88,15 +108,24 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
 
   def fwd(w, dyn, carrier):
     del carrier
+    # An input that is not differentiated (the data into the first layer) needs no
+    # cotangent: none is computed, and the step waits for none. Whether one is
+    # needed travels to ``bwd`` in the residuals' structure (static).
+    needed = {'input_grad': ()} if any(
+        leaf.perturbed for leaf in jax.tree.leaves(dyn, is_leaf=_is_primal)) else {}
+    w, dyn = custom_vjp_primal_tree_values((w, dyn))
     out, vjp_old, aux = jax.vjp(pure, w, dyn, has_aux=True)
-    return (out, aux), (w, dyn, vjp_old)
+    return (out, aux), (w, dyn, vjp_old, needed)
 
   def bwd(residuals, cotangents):
-    w, dyn, vjp_old = residuals
-    g, _ = cotangents
+    w, dyn, vjp_old, needed = residuals
+    g = _instantiated(cotangents[0])
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
+    if not needed:
+      _, carried = backward.step(g, dw, w, dyn, None)
+      return dw, None, carried
     if backward.propagate_updated:
       new_w, carried = backward.step(g, dw, w, dyn, None)
       _, vjp_new = jax.vjp(lambda d: pure(new_w, d)[0], dyn)
@@ -108,5 +137,5 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
       _, carried = backward.step(g, dw, w, dyn, d_dyn)
     return dw, d_dyn, carried
 
-  segment.defvjp(fwd, bwd)
+  segment.defvjp(fwd, bwd, symbolic_zeros=True)
   return segment(w, dyn, carrier)
