@@ -116,7 +116,7 @@ def test_user_node_outputs_and_hand_placed_points(with_collection):
   chex.assert_trees_all_close(points['x_hat'], want['x_hat'], **TOL)
 
 
-def test_seed_foo_verbatim():
+def test_flax_guide_foo_verbatim():
   """The Flax guide's example, unchanged, under perturbkit.value_and_grad."""
   class Foo(nn.Module):
     @nn.compact

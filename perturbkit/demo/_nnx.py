@@ -79,7 +79,7 @@ class Evaluator:
 
 
 def standard_step(state: ModelState, x, y):
-  """``nnx.value_and_grad`` + ``nnx.Optimizer.update``, the seed's training step."""
+  """``nnx.value_and_grad`` + ``nnx.Optimizer.update``: the usual NNX training step."""
   return state, _standard(state.model, state.optimizer, x, y)
 
 
