@@ -17,6 +17,11 @@ compiled first, then timed round-robin:
   attribution  ``perturbkit.attribution_patching(metric, axis=1)`` of every call (default
                filter) at every position.
   forward      one jitted forward pass of the metric on the corrupted inputs.
+  cache        attribution patching's first part, by itself: ``perturbkit.run_with_cache``
+               of the metric on the clean inputs (every call's output).
+  cache_grads  its second part: ``run_with_cache(metric, grads=True)`` on the corrupted
+               inputs (every call's output and the metric's gradient there, one backward).
+               Attribution patching is these two and the per-position products.
 
 Before timing, the script checks that both sweeps equal the loop, and that attribution
 patching of the blocks equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position with
@@ -47,7 +52,7 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 from perturbkit import filters  # noqa: E402
 
-VARIANTS = ('sweep', 'sweep_chunked', 'loop', 'attribution', 'forward')
+VARIANTS = ('sweep', 'sweep_chunked', 'loop', 'attribution', 'cache', 'cache_grads', 'forward')
 # Patched runs per step of the chunked sweep (``batch_size``); the fastest of 8 / 32 / all
 # on the default size, in a twentieth of the unchunked sweep's temp bytes.
 CHUNK = 8
@@ -177,11 +182,15 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   sweep = perturbkit.activation_patching(p.metric, filter=blocks, axis=1)
   chunked = perturbkit.activation_patching(p.metric, filter=blocks, axis=1, batch_size=CHUNK)
   attribution = perturbkit.attribution_patching(p.metric, axis=1)
+  cache = perturbkit.run_with_cache(p.metric)
+  cache_grads = perturbkit.run_with_cache(p.metric, grads=True)
   args = (p.variables, p.clean, p.corrupted)
   compiled = {
       'sweep': common.compile_timed(lambda *a: sweep(*a).effects, *args),
       'sweep_chunked': common.compile_timed(lambda *a: chunked(*a).effects, *args),
       'attribution': common.compile_timed(lambda *a: attribution(*a).effects, *args),
+      'cache': common.compile_timed(cache, p.variables, p.clean),
+      'cache_grads': common.compile_timed(cache_grads, p.variables, p.corrupted),
       'forward': common.compile_timed(p.metric, p.variables, p.corrupted),
   }
   functions = loop_functions(p)
@@ -214,11 +223,14 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'sweep_chunked': lambda: compiled['sweep_chunked'].call(*args),
       'loop': lambda: run_loop(compiled, p, seq),
       'attribution': lambda: compiled['attribution'].call(*args),
+      'cache': lambda: compiled['cache'].call(p.variables, p.clean),
+      'cache_grads': lambda: compiled['cache_grads'].call(p.variables, p.corrupted),
       'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
   }
   samples = common.time_round_robin(thunks, repeats)
   memory_of = {'sweep': 'sweep', 'sweep_chunked': 'sweep_chunked', 'loop': 'patched',
-               'attribution': 'attribution', 'forward': 'forward'}
+               'attribution': 'attribution', 'cache': 'cache', 'cache_grads': 'cache_grads',
+               'forward': 'forward'}
   variants = {}
   for v in VARIANTS:
     c = compiled[memory_of[v]]
@@ -228,6 +240,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   ratios = {'loop_over_sweep': t['loop'] / t['sweep'],
             'loop_over_sweep_chunked': t['loop'] / t['sweep_chunked'],
             'attribution_over_forward': t['attribution'] / t['forward'],
+            'attribution_over_its_parts': t['attribution'] / (t['cache'] + t['cache_grads']),
             'sweep_over_forward': t['sweep'] / t['forward']}
   targets = {
       f'loop_over_sweep_ge_{TARGETS["loop_over_sweep_ge"]}':

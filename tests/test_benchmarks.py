@@ -174,12 +174,14 @@ def check_interventions(stdout: str, data: dict):
   size = model['size']
   assert model['patched_runs'] == size['layers'] * size['seq']
   assert model['attribution_calls'] > size['layers']
-  assert set(model['variants']) == {'sweep', 'sweep_chunked', 'loop', 'attribution', 'forward'}
+  assert set(model['variants']) == {'sweep', 'sweep_chunked', 'loop', 'attribution', 'cache',
+                                    'cache_grads', 'forward'}
   for v, m in model['variants'].items():
     assert variant_keys <= set(m), (v, variant_keys - set(m))
     assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
   assert set(model['ratios']) == {'loop_over_sweep', 'loop_over_sweep_chunked',
-                                  'attribution_over_forward', 'sweep_over_forward'}
+                                  'attribution_over_forward', 'attribution_over_its_parts',
+                                  'sweep_over_forward'}
   assert all(r > 0 for r in model['ratios'].values())
   assert len(model['targets_met']) == 2
   assert 'gpt2: OK' in stdout, stdout[-3000:]
