@@ -123,18 +123,16 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
       dw = jax.lax.pmean(dw, axis_name)
+    # With the old weights' input cotangent as the last read of them, a step that
+    # waits for it can write the new weights over the old ones (a donated state);
+    # otherwise XLA copies every weight first, as in a plain optax step.
+    waits_for = d_dyn if needed and not backward.propagate_updated else None
+    new_w, carried = backward.step(g, dw, w, dyn, waits_for)
     if not needed:
-      _, carried = backward.step(g, dw, w, dyn, None)
       return dw, None, carried
     if backward.propagate_updated:
-      new_w, carried = backward.step(g, dw, w, dyn, None)
       _, vjp_new = jax.vjp(lambda d: pure(new_w, d)[0], dyn)
       (d_dyn,) = vjp_new(g)
-    else:
-      # The input cotangent is the old weights' last read. A step that depends
-      # on it can write the new weights over the old ones (a donated state);
-      # otherwise XLA copies every weight first, as in a plain optax step.
-      _, carried = backward.step(g, dw, w, dyn, d_dyn)
     return dw, d_dyn, carried
 
   segment.defvjp(fwd, bwd, symbolic_zeros=True)
