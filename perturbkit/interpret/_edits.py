@@ -205,12 +205,14 @@ def _listed(positions) -> Any:
   return positions if isinstance(positions, jax.core.Tracer) else np.asarray(positions).tolist()
 
 
-def viewed_shape(shape: tuple, view: tuple[int, ...], where: str) -> tuple[int, ...]:
-  """``view`` with its ``-1`` filled in for an array of ``shape``.
+def viewed_shape(shape: tuple, view: tuple[int, ...] | None, where: str) -> tuple[int, ...]:
+  """``view`` with its ``-1`` filled in for an array of ``shape`` (``shape`` itself for ``None``).
 
   Raises:
     EditViewError: ``view`` does not hold the array's elements.
   """
+  if view is None:
+    return tuple(shape)
   size, known = int(np.prod(shape)), int(np.prod([n for n in view if n != -1]))
   if (size != known if -1 not in view else known == 0 or size % known):
     raise EditViewError(where, view, shape)

@@ -10,10 +10,6 @@ from perturbkit.errors import CallStructureMismatchError, PositionOutOfRangeErro
 from perturbkit.interpret._edits import viewed, viewed_shape
 
 
-def _viewed(shape: tuple, view: tuple[int, ...] | None, name: str) -> tuple:
-  return shape if view is None else viewed_shape(shape, view, name)
-
-
 def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
                     view: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
   """The positions along ``axis`` (default: all of the first call's), checked at every call.
@@ -25,7 +21,7 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
     PositionOutOfRangeError: a position outside some selected call's output
       along ``axis``, or an output without that axis.
   """
-  calls = [(point_name(p), [_viewed(tuple(leaf.shape), view, point_name(p))
+  calls = [(point_name(p), [viewed_shape(leaf.shape, view, point_name(p))
                             for leaf in traced.shapes[p].leaves]) for p in traced.paths]
   if axis is None:
     return None
