@@ -573,6 +573,24 @@ def test_invalid_batch_size_and_positions_without_axis():
     interpret.zero_ablate(positions=[1])
 
 
+@pytest.mark.parametrize('sweep', ['activation_patching', 'attribution_patching',
+                                   'grad_times_activation', 'layer_integrated_gradients'])
+def test_sweep_positions_that_are_no_indices_are_refused_where_given(sweep):
+  """``positions=[1.5]`` would be read as token 1, ``[]`` as nothing, positions without an
+  axis as whole outputs: each is an error when the function is made, before any run."""
+  make = getattr(perturbkit, sweep)
+  metric = lambda v, x: 0.0
+  for options, name in [(dict(axis=1, positions=[1.5]), 'positions'),
+                        (dict(axis=1, positions=[]), 'positions'),
+                        (dict(positions=[1]), 'axis'),
+                        (dict(axis=1.0), 'axis'),
+                        (dict(axis=True), 'axis')]:
+    with pytest.raises(perturbkit.InvalidOptionError, match=rf'^{name}='):
+      make(metric, **options)
+  # Integer positions of any integer type are fine.
+  make(metric, axis=1, positions=np.array([0, 3], np.int32))
+
+
 def test_calls_inside_lifted_transforms_are_named_with_the_function_and_the_filter_fix():
   model = models.Lifted(transform='remat')
   x = jnp.ones((2, 3))

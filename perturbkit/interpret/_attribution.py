@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.interpret._edits import checked_view
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import check_same_calls, per_position, sweep_positions
+from perturbkit.interpret._positions import (check_same_calls, checked_positions,
+                                            per_position, sweep_positions)
 from perturbkit.interpret._result import PatchingResult
 
 
@@ -41,6 +42,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                          function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.attribution_patching` (``tracer`` picks the API)."""
   view = checked_view(view)
+  positions = checked_positions(positions, axis)
 
   @functools.wraps(fn)
   def attribute(model, clean, corrupted) -> PatchingResult:
@@ -66,6 +68,7 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
                           function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.grad_times_activation` (``tracer`` picks the API)."""
   view = checked_view(view)
+  positions = checked_positions(positions, axis)
 
   @functools.wraps(fn)
   def attribute(model, inputs) -> PatchingResult:

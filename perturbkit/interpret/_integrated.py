@@ -21,7 +21,7 @@ from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import first_order
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import check_same_calls, sweep_positions
+from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
@@ -101,6 +101,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
   alphas, weights = quadrature(method, steps)
   check_batch_size(batch_size)
   view = checked_view(view)
+  positions = checked_positions(positions, axis)
   check_progress(progress)
 
   @functools.wraps(fn)

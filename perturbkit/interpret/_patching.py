@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from perturbkit.core._traced_points import point_name
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import check_same_calls, sweep_positions
+from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
@@ -33,6 +33,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
                         function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
   view = checked_view(view)
+  positions = checked_positions(positions, axis)
   check_batch_size(batch_size)
   check_progress(progress)
 

@@ -6,13 +6,39 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
-from perturbkit.errors import CallStructureMismatchError, PositionOutOfRangeError
+from perturbkit.errors import (CallStructureMismatchError, InvalidOptionError,
+                               PositionOutOfRangeError)
 from perturbkit.interpret._edits import viewed, viewed_shape
+
+
+def checked_positions(positions: Sequence[int] | None, axis: int | None
+                      ) -> tuple[int, ...] | None:
+  """``positions`` as a tuple of ints, checked where they are given (``None`` passes).
+
+  Raises:
+    InvalidOptionError: ``axis`` is not an int, or ``positions`` are given
+      without ``axis``, are empty, or are not integers (``1.5`` is no index).
+  """
+  if axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
+    raise InvalidOptionError('axis', axis, 'an int (1 for the tokens of (batch, tokens, '
+                             'features) outputs) or None')
+  if positions is None:
+    return None
+  if axis is None:
+    raise InvalidOptionError('axis', axis, 'given when positions are (an int axis such as 1 '
+                             'for tokens, with positions=[...])')
+  flat = np.asarray(positions).reshape(-1)
+  if flat.size == 0 or not np.issubdtype(flat.dtype, np.integer):
+    raise InvalidOptionError('positions', positions, 'a non-empty sequence of integer '
+                             'indices along the axis')
+  return tuple(int(p) for p in flat)
 
 
 def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
                     view: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
   """The positions along ``axis`` (default: all of the first call's), checked at every call.
+
+  ``positions`` come from :func:`checked_positions`.
 
   With ``view``, ``axis`` and the positions refer to every output viewed so.
 
@@ -30,7 +56,7 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
     if not -len(shapes[0]) <= axis < len(shapes[0]):
       raise PositionOutOfRangeError(name, 'all', axis, shapes[0])
     positions = range(shapes[0][axis])
-  positions = tuple(int(p) for p in np.asarray(positions).reshape(-1))
+  positions = tuple(int(p) for p in positions)
   for name, shapes in calls:
     for shape in shapes:
       inside = -len(shape) <= axis < len(shape)
