@@ -345,3 +345,90 @@ def test_intervention_errors(mlp):
     perturbkit.run_with_interventions(model.apply, [steer['steer']])
   with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
     interpret.steering_vector('Dense_1/__call__', (8,), positions=[1])
+
+
+# --- low-precision models --------------------------------------------------------------
+
+
+class Bf16Net(nn.Module):
+  """Dense (or, with ``conv``, Conv) layers computing in bfloat16, a float32 metric head."""
+  conv: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    layer = (functools.partial(nn.Conv, kernel_size=(3, 3)) if self.conv else nn.Dense)
+    for width in (32, 32, 16):
+      x = jnp.tanh(layer(width, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x))
+    return x.astype(jnp.float32).mean()
+
+
+def recorded(model, variables, x, deltas):
+  """The metric and each layer's output, ``deltas[name]`` added there (``nn.intercept_methods``)."""
+  outputs = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    name = f'{context.module.name}/__call__'
+    if context.method_name != '__call__' or context.module is model or name not in deltas:
+      return out
+    outputs[name] = out
+    return out + deltas[name]
+
+  with nn.intercept_methods(interceptor):
+    value = model.apply(variables, x)
+  return value, outputs
+
+
+def bf16_problem(conv):
+  model = Bf16Net(conv)
+  shape = (6, 5, 5, 3) if conv else (16, 12, 24)
+  x = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
+  corrupted = (x + 0.2 * jax.random.normal(jax.random.key(2), shape)).astype(jnp.bfloat16)
+  variables = model.init(jax.random.key(0), x)
+  names = [f'{"Conv" if conv else "Dense"}_{i}/__call__' for i in range(3)]
+  zeros = {n: jnp.zeros(shape[:-1] + (w,), jnp.bfloat16) for n, w in zip(names, (32, 32, 16))}
+
+  def outputs_and_grads(inputs):
+    """float64 copies of each layer's bfloat16 output and of d metric / d output there."""
+    grads, outputs = jax.grad(lambda d: recorded(model, variables, inputs, d), has_aux=True)(
+        zeros)
+    as64 = lambda tree: {n: np.asarray(tree[n], np.float64) for n in names}
+    return as64(outputs), as64(grads)
+
+  return model, variables, x, corrupted, names, outputs_and_grads
+
+
+def test_bf16_attributions_are_summed_in_float32_without_rounding_the_differences():
+  """A bfloat16 model's outputs and gradients are exact in float64; the attributions (1000s of
+  products per position) must equal their float64 sums to float32 precision, not bfloat16's.
+
+  Not jitted: op by op, both sides round the model's bfloat16 values alike (under ``jax.jit``
+  XLA may fuse bfloat16 ops and keep float32 between them, differently in each program)."""
+  model, variables, x, corrupted, names, outputs_and_grads = bf16_problem(conv=False)
+  clean_out, _ = outputs_and_grads(x)
+  out, grads = outputs_and_grads(corrupted)
+  metric = lambda v, x: model.apply(v, x)
+  patched = perturbkit.attribution_patching(metric, axis=1)(variables, x, corrupted)
+  gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
+  assert patched.paths == gxa.paths == tuple(names)
+  want = np.stack([np.sum((clean_out[n] - out[n]) * grads[n], axis=(0, 2)) for n in names])
+  want_gxa = np.stack([np.sum(out[n] * grads[n], axis=(0, 2)) for n in names])
+  for got, expected in ((patched.effects, want), (gxa.effects, want_gxa)):
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=0,
+                               atol=1e-6 * np.abs(expected).max())
+
+  ig = perturbkit.layer_integrated_gradients(metric, axis=1, steps=4)(variables, corrupted)
+  assert ig.effects.dtype == jnp.float32
+
+
+def test_bf16_grad_cam_is_computed_in_float32():
+  model, variables, images, _, names, outputs_and_grads = bf16_problem(conv=True)
+  feature_maps, grads = outputs_and_grads(images)
+  _, maps = perturbkit.grad_cam(lambda v, x: model.apply(v, x))(variables, images)  # op by op
+  assert list(maps) == names
+  for n in names:
+    want = np.maximum(np.einsum('bhwc,bc->bhw', feature_maps[n], grads[n].mean(axis=(1, 2))), 0)
+    assert maps[n].dtype == jnp.float32 and want.max() > 0
+    np.testing.assert_allclose(np.asarray(maps[n], np.float64), want, rtol=0,
+                               atol=1e-6 * want.max())

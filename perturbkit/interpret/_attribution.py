@@ -24,13 +24,31 @@ def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
   return value, outputs, grads
 
 
+def widened(x: jax.Array) -> jax.Array:
+  """``x`` in at least float32, where attributions are multiplied and summed.
+
+  A bfloat16 or float16 model's outputs and gradients are exact in float32, so the
+  difference of two close outputs and the sum of their products over a batch lose
+  nothing there; in the model's own dtype both would be rounded to 3 digits.
+  """
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def difference(a: Any, b: Any) -> Any:
+  """``a - b`` leaf by leaf, in at least float32 (:func:`widened`)."""
+  return jax.tree.map(lambda x, y: widened(x) - widened(y), a, b)
+
+
 def first_order(paths: Sequence[tuple], deltas: dict, grads: dict, axis: int | None,
                 positions: tuple[int, ...] | None,
                 view: tuple[int, ...] | None = None) -> jax.Array:
-  """``(calls, positions)``: ``delta . grad`` of each call in ``paths``, summed per position."""
+  """``(calls, positions)``: ``delta . grad`` of each call in ``paths``, summed per position.
+
+  In at least float32 (:func:`widened`), whatever the model's dtype.
+  """
   rows = []
   for path in paths:
-    terms = [per_position(d * g, axis, positions, view)
+    terms = [per_position(widened(d) * widened(g), axis, positions, view)
              for d, g in zip(jax.tree.leaves(deltas[path]), jax.tree.leaves(grads[path]))]
     rows.append(functools.reduce(jnp.add, terms))
   return jnp.stack(rows)
@@ -53,8 +71,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
     clean_metric, clean_outputs, _ = clean_points.run({}, (clean,), {}, None)
     clean_metric = check_metric(clean_metric, function)
     corrupted_metric, outputs, grads = metric_and_grads(corrupted_points, corrupted, function)
-    deltas = {p: jax.tree.map(jnp.subtract, clean_outputs[p], outputs[p])
-              for p in corrupted_points.paths}
+    deltas = {p: difference(clean_outputs[p], outputs[p]) for p in corrupted_points.paths}
     effects = first_order(corrupted_points.paths, deltas, grads, axis, where, view)
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
                           clean_metric, corrupted_metric)

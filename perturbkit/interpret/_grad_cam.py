@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, InvalidOptionError
-from perturbkit.interpret._attribution import metric_and_grads
+from perturbkit.interpret._attribution import metric_and_grads, widened
 from perturbkit.interpret._points import Tracer, trace
 
 
@@ -34,6 +34,8 @@ def check_feature_maps(traced: TracedPoints, function: str) -> None:
 def class_activation_map(feature_map: jax.Array, grad: jax.Array) -> jax.Array:
   """``relu(sum_c mean_hw(grad)_c * feature_map_c)``: ``(batch, height, width)``.
 
+  In at least float32, whatever the model's dtype.
+
   Example:
     >>> import jax.numpy as jnp
     >>> a = jnp.ones((1, 2, 2, 3))
@@ -41,8 +43,8 @@ def class_activation_map(feature_map: jax.Array, grad: jax.Array) -> jax.Array:
     >>> class_activation_map(a, g).tolist()
     [[[2.0, 2.0], [2.0, 2.0]]]
   """
-  weights = jnp.mean(grad, axis=(1, 2))
-  return jax.nn.relu(jnp.einsum('bhwc,bc->bhw', feature_map, weights))
+  weights = jnp.mean(widened(grad), axis=(1, 2))
+  return jax.nn.relu(jnp.einsum('bhwc,bc->bhw', widened(feature_map), weights))
 
 
 def resized(cam: jax.Array, inputs: Any, function: str) -> jax.Array:

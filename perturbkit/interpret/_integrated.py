@@ -18,7 +18,7 @@ import numpy as np
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._validate import positive_int
 from perturbkit.errors import InvalidOptionError
-from perturbkit.interpret._attribution import first_order
+from perturbkit.interpret._attribution import difference, first_order
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
@@ -113,7 +113,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, outputs, metric,
                                                   baseline, filter, function)
     paths = traced.paths
-    deltas = {p: jax.tree.map(jnp.subtract, outputs[p], baselines[p]) for p in paths}
+    deltas = {p: difference(outputs[p], baselines[p]) for p in paths}
     zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
 
     def job(group, call, alpha):
