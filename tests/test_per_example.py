@@ -272,6 +272,70 @@ def test_general_path():
   assert_norms_match(classification_loss(model), variables, x, y)
 
 
+class Bf16Net(nn.Module):
+  """Embed, LayerNorm, Dense and Conv layers computing in bfloat16."""
+
+  @nn.compact
+  def __call__(self, ids):
+    low = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    x = nn.LayerNorm(**low)(nn.Embed(50, 32, **low)(ids))
+    for width in (64, 64, 8):
+      x = jnp.tanh(nn.Dense(width, **low)(x))
+    return nn.Conv(4, (3,), **low)(x)
+
+
+def dense_inputs_and_output_grads(model, variables, loss_fn, ids):
+  """Each Dense call's input and the loss's gradient at its output (``nn.intercept_methods``)."""
+  def loss_with(deltas):
+    inputs = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if not isinstance(context.module, nn.Dense):
+        return out
+      inputs[context.module.name] = args[0]
+      return out + deltas[context.module.name]
+
+    with nn.intercept_methods(interceptor):
+      return loss_fn(variables, ids), inputs
+
+  zeros = {f'Dense_{i}': jnp.zeros(ids.shape + (w,), jnp.bfloat16)
+           for i, w in enumerate((64, 64, 8))}
+  grads, inputs = jax.grad(loss_with, has_aux=True)(zeros)
+  return inputs, grads
+
+
+@pytest.mark.parametrize('method', ['ghost', 'direct'])
+def test_bf16_model_norms_are_summed_in_float32(method):
+  """A bfloat16 model's squared norms (sums over thousands of products) are taken in float32,
+  not rounded to bfloat16's 3 digits (0.3% off before), and every norm is float32.
+
+  The Dense kernels' norms equal float64 sums of ``sum_t a_t g_tᵀ`` from the layer's bfloat16
+  input and output gradient (``nn.intercept_methods``) to 1e-5. ``vmap(grad)``'s per-example
+  gradients, being rounded to bfloat16 entry by entry, bound the agreement of the other params
+  to that rounding. Op by op (not jitted), so both sides round the model's values alike."""
+  model = Bf16Net()
+  ids = jax.random.randint(jax.random.key(0), (8, 16), 0, 50)
+  variables = model.init(jax.random.key(1), ids)
+  loss_fn = lambda v, ids: jnp.mean(model.apply(v, ids).astype(jnp.float32) ** 2)
+  _, norms = perturbkit.per_example_grad_norms(loss_fn, dense_method=method)(variables, ids)
+  assert all(n.dtype == jnp.float32 for n in jax.tree.leaves(norms))
+
+  inputs, grads = dense_inputs_and_output_grads(model, variables, loss_fn, ids)
+  for name, a in inputs.items():
+    # A mean over 8 examples: each term's gradient is 8 times the batch loss's.
+    kernel = np.einsum('bti,bto->bio', np.asarray(a, np.float64),
+                       8 * np.asarray(grads[name], np.float64))
+    np.testing.assert_allclose(norms.by_param[name]['kernel'],
+                               np.sqrt(np.sum(kernel.reshape(8, -1) ** 2, axis=1)), rtol=1e-5)
+
+  one = lambda i: jax.grad(lambda p: loss_fn({'params': p}, i[None]))(variables['params'])
+  squares = jax.tree.map(lambda g: np.sum(np.asarray(g, np.float64).reshape(8, -1) ** 2, axis=1),
+                         jax.vmap(one)(ids))
+  chex.assert_trees_all_close(norms.by_param, jax.tree.map(np.sqrt, squares), rtol=1e-2)
+  np.testing.assert_allclose(norms.total, np.sqrt(sum(jax.tree.leaves(squares))), rtol=1e-3)
+
+
 def test_batch_axes_time_major_labels():
   """Examples on axis 1 of one argument, axis 0 of the other."""
   model = models.MLP(out=3)

@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.interpret._edits import checked_view
 from perturbkit.interpret._points import Tracer, check_metric, trace
@@ -22,16 +23,6 @@ def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
   zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
   (value, outputs), grads = jax.value_and_grad(metric, has_aux=True)(zeros)
   return value, outputs, grads
-
-
-def widened(x: jax.Array) -> jax.Array:
-  """``x`` in at least float32, where attributions are multiplied and summed.
-
-  A bfloat16 or float16 model's outputs and gradients are exact in float32, so the
-  difference of two close outputs and the sum of their products over a batch lose
-  nothing there; in the model's own dtype both would be rounded to 3 digits.
-  """
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def difference(a: Any, b: Any) -> Any:

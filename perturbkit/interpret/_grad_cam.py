@@ -11,9 +11,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, InvalidOptionError
-from perturbkit.interpret._attribution import metric_and_grads, widened
+from perturbkit.interpret._attribution import metric_and_grads
 from perturbkit.interpret._points import Tracer, trace
 
 

@@ -33,6 +33,10 @@ How each layer is computed
 * Embed: ``Σ_{t,s}[id_t = id_s] g_t·g_s``.
 * LayerNorm and RMSNorm scale and bias, and the Dense and Conv biases, have
   rules of their own.
+* The norms are float32 (float64 for a float64 model): a bfloat16 or float16
+  model's Gram matrices, per-example kernel and bias gradients and squared
+  norms are accumulated in float32, and the per-example gradients kept for the
+  clipped sum are stored in the model's dtype.
 * Any other module that owns params is replayed per example: a vmap of its own
   call's VJP, given its recorded inputs and output gradient (transient memory of
   that layer only). A module that also has children gets only its own params

@@ -10,9 +10,10 @@ from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._pass import Pass, run_pass
-from perturbkit.per_example._reads import grads_with_reads, per_example_sq, tied_head
+from perturbkit.per_example._reads import grads_with_reads, tied_head
 from perturbkit.per_example._rules import (DENSE_METHODS, LayerNorms, embed_rule, heads_of,
-                                           heads_use_ghost, kind_of, layer_norms)
+                                           heads_use_ghost, kind_of, layer_norms,
+                                           per_example_sq)
 from perturbkit.core._types import Path
 
 

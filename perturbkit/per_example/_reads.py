@@ -128,8 +128,3 @@ def tied_head(read: Read, path: Path, direct: dict) -> Head | None:
       and producers[0].invars[0] is kernel):
     return Head(pair.args[0], pair.grad)
   return None
-
-
-def per_example_sq(per_example: jax.Array) -> jax.Array:
-  """``(examples,)`` squared norms of ``(examples, *shape)`` gradients."""
-  return jnp.sum(jnp.square(per_example.reshape(per_example.shape[0], -1)), axis=1)

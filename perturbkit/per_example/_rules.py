@@ -31,13 +31,14 @@ direct Dense kernels), it returns them too when they take no more memory than
 the calls' inputs and output gradients: the clipped sum of DP-SGD is then a
 weighted sum of them (``sum_i c_i G_i``) instead of one more VJP of each call.
 """
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._conv_patches import conv_patches as patches_of
+from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.per_example._replay import Pair, call_output, per_example_grads
 
@@ -56,23 +57,36 @@ class LayerNorms(NamedTuple):
   per_example: dict[str, jax.Array] | None = None
 
 
-def _sq(per_example: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.square(per_example.reshape(per_example.shape[0], -1)), axis=1)
+def per_example_sq(per_example: jax.Array) -> jax.Array:
+  """``(examples,)`` squared norms of ``(examples, *shape)`` gradients, in at least float32."""
+  return jnp.sum(jnp.square(widened(per_example.reshape(per_example.shape[0], -1))), axis=1)
+
+
+def _gram(layout: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  """``einsum(layout, x, y)`` accumulated and returned in at least float32."""
+  return jnp.einsum(layout, x, y, preferred_element_type=accumulation_dtype(
+      jnp.promote_types(x.dtype, y.dtype)))
 
 
 def _size(tree) -> int:
   return sum(int(np.prod(jnp.shape(t))) for t in jax.tree.leaves(tree))
 
 
-def _kept(pairs: list[Pair], per_example: dict[str, jax.Array]) -> LayerNorms:
+def _kept(pairs: list[Pair], per_example: dict[str, jax.Array],
+          dtypes: dict[str, Any] | None = None) -> LayerNorms:
   """Norms of ``per_example``, which are kept when no larger than the calls' arrays.
 
   Without them, the clipped sum replays each call from its inputs and output
   gradient, which must then stay in memory until every example's norm is known.
+  ``dtypes``: the dtype each kept array is stored in (the params'), where the
+  norms are taken from wider values.
   """
-  squares = {k: _sq(v) for k, v in per_example.items()}
+  squares = {k: per_example_sq(v) for k, v in per_example.items()}
   replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
-  return LayerNorms(squares, per_example if _size(per_example) <= replay else None)
+  if _size(per_example) > replay:
+    return LayerNorms(squares)
+  dtypes = dtypes or {}
+  return LayerNorms(squares, {k: v.astype(dtypes.get(k, v.dtype)) for k, v in per_example.items()})
 
 
 def _first_input(pair: Pair) -> jax.Array:
@@ -143,25 +157,27 @@ def uses_ghost(tokens: int, d_in: int, d_out: int, method: str) -> bool:
 
 
 def ghost_sq_norms(a: jax.Array, g: jax.Array) -> jax.Array:
-  """``‖sum_t a_t g_tᵀ‖²`` per example for ``a`` (B, T, i) and ``g`` (B, T, o), by ghost norm."""
+  """``‖sum_t a_t g_tᵀ‖²`` per example for ``a`` (B, T, i) and ``g`` (B, T, o), by ghost norm.
+
+  In at least float32: the Gram matrices accumulate in it from the model's dtype.
+  """
   if a.shape[1] == 1:  # one token: ‖a‖²‖g‖²
-    return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(g), axis=(1, 2))
-  aa = jnp.einsum('bti,bsi->bts', a, a)
-  gg = jnp.einsum('bto,bso->bts', g, g)
-  return jnp.sum(aa * gg, axis=(1, 2))
+    return per_example_sq(a) * per_example_sq(g)
+  return jnp.sum(_gram('bti,bsi->bts', a, a) * _gram('bto,bso->bts', g, g), axis=(1, 2))
 
 
 def _linear_rule(pairs: list[Pair], params: dict, num_examples: int, method: str,
                  inputs: Callable[[Pair], jax.Array]) -> LayerNorms:
   a = jnp.concatenate([_tokens(inputs(p), num_examples, _where(p)) for p in pairs], axis=1)
   g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in pairs], axis=1)
-  bias = {'bias': jnp.sum(g, axis=1)} if 'bias' in params else {}
+  bias = {'bias': jnp.sum(widened(g), axis=1)} if 'bias' in params else {}
   if not uses_ghost(a.shape[1], a.shape[2], g.shape[2], method):
     layout = 'bti,bto->boi' if pairs[0].use.kind.transposed else 'bti,bto->bio'
-    kernel = jnp.einsum(layout, a, g).reshape((num_examples,) + params['kernel'].shape)
-    return _kept(pairs, {'kernel': kernel, **bias})
+    kernel = _gram(layout, a, g).reshape((num_examples,) + params['kernel'].shape)
+    return _kept(pairs, {'kernel': kernel, **bias},
+                 {k: jnp.promote_types(a.dtype, g.dtype) for k in ('kernel', *bias)})
   squares = {'kernel': ghost_sq_norms(a, g)}
-  squares.update({k: _sq(v) for k, v in bias.items()})
+  squares.update({k: per_example_sq(v) for k, v in bias.items()})
   return LayerNorms(squares)
 
 
@@ -229,7 +245,8 @@ def conv_kernel_blocks(pair: Pair, reduce: Callable[[jax.Array], jax.Array]) -> 
       shape = [1] * window.ndim
       shape[axis] = n
       window = window * inside.reshape(shape).astype(window.dtype)
-    block = jax.lax.dot_general(window, g, ((spatial, spatial), ((0,), (0,))))  # (B, in, out)
+    block = jax.lax.dot_general(window, g, ((spatial, spatial), ((0,), (0,))),  # (B, in, out)
+                                preferred_element_type=accumulation_dtype(x.dtype))
     return None, reduce(block)
 
   return jax.lax.scan(block, None, starts)[1]
@@ -242,19 +259,22 @@ def conv_direct_rule(pairs, params, num_examples, method):
     _tokens(p.grad, num_examples, _where(p))  # the examples on axis 0
   bias = {}
   if 'bias' in params:
-    bias = {'bias': sum(jnp.sum(p.grad, axis=tuple(range(1, p.grad.ndim - 1)))
+    bias = {'bias': sum(jnp.sum(widened(p.grad), axis=tuple(range(1, p.grad.ndim - 1)))
                         for p in pairs)}
   shape = params['kernel'].shape
   replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
   keep = num_examples * int(np.prod(shape)) <= replay
   if len(pairs) == 1 and not keep:
     # Offsets are disjoint blocks of the kernel: the squares add up over them.
-    squares = {'kernel': jnp.sum(conv_kernel_blocks(pairs[0], _sq), axis=0)}
-    return LayerNorms({**squares, **{k: _sq(v) for k, v in bias.items()}})
+    squares = {'kernel': jnp.sum(conv_kernel_blocks(pairs[0], per_example_sq), axis=0)}
+    return LayerNorms({**squares, **{k: per_example_sq(v) for k, v in bias.items()}})
   kernel = sum(conv_kernel_blocks(p, lambda b: b) for p in pairs)  # (offsets, B, in, out)
   kernel = jnp.moveaxis(kernel, 0, 1).reshape((num_examples,) + shape)
-  squares = {'kernel': _sq(kernel), **{k: _sq(v) for k, v in bias.items()}}
-  return LayerNorms(squares, {'kernel': kernel, **bias} if keep else None)
+  squares = {'kernel': per_example_sq(kernel), **{k: per_example_sq(v) for k, v in bias.items()}}
+  if not keep:
+    return LayerNorms(squares)
+  dtype = jnp.promote_types(pairs[0].args[0].dtype, pairs[0].grad.dtype)
+  return LayerNorms(squares, {k: v.astype(dtype) for k, v in {'kernel': kernel, **bias}.items()})
 
 
 class Head(NamedTuple):
@@ -290,7 +310,7 @@ def embed_rule(pairs, params, num_examples, method, heads: tuple[Head, ...] = ()
     ids = jnp.concatenate([_first_input(p).reshape(num_examples, -1) for p in lookups], axis=1)
     g = jnp.concatenate([_tokens(p.grad, num_examples, _where(p)) for p in lookups], axis=1)
     same = ids[:, :, None] == ids[:, None, :]
-    gg = jnp.einsum('btd,bsd->bts', g, g)
+    gg = _gram('btd,bsd->bts', g, g)
     terms.append(jnp.sum(jnp.where(same, gg, 0), axis=(1, 2)))
   if heads:
     where = f'the output head tied to {_where(pairs[0]) if pairs else "an embedding"}'
@@ -302,8 +322,8 @@ def embed_rule(pairs, params, num_examples, method, heads: tuple[Head, ...] = ()
       at_ids = jnp.take_along_axis(
           logits_grad, jnp.broadcast_to(ids[:, None, :], ids.shape[:1] + (h.shape[1],)
                                         + ids.shape[1:]), axis=2)
-      gh = jnp.einsum('btd,bsd->bst', g, h)
-      terms.append(2 * jnp.sum(at_ids * gh, axis=(1, 2)))
+      gh = _gram('btd,bsd->bst', g, h)
+      terms.append(2 * jnp.sum(widened(at_ids) * gh, axis=(1, 2)))
   return LayerNorms({'embedding': sum(terms[1:], terms[0])})
 
 
@@ -318,10 +338,10 @@ def norm_rule(pairs, params, num_examples, method):
   del method
   sums: dict[str, jax.Array] = {}
   for p in pairs:
-    g = _tokens(p.grad, num_examples, _where(p))
+    g = widened(_tokens(p.grad, num_examples, _where(p)))
     parts = {'bias': jnp.sum(g, axis=1)}
     if 'scale' in params:
-      x_hat = _tokens(_normalized(p, params), num_examples, _where(p))
+      x_hat = widened(_tokens(_normalized(p, params), num_examples, _where(p)))
       parts['scale'] = jnp.sum(g * x_hat, axis=1)
     for k in params:
       sums[k] = sums[k] + parts[k] if k in sums else parts[k]
