@@ -432,3 +432,22 @@ def test_bf16_grad_cam_is_computed_in_float32():
     assert maps[n].dtype == jnp.float32 and want.max() > 0
     np.testing.assert_allclose(np.asarray(maps[n], np.float64), want, rtol=0,
                                atol=1e-6 * want.max())
+
+
+def test_bf16_metric_patching_effects_are_exact_differences_in_float32():
+  """Activation patching of a bfloat16 metric gives float32 effects, as attribution patching
+  does, so the two compare in one dtype; each is the exact difference of the two metrics."""
+  model, variables, x, corrupted, names, _ = bf16_problem(conv=False)
+  metric = lambda v, x: model.apply(v, x).astype(jnp.bfloat16)
+  result = perturbkit.activation_patching(metric)(variables, x, corrupted)
+  zeros = {n: 0 for n in names}
+  _, clean_out = recorded(model, variables, x, zeros)
+  base = np.float64(metric(variables, corrupted))
+  assert result.effects.dtype == jnp.float32 and result.paths == tuple(names)
+  for i, name in enumerate(names):
+    def interceptor(next_fun, args, kwargs, context, name=name):
+      out = next_fun(*args, **kwargs)
+      return clean_out[name] if f'{context.module.name}/__call__' == name else out
+    with nn.intercept_methods(interceptor):
+      patched = np.float64(metric(variables, corrupted))
+    assert float(result.effects[i, 0]) == patched - base

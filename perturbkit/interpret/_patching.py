@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import point_name
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._points import Tracer, check_metric, trace
@@ -55,7 +56,9 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
       edit = edit_function(patching_edits(outputs, group_paths, call - group[0], at, axis,
                                           view), paths)
       patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
-      return check_metric(patched, function) - corrupted_metric
+      # float32 effects, as the attribution functions give: the difference of two
+      # bfloat16 metrics is exact in float32 (in bfloat16 only within a factor 2).
+      return widened(check_metric(patched, function)) - widened(corrupted_metric)
 
     columns = 1 if where is None else len(where)
     effects = sweep(job, len(paths), jnp.arange(columns), batch_size,
