@@ -68,9 +68,10 @@ Conventions
 * The metric is ``fn``'s output and must be a real scalar (reduce the batch,
   e.g. the mean logit difference); patching changes every example of the batch
   at once, and the attributions sum over the batch and every axis but ``axis``.
-* Attributions and Grad-CAM maps are computed in at least float32: a bfloat16
+* Effects and Grad-CAM maps are computed in at least float32: a bfloat16
   model's outputs are subtracted, multiplied by their gradients and summed in
-  float32, and the effects are float32.
+  float32, activation patching subtracts the metrics in float32, and every
+  ``effects`` array is float32.
 * Clean and corrupted inputs must make the same calls with outputs of the same
   shapes (``CallStructureMismatchError`` names the first call that differs).
 * NNX: the functions run a copy of the model merged in their own trace; the
