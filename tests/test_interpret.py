@@ -27,6 +27,7 @@ import models
 import nnx_models
 import perturbkit
 import perturbkit.interpret._sweep as sweep_module
+from perturbkit.interpret._positions import per_position, spread
 from hand_mlp import NAMES, SHAPE, metric_of
 from perturbkit import filters, interpret
 
@@ -312,11 +313,33 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
                                       for n in NAMES]), **TOL)
 
   every = jnp.stack([per_token(a_corrupted[n] * grads[n]) for n in NAMES])
-  # Scattered, unordered, negative (a run that ends at the last token) and neighbouring positions.
-  for positions in ([0, 3], [3, 0], [-2, -1], [1, 2]):
+  # Scattered, unordered, negative (a run that ends at the last token), neighbouring and
+  # repeated positions.
+  for positions in ([0, 3], [3, 0], [-2, -1], [1, 2], [2, 0, 2]):
     gxa = perturbkit.grad_times_activation(metric, axis=1, positions=positions)(
         variables, corrupted)
     chex.assert_trees_all_close(gxa.effects, every[:, jnp.array(positions)], **TOL)
+
+
+@pytest.mark.parametrize('axis, positions, shape', [
+    (None, None, (2, 5, 3)), (1, (0, 1, 2, 3, 4), (2, 5, 3)), (1, (1, 2), (2, 5, 3)),
+    (-2, (-1, 0, 3), (2, 5, 3)), (2, (2, 0, 2), (2, 5, 3)), (0, (1,), (2, 5, 3))])
+def test_spread_is_the_adjoint_of_per_position(axis, positions, shape):
+  """The attributions are gradients with respect to scalars that ``spread`` puts along the axis:
+  ``grad_s sum(spread(s) * v)`` must be ``per_position(v)``, and ``spread`` zero elsewhere."""
+  values = jax.random.normal(jax.random.key(0), shape)
+  count = 1 if positions is None else len(positions)
+  scalars = jnp.arange(1.0, count + 1.0)
+  grad = jax.grad(lambda s: jnp.sum(spread(s, axis, positions, shape) * values))(scalars)
+  chex.assert_trees_all_close(grad, per_position(values, axis, positions), **TOL)
+  dense = np.broadcast_to(np.asarray(spread(scalars, axis, positions, shape)), shape)
+  want = np.zeros(shape)
+  for j, value in enumerate(np.asarray(scalars)):
+    index = [slice(None)] * len(shape)
+    if axis is not None:
+      index[axis] = positions[j]
+    want[tuple(index)] += value
+  np.testing.assert_array_equal(dense, want)
 
 
 def test_attribution_patching_is_close_to_activation_patching_for_a_small_difference(mlp):

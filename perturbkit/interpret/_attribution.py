@@ -5,13 +5,60 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from perturbkit.core._precision import widened
+from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.core._traced_points import TracedPoints, point_name
-from perturbkit.interpret._edits import checked_view
+from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import (check_same_calls, checked_positions,
-                                            per_position, sweep_positions)
+                                            per_position, spread, sweep_positions)
 from perturbkit.interpret._result import PatchingResult
+
+
+# ``(point path, a call's output) -> the direction its first-order effect is taken along``.
+Direction = Callable[[tuple, Any], Any]
+
+
+def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
+                        axis: int | None, positions: tuple[int, ...] | None,
+                        view: tuple[int, ...] | None, function: str
+                        ) -> tuple[jax.Array, jax.Array]:
+  """``(metric, effects)``: ``direction . d metric / d output`` of every call, per position.
+
+  Each selected call's output ``o`` runs as ``o + w * direction(path, o)``,
+  where ``w`` is :func:`spread` from zero scalars ``s[path]``, one per position
+  along ``axis`` (one without it); the gradient with respect to ``s`` is the
+  per-position sum of ``direction . d metric / d o``. So all the effects come
+  from one backward pass in which no call's output gradient is kept whole:
+  each is summed per position where it is made. In at least float32
+  (:func:`widened`); the model still sees ``o`` exactly, ``s`` being zero.
+
+  Returns:
+    The metric (checked to be a real scalar) and ``effects`` of shape
+    ``(len(traced.paths), len(positions) or 1)``.
+  """
+  count = 1 if positions is None else len(positions)
+
+  def scalars(path: tuple) -> jax.Array:
+    dtype = functools.reduce(jnp.promote_types, [accumulation_dtype(leaf.dtype)
+                                                 for leaf in traced.shapes[path].leaves])
+    return jnp.zeros((count,), dtype)
+
+  def metric(s: dict) -> jax.Array:
+    def edit(path: tuple, output: Any) -> Any:
+      name = point_name(path)
+
+      def moved(o: jax.Array, d: jax.Array) -> jax.Array:
+        shape = viewed_shape(jnp.shape(o), view, name)
+        along = spread(s[path], axis, positions, shape) * viewed(d, view, name)
+        return (widened(viewed(o, view, name)) + along).reshape(jnp.shape(o)).astype(o.dtype)
+
+      return jax.tree.map(moved, output, direction(path, output))
+
+    out, _, _ = traced.run({}, (inputs,), {}, edit)
+    return check_metric(out, function)
+
+  value, grads = jax.value_and_grad(metric)({p: scalars(p) for p in traced.paths})
+  return value, jnp.stack([grads[p] for p in traced.paths])
 
 
 def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
@@ -61,9 +108,10 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
     where = sweep_positions(clean_points, axis, positions, view)
     clean_metric, clean_outputs, _ = clean_points.run({}, (clean,), {}, None)
     clean_metric = check_metric(clean_metric, function)
-    corrupted_metric, outputs, grads = metric_and_grads(corrupted_points, corrupted, function)
-    deltas = {p: difference(clean_outputs[p], outputs[p]) for p in corrupted_points.paths}
-    effects = first_order(corrupted_points.paths, deltas, grads, axis, where, view)
+    # Along a_clean - a_corrupted, a_corrupted being the output the corrupted run makes.
+    towards_clean = lambda path, output: difference(clean_outputs[path], output)
+    corrupted_metric, effects = first_order_effects(corrupted_points, corrupted, towards_clean,
+                                                    axis, where, view, function)
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
                           clean_metric, corrupted_metric)
 
@@ -82,8 +130,8 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
   def attribute(model, inputs) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     where = sweep_positions(traced, axis, positions, view)
-    metric, outputs, grads = metric_and_grads(traced, inputs, function)
-    effects = first_order(traced.paths, outputs, grads, axis, where, view)
+    itself = lambda path, output: jax.tree.map(widened, output)
+    metric, effects = first_order_effects(traced, inputs, itself, axis, where, view, function)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)
 
   return attribute

@@ -82,6 +82,27 @@ def per_position(values: jax.Array, axis: int | None, positions: tuple[int, ...]
   return sums[np.asarray(positions)]
 
 
+def spread(scalars: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
+           shape: tuple[int, ...]) -> jax.Array:
+  """The adjoint of :func:`per_position`: ``scalars`` put at ``positions`` along ``axis``.
+
+  Returns an array that broadcasts to ``shape``: ``scalars[j]`` at index
+  ``positions[j]`` along ``axis`` (repeated positions add up), zero elsewhere;
+  without ``axis``, the one scalar. So the gradient of ``sum(spread(s) * v)``
+  with respect to ``s`` is ``per_position(v)``.
+  """
+  if axis is None:
+    return scalars[0]
+  axis = axis % len(shape)
+  size = shape[axis]
+  index = [p % size for p in positions]
+  if index == list(range(index[0], index[0] + len(index))):
+    weights = jnp.pad(scalars, (index[0], size - index[0] - len(index)))
+  else:
+    weights = jnp.zeros((size,), scalars.dtype).at[np.asarray(index)].add(scalars)
+  return weights.reshape([size if a == axis else 1 for a in range(len(shape))])
+
+
 def _described(traced: TracedPoints, path: tuple | None) -> str:
   if path is None:
     return 'no further call'
