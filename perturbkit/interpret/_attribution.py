@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.core._precision import accumulation_dtype, widened
-from perturbkit.core._traced_points import TracedPoints, point_name
+from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import (check_same_calls, checked_positions,
-                                            per_position, spread, sweep_positions)
+                                            spread, sweep_positions)
 from perturbkit.interpret._result import PatchingResult
 
 
@@ -20,11 +20,13 @@ Direction = Callable[[tuple, Any], Any]
 
 def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
                         axis: int | None, positions: tuple[int, ...] | None,
-                        view: tuple[int, ...] | None, function: str
-                        ) -> tuple[jax.Array, jax.Array]:
+                        view: tuple[int, ...] | None, function: str,
+                        paths: Sequence[tuple] | None = None,
+                        edit: PointEdit | None = None) -> tuple[jax.Array, jax.Array]:
   """``(metric, effects)``: ``direction . d metric / d output`` of every call, per position.
 
-  Each selected call's output ``o`` runs as ``o + w * direction(path, o)``,
+  Each call in ``paths`` (default: every selected call), its output ``o``
+  first edited by ``edit`` where given, runs as ``o + w * direction(path, o)``,
   where ``w`` is :func:`spread` from zero scalars ``s[path]``, one per position
   along ``axis`` (one without it); the gradient with respect to ``s`` is the
   per-position sum of ``direction . d metric / d o``. So all the effects come
@@ -34,8 +36,9 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
 
   Returns:
     The metric (checked to be a real scalar) and ``effects`` of shape
-    ``(len(traced.paths), len(positions) or 1)``.
+    ``(len(paths), len(positions) or 1)``.
   """
+  paths = traced.paths if paths is None else tuple(paths)
   count = 1 if positions is None else len(positions)
 
   def scalars(path: tuple) -> jax.Array:
@@ -44,7 +47,10 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
     return jnp.zeros((count,), dtype)
 
   def metric(s: dict) -> jax.Array:
-    def edit(path: tuple, output: Any) -> Any:
+    def moved_along(path: tuple, output: Any) -> Any:
+      output = output if edit is None else edit(path, output)
+      if path not in s:
+        return output
       name = point_name(path)
 
       def moved(o: jax.Array, d: jax.Array) -> jax.Array:
@@ -54,42 +60,16 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
 
       return jax.tree.map(moved, output, direction(path, output))
 
-    out, _, _ = traced.run({}, (inputs,), {}, edit)
+    out, _, _ = traced.run({}, (inputs,), {}, moved_along)
     return check_metric(out, function)
 
-  value, grads = jax.value_and_grad(metric)({p: scalars(p) for p in traced.paths})
-  return value, jnp.stack([grads[p] for p in traced.paths])
-
-
-def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
-  """``(metric, outputs, d metric / d outputs)`` of one run, all by point path."""
-  def metric(perturbations):
-    out, outputs, _ = traced.run(perturbations, (inputs,), {}, None)
-    return check_metric(out, function), outputs
-
-  zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
-  (value, outputs), grads = jax.value_and_grad(metric, has_aux=True)(zeros)
-  return value, outputs, grads
+  value, grads = jax.value_and_grad(metric)({p: scalars(p) for p in paths})
+  return value, jnp.stack([grads[p] for p in paths])
 
 
 def difference(a: Any, b: Any) -> Any:
   """``a - b`` leaf by leaf, in at least float32 (:func:`widened`)."""
   return jax.tree.map(lambda x, y: widened(x) - widened(y), a, b)
-
-
-def first_order(paths: Sequence[tuple], deltas: dict, grads: dict, axis: int | None,
-                positions: tuple[int, ...] | None,
-                view: tuple[int, ...] | None = None) -> jax.Array:
-  """``(calls, positions)``: ``delta . grad`` of each call in ``paths``, summed per position.
-
-  In at least float32 (:func:`widened`), whatever the model's dtype.
-  """
-  rows = []
-  for path in paths:
-    terms = [per_position(widened(d) * widened(g), axis, positions, view)
-             for d, g in zip(jax.tree.leaves(deltas[path]), jax.tree.leaves(grads[path]))]
-    rows.append(functools.reduce(jnp.add, terms))
-  return jnp.stack(rows)
 
 
 def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,

@@ -14,8 +14,18 @@ import jax.numpy as jnp
 from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, InvalidOptionError
-from perturbkit.interpret._attribution import metric_and_grads
-from perturbkit.interpret._points import Tracer, trace
+from perturbkit.interpret._points import Tracer, check_metric, trace
+
+
+def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
+  """``(metric, outputs, d metric / d outputs)`` of one run, all by point path."""
+  def metric(perturbations):
+    out, outputs, _ = traced.run(perturbations, (inputs,), {}, None)
+    return check_metric(out, function), outputs
+
+  zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
+  (value, outputs), grads = jax.value_and_grad(metric, has_aux=True)(zeros)
+  return value, outputs, grads
 
 
 def check_feature_maps(traced: TracedPoints, function: str) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._validate import positive_int
 from perturbkit.errors import InvalidOptionError
-from perturbkit.interpret._attribution import difference, first_order
+from perturbkit.interpret._attribution import difference, first_order_effects
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
@@ -114,18 +114,16 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
                                                   baseline, filter, function)
     paths = traced.paths
     deltas = {p: difference(outputs[p], baselines[p]) for p in paths}
-    zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
 
     def job(group, call, alpha):
       group_paths = [paths[i] for i in group]
       edit = edit_function(path_edits(baselines, deltas, group_paths, call - group[0], alpha),
                            paths)
-      at_group = lambda perturbations: check_metric(
-          traced.run({**zeros, **perturbations}, (inputs,), {}, edit)[0], function)
-      # The gradient at each call's point is d metric / d (its edited output); only the
-      # group's calls and what follows them are differentiated.
-      grads = jax.grad(at_group)({p: zeros[p] for p in group_paths})
-      return first_order(group_paths, deltas, grads, axis, where, view)[call - group[0]]
+      # (a - b) . d metric / d (the edited output), per position; only the group's calls and
+      # what follows them are differentiated.
+      _, effects = first_order_effects(traced, inputs, lambda path, _: deltas[path], axis,
+                                       where, view, function, group_paths, edit)
+      return effects[call - group[0]]
 
     per_node = sweep(job, len(paths), jnp.asarray(alphas, jnp.float32), batch_size,
                      'integrated gradients' if progress else None)

@@ -8,7 +8,7 @@ import numpy as np
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import (CallStructureMismatchError, InvalidOptionError,
                                PositionOutOfRangeError)
-from perturbkit.interpret._edits import viewed, viewed_shape
+from perturbkit.interpret._edits import viewed_shape
 
 
 def checked_positions(positions: Sequence[int] | None, axis: int | None
@@ -65,31 +65,14 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
   return positions
 
 
-def per_position(values: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
-                 view: tuple[int, ...] | None = None) -> jax.Array:
-  """``values`` (viewed as ``view``) summed over every axis but ``axis``, at ``positions``.
-
-  One reduction, then a slice where the positions are a run of neighbours (no gather).
-  """
-  values = viewed(values, view, 'the call')
-  if axis is None:
-    return jnp.sum(values)[None]
-  axis = axis % values.ndim
-  sums = jnp.sum(values, axis=tuple(a for a in range(values.ndim) if a != axis))
-  first = positions[0] % sums.shape[0]
-  if all(p % sums.shape[0] == first + i for i, p in enumerate(positions)):
-    return sums[first:first + len(positions)]
-  return sums[np.asarray(positions)]
-
-
 def spread(scalars: jax.Array, axis: int | None, positions: tuple[int, ...] | None,
            shape: tuple[int, ...]) -> jax.Array:
-  """The adjoint of :func:`per_position`: ``scalars`` put at ``positions`` along ``axis``.
+  """``scalars`` put at ``positions`` along ``axis``, to broadcast to ``shape``.
 
-  Returns an array that broadcasts to ``shape``: ``scalars[j]`` at index
-  ``positions[j]`` along ``axis`` (repeated positions add up), zero elsewhere;
-  without ``axis``, the one scalar. So the gradient of ``sum(spread(s) * v)``
-  with respect to ``s`` is ``per_position(v)``.
+  Returns ``scalars[j]`` at index ``positions[j]`` along ``axis`` (repeated
+  positions add up), zero elsewhere; without ``axis``, the one scalar. So the
+  gradient of ``sum(spread(s) * v)`` with respect to ``s`` is ``v`` summed over
+  every axis but ``axis``, at ``positions`` (everything, without ``axis``).
   """
   if axis is None:
     return scalars[0]
