@@ -179,6 +179,36 @@ def test_original_propagation_equals_standard_step(optimizer):
   chex.assert_trees_all_close(state.params, params, **TOL)
 
 
+@pytest.mark.parametrize('propagate', ['original', 'updated'])
+def test_bf16_model_keeps_its_dtypes_and_original_equals_standard_step(propagate):
+  """A bfloat16 model's gradients, optimizer state and params stay bfloat16 from step to step
+  (the clipping scale, a float32 scalar, used to promote the gradients, so a step's state did
+  not match the last one's, and a guarded step failed); 'original' equals optax on jax.grad."""
+  low = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  model = nn.Sequential([nn.Dense(16, **low), nn.tanh, nn.Dense(16, **low), nn.tanh,
+                         nn.Dense(1, **low)])
+  x = jax.random.normal(jax.random.key(1), (16, 3)).astype(jnp.bfloat16)
+  y = jnp.cos(x[:, :1]).astype(jnp.float32)
+  v = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  tx = perturbkit.interleaved(loss_fn, optimizer, propagate=propagate)
+  state = first = tx.init(v, x, y)
+  params, opt_state = v['params'], optimizer.init(v['params'])
+  step = jax.jit(tx.step)
+  for _ in range(3):
+    state, _ = step(state, x, y)
+    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
+                                      params, opt_state, x, y)
+  chex.assert_trees_all_equal_dtypes(state, first)
+  assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+  if propagate == 'original':
+    # One bfloat16 step (2e-3 at 0.5) apart at most; the params moved by up to 0.3.
+    chex.assert_trees_all_close(state.params, params, rtol=0, atol=4e-3)
+    assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.params,
+                                         v['params']))  # the steps moved the params
+
+
 class BNNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):

@@ -215,6 +215,12 @@ def clip_scale(max_norm: float | None, previous_norm: jax.Array) -> jax.Array:
   return jnp.where(previous_norm > max_norm, max_norm / jnp.maximum(previous_norm, 1e-30), 1.0)
 
 
+def scaled(grads: PyTree, scale: jax.Array) -> PyTree:
+  """``grads * scale`` in the gradients' own dtype (a bfloat16 model's stay bfloat16, so its
+  optimizer state keeps its dtype from step to step)."""
+  return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+
 def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
             extra_args: dict | None):
   if extra_args and isinstance(tx, optax.GradientTransformationExtraArgs):
@@ -253,7 +259,7 @@ def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     finite = jnp.logical_and(finite, always_true_after(after))
 
   def take():
-    updates, new_opt = _update(tx, jax.tree.map(lambda g: g * scale, grads), opt_state, params,
+    updates, new_opt = _update(tx, scaled(grads, scale), opt_state, params,
                                extra_args)
     return optax.apply_updates(params, updates), new_opt
 
@@ -325,7 +331,7 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
     if name in swept:
       new_w, floats = carried[name]['step']
       extra_args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), swept[name])
-      _, fresh = _update(tx, jax.tree.map(lambda x: x * sweep.scale, g), opt, w, extra_args)
+      _, fresh = _update(tx, scaled(g, sweep.scale), opt, w, extra_args)
       if sweep.skip_nonfinite:
         fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
       new_opt_state[name] = split_floats(fresh)[1](floats)
