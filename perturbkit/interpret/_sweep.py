@@ -1,8 +1,10 @@
 """A sweep over calls and a stack of jobs: one ``vmap`` per group of calls, in batches, with a bar.
 
 The bar is driven from inside the computation (``jax.debug.callback`` after each
-batch, ordered), so it shows the progress of the compiled sweep as it runs, under
-``jax.jit`` too, and starts afresh on every run of the compiled function.
+batch), so it shows the progress of the compiled sweep as it runs, under
+``jax.jit`` too, and starts afresh on every run of the compiled function. The
+callback is unordered, as JAX allows on many devices (a sweep of a batch sharded
+over them): the groups of calls may run in any order, and each batch adds its runs.
 """
 from typing import Any, Callable
 
@@ -30,28 +32,27 @@ def check_progress(progress: Any) -> None:
 
 
 class ProgressBar:
-  """A tqdm bar of ``total`` jobs, advanced to the number done; a new bar when a run starts."""
+  """A tqdm bar of ``total`` jobs, advanced by each batch done; a new bar when a run starts."""
 
   def __init__(self, total: int, description: str):
     self.total = total
     self.description = description
     self.bar = None
 
-  def advance(self, done: np.ndarray, *dependencies: Any) -> None:
-    """Moves the bar to ``done`` jobs (``dependencies``: the results it waits for)."""
+  def advance(self, count: np.ndarray, *dependencies: Any) -> None:
+    """Adds ``count`` jobs done (``dependencies``: the results it waits for)."""
     del dependencies
-    done = int(done)
     if self.bar is None:
       self.bar = tqdm(total=self.total, desc=self.description, unit='run', leave=True)
-    self.bar.update(done - self.bar.n)
-    if done >= self.total:
+    self.bar.update(int(count))
+    if self.bar.n >= self.total:
       self.bar.close()
       self.bar = None
 
 
 def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
-             bar: ProgressBar | None, offset: int) -> jax.Array:
-  """``job`` over the leading axis of ``jobs``, ``bar`` moved to ``offset`` + the jobs done."""
+             bar: ProgressBar | None) -> jax.Array:
+  """``job`` over the leading axis of ``jobs``; ``bar`` advanced after each batch."""
   if bar is None:
     if batch_size is None:
       return jax.vmap(job)(jobs)
@@ -61,17 +62,16 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   full, rest = divmod(total, size)
   head = jax.tree.map(lambda x: x[:full * size].reshape((full, size) + x.shape[1:]), jobs)
 
-  def batch(done, chunk):
+  def batch(_, chunk):
     out = jax.vmap(job)(chunk)
-    done = done + size
-    jax.debug.callback(bar.advance, done, out, ordered=True)
-    return done, out
+    jax.debug.callback(bar.advance, size, out)
+    return None, out
 
-  done, outs = jax.lax.scan(batch, jnp.asarray(offset, jnp.int32), head)
+  outs = jax.lax.scan(batch, None, head)[1]
   outs = jax.tree.map(lambda x: x.reshape((full * size,) + x.shape[2:]), outs)
   if rest:
     tail = jax.vmap(job)(jax.tree.map(lambda x: x[full * size:], jobs))
-    jax.debug.callback(bar.advance, done + rest, tail, ordered=True)
+    jax.debug.callback(bar.advance, rest, tail)
     outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, tail)
   return outs
 
@@ -106,7 +106,6 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   for group in call_groups(calls):
     pairs = (jnp.repeat(jnp.asarray(group), per_call),
              jax.tree.map(lambda x: jnp.tile(x, (len(group),) + (1,) * (x.ndim - 1)), jobs))
-    out = _batched(lambda pair: job(group, *pair), pairs, batch_size, bar,
-                   group[0] * per_call)
+    out = _batched(lambda pair: job(group, *pair), pairs, batch_size, bar)
     results.append(out.reshape((len(group), per_call) + out.shape[1:]))
   return jnp.concatenate(results)
