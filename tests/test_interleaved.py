@@ -159,6 +159,19 @@ def standard_step(loss_fn, optimizer, params, opt_state, *args):
   return optax.apply_updates(params, updates), opt_state
 
 
+def three_steps_each(loss_fn, optimizer, propagate, v, *args):
+  """``(first state, state after 3 interleaved steps, params after 3 standard steps)``."""
+  tx = perturbkit.interleaved(loss_fn, optimizer, propagate=propagate)
+  state = first = tx.init(v, *args)
+  params, opt_state = v['params'], optimizer.init(v['params'])
+  step = jax.jit(tx.step)
+  for _ in range(3):
+    state, _ = step(state, *args)
+    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
+                                      params, opt_state, *args)
+  return first, state, params
+
+
 @pytest.mark.parametrize('optimizer', [
     optax.sgd(0.1), optax.adam(1e-2), optax.chain(optax.clip(0.01), optax.adamw(1e-2)),
     optax.sgd(0.05, momentum=0.9, nesterov=True)], ids=['sgd', 'adam', 'clip-adamw', 'nesterov'])
@@ -168,14 +181,7 @@ def test_original_propagation_equals_standard_step(optimizer):
   y = jnp.cos(x[:, :1])
   v = model.init(jax.random.key(0), x)
   loss_fn = mse(model)
-  tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original')
-  state = tx.init(v, x, y)
-  params, opt_state = v['params'], optimizer.init(v['params'])
-  step = jax.jit(tx.step)
-  for _ in range(3):
-    state, _ = step(state, x, y)
-    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
-                                      params, opt_state, x, y)
+  _, state, params = three_steps_each(loss_fn, optimizer, 'original', v, x, y)
   chex.assert_trees_all_close(state.params, params, **TOL)
 
 
@@ -191,15 +197,8 @@ def test_bf16_model_keeps_its_dtypes_and_original_equals_standard_step(propagate
   y = jnp.cos(x[:, :1]).astype(jnp.float32)
   v = model.init(jax.random.key(0), x)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
-  optimizer = optax.sgd(0.1, momentum=0.9)
-  tx = perturbkit.interleaved(loss_fn, optimizer, propagate=propagate)
-  state = first = tx.init(v, x, y)
-  params, opt_state = v['params'], optimizer.init(v['params'])
-  step = jax.jit(tx.step)
-  for _ in range(3):
-    state, _ = step(state, x, y)
-    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
-                                      params, opt_state, x, y)
+  first, state, params = three_steps_each(loss_fn, optax.sgd(0.1, momentum=0.9), propagate,
+                                          v, x, y)
   chex.assert_trees_all_equal_dtypes(state, first)
   assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
   if propagate == 'original':

@@ -2,10 +2,9 @@
 
 XLA_FLAGS must be set before jax is imported, so the check runs in a child process.
 """
-import os
-import subprocess
-import sys
 import textwrap
+
+from host_devices import run_child
 
 CHILD = textwrap.dedent('''
     import os
@@ -50,8 +49,4 @@ CHILD = textwrap.dedent('''
 
 
 def test_shard_map_step_equals_single_device():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  proc = subprocess.run([sys.executable, '-c', CHILD], capture_output=True, text=True,
-                        env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'MULTIDEVICE-OK' in proc.stdout
+  run_child(CHILD, 'MULTIDEVICE-OK')

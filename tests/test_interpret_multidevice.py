@@ -6,10 +6,9 @@ split over 8 devices (the sweep's progress bar included, whose callback must be
 one that JAX allows on many devices). XLA_FLAGS must be set before jax is
 imported, so the check runs in a child process.
 """
-import os
-import subprocess
-import sys
 import textwrap
+
+from host_devices import run_child
 
 CHILD = textwrap.dedent('''
     import os
@@ -57,11 +56,5 @@ CHILD = textwrap.dedent('''
 
 
 def test_sharded_batch_equals_single_device():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  tests = os.path.dirname(os.path.abspath(__file__))
-  env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(tests), env.get('PYTHONPATH', '')])
-  proc = subprocess.run([sys.executable, '-c', CHILD, tests], capture_output=True, text=True,
-                        env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'MULTIDEVICE-INTERPRET-OK' in proc.stdout
+  proc = run_child(CHILD, 'MULTIDEVICE-INTERPRET-OK')
   assert proc.stderr.count('activation patching: 100%') == 2  # one bar per run, full

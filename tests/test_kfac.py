@@ -6,9 +6,6 @@ output, so ``g = d(sum of per-example losses)/d eps`` and the layer inputs are
 captured explicitly; ``A`` and ``G`` are then formed with numpy.
 """
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -20,6 +17,7 @@ import optax
 import pytest
 
 import perturbkit
+from host_devices import run_child
 
 RTOL, ATOL = 2e-5, 1e-6
 
@@ -644,9 +642,4 @@ CHILD = textwrap.dedent('''
 
 
 def test_shard_map_factors_and_updates_equal_one_device():
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join(
-      [os.path.dirname(here), os.environ.get('PYTHONPATH', '')])}
-  result = subprocess.run([sys.executable, '-c', CHILD, here], capture_output=True, text=True,
-                          env=env, timeout=300)
-  assert 'KFAC-MULTIDEVICE-OK' in result.stdout, result.stdout + result.stderr
+  run_child(CHILD, 'KFAC-MULTIDEVICE-OK')

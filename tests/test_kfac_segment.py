@@ -7,9 +7,6 @@ empirical factors. With ``'updated'`` the reference is a sweep written out by ha
 in float64 numpy: each layer's factors, damped inverses and step, then the
 cotangent sent to the layer below computed with the layer's NEW kernel.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -22,6 +19,7 @@ import pytest
 
 import perturbkit
 from test_kfac import MLP
+from host_devices import run_child
 
 LR, DAMPING = 0.2, 0.1
 
@@ -213,12 +211,7 @@ CHILD = textwrap.dedent('''
 def test_shard_map_segment_factors_and_steps_equal_one_device():
   """Each device forms its batch's factors in the sweep; averaged over the axis they are
   the whole batch's, so 8 devices equal one."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = {**{k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'},
-         'PYTHONPATH': os.pathsep.join([os.path.dirname(here), os.environ.get('PYTHONPATH', '')])}
-  result = subprocess.run([sys.executable, '-c', CHILD, here], capture_output=True, text=True,
-                          env=env, timeout=300)
-  assert 'KFAC-SEGMENT-MULTIDEVICE-OK' in result.stdout, result.stdout + result.stderr[-6000:]
+  run_child(CHILD, 'KFAC-SEGMENT-MULTIDEVICE-OK')
 
 
 def test_nnx_segments_equal_the_linen_twin():

@@ -1,7 +1,4 @@
 """perturbkit.nnx.interleaved against nnx.Optimizer, a hand-coded per-layer backward and Linen."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -15,6 +12,7 @@ from flax import nnx, traverse_util
 
 import nnx_models
 import perturbkit
+from host_devices import run_child
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -399,11 +397,7 @@ MULTIDEVICE_CHILD = textwrap.dedent('''
 
 
 def test_shard_map_on_8_devices_equals_one_device():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  proc = subprocess.run([sys.executable, '-c', MULTIDEVICE_CHILD], capture_output=True,
-                        text=True, env=env, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  assert 'MULTIDEVICE-OK' in proc.stdout
+  run_child(MULTIDEVICE_CHILD, 'MULTIDEVICE-OK')
 
 
 class Outer(nnx.Module):

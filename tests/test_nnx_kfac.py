@@ -1,8 +1,5 @@
 """K-FAC on Flax NNX models: the inputs next to the output gradients, the layers, the
 factors and the preconditioned steps, against inputs captured by hand and the Linen twin."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -17,6 +14,7 @@ from flax import nnx
 import nnx_models as M
 import perturbkit
 from test_kfac import CNN, MLP, SequenceModel
+from host_devices import run_child
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -447,9 +445,4 @@ def test_shard_map_on_8_devices_equals_one_device():
   """``nnx.shard_map`` inside ``nnx.jit``, ``axis_name='data'``: each device's factors are
   ``pmean``-ed by the preconditioner, and three steps of ``nnx.Optimizer`` equal the same
   steps on one device with the whole batch (the exact Fisher, so no per-device keys)."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(here), env.get('PYTHONPATH', '')])
-  proc = subprocess.run([sys.executable, '-c', MULTIDEVICE_CHILD, here], capture_output=True,
-                        text=True, env=env, timeout=600)
-  assert 'NNX-KFAC-MULTIDEVICE-OK' in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+  run_child(MULTIDEVICE_CHILD, 'NNX-KFAC-MULTIDEVICE-OK')

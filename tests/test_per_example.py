@@ -5,9 +5,6 @@ differentiates it with plain ``jax.grad``: it shares nothing with perturbkit's
 rules (ghost norms, patches, replayed VJPs), so agreement to float tolerance
 checks every rule and the mean-loss scaling.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import chex
@@ -22,6 +19,7 @@ from hypothesis import strategies as st
 
 import models
 import perturbkit
+from host_devices import run_child
 
 TOL = dict(rtol=2e-4, atol=1e-5)
 
@@ -531,12 +529,7 @@ SHARD_MAP_CHILD = textwrap.dedent('''
 def test_shard_map_adds_noise_once():
   """Four devices with two examples each give the one-device gradient, noise included
   (Linen, NNX, and an NNX model whose scanned layers take the model call's replay)."""
-  tests = os.path.dirname(os.path.abspath(__file__))
-  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(tests),
-                                                      os.environ.get('PYTHONPATH', '')])}
-  done = subprocess.run([sys.executable, '-c', SHARD_MAP_CHILD, tests], capture_output=True,
-                        text=True, timeout=300, env=env)
-  assert done.returncode == 0 and 'ok' in done.stdout, done.stderr[-3000:]
+  run_child(SHARD_MAP_CHILD, 'ok')
 
 
 # -- bad input ---------------------------------------------------------------------------
