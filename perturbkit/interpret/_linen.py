@@ -148,7 +148,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     batch_size: Patched runs per step of the sweep (default: all at once).
     progress: Show a progress bar (tqdm) of the patched runs done, moved after
       each batch of ``batch_size`` as the compiled sweep runs (also under
-      ``jax.jit``; not under a ``jax.vmap`` of the returned function).
+      ``jax.jit``, on one device or a batch sharded over several; not under a
+      ``jax.vmap`` of the returned function, nor inside ``jax.shard_map``,
+      where every device would report its own batches).
 
   Returns:
     A function ``(variables, clean, corrupted) -> PatchingResult``.
@@ -308,7 +310,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
       smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
     batch_size: (call, node) pairs per step of the sweep (default: all at once).
     progress: Show a progress bar (tqdm) of the (call, node) pairs done, moved
-      after each batch of ``batch_size`` (also under ``jax.jit``).
+      after each batch of ``batch_size`` (also under ``jax.jit``; not inside
+      ``jax.shard_map``, as for :func:`activation_patching`).
 
   Returns:
     A function ``(variables, inputs, baseline=None) -> PatchingResult``
