@@ -4,6 +4,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from perturbkit.core._traced_points import TracedPoints
 from perturbkit.interpret._points import Tracer, check_metric, nest, trace
 
 
@@ -25,6 +26,21 @@ class Cache(NamedTuple):
   grads: dict | None = None
 
 
+def metric_and_grads(traced: TracedPoints, args: tuple, kwargs: dict, function: str):
+  """``(metric, outputs, inputs, d metric / d outputs)`` of one run, all by point path.
+
+  Raises:
+    NonScalarMetricError: the function returned no real scalar.
+  """
+  def metric(perturbations):
+    out, outputs, inputs = traced.run(perturbations, args, kwargs, None)
+    return check_metric(out, function), (outputs, inputs)
+
+  zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
+  (value, (outputs, inputs)), grads = jax.value_and_grad(metric, has_aux=True)(zeros)
+  return value, outputs, inputs, grads
+
+
 def run_with_cache(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, return_inputs: bool,
                    grads: bool, function: str) -> Callable[..., tuple[Any, Cache]]:
   """The front-end-neutral :func:`perturbkit.run_with_cache` (``tracer`` picks the API)."""
@@ -37,12 +53,7 @@ def run_with_cache(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, retur
       out, outputs, inputs = traced.run({}, args, kwargs, None)
       return out, Cache(nest(outputs), nest(inputs) if return_inputs else None)
 
-    def metric(perturbations):
-      out, outputs, inputs = traced.run(perturbations, args, kwargs, None)
-      return check_metric(out, function), (outputs, inputs)
-
-    zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
-    (value, (outputs, inputs)), point_grads = jax.value_and_grad(metric, has_aux=True)(zeros)
+    value, outputs, inputs, point_grads = metric_and_grads(traced, args, kwargs, function)
     return value, Cache(nest(outputs), nest(inputs) if return_inputs else None,
                         nest(point_grads))
 

@@ -14,18 +14,8 @@ import jax.numpy as jnp
 from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, InvalidOptionError
-from perturbkit.interpret._points import Tracer, check_metric, trace
-
-
-def metric_and_grads(traced: TracedPoints, inputs: Any, function: str):
-  """``(metric, outputs, d metric / d outputs)`` of one run, all by point path."""
-  def metric(perturbations):
-    out, outputs, _ = traced.run(perturbations, (inputs,), {}, None)
-    return check_metric(out, function), outputs
-
-  zeros = {p: shape.zeros() for p, shape in traced.shapes.items()}
-  (value, outputs), grads = jax.value_and_grad(metric, has_aux=True)(zeros)
-  return value, outputs, grads
+from perturbkit.interpret._cache import metric_and_grads
+from perturbkit.interpret._points import Tracer, trace
 
 
 def check_feature_maps(traced: TracedPoints, function: str) -> None:
@@ -79,7 +69,7 @@ def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, upsample: b
   def cams(model, inputs) -> tuple[jax.Array, dict[str, jax.Array]]:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     check_feature_maps(traced, function)
-    metric, outputs, grads = metric_and_grads(traced, inputs, function)
+    metric, outputs, _, grads = metric_and_grads(traced, (inputs,), {}, function)
     maps = {}
     for path in traced.paths:
       (feature_map,), (grad,) = jax.tree.leaves(outputs[path]), jax.tree.leaves(grads[path])
