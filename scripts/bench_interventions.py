@@ -7,13 +7,18 @@ compiled first, then timed round-robin:
 
   sweep        ``perturbkit.activation_patching(metric, filter=<every block>, axis=1)``:
                the clean run, the corrupted run, and each block's (block, position)
-               patched runs as one ``jax.vmap`` (the blocks before it run once).
-  sweep_chunked  the same with ``batch_size=8``: 8 patched runs per step of a ``lax.map``.
+               patched runs, 8 per step (the default ``batch_size``; the blocks before
+               it run once). The patches of positions before the changed token, where
+               the clean and corrupted outputs are equal, are not run.
+  sweep_all    the same with ``batch_size=None``: each block's runs as one ``jax.vmap``
+               (every run done).
   loop         the same numbers from a Python loop: one jitted clean run recording the
                block outputs, one jitted corrupted run, then one call per (block, position)
                of a single jitted patched forward that takes the block, the position and
                the clean outputs as arguments (compiled once; written with
                ``nn.intercept_methods`` alone, no perturbkit code).
+  loop_needed  the loop over the (block, position) pairs whose clean and corrupted outputs
+               differ only (the others' effects set to 0): what the sweep runs.
   attribution  ``perturbkit.attribution_patching(metric, axis=1)`` of every call (default
                filter) at every position.
   forward      one jitted forward pass of the metric on the corrupted inputs.
@@ -27,7 +32,7 @@ Before timing, the script checks that both sweeps equal the loop, and that attri
 patching of the blocks equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position with
 ``g`` from ``jax.grad`` of explicit deltas added to the block outputs by an interceptor;
 it exits non-zero if a check fails. Targets: loop / sweep >= 5 (either sweep), attribution /
-forward <= 3.2.
+forward <= 3.2; loop_needed / sweep is reported beside them.
 Memory: ``memory_analysis`` bytes of each compiled function (the loop's are its single
 patched forward's).
 
@@ -52,10 +57,8 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 from perturbkit import filters  # noqa: E402
 
-VARIANTS = ('sweep', 'sweep_chunked', 'loop', 'attribution', 'cache', 'cache_grads', 'forward')
-# Patched runs per step of the chunked sweep (``batch_size``); the fastest of 8 / 32 / all
-# on the default size, in a twentieth of the unchunked sweep's temp bytes.
-CHUNK = 8
+VARIANTS = ('sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution', 'cache', 'cache_grads',
+            'forward')
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interventions.json')
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 TARGETS = {'loop_over_sweep_ge': 5.0, 'attribution_over_forward_le': 3.2}
@@ -144,12 +147,22 @@ def loop_functions(p: Problem) -> dict[str, Callable[..., Any]]:
   return {'clean_run': clean_run, 'metric': p.metric, 'patched': patched}
 
 
-def run_loop(compiled: dict[str, Any], p: Problem, seq: int) -> jax.Array:
-  """``(blocks, positions)`` effects from one patched forward per (block, position)."""
+def run_loop(compiled: dict[str, Any], p: Problem, seq: int,
+             only_needed: bool = False) -> jax.Array:
+  """``(blocks, positions)`` effects from one patched forward per (block, position).
+
+  ``only_needed``: one more run records the corrupted block outputs, and only the pairs
+  where they differ from the clean ones are run (the others are the corrupted run: 0).
+  """
   clean_hidden = compiled['clean_run'].call(p.variables, p.clean)
   corrupted_metric = compiled['metric'].call(p.variables, p.corrupted)
+  needed = np.ones((len(p.blocks), seq), bool)
+  if only_needed:
+    corrupted_hidden = compiled['clean_run'].call(p.variables, p.corrupted)
+    needed = np.asarray(jnp.any(clean_hidden != corrupted_hidden, axis=(1, 3)))
   rows = [[compiled['patched'].call(p.variables, clean_hidden, np.int32(i), np.int32(j),
-                                    p.corrupted) for j in range(seq)]
+                                    p.corrupted) if needed[i, j] else corrupted_metric
+           for j in range(seq)]
           for i in range(len(p.blocks))]
   return jnp.array(rows) - corrupted_metric
 
@@ -180,14 +193,14 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   p = gpt2_problem(size, key)
   blocks = filters.by_path(*p.blocks)
   sweep = perturbkit.activation_patching(p.metric, filter=blocks, axis=1)
-  chunked = perturbkit.activation_patching(p.metric, filter=blocks, axis=1, batch_size=CHUNK)
+  every = perturbkit.activation_patching(p.metric, filter=blocks, axis=1, batch_size=None)
   attribution = perturbkit.attribution_patching(p.metric, axis=1)
   cache = perturbkit.run_with_cache(p.metric)
   cache_grads = perturbkit.run_with_cache(p.metric, grads=True)
   args = (p.variables, p.clean, p.corrupted)
   compiled = {
       'sweep': common.compile_timed(lambda *a: sweep(*a).effects, *args),
-      'sweep_chunked': common.compile_timed(lambda *a: chunked(*a).effects, *args),
+      'sweep_all': common.compile_timed(lambda *a: every(*a).effects, *args),
       'attribution': common.compile_timed(lambda *a: attribution(*a).effects, *args),
       'cache': common.compile_timed(cache, p.variables, p.clean),
       'cache_grads': common.compile_timed(cache_grads, p.variables, p.corrupted),
@@ -202,8 +215,9 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   seq = size['seq']
 
   sweep_effects = compiled['sweep'].call(*args)
-  chunked_effects = compiled['sweep_chunked'].call(*args)
+  all_effects = compiled['sweep_all'].call(*args)
   loop_effects = run_loop(compiled, p, seq)
+  needed_effects = run_loop(compiled, p, seq, only_needed=True)
   attribution_effects = compiled['attribution'].call(*args)
   block_rows = [sweep(*args).paths.index(f'{b}/__call__') for b in p.blocks]
   all_paths = attribution(*args).paths
@@ -211,7 +225,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
                                 for b in p.blocks])
   mismatches = {
       'sweep_vs_loop': mismatch(sweep_effects[jnp.array(block_rows)], loop_effects),
-      'sweep_chunked_vs_loop': mismatch(chunked_effects[jnp.array(block_rows)], loop_effects),
+      'sweep_all_vs_loop': mismatch(all_effects[jnp.array(block_rows)], loop_effects),
+      'loop_needed_vs_loop': mismatch(needed_effects, loop_effects),
       'attribution_vs_vdot_grad': mismatch(attribution_rows, attribution_reference(p)),
   }
   # The corruption has to matter for the comparison to mean anything.
@@ -220,15 +235,17 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
 
   thunks = {
       'sweep': lambda: compiled['sweep'].call(*args),
-      'sweep_chunked': lambda: compiled['sweep_chunked'].call(*args),
+      'sweep_all': lambda: compiled['sweep_all'].call(*args),
       'loop': lambda: run_loop(compiled, p, seq),
+      'loop_needed': lambda: run_loop(compiled, p, seq, only_needed=True),
       'attribution': lambda: compiled['attribution'].call(*args),
       'cache': lambda: compiled['cache'].call(p.variables, p.clean),
       'cache_grads': lambda: compiled['cache_grads'].call(p.variables, p.corrupted),
       'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
   }
   samples = common.time_round_robin(thunks, repeats)
-  memory_of = {'sweep': 'sweep', 'sweep_chunked': 'sweep_chunked', 'loop': 'patched',
+  memory_of = {'sweep': 'sweep', 'sweep_all': 'sweep_all', 'loop': 'patched',
+               'loop_needed': 'patched',
                'attribution': 'attribution', 'cache': 'cache', 'cache_grads': 'cache_grads',
                'forward': 'forward'}
   variants = {}
@@ -238,13 +255,14 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
                    'compile_s': c.compile_s, **c.memory, 'samples_s': samples[v]}
   t = {v: variants[v]['median_s'] for v in VARIANTS}
   ratios = {'loop_over_sweep': t['loop'] / t['sweep'],
-            'loop_over_sweep_chunked': t['loop'] / t['sweep_chunked'],
+            'loop_over_sweep_all': t['loop'] / t['sweep_all'],
+            'loop_needed_over_sweep': t['loop_needed'] / t['sweep'],
             'attribution_over_forward': t['attribution'] / t['forward'],
             'attribution_over_its_parts': t['attribution'] / (t['cache'] + t['cache_grads']),
             'sweep_over_forward': t['sweep'] / t['forward']}
   targets = {
       f'loop_over_sweep_ge_{TARGETS["loop_over_sweep_ge"]}':
-          max(ratios['loop_over_sweep'], ratios['loop_over_sweep_chunked'])
+          max(ratios['loop_over_sweep'], ratios['loop_over_sweep_all'])
           >= TARGETS['loop_over_sweep_ge'],
       f'attribution_over_forward_le_{TARGETS["attribution_over_forward_le"]}':
           ratios['attribution_over_forward'] <= TARGETS['attribution_over_forward_le'],
@@ -253,6 +271,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'size': dict(size),
       'num_params': sum(x.size for x in jax.tree.leaves(p.variables)),
       'patched_runs': len(p.blocks) * seq,
+      'patched_runs_needed': int(jnp.any(
+          clean_hidden != compiled['clean_run'].call(p.variables, p.corrupted), axis=(1, 3)).sum()),
       'attribution_calls': len(all_paths),
       'checks': {k: m is None for k, m in mismatches.items()},
       'mismatches': {k: m for k, m in mismatches.items() if m is not None},
@@ -287,6 +307,7 @@ def report(results: dict[str, Any]) -> None:
   for name, r in results.items():
     status, met = common.check_lines(r)
     print(f'{name}: {status} ({r["patched_runs"]} patched runs, '
+          f'{r["patched_runs_needed"]} of them with a clean output unlike the corrupted one, '
           f'{r["attribution_calls"]} calls attributed, {r["num_params"]:,} params)')
     print('  ratios: ' + ', '.join(f'{k}={v:.2f}' for k, v in r['ratios'].items()))
     print(f'  targets: {met}')

@@ -229,6 +229,39 @@ def test_activation_patching_equals_each_patch_by_hand(mlp, groups, monkeypatch)
   chex.assert_trees_all_close(chunked.effects, result.effects, **TOL)
 
 
+@pytest.mark.parametrize('batch_size', [1, 2, 4, None])
+def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size):
+  """Inputs that differ only at tokens 1 and 3 of 5: the MLP works token by token, so each
+  call's clean and corrupted outputs differ only there. Patching another token is the
+  corrupted run itself: its effect is exactly 0 and, in batches, it does not run (the metric
+  counts its runs with a callback: the clean and corrupted runs, then per call the batches
+  that hold tokens 1 and 3)."""
+  model, variables, clean, _, _ = mlp
+  params = variables['params']
+  corrupted = clean.at[:, [1, 3]].set(jax.random.normal(jax.random.key(3), (SHAPE[0], 2, 3)))
+  runs = []
+
+  def metric(v, x):
+    value = metric_of(model.apply(v, x))
+    jax.debug.callback(lambda m: runs.append(float(m)), value)
+    return value
+
+  result = jax.jit(perturbkit.activation_patching(metric, axis=1, batch_size=batch_size))(
+      variables, clean, corrupted)
+  jax.effects_barrier()
+  clean_outputs = by_hand_outputs(params, clean)
+  base = metric_of(mlp_by_hand(params, corrupted))
+  want = [[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
+                                 _on_tokens(lambda _: clean_outputs[n], [t])(h) if n == c else h))
+           - base for token in (1, 3)] for call in NAMES]
+  chex.assert_trees_all_close(result.effects[:, jnp.array([1, 3])], jnp.array(want), **TOL)
+  assert float(jnp.abs(jnp.array(want)).min()) > 1e-5
+  assert np.all(np.asarray(result.effects[:, jnp.array([0, 2, 4])]) == 0)
+  tokens = SHAPE[1]
+  per_call = tokens if batch_size is None or batch_size >= tokens else -(-2 // batch_size) * batch_size
+  assert len(runs) == 2 + len(NAMES) * per_call
+
+
 # The batches of 4 within each group of calls, 5 tokens per call (3 calls: one group; two
 # calls and one; each call its own).
 @pytest.mark.parametrize('groups, batches', [(1, [4, 4, 4, 3]), (2, [4, 4, 2, 4, 1]),

@@ -119,7 +119,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
                         view: tuple[int, ...] | None = None,
-                        batch_size: int | None = None,
+                        batch_size: int | None = 8,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """The effect on a metric of putting each call's clean output into the corrupted run.
 
@@ -130,11 +130,14 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   that axis) runs ``corrupted`` with that output replaced by its clean value:
   ``effects[i, j] = metric(patched) - metric(corrupted)``. The patched runs
   are cut into at most 8 groups of neighbouring calls: in each, the model up
-  to the group's first call runs once, unbatched, and the rest as one
+  to the group's first call runs once, unbatched, and the rest as a
   ``jax.vmap`` over the group's (call, position) pairs, ``batch_size`` pairs
-  at a time when given (``jax.lax.map``), which bounds the memory. The
-  compiled sweep holds the model after each group's first call once per
-  group. Jittable.
+  at a time, which bounds the memory. A patch whose clean value equals the
+  corrupted one bit for bit (each position before the first changed token of
+  a causal model) is the corrupted run itself: its effect is exactly 0, and in
+  batches it does not run (the needed runs go first, and the loop stops after
+  the last of them). The compiled sweep holds the model after each group's
+  first call once per group. Jittable.
 
   Args:
     fn: ``(variables, inputs) -> metric``.
@@ -145,7 +148,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
-    batch_size: Patched runs per step of the sweep (default: all at once).
+    batch_size: Patched runs per step of the sweep; the memory is about that
+      many forward passes' (default 8). ``None``: each group's runs as one
+      ``jax.vmap``, the fewest steps and the most memory.
     progress: Show a progress bar (tqdm) of the patched runs done, moved after
       each batch of ``batch_size`` as the compiled sweep runs (also under
       ``jax.jit``, on one device or a batch sharded over several; not under a
@@ -281,7 +286,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                view: tuple[int, ...] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
-                               batch_size: int | None = None,
+                               batch_size: int | None = 8,
                                progress: bool = False) -> Callable[..., PatchingResult]:
   """Integrated gradients of a metric at each selected call's output (layer IG).
 
@@ -294,8 +299,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
   replaced by b)``, up to the quadrature's error. The other calls are not
   edited: each call's path is its own. The (call, node) pairs run as
   :func:`activation_patching`'s runs do: per group of neighbouring calls, the
-  model before the group once and the rest as one ``jax.vmap`` (``batch_size``
-  at a time when given). Jittable.
+  model before the group once and the rest as a ``jax.vmap``, ``batch_size``
+  at a time. Jittable.
 
   Args:
     fn: ``(variables, inputs) -> metric``.
@@ -308,7 +313,9 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     steps: Quadrature nodes along the path.
     method: ``'gauss_legendre'`` (numpy's nodes and weights; few steps for a
       smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
-    batch_size: (call, node) pairs per step of the sweep (default: all at once).
+    batch_size: (call, node) pairs per step of the sweep; the memory is about
+      that many forward and backward passes' (default 8). ``None``: each
+      group's pairs as one ``jax.vmap``.
     progress: Show a progress bar (tqdm) of the (call, node) pairs done, moved
       after each batch of ``batch_size`` (also under ``jax.jit``; not inside
       ``jax.shard_map``, as for :func:`activation_patching`).

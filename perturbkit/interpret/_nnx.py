@@ -69,7 +69,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
                         view: tuple[int, ...] | None = None,
-                        batch_size: int | None = None,
+                        batch_size: int | None = 8,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """Activation patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
 
@@ -144,7 +144,7 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                view: tuple[int, ...] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
-                               batch_size: int | None = None,
+                               batch_size: int | None = 8,
                                progress: bool = False) -> Callable[..., PatchingResult]:
   """Layer integrated gradients of an NNX model: ``(model, inputs, baseline=None)``.
 

@@ -28,6 +28,34 @@ def patching_edits(outputs: dict[tuple, Any], paths: Sequence[tuple], call: jax.
           for i, p in enumerate(paths)}
 
 
+def _differs(a: jax.Array, b: jax.Array, axis: int | None) -> jax.Array:
+  """Whether ``a`` and ``b`` differ anywhere (per index along ``axis``), ``-0.0`` from ``0.0`` too."""
+  differ = a != b
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    differ = differ | (jnp.signbit(a) != jnp.signbit(b))
+  if axis is None:
+    return differ.any()[None]
+  return jnp.moveaxis(differ, axis, 0).reshape(differ.shape[axis], -1).any(axis=1)
+
+
+def patches_needed(clean: dict[tuple, Any], corrupted: dict[tuple, Any], paths: Sequence[tuple],
+                   where: tuple[int, ...] | None, axis: int | None,
+                   view: tuple[int, ...] | None) -> jax.Array:
+  """``(calls, positions)``: whether the clean and corrupted outputs differ there.
+
+  Where they are equal, bit for bit, the patched run is the corrupted run and
+  its effect is exactly zero, so it need not run.
+  """
+  def differs(p, a, b):
+    differ = _differs(viewed(a, view, point_name(p)), viewed(b, view, point_name(p)), axis)
+    return differ if where is None else differ[jnp.asarray(where)]
+
+  return jnp.stack([
+      functools.reduce(jnp.logical_or, [differs(p, a, b) for a, b in
+                                        zip(jax.tree.leaves(clean[p]), jax.tree.leaves(corrupted[p]))])
+      for p in paths])
+
+
 def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,
                         positions: Sequence[int] | None, batch_size: int | None,
                         progress: bool, view: tuple[int, ...] | None = None,
@@ -45,7 +73,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     check_same_calls(clean_points, corrupted_points)
     where = sweep_positions(clean_points, axis, positions, view)
     clean_metric, outputs, _ = clean_points.run({}, (clean,), {}, None)
-    corrupted_metric, _, _ = corrupted_points.run({}, (corrupted,), {}, None)
+    corrupted_metric, corrupted_outputs, _ = corrupted_points.run({}, (corrupted,), {}, None)
     clean_metric = check_metric(clean_metric, function)
     corrupted_metric = check_metric(corrupted_metric, function)
     paths = corrupted_points.paths
@@ -61,8 +89,10 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
       return widened(check_metric(patched, function)) - widened(corrupted_metric)
 
     columns = 1 if where is None else len(where)
+    needed = patches_needed(outputs, corrupted_outputs, paths, where, axis, view)
+    skipped = jnp.zeros((), widened(corrupted_metric).dtype)
     effects = sweep(job, len(paths), jnp.arange(columns), batch_size,
-                    'activation patching' if progress else None)
+                    'activation patching' if progress else None, (needed, skipped))
     return PatchingResult(tuple(map(point_name, paths)), where,
                           effects, clean_metric, corrupted_metric)
 

@@ -42,6 +42,8 @@ class ProgressBar:
   def advance(self, count: np.ndarray, *dependencies: Any) -> None:
     """Adds ``count`` jobs done (``dependencies``: the results it waits for)."""
     del dependencies
+    if int(count) == 0:
+      return
     if self.bar is None:
       self.bar = tqdm(total=self.total, desc=self.description, unit='run', leave=True)
     self.bar.update(int(count))
@@ -51,29 +53,55 @@ class ProgressBar:
 
 
 def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
-             bar: ProgressBar | None) -> jax.Array:
-  """``job`` over the leading axis of ``jobs``; ``bar`` advanced after each batch."""
-  if bar is None:
-    if batch_size is None:
-      return jax.vmap(job)(jobs)
-    return jax.lax.map(job, jobs, batch_size=batch_size)
+             bar: ProgressBar | None, skip: tuple[jax.Array, Any] | None = None) -> jax.Array:
+  """``job`` over the leading axis of ``jobs``, ``batch_size`` at a time; ``bar`` after each batch.
+
+  With ``skip = (needed, skipped)``, the jobs where ``needed`` is false give
+  ``skipped`` instead of running: the needed jobs go first, and the loop over
+  batches stops after the last batch holding one (a ``jax.lax.while_loop``,
+  whose invariant part, the model before the edited calls, XLA computes once).
+  In one batch (no ``batch_size``, or no fewer jobs) every job runs.
+  """
   total = jax.tree.leaves(jobs)[0].shape[0]
   size = total if batch_size is None else min(batch_size, total)
-  full, rest = divmod(total, size)
-  head = jax.tree.map(lambda x: x[:full * size].reshape((full, size) + x.shape[1:]), jobs)
+  if size == total:
+    skip = None
+    if bar is None:
+      return jax.vmap(job)(jobs)
+  batches = -(-total // size)
+  if skip is None:
+    order, needed, skipped = None, None, None
+    count = batches
+  else:
+    needed, skipped = skip
+    order = jnp.argsort(~needed, stable=True)
+    jobs = jax.tree.map(lambda x: x[order], jobs)
+    needed = needed[order]
+    count = (jnp.sum(needed) + size - 1) // size
+  # Padded with copies of the last job to whole batches; their results are dropped.
+  pad = batches * size - total
+  jobs = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), jobs)
+  shapes = jax.eval_shape(jax.vmap(job), jax.tree.map(lambda x: x[:size], jobs))
+  outs = jax.tree.map(lambda s: jnp.zeros((batches * size,) + s.shape[1:], s.dtype), shapes)
 
-  def batch(_, chunk):
+  def batch(i, outs):
+    start = i * size
+    chunk = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), jobs)
     out = jax.vmap(job)(chunk)
-    jax.debug.callback(bar.advance, size, out)
-    return None, out
+    if bar is not None:
+      jax.debug.callback(bar.advance, jnp.minimum(size, total - start), out)
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0),
+                        outs, out)
 
-  outs = jax.lax.scan(batch, None, head)[1]
-  outs = jax.tree.map(lambda x: x.reshape((full * size,) + x.shape[2:]), outs)
-  if rest:
-    tail = jax.vmap(job)(jax.tree.map(lambda x: x[full * size:], jobs))
-    jax.debug.callback(bar.advance, rest, tail)
-    outs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outs, tail)
-  return outs
+  outs = jax.lax.fori_loop(0, count, batch, outs)
+  outs = jax.tree.map(lambda x: x[:total], outs)
+  if skip is None:
+    return outs
+  if bar is not None:
+    jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
+  outs = jax.tree.map(lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s),
+                      outs, skipped)
+  return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
 
 
 def call_groups(calls: int) -> list[tuple[int, ...]]:
@@ -83,7 +111,8 @@ def call_groups(calls: int) -> list[tuple[int, ...]]:
 
 
 def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: int, jobs: Any,
-          batch_size: int | None, progress: str | None = None) -> jax.Array:
+          batch_size: int | None, progress: str | None = None,
+          skip: tuple[jax.Array, Any] | None = None) -> jax.Array:
   """``job(group, call, j)`` for every call number and every ``j`` along ``jobs``' leading axis.
 
   The calls are cut into :func:`call_groups` (neighbours in call order), a
@@ -95,7 +124,10 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   batched. Groups trade compiled size (the model after a group's first call
   is in the program once per group) for time (the model before it is not
   repeated per job). With ``progress`` (the bar's description), a progress
-  bar counts the jobs done, moved after each batch.
+  bar counts the jobs done, moved after each batch. With ``skip = (needed,
+  skipped)``, ``needed`` a ``(calls, jobs)`` boolean array, the jobs where it is
+  false give ``skipped`` without running: within a group the needed jobs go
+  first, and a batch with none is not run.
 
   Returns:
     The results stacked as ``(calls, jobs, ...)``.
@@ -106,6 +138,7 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   for group in call_groups(calls):
     pairs = (jnp.repeat(jnp.asarray(group), per_call),
              jax.tree.map(lambda x: jnp.tile(x, (len(group),) + (1,) * (x.ndim - 1)), jobs))
-    out = _batched(lambda pair: job(group, *pair), pairs, batch_size, bar)
+    group_skip = None if skip is None else (skip[0][jnp.asarray(group)].reshape(-1), skip[1])
+    out = _batched(lambda pair: job(group, *pair), pairs, batch_size, bar, group_skip)
     results.append(out.reshape((len(group), per_call) + out.shape[1:]))
   return jnp.concatenate(results)
