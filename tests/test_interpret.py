@@ -356,6 +356,95 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
     chex.assert_trees_all_close(gxa.effects, every[:, jnp.array(positions)], **TOL)
 
 
+def test_attributions_differentiate_as_their_formulas_by_hand(mlp):
+  """The effects are differentiable again: ``jax.grad`` of a loss of the attribution
+  patching (and gradient x activation) effects, with respect to the params and the
+  inputs, equals ``jax.grad`` of the same loss of the formulas written with the hand
+  MLP's outputs and ``jax.vjp`` gradients."""
+  _, variables, clean, corrupted, metric = mlp
+  weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
+  loss = lambda effects: jnp.sum(weights * effects ** 2)
+  attribution = perturbkit.attribution_patching(metric, axis=1)
+  gxa = perturbkit.grad_times_activation(metric, axis=1)
+
+  def attribution_by_hand(params, clean, corrupted):
+    a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
+    _, grads = by_hand_grads(params, corrupted)
+    return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
+
+  def gxa_by_hand(params, x):
+    outputs, (_, grads) = by_hand_outputs(params, x), by_hand_grads(params, x)
+    return jnp.stack([per_token(outputs[n] * grads[n]) for n in NAMES])
+
+  got = jax.grad(lambda v, c, x: loss(attribution(v, c, x).effects), argnums=(0, 1, 2))(
+      variables, clean, corrupted)
+  want = jax.grad(lambda v, c, x: loss(attribution_by_hand(v['params'], c, x)),
+                  argnums=(0, 1, 2))(variables, clean, corrupted)
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  got = jax.grad(lambda v, x: loss(gxa(v, x).effects), argnums=(0, 1))(variables, corrupted)
+  want = jax.grad(lambda v, x: loss(gxa_by_hand(v['params'], x)), argnums=(0, 1))(
+      variables, corrupted)
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  assert float(jnp.abs(got[1]).max()) > 1e-3
+
+
+class MaskedScores(nn.Module):
+  """Causal attention scores, ``-inf`` above the diagonal, as a call of their own."""
+
+  @nn.compact
+  def __call__(self, h):
+    causal = jnp.tril(jnp.ones((h.shape[1],) * 2, bool))
+    return jnp.where(causal, jnp.einsum('btf,bsf->bts', h, h), -jnp.inf)
+
+
+class MaskedAttention(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    return nn.Dense(2)(jax.nn.softmax(MaskedScores()(h), axis=-1) @ h)
+
+
+def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(mlp):
+  """A call whose output is ``-inf`` at masked entries, in both runs: the runs stay exact
+  (no ``0 * inf`` enters the model), the masked entries do not move (their clean and
+  corrupted values are equal), and every effect equals the formula by hand, summed over
+  the finite entries."""
+  _, _, clean, corrupted, _ = mlp
+  model = MaskedAttention()
+  variables = model.init(jax.random.key(0), clean)
+  params = variables['params']
+  names = ('Dense_0/__call__', 'MaskedScores_0/__call__', 'Dense_1/__call__')
+
+  def by_hand(x, deltas):
+    h = nn.Dense(4).apply({'params': params['Dense_0']}, x) + deltas[0]
+    scores = MaskedScores().apply({}, h) + deltas[1]
+    return nn.Dense(2).apply({'params': params['Dense_1']}, jax.nn.softmax(scores, -1) @ h
+                             ) + deltas[2]
+
+  def outputs(x):
+    h = nn.Dense(4).apply({'params': params['Dense_0']}, x)
+    scores = MaskedScores().apply({}, h)
+    return [h, scores, by_hand(x, [0.0] * 3)]
+
+  metric = lambda v, x: metric_of(model.apply(v, x))
+  a_clean, a_corrupted = outputs(clean), outputs(corrupted)
+  zeros = [jnp.zeros_like(a) for a in a_corrupted]
+  grads = jax.grad(lambda d: metric_of(by_hand(corrupted, d)))(zeros)
+  finite = [jnp.isfinite(a) for a in a_corrupted]
+  want = jnp.stack([jnp.einsum('bt...->t', jnp.where(f, (a - b) * g, 0.0))
+                    for a, b, g, f in zip(a_clean, a_corrupted, grads, finite)])
+  assert not bool(finite[1].all()) and bool(jnp.isfinite(jnp.stack(grads[1])).all())
+  result = perturbkit.attribution_patching(metric, axis=1)(variables, clean, corrupted)
+  assert result.paths == names
+  chex.assert_trees_all_close(result.effects, want, **TOL)
+  chex.assert_trees_all_close(result.corrupted_metric, metric_of(a_corrupted[2]), **TOL)
+
+  gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
+  chex.assert_trees_all_close(gxa.clean_metric, metric_of(a_corrupted[2]), **TOL)
+  for i in (0, 2):
+    chex.assert_trees_all_close(gxa.effects[i], per_token(a_corrupted[i] * grads[i]), **TOL)
+
+
 @pytest.mark.parametrize('axis, positions, shape', [
     (None, None, (2, 5, 3)), (1, (0, 1, 2, 3, 4), (2, 5, 3)), (1, (1, 2), (2, 5, 3)),
     (-2, (-1, 0, 3), (2, 5, 3)), (2, (2, 0, 2), (2, 5, 3)), (0, (1,), (2, 5, 3))])

@@ -18,6 +18,39 @@ from perturbkit.interpret._result import PatchingResult
 Direction = Callable[[tuple, Any], Any]
 
 
+def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
+                 view: tuple[int, ...] | None, name: str) -> Callable[..., jax.Array]:
+  """``(o, s, d) -> o + spread(s) * d`` at ``s = 0``: ``o`` itself, with the gradients of the sum.
+
+  Differentiated at zero scalars ``s`` only: the output is ``o`` exactly (no
+  ``0 * d`` is computed, which would also make ``nan`` of an infinite ``d``),
+  the gradient with respect to ``o`` is the incoming ``g``, with respect to
+  ``s`` the per-position sum of ``g * d`` (both in at least float32), and with
+  respect to ``d`` zero (``spread(0) * g``).
+  """
+
+  def along(s: jax.Array, d: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return spread(s, axis, positions, shape) * viewed(d, view, name)
+
+  @jax.custom_vjp
+  def moved(o: jax.Array, s: jax.Array, d: jax.Array) -> jax.Array:
+    del s, d
+    return o
+
+  def forward(o, s, d):
+    return o, (s, d)
+
+  def backward(residuals, g):
+    s, d = residuals
+    shape = viewed_shape(jnp.shape(g), view, name)
+    _, transpose = jax.vjp(lambda s: along(s, d, shape), s)
+    (ds,) = transpose(widened(viewed(g, view, name)).astype(jnp.result_type(s, d)))
+    return g, ds, jnp.zeros_like(d)
+
+  moved.defvjp(forward, backward)
+  return moved
+
+
 def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
                         axis: int | None, positions: tuple[int, ...] | None,
                         view: tuple[int, ...] | None, function: str,
@@ -53,12 +86,8 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
         return output
       name = point_name(path)
 
-      def moved(o: jax.Array, d: jax.Array) -> jax.Array:
-        shape = viewed_shape(jnp.shape(o), view, name)
-        along = spread(s[path], axis, positions, shape) * viewed(d, view, name)
-        return (widened(viewed(o, view, name)) + along).reshape(jnp.shape(o)).astype(o.dtype)
-
-      return jax.tree.map(moved, output, direction(path, output))
+      moved = _moved_along(axis, positions, view, name)
+      return jax.tree.map(lambda o, d: moved(o, s[path], d), output, direction(path, output))
 
     out, _, _ = traced.run({}, (inputs,), {}, moved_along)
     return check_metric(out, function)
@@ -68,8 +97,16 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
 
 
 def difference(a: Any, b: Any) -> Any:
-  """``a - b`` leaf by leaf, in at least float32 (:func:`widened`)."""
-  return jax.tree.map(lambda x, y: widened(x) - widened(y), a, b)
+  """``a - b`` leaf by leaf, in at least float32 (:func:`widened`); 0 where they are equal.
+
+  Equal entries do not move, infinite ones too (a masked ``-inf`` attention
+  score in both runs), where ``a - b`` would be ``nan``.
+  """
+  def minus(x, y):
+    x, y = widened(x), widened(y)
+    return jnp.where(x == y, jnp.zeros((), x.dtype), x - y)
+
+  return jax.tree.map(minus, a, b)
 
 
 def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
