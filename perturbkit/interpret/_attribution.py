@@ -1,6 +1,6 @@
 """Attribution patching and gradient x activation: first-order effects from one backward pass."""
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,38 +14,48 @@ from perturbkit.interpret._positions import (check_same_calls, checked_positions
 from perturbkit.interpret._result import PatchingResult
 
 
-# ``(point path, a call's output) -> the direction its first-order effect is taken along``.
-Direction = Callable[[tuple, Any], Any]
+class Direction(NamedTuple):
+  """The direction a call's first-order effect is taken along, leaf by leaf of its output.
+
+  ``along(o, r)`` for each leaf ``o`` of the output and the leaf ``r`` of
+  ``reference(path, output)``: computed in the backward pass, from values the
+  forward pass keeps, so that no direction is stored between the two.
+  """
+  reference: Callable[[tuple, Any], Any]
+  along: Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
-                 view: tuple[int, ...] | None, name: str) -> Callable[..., jax.Array]:
-  """``(o, s, d) -> o + spread(s) * d`` at ``s = 0``: ``o`` itself, with the gradients of the sum.
+                 view: tuple[int, ...] | None, name: str,
+                 direction: Callable[[jax.Array, jax.Array], jax.Array]
+                 ) -> Callable[..., jax.Array]:
+  """``(o, s, r) -> o + spread(s) * d``, ``d = direction(o, r)``, at ``s = 0``: ``o`` itself.
 
   Differentiated at zero scalars ``s`` only: the output is ``o`` exactly (no
   ``0 * d`` is computed, which would also make ``nan`` of an infinite ``d``),
   the gradient with respect to ``o`` is the incoming ``g``, with respect to
-  ``s`` the per-position sum of ``g * d`` (both in at least float32), and with
-  respect to ``d`` zero (``spread(0) * g``).
+  ``s`` the per-position sum of ``g * d`` (both in at least float32; ``d`` made
+  in the backward pass), and with respect to ``d`` zero (``spread(0) * g``).
   """
 
   def along(s: jax.Array, d: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return spread(s, axis, positions, shape) * viewed(d, view, name)
 
   @jax.custom_vjp
-  def moved(o: jax.Array, s: jax.Array, d: jax.Array) -> jax.Array:
-    del s, d
+  def moved(o: jax.Array, s: jax.Array, r: jax.Array) -> jax.Array:
+    del s, r
     return o
 
-  def forward(o, s, d):
-    return o, (s, d)
+  def forward(o, s, r):
+    return o, (o, s, r)
 
   def backward(residuals, g):
-    s, d = residuals
+    o, s, r = residuals
+    d = direction(o, r)
     shape = viewed_shape(jnp.shape(g), view, name)
     _, transpose = jax.vjp(lambda s: along(s, d, shape), s)
     (ds,) = transpose(widened(viewed(g, view, name)).astype(jnp.result_type(s, d)))
-    return g, ds, jnp.zeros_like(d)
+    return g, ds, jax.tree.map(jnp.zeros_like, r)
 
   moved.defvjp(forward, backward)
   return moved
@@ -59,13 +69,15 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
   """``(metric, effects)``: ``direction . d metric / d output`` of every call, per position.
 
   Each call in ``paths`` (default: every selected call), its output ``o``
-  first edited by ``edit`` where given, runs as ``o + w * direction(path, o)``,
-  where ``w`` is :func:`spread` from zero scalars ``s[path]``, one per position
-  along ``axis`` (one without it); the gradient with respect to ``s`` is the
-  per-position sum of ``direction . d metric / d o``. So all the effects come
-  from one backward pass in which no call's output gradient is kept whole:
-  each is summed per position where it is made. In at least float32
-  (:func:`widened`); the model still sees ``o`` exactly, ``s`` being zero.
+  first edited by ``edit`` where given, runs as ``o + w * d`` with ``d`` the
+  ``direction`` (leaf by leaf, ``direction.along(o, r)`` for ``r`` in
+  ``direction.reference(path, o)``) and ``w`` :func:`spread` from zero scalars
+  ``s[path]``, one per position along ``axis`` (one without it); the gradient
+  with respect to ``s`` is the per-position sum of ``d . d metric / d o``. So
+  all the effects come from one backward pass in which no call's output
+  gradient is kept whole: each is summed per position where it is made, and
+  ``d`` is made there too. In at least float32 (:func:`widened`); the model
+  sees ``o`` exactly (see :func:`_moved_along`).
 
   Returns:
     The metric (checked to be a real scalar) and ``effects`` of shape
@@ -86,8 +98,9 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
         return output
       name = point_name(path)
 
-      moved = _moved_along(axis, positions, view, name)
-      return jax.tree.map(lambda o, d: moved(o, s[path], d), output, direction(path, output))
+      moved = _moved_along(axis, positions, view, name, direction.along)
+      return jax.tree.map(lambda o, r: moved(o, s[path], r), output,
+                          direction.reference(path, output))
 
     out, _, _ = traced.run({}, (inputs,), {}, moved_along)
     return check_metric(out, function)
@@ -96,17 +109,18 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
   return value, jnp.stack([grads[p] for p in paths])
 
 
+def _minus(x: jax.Array, y: jax.Array) -> jax.Array:
+  x, y = widened(x), widened(y)
+  return jnp.where(x == y, jnp.zeros((), x.dtype), x - y)
+
+
 def difference(a: Any, b: Any) -> Any:
   """``a - b`` leaf by leaf, in at least float32 (:func:`widened`); 0 where they are equal.
 
   Equal entries do not move, infinite ones too (a masked ``-inf`` attention
   score in both runs), where ``a - b`` would be ``nan``.
   """
-  def minus(x, y):
-    x, y = widened(x), widened(y)
-    return jnp.where(x == y, jnp.zeros((), x.dtype), x - y)
-
-  return jax.tree.map(minus, a, b)
+  return jax.tree.map(_minus, a, b)
 
 
 def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
@@ -126,7 +140,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
     clean_metric, clean_outputs, _ = clean_points.run({}, (clean,), {}, None)
     clean_metric = check_metric(clean_metric, function)
     # Along a_clean - a_corrupted, a_corrupted being the output the corrupted run makes.
-    towards_clean = lambda path, output: difference(clean_outputs[path], output)
+    towards_clean = Direction(lambda path, _: clean_outputs[path], lambda o, c: _minus(c, o))
     corrupted_metric, effects = first_order_effects(corrupted_points, corrupted, towards_clean,
                                                     axis, where, view, function)
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
@@ -147,7 +161,7 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
   def attribute(model, inputs) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     where = sweep_positions(traced, axis, positions, view)
-    itself = lambda path, output: jax.tree.map(widened, output)
+    itself = Direction(lambda _, output: output, lambda o, _: widened(o))
     metric, effects = first_order_effects(traced, inputs, itself, axis, where, view, function)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)
 

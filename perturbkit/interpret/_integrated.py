@@ -18,7 +18,7 @@ import numpy as np
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._validate import positive_int
 from perturbkit.errors import InvalidOptionError
-from perturbkit.interpret._attribution import difference, first_order_effects
+from perturbkit.interpret._attribution import Direction, difference, first_order_effects
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
@@ -115,14 +115,16 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     paths = traced.paths
     deltas = {p: difference(outputs[p], baselines[p]) for p in paths}
 
+    along_delta = Direction(lambda path, _: deltas[path], lambda _, delta: delta)
+
     def job(group, call, alpha):
       group_paths = [paths[i] for i in group]
       edit = edit_function(path_edits(baselines, deltas, group_paths, call - group[0], alpha),
                            paths)
       # (a - b) . d metric / d (the edited output), per position; only the group's calls and
       # what follows them are differentiated.
-      _, effects = first_order_effects(traced, inputs, lambda path, _: deltas[path], axis,
-                                       where, view, function, group_paths, edit)
+      _, effects = first_order_effects(traced, inputs, along_delta, axis, where, view, function,
+                                       group_paths, edit)
       return effects[call - group[0]]
 
     per_node = sweep(job, len(paths), jnp.asarray(alphas, jnp.float32), batch_size,
