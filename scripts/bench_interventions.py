@@ -21,6 +21,7 @@ compiled first, then timed round-robin:
                differ only (the others' effects set to 0): what the sweep runs.
   attribution  ``perturbkit.attribution_patching(metric, axis=1)`` of every call (default
                filter) at every position.
+  attribution_blocks  the same of the block outputs only (the sweep's calls).
   forward      one jitted forward pass of the metric on the corrupted inputs.
   cache        attribution patching's first part, by itself: ``perturbkit.run_with_cache``
                of the metric on the clean inputs (every call's output).
@@ -57,8 +58,8 @@ import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 from perturbkit import filters  # noqa: E402
 
-VARIANTS = ('sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution', 'cache', 'cache_grads',
-            'forward')
+VARIANTS = ('sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution', 'attribution_blocks',
+            'cache', 'cache_grads', 'forward')
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interventions.json')
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 TARGETS = {'loop_over_sweep_ge': 5.0, 'attribution_over_forward_le': 3.2}
@@ -195,6 +196,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   sweep = perturbkit.activation_patching(p.metric, filter=blocks, axis=1)
   every = perturbkit.activation_patching(p.metric, filter=blocks, axis=1, batch_size=None)
   attribution = perturbkit.attribution_patching(p.metric, axis=1)
+  attribution_blocks = perturbkit.attribution_patching(p.metric, filter=blocks, axis=1)
   cache = perturbkit.run_with_cache(p.metric)
   cache_grads = perturbkit.run_with_cache(p.metric, grads=True)
   args = (p.variables, p.clean, p.corrupted)
@@ -202,6 +204,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'sweep': common.compile_timed(lambda *a: sweep(*a).effects, *args),
       'sweep_all': common.compile_timed(lambda *a: every(*a).effects, *args),
       'attribution': common.compile_timed(lambda *a: attribution(*a).effects, *args),
+      'attribution_blocks': common.compile_timed(lambda *a: attribution_blocks(*a).effects,
+                                                 *args),
       'cache': common.compile_timed(cache, p.variables, p.clean),
       'cache_grads': common.compile_timed(cache_grads, p.variables, p.corrupted),
       'forward': common.compile_timed(p.metric, p.variables, p.corrupted),
@@ -228,6 +232,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'sweep_all_vs_loop': mismatch(all_effects[jnp.array(block_rows)], loop_effects),
       'loop_needed_vs_loop': mismatch(needed_effects, loop_effects),
       'attribution_vs_vdot_grad': mismatch(attribution_rows, attribution_reference(p)),
+      'attribution_blocks_vs_vdot_grad': mismatch(compiled['attribution_blocks'].call(*args),
+                                                  attribution_reference(p)),
   }
   # The corruption has to matter for the comparison to mean anything.
   if not float(jnp.abs(loop_effects).max()) > 1e-6:
@@ -239,6 +245,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'loop': lambda: run_loop(compiled, p, seq),
       'loop_needed': lambda: run_loop(compiled, p, seq, only_needed=True),
       'attribution': lambda: compiled['attribution'].call(*args),
+      'attribution_blocks': lambda: compiled['attribution_blocks'].call(*args),
       'cache': lambda: compiled['cache'].call(p.variables, p.clean),
       'cache_grads': lambda: compiled['cache_grads'].call(p.variables, p.corrupted),
       'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
@@ -246,7 +253,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   samples = common.time_round_robin(thunks, repeats)
   memory_of = {'sweep': 'sweep', 'sweep_all': 'sweep_all', 'loop': 'patched',
                'loop_needed': 'patched',
-               'attribution': 'attribution', 'cache': 'cache', 'cache_grads': 'cache_grads',
+               'attribution': 'attribution', 'attribution_blocks': 'attribution_blocks',
+               'cache': 'cache', 'cache_grads': 'cache_grads',
                'forward': 'forward'}
   variants = {}
   for v in VARIANTS:
@@ -258,6 +266,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
             'loop_over_sweep_all': t['loop'] / t['sweep_all'],
             'loop_needed_over_sweep': t['loop_needed'] / t['sweep'],
             'attribution_over_forward': t['attribution'] / t['forward'],
+            'attribution_blocks_over_forward': t['attribution_blocks'] / t['forward'],
             'attribution_over_its_parts': t['attribution'] / (t['cache'] + t['cache_grads']),
             'sweep_over_forward': t['sweep'] / t['forward']}
   targets = {

@@ -262,6 +262,29 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
   assert len(runs) == 2 + len(NAMES) * per_call
 
 
+def test_activation_patching_differentiates_as_the_patches_by_hand(mlp):
+  """``jax.grad`` of a loss of the effects, with respect to the params: one ``jax.vmap``
+  (``batch_size=None``) under ``jax.jit``, and in batches outside it, against the same loss
+  of the patched runs written by hand."""
+  _, variables, clean, corrupted, metric = mlp
+  weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
+
+  def by_hand(params):
+    outputs = by_hand_outputs(params, clean)
+    base = metric_of(mlp_by_hand(params, corrupted))
+    return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
+                                             _on_tokens(lambda _: outputs[n], [t])(h)
+                                             if n == c else h)) - base
+                       for token in range(SHAPE[1])] for call in NAMES])
+
+  want = jax.grad(lambda v: jnp.sum(weights * by_hand(v['params']) ** 2))(variables)
+  for batch_size, wrap in ((None, jax.jit), (2, lambda f: f)):
+    patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
+    got = wrap(jax.grad(lambda v: jnp.sum(weights * patch(v, clean, corrupted).effects ** 2)))(
+        variables)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 # The batches of 4 within each group of calls, 5 tokens per call (3 calls: one group; two
 # calls and one; each call its own).
 @pytest.mark.parametrize('groups, batches', [(1, [4, 4, 4, 3]), (2, [4, 4, 2, 4, 1]),
