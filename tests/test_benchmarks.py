@@ -169,19 +169,24 @@ def check_interventions(stdout: str, data: dict):
   # The script's own checks: the sweep equals the loop of single patched runs, attribution
   # patching equals vdot with jax.grad of explicit deltas, and the corruption matters.
   assert model['ok'] is True and model['mismatches'] == {}, model['mismatches']
-  assert model['checks'] == {'sweep_vs_loop': True, 'sweep_chunked_vs_loop': True,
-                             'attribution_vs_vdot_grad': True}
+  assert model['checks'] == {'sweep_vs_loop': True, 'sweep_all_vs_loop': True,
+                             'loop_needed_vs_loop': True, 'attribution_vs_vdot_grad': True,
+                             'attribution_blocks_vs_vdot_grad': True}
   size = model['size']
   assert model['patched_runs'] == size['layers'] * size['seq']
+  # The corrupted token is at a quarter of the sequence: the patches before it (every block)
+  # are the corrupted run itself.
+  assert model['patched_runs_needed'] == size['layers'] * (size['seq'] - size['seq'] // 4)
   assert model['attribution_calls'] > size['layers']
-  assert set(model['variants']) == {'sweep', 'sweep_chunked', 'loop', 'attribution', 'cache',
-                                    'cache_grads', 'forward'}
+  assert set(model['variants']) == {'sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution',
+                                    'attribution_blocks', 'cache', 'cache_grads', 'forward'}
   for v, m in model['variants'].items():
     assert variant_keys <= set(m), (v, variant_keys - set(m))
     assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
-  assert set(model['ratios']) == {'loop_over_sweep', 'loop_over_sweep_chunked',
-                                  'attribution_over_forward', 'attribution_over_its_parts',
-                                  'sweep_over_forward'}
+  assert set(model['ratios']) == {'loop_over_sweep', 'loop_over_sweep_all',
+                                  'loop_needed_over_sweep', 'attribution_over_forward',
+                                  'attribution_blocks_over_forward',
+                                  'attribution_over_its_parts', 'sweep_over_forward'}
   assert all(r > 0 for r in model['ratios'].values())
   assert len(model['targets_met']) == 2
   assert 'gpt2: OK' in stdout, stdout[-3000:]
