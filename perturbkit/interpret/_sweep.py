@@ -69,34 +69,33 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
     if bar is None:
       return jax.vmap(job)(jobs)
   batches = -(-total // size)
-  if skip is None:
-    order, needed, skipped = None, None, None
-    count = batches
-  else:
+  if skip is not None:
     needed, skipped = skip
     order = jnp.argsort(~needed, stable=True)
     jobs = jax.tree.map(lambda x: x[order], jobs)
     needed = needed[order]
-    count = (jnp.sum(needed) + size - 1) // size
   # Padded with copies of the last job to whole batches; their results are dropped.
   pad = batches * size - total
   jobs = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), jobs)
-  shapes = jax.eval_shape(jax.vmap(job), jax.tree.map(lambda x: x[:size], jobs))
-  outs = jax.tree.map(lambda s: jnp.zeros((batches * size,) + s.shape[1:], s.dtype), shapes)
 
-  def batch(i, outs):
-    start = i * size
+  def run(start: jax.Array) -> Any:
     chunk = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), jobs)
     out = jax.vmap(job)(chunk)
     if bar is not None:
       jax.debug.callback(bar.advance, jnp.minimum(size, total - start), out)
-    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, 0),
-                        outs, out)
+    return out
 
-  outs = jax.lax.fori_loop(0, count, batch, outs)
-  outs = jax.tree.map(lambda x: x[:total], outs)
   if skip is None:
-    return outs
+    outs = jax.lax.map(lambda i: run(i * size), jnp.arange(batches))
+    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
+
+  def batch(i, outs):
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * size, 0),
+                        outs, run(i * size))
+
+  count = (jnp.sum(needed) + size - 1) // size
+  outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
+  outs = jax.tree.map(lambda x: x[:total], jax.lax.fori_loop(0, count, batch, outs))
   if bar is not None:
     jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
   outs = jax.tree.map(lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s),
