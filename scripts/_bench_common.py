@@ -152,6 +152,7 @@ def environment() -> dict[str, Any]:
       'cpu_count': os.cpu_count(),
       'platform': platform.platform(),
       'argv': sys.argv,
+      'xla_flags': os.environ.get('XLA_FLAGS', ''),
   }
 
 
