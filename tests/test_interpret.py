@@ -4,8 +4,9 @@
   ``jax.vjp`` of the MLP written out by hand with explicit additive deltas.
 * Edits against the same hand-written MLP with the edit written into it; patching a
   cached value back in is bit for bit the unedited run.
-* Activation patching against each patch run by hand; the sweep in chunks
-  (``jax.lax.map``, jitted) against one ``vmap``.
+* Activation patching against each patch run by hand, in batches (jitted) and as one
+  ``vmap``; the patches of equal clean and corrupted values are exact zeros and do not run
+  (a callback in the metric counts the runs); its gradient against the patches by hand.
 * Attribution patching and gradient x activation against ``jnp.vdot`` with the
   ``jax.vjp`` gradients; attribution patching close to activation patching for a
   small difference.
