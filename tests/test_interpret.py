@@ -231,12 +231,20 @@ def test_activation_patching_equals_each_patch_by_hand(mlp, groups, monkeypatch)
 
 
 @pytest.mark.parametrize('batch_size', [1, 2, 4, None])
-def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size):
+def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size, monkeypatch):
   """Inputs that differ only at tokens 1 and 3 of 5: the MLP works token by token, so each
   call's clean and corrupted outputs differ only there. Patching another token is the
   corrupted run itself: its effect is exactly 0 and, in batches, it does not run (the metric
   counts its runs with a callback: the clean and corrupted runs, then per call the batches
-  that hold tokens 1 and 3)."""
+  that hold tokens 1 and 3). The progress bar still reaches all 15 patches."""
+  bars = []
+
+  class Recorded(sweep_module.tqdm):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      bars.append(self)
+
+  monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
   model, variables, clean, _, _ = mlp
   params = variables['params']
   corrupted = clean.at[:, [1, 3]].set(jax.random.normal(jax.random.key(3), (SHAPE[0], 2, 3)))
@@ -247,9 +255,10 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
     jax.debug.callback(lambda m: runs.append(float(m)), value)
     return value
 
-  result = jax.jit(perturbkit.activation_patching(metric, axis=1, batch_size=batch_size))(
-      variables, clean, corrupted)
+  result = jax.jit(perturbkit.activation_patching(metric, axis=1, batch_size=batch_size,
+                                                  progress=True))(variables, clean, corrupted)
   jax.effects_barrier()
+  assert [bar.n for bar in bars] == [len(NAMES) * SHAPE[1]]
   clean_outputs = by_hand_outputs(params, clean)
   base = metric_of(mlp_by_hand(params, corrupted))
   want = [[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
