@@ -148,6 +148,12 @@ def loop_functions(p: Problem) -> dict[str, Callable[..., Any]]:
   return {'clean_run': clean_run, 'metric': p.metric, 'patched': patched}
 
 
+def differing_pairs(compiled: dict[str, Any], p: Problem, clean_hidden: jax.Array) -> np.ndarray:
+  """``(blocks, positions)``: where the corrupted block outputs differ from ``clean_hidden``."""
+  corrupted_hidden = compiled['clean_run'].call(p.variables, p.corrupted)
+  return np.asarray(jnp.any(clean_hidden != corrupted_hidden, axis=(1, 3)))
+
+
 def run_loop(compiled: dict[str, Any], p: Problem, seq: int,
              only_needed: bool = False) -> jax.Array:
   """``(blocks, positions)`` effects from one patched forward per (block, position).
@@ -159,8 +165,7 @@ def run_loop(compiled: dict[str, Any], p: Problem, seq: int,
   corrupted_metric = compiled['metric'].call(p.variables, p.corrupted)
   needed = np.ones((len(p.blocks), seq), bool)
   if only_needed:
-    corrupted_hidden = compiled['clean_run'].call(p.variables, p.corrupted)
-    needed = np.asarray(jnp.any(clean_hidden != corrupted_hidden, axis=(1, 3)))
+    needed = differing_pairs(compiled, p, clean_hidden)
   rows = [[compiled['patched'].call(p.variables, clean_hidden, np.int32(i), np.int32(j),
                                     p.corrupted) if needed[i, j] else corrupted_metric
            for j in range(seq)]
@@ -280,8 +285,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'size': dict(size),
       'num_params': sum(x.size for x in jax.tree.leaves(p.variables)),
       'patched_runs': len(p.blocks) * seq,
-      'patched_runs_needed': int(jnp.any(
-          clean_hidden != compiled['clean_run'].call(p.variables, p.corrupted), axis=(1, 3)).sum()),
+      'patched_runs_needed': int(differing_pairs(compiled, p, clean_hidden).sum()),
       'attribution_calls': len(all_paths),
       'checks': {k: m is None for k, m in mismatches.items()},
       'mismatches': {k: m for k, m in mismatches.items() if m is not None},
