@@ -153,6 +153,7 @@ def environment() -> dict[str, Any]:
       'platform': platform.platform(),
       'argv': sys.argv,
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
+      'matmul_precision': str(jax.config.jax_default_matmul_precision),
   }
 
 

@@ -22,6 +22,12 @@ compiled first, then timed round-robin:
   attribution  ``perturbkit.attribution_patching(metric, axis=1)`` of every call (default
                filter) at every position.
   attribution_blocks  the same of the block outputs only (the sweep's calls).
+  by_hand      attribution patching of the block outputs written by hand (no perturbkit
+               code): a jitted clean run recording them, ``jax.value_and_grad`` of the metric
+               on the corrupted inputs with respect to zero deltas added to them (an
+               interceptor), and ``vdot(a_clean - a_corrupted, g)`` per block and position.
+  grad         by_hand's gradient alone: one forward and one backward through the
+               activations, the least any attribution patching does after the clean run.
   forward      one jitted forward pass of the metric on the corrupted inputs.
   cache        attribution patching's first part, by itself: ``perturbkit.run_with_cache``
                of the metric on the clean inputs (every call's output).
@@ -30,8 +36,7 @@ compiled first, then timed round-robin:
                Attribution patching is these two and the per-position products.
 
 Before timing, the script checks that both sweeps equal the loop, and that attribution
-patching of the blocks equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position with
-``g`` from ``jax.grad`` of explicit deltas added to the block outputs by an interceptor;
+patching (every call's block rows, and the blocks alone) equals by_hand;
 it exits non-zero if a check fails. Targets: loop / sweep >= 5 (either sweep), attribution /
 forward <= 3.2; loop_needed / sweep is reported beside them.
 Memory: ``memory_analysis`` bytes of each compiled function (the loop's are its single
@@ -59,13 +64,15 @@ import _bench_common as common  # noqa: E402
 from perturbkit import filters  # noqa: E402
 
 VARIANTS = ('sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution', 'attribution_blocks',
-            'cache', 'cache_grads', 'forward')
+            'cache', 'cache_grads', 'by_hand', 'grad', 'forward')
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interventions.json')
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 TARGETS = {'loop_over_sweep_ge': 5.0, 'attribution_over_forward_le': 3.2}
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     'tiny': {'gpt2': dict(layers=2, width=32, heads=2, seq=8, batch=2, vocab=64)},
     'default': {'gpt2': dict(layers=4, width=64, heads=4, seq=32, batch=4, vocab=128)},
+    # The same depth and sequence, 4 times wider, twice the batch: less per-op overhead.
+    'wide': {'gpt2': dict(layers=4, width=256, heads=4, seq=32, batch=8, vocab=1024)},
 }
 
 
@@ -173,16 +180,38 @@ def run_loop(compiled: dict[str, Any], p: Problem, seq: int,
   return jnp.array(rows) - corrupted_metric
 
 
-def attribution_reference(p: Problem) -> jax.Array:
-  """``vdot(a_clean - a_corrupted, g)`` per block and position, ``g`` by ``jax.grad``."""
+def by_hand(p: Problem) -> dict[str, Callable[..., Any]]:
+  """Attribution patching of the blocks written by hand, and the gradient it is made of.
+
+  ``grad``: the metric on the corrupted inputs and its gradient with respect to zero
+  deltas added to the block outputs (``jax.value_and_grad``), the corrupted block outputs
+  recorded on the way: one forward and one backward through the activations.
+  ``attribution``: a clean run recording the block outputs, then ``grad``, then
+  ``vdot(a_clean - a_corrupted, g)`` per block and position.
+  """
   functions = loop_functions(p)
-  clean = jax.jit(functions['clean_run'])(p.variables, p.clean)
-  corrupted = jax.jit(functions['clean_run'])(p.variables, p.corrupted)
-  with_deltas = lambda deltas: intercepted(p.metric, p.blocks, lambda i, h: h + deltas[i])(
-      p.variables, p.corrupted)
-  g = jax.jit(jax.grad(with_deltas))(jnp.zeros_like(corrupted))
-  # (blocks, batch, seq, width): sum over batch and width, per block and position.
-  return jnp.einsum('lbsw,lbsw->ls', clean - corrupted, g)
+
+  def grad(variables, ids):
+    def with_deltas(deltas):
+      hidden = {}
+
+      def add(i, h):
+        hidden[i] = h
+        return h + deltas[i]
+      value = intercepted(p.metric, p.blocks, add)(variables, ids)
+      return value, jnp.stack([hidden[i] for i in range(len(p.blocks))])
+    shape = jax.eval_shape(functions['clean_run'], variables, ids)
+    (value, hidden), g = jax.value_and_grad(with_deltas, has_aux=True)(
+        jnp.zeros(shape.shape, shape.dtype))
+    return value, hidden, g
+
+  def attribution(variables, clean_ids, corrupted_ids):
+    clean = functions['clean_run'](variables, clean_ids)
+    _, corrupted, g = grad(variables, corrupted_ids)
+    # (blocks, batch, seq, width): sum over batch and width, per block and position.
+    return jnp.einsum('lbsw,lbsw->ls', clean - corrupted, g)
+
+  return {'grad': grad, 'attribution': attribution}
 
 
 def mismatch(actual: jax.Array, expected: jax.Array) -> str | None:
@@ -221,7 +250,11 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   clean_hidden = compiled['clean_run'].call(p.variables, p.clean)
   compiled['patched'] = common.compile_timed(functions['patched'], p.variables, clean_hidden,
                                              np.int32(0), np.int32(0), p.corrupted)
+  hand = by_hand(p)
+  compiled['by_hand'] = common.compile_timed(hand['attribution'], *args)
+  compiled['grad'] = common.compile_timed(hand['grad'], p.variables, p.corrupted)
   seq = size['seq']
+  reference = compiled['by_hand'].call(*args)
 
   sweep_effects = compiled['sweep'].call(*args)
   all_effects = compiled['sweep_all'].call(*args)
@@ -236,9 +269,9 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'sweep_vs_loop': mismatch(sweep_effects[jnp.array(block_rows)], loop_effects),
       'sweep_all_vs_loop': mismatch(all_effects[jnp.array(block_rows)], loop_effects),
       'loop_needed_vs_loop': mismatch(needed_effects, loop_effects),
-      'attribution_vs_vdot_grad': mismatch(attribution_rows, attribution_reference(p)),
+      'attribution_vs_vdot_grad': mismatch(attribution_rows, reference),
       'attribution_blocks_vs_vdot_grad': mismatch(compiled['attribution_blocks'].call(*args),
-                                                  attribution_reference(p)),
+                                                  reference),
   }
   # The corruption has to matter for the comparison to mean anything.
   if not float(jnp.abs(loop_effects).max()) > 1e-6:
@@ -253,6 +286,8 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'attribution_blocks': lambda: compiled['attribution_blocks'].call(*args),
       'cache': lambda: compiled['cache'].call(p.variables, p.clean),
       'cache_grads': lambda: compiled['cache_grads'].call(p.variables, p.corrupted),
+      'by_hand': lambda: compiled['by_hand'].call(*args),
+      'grad': lambda: compiled['grad'].call(p.variables, p.corrupted),
       'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
   }
   samples = common.time_round_robin(thunks, repeats)
@@ -260,7 +295,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
                'loop_needed': 'patched',
                'attribution': 'attribution', 'attribution_blocks': 'attribution_blocks',
                'cache': 'cache', 'cache_grads': 'cache_grads',
-               'forward': 'forward'}
+               'by_hand': 'by_hand', 'grad': 'grad', 'forward': 'forward'}
   variants = {}
   for v in VARIANTS:
     c = compiled[memory_of[v]]
@@ -273,6 +308,9 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
             'attribution_over_forward': t['attribution'] / t['forward'],
             'attribution_blocks_over_forward': t['attribution_blocks'] / t['forward'],
             'attribution_over_its_parts': t['attribution'] / (t['cache'] + t['cache_grads']),
+            'attribution_blocks_over_by_hand': t['attribution_blocks'] / t['by_hand'],
+            'by_hand_over_forward': t['by_hand'] / t['forward'],
+            'grad_over_forward': t['grad'] / t['forward'],
             'sweep_over_forward': t['sweep'] / t['forward']}
   targets = {
       f'loop_over_sweep_ge_{TARGETS["loop_over_sweep_ge"]}':

@@ -167,7 +167,7 @@ def check_interventions(stdout: str, data: dict):
   assert set(data['models']) == {'gpt2'}
   model = data['models']['gpt2']
   # The script's own checks: the sweep equals the loop of single patched runs, attribution
-  # patching equals vdot with jax.grad of explicit deltas, and the corruption matters.
+  # patching equals vdot with jax.grad of explicit deltas (by hand), and the corruption matters.
   assert model['ok'] is True and model['mismatches'] == {}, model['mismatches']
   assert model['checks'] == {'sweep_vs_loop': True, 'sweep_all_vs_loop': True,
                              'loop_needed_vs_loop': True, 'attribution_vs_vdot_grad': True,
@@ -179,14 +179,17 @@ def check_interventions(stdout: str, data: dict):
   assert model['patched_runs_needed'] == size['layers'] * (size['seq'] - size['seq'] // 4)
   assert model['attribution_calls'] > size['layers']
   assert set(model['variants']) == {'sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution',
-                                    'attribution_blocks', 'cache', 'cache_grads', 'forward'}
+                                    'attribution_blocks', 'cache', 'cache_grads', 'by_hand',
+                                    'grad', 'forward'}
   for v, m in model['variants'].items():
     assert variant_keys <= set(m), (v, variant_keys - set(m))
     assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
   assert set(model['ratios']) == {'loop_over_sweep', 'loop_over_sweep_all',
                                   'loop_needed_over_sweep', 'attribution_over_forward',
                                   'attribution_blocks_over_forward',
-                                  'attribution_over_its_parts', 'sweep_over_forward'}
+                                  'attribution_over_its_parts', 'attribution_blocks_over_by_hand',
+                                  'by_hand_over_forward', 'grad_over_forward',
+                                  'sweep_over_forward'}
   assert all(r > 0 for r in model['ratios'].values())
   assert len(model['targets_met']) == 2
   assert 'gpt2: OK' in stdout, stdout[-3000:]
