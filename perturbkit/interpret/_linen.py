@@ -153,7 +153,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
     batch_size: Patched runs per step of the sweep; the memory is about that
       many forward passes' (default 8). ``None``: each group's runs as one
-      ``jax.vmap``, the fewest steps and the most memory.
+      ``jax.vmap``, the fewest steps and the most memory. On a GPU, larger
+      batches or ``None`` are faster where memory allows (a 4-block GPT-2's
+      128-run sweep on one H200: 2.4 ms in batches of 8, 0.4 ms with ``None``).
     progress: Show a progress bar (tqdm) of the patched runs done, moved after
       each batch of ``batch_size`` as the compiled sweep runs (also under
       ``jax.jit``, on one device or a batch sharded over several; not under a
