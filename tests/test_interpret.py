@@ -481,7 +481,7 @@ def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(
 @pytest.mark.parametrize('axis, positions, shape', [
     (None, None, (2, 5, 3)), (1, (0, 1, 2, 3, 4), (2, 5, 3)), (1, (1, 2), (2, 5, 3)),
     (-2, (-1, 0, 3), (2, 5, 3)), (2, (2, 0, 2), (2, 5, 3)), (0, (1,), (2, 5, 3))])
-def test_spread_is_the_adjoint_of_per_position(axis, positions, shape):
+def test_spread_is_the_adjoint_of_the_per_position_sum(axis, positions, shape):
   """The attributions are gradients with respect to scalars that ``spread`` puts along the axis:
   ``grad_s sum(spread(s) * v)`` must be ``v`` summed over every other axis at the positions
   (numpy), and ``spread`` zero elsewhere."""
