@@ -73,18 +73,24 @@ def compile_timed(fn: Callable[..., Any], *args: Any) -> CompiledFn:
   return CompiledFn(compiled, lowered_at - start, done - lowered_at, memory_bytes(compiled))
 
 
-def _run_blocked(thunk: Callable[[], Any], number: int) -> float:
-  """Seconds per call of ``number`` calls of ``thunk``, waiting for the last result."""
+def _run_blocked(thunk: Callable[[], Any], number: int, wait_each: bool = False) -> float:
+  """Seconds per call of ``number`` calls of ``thunk``, waiting for the last result.
+
+  ``wait_each``: waiting for each call's result before the next call starts.
+  """
   start = time.perf_counter()
   out = None
   for _ in range(number):
     out = thunk()
+    if wait_each:
+      jax.block_until_ready(out)
   jax.block_until_ready(out)
   return (time.perf_counter() - start) / number
 
 
 def time_round_robin(thunks: Mapping[str, Callable[[], Any]], repeats: int, *,
-                     warmup: int = 2, min_sample_s: float = 0.02) -> dict[str, list[float]]:
+                     warmup: int = 2, min_sample_s: float = 0.02,
+                     wait_each: bool = False) -> dict[str, list[float]]:
   """Per-call seconds of each thunk, measured round-robin in one run.
 
   Each thunk is warmed up, then every round takes one sample of each thunk, the
@@ -97,6 +103,11 @@ def time_round_robin(thunks: Mapping[str, Callable[[], Any]], repeats: int, *,
     repeats: Samples per thunk.
     warmup: Untimed calls per thunk before measuring.
     min_sample_s: Target duration of the fastest thunk's sample.
+    wait_each: Wait for each call's result before making the next call: the time
+      of one call on its own. Otherwise the calls of a sample are queued back to
+      back (JAX dispatches asynchronously): on a CPU the runtime may then run two
+      calls at once, so a call too small to keep every core busy looks cheaper
+      than it is when called alone.
 
   Returns:
     Name to the list of per-call seconds, one per sample.
@@ -105,14 +116,14 @@ def time_round_robin(thunks: Mapping[str, Callable[[], Any]], repeats: int, *,
   for name, thunk in thunks.items():
     for _ in range(max(warmup - 1, 0)):
       jax.block_until_ready(thunk())
-    first[name] = _run_blocked(thunk, 1)
+    first[name] = _run_blocked(thunk, 1, wait_each)
   number = max(1, math.ceil(min_sample_s / max(min(first.values()), 1e-9)))
   names = list(thunks)
   samples: dict[str, list[float]] = {name: [] for name in names}
   for round_index in range(repeats):
     shift = round_index % len(names)
     for name in names[shift:] + names[:shift]:
-      samples[name].append(_run_blocked(thunks[name], number))
+      samples[name].append(_run_blocked(thunks[name], number, wait_each))
   return samples
 
 

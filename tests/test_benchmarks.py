@@ -159,7 +159,8 @@ def check_real_models(stdout: str, data: dict):
 
 
 def check_interventions(stdout: str, data: dict):
-  variant_keys = {'median_s', 'p25_s', 'p75_s', 'samples_s', 'lower_s', 'compile_s',
+  variant_keys = {'median_s', 'p25_s', 'p75_s', 'samples_s', 'queued_median_s', 'queued_p25_s',
+                  'queued_p75_s', 'queued_samples_s', 'lower_s', 'compile_s',
                   'argument_bytes', 'output_bytes', 'temp_bytes'}
   assert data['benchmark'] == 'interventions'
   assert data['config']['sizes'] == 'tiny' and data['config']['repeats'] == 2
@@ -184,6 +185,10 @@ def check_interventions(stdout: str, data: dict):
   for v, m in model['variants'].items():
     assert variant_keys <= set(m), (v, variant_keys - set(m))
     assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
+    assert len(m['queued_samples_s']) == 2 and m['queued_median_s'] > 0, v
+  # Timed twice: each call waited for (the targets), and calls queued back to back.
+  assert set(model['ratios_queued']) == set(model['ratios'])
+  assert all(r > 0 for r in model['ratios_queued'].values())
   assert set(model['ratios']) == {'loop_over_sweep', 'loop_over_sweep_all',
                                   'loop_needed_over_sweep', 'attribution_over_forward',
                                   'attribution_blocks_over_forward',
