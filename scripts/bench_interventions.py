@@ -31,6 +31,8 @@ which flatters the calls too small to keep every core busy):
                interceptor), and ``vdot(a_clean - a_corrupted, g)`` per block and position.
   grad         by_hand's gradient alone: one forward and one backward through the
                activations, the least any attribution patching does after the clean run.
+  param_grad   ``jax.grad`` of the metric with respect to the params on the corrupted inputs:
+               the ordinary gradient, for scale.
   forward      one jitted forward pass of the metric on the corrupted inputs.
   cache        attribution patching's first part, by itself: ``perturbkit.run_with_cache``
                of the metric on the clean inputs (every call's output).
@@ -67,7 +69,7 @@ import _bench_common as common  # noqa: E402
 from perturbkit import filters  # noqa: E402
 
 VARIANTS = ('sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution', 'attribution_blocks',
-            'cache', 'cache_grads', 'by_hand', 'grad', 'forward')
+            'cache', 'cache_grads', 'by_hand', 'grad', 'param_grad', 'forward')
 DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interventions.json')
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)
 TARGETS = {'loop_over_sweep_ge': 5.0, 'attribution_over_forward_le': 3.2}
@@ -241,6 +243,7 @@ def ratios_of(t: dict[str, float]) -> dict[str, float]:
           'attribution_blocks_over_by_hand': t['attribution_blocks'] / t['by_hand'],
           'by_hand_over_forward': t['by_hand'] / t['forward'],
           'grad_over_forward': t['grad'] / t['forward'],
+          'attribution_over_param_grad': t['attribution'] / t['param_grad'],
           'sweep_over_forward': t['sweep'] / t['forward']}
 
 
@@ -274,6 +277,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
   hand = by_hand(p)
   compiled['by_hand'] = common.compile_timed(hand['attribution'], *args)
   compiled['grad'] = common.compile_timed(hand['grad'], p.variables, p.corrupted)
+  compiled['param_grad'] = common.compile_timed(jax.grad(p.metric), p.variables, p.corrupted)
   seq = size['seq']
   reference = compiled['by_hand'].call(*args)
 
@@ -310,6 +314,7 @@ def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[st
       'cache_grads': lambda: compiled['cache_grads'].call(p.variables, p.corrupted),
       'by_hand': lambda: compiled['by_hand'].call(*args),
       'grad': lambda: compiled['grad'].call(p.variables, p.corrupted),
+      'param_grad': lambda: compiled['param_grad'].call(p.variables, p.corrupted),
       'forward': lambda: compiled['forward'].call(p.variables, p.corrupted),
   }
   # Each call waited for (the cost of one call alone), then queued back to back as

@@ -181,7 +181,7 @@ def check_interventions(stdout: str, data: dict):
   assert model['attribution_calls'] > size['layers']
   assert set(model['variants']) == {'sweep', 'sweep_all', 'loop', 'loop_needed', 'attribution',
                                     'attribution_blocks', 'cache', 'cache_grads', 'by_hand',
-                                    'grad', 'forward'}
+                                    'grad', 'param_grad', 'forward'}
   for v, m in model['variants'].items():
     assert variant_keys <= set(m), (v, variant_keys - set(m))
     assert len(m['samples_s']) == 2 and m['median_s'] > 0 and m['compile_s'] > 0, v
@@ -194,6 +194,7 @@ def check_interventions(stdout: str, data: dict):
                                   'attribution_blocks_over_forward',
                                   'attribution_over_its_parts', 'attribution_blocks_over_by_hand',
                                   'by_hand_over_forward', 'grad_over_forward',
+                                  'attribution_over_param_grad',
                                   'sweep_over_forward'}
   assert all(r > 0 for r in model['ratios'].values())
   assert len(model['targets_met']) == 2
