@@ -14,6 +14,8 @@
   state untouched; GPT-2 (tuple outputs) against ``capture_intermediates`` and by-hand
   patching. Every named error, and the fix its message suggests.
 """
+import itertools
+
 import chex
 import flax.linen as nn
 import jax
@@ -272,11 +274,17 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
   assert len(runs) == 2 + len(NAMES) * per_call
 
 
-def test_activation_patching_differentiates_as_the_patches_by_hand(mlp):
+@pytest.mark.parametrize('changed_from', [0, 3])
+def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_from):
   """``jax.grad`` of a loss of the effects, with respect to the params: one ``jax.vmap``
-  (``batch_size=None``) under ``jax.jit``, and in batches outside it, against the same loss
-  of the patched runs written by hand."""
+  (``batch_size=None``) and in batches of 2, each under ``jax.jit`` and outside it, against
+  the same loss of the patched runs written by hand; and ``jax.jvp`` of the effects in
+  batches, along the params, against ``jax.jvp`` of the hand-written ones. The corrupted
+  input differs from the clean one at every token, or from token 3 on: then the patches of
+  tokens 0-2 change nothing, and in batches they do not run (two of each call's three batches
+  are skipped, the loop that skips them is differentiated)."""
   _, variables, clean, corrupted, metric = mlp
+  corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
 
   def by_hand(params):
@@ -288,11 +296,19 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp):
                        for token in range(SHAPE[1])] for call in NAMES])
 
   want = jax.grad(lambda v: jnp.sum(weights * by_hand(v['params']) ** 2))(variables)
-  for batch_size, wrap in ((None, jax.jit), (2, lambda f: f)):
+  for batch_size, wrap in itertools.product((None, 2), (jax.jit, lambda f: f)):
     patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
     got = wrap(jax.grad(lambda v: jnp.sum(weights * patch(v, clean, corrupted).effects ** 2)))(
         variables)
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(5), x.shape), variables)
+  patch = perturbkit.activation_patching(metric, axis=1, batch_size=2)
+  got = jax.jit(lambda v, t: jax.jvp(lambda v: patch(v, clean, corrupted).effects, (v,), (t,)))(
+      variables, direction)
+  want = jax.jvp(lambda v: by_hand(v['params']), (variables,), (direction,))
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  if changed_from:
+    assert not jnp.any(want[0][:, :changed_from]) and jnp.all(want[0][:, changed_from:])
 
 
 # The batches of 4 within each group of calls, 5 tokens per call (3 calls: one group; two
@@ -325,6 +341,32 @@ def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypat
   assert len(recorded) == 2 * len(batches) and recorded[len(batches) - 1] == recorded[-1] == 15
   assert sorted(steps) == sorted(batches * 2)
   assert capsys.readouterr().err.count('activation patching: 100%') == 2
+
+
+def test_progress_bar_counts_each_run_once_when_differentiated(mlp, monkeypatch):
+  """``jax.grad`` (which recomputes each batch in the backward pass) and ``jax.jvp`` of the
+  batched sweep, under ``jax.jit``: one bar per run, reaching 15 (the skipped runs of tokens
+  0-2, where the inputs agree, counted at the end), never more."""
+  _, variables, clean, corrupted, metric = mlp
+  corrupted = clean.at[:, 3:].set(corrupted[:, 3:])
+  bars = []
+
+  class Recorded(sweep_module.tqdm):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      bars.append([])
+
+    def update(self, n=1):
+      super().update(n)
+      bars[-1].append(self.n)
+
+  monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
+  patch = perturbkit.activation_patching(metric, axis=1, batch_size=4, progress=True)
+  effects = lambda v: patch(v, clean, corrupted).effects
+  jax.jit(jax.grad(lambda v: jnp.sum(effects(v) ** 2)))(variables)
+  jax.jit(lambda v: jax.jvp(effects, (v,), (v,)))(variables)
+  jax.effects_barrier()
+  assert len(bars) == 2 and all(bar[-1] == 15 and max(bar) == 15 for bar in bars), bars
 
 
 def test_patching_and_attribution_per_head_of_a_view_equal_the_heads_by_hand(mlp):

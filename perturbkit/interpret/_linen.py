@@ -137,10 +137,12 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   a causal model) is the corrupted run itself: its effect is exactly 0, and in
   batches it does not run (the needed runs go first, and the loop stops after
   the last of them). The compiled sweep holds the model after each group's
-  first call once per group. Jittable; the effects are differentiable
-  (``jax.grad``) with ``batch_size=None``, and in batches outside
-  ``jax.jit`` only: under it, the loop that stops after the needed runs is a
-  ``jax.lax.while_loop``, which JAX does not differentiate in reverse mode.
+  first call once per group. Jittable, and the effects are differentiable
+  (``jax.grad``, ``jax.jvp``, under ``jax.jit`` too). In batches, the loop
+  stops after the last batch holding a needed run; differentiated, it visits
+  every batch instead (a loop with a traced length is not differentiable in
+  reverse mode), still runs only those, and ``jax.grad`` recomputes each
+  batch in the backward pass, which keeps the memory about a batch's.
 
   Args:
     fn: ``(variables, inputs) -> metric``.

@@ -59,7 +59,8 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   With ``skip = (needed, skipped)``, the jobs where ``needed`` is false give
   ``skipped`` instead of running: the needed jobs go first, and the loop over
   batches stops after the last batch holding one (a ``jax.lax.while_loop``,
-  whose invariant part, the model before the edited calls, XLA computes once).
+  whose invariant part, the model before the edited calls, XLA computes once;
+  see :func:`_skipping` for its derivatives).
   In one batch (no ``batch_size``, or no fewer jobs) every job runs.
   """
   total = jax.tree.leaves(jobs)[0].shape[0]
@@ -80,27 +81,70 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
 
   def run(start: jax.Array) -> Any:
     chunk = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size), jobs)
-    out = jax.vmap(job)(chunk)
+    return jax.vmap(job)(chunk)
+
+  def advance(start: jax.Array, ran: jax.Array, out: Any) -> Any:
     if bar is not None:
-      jax.debug.callback(bar.advance, jnp.minimum(size, total - start), out)
+      jax.debug.callback(bar.advance, jnp.where(ran, jnp.minimum(size, total - start), 0), out)
     return out
 
   if skip is None:
-    outs = jax.lax.map(lambda i: run(i * size), jnp.arange(batches))
+    # Differentiated in reverse mode, each batch is recomputed (see _skipping).
+    outs = jax.lax.map(lambda i: advance(i * size, True, jax.checkpoint(run)(i * size)),
+                       jnp.arange(batches))
     return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
 
-  def batch(i, outs):
-    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * size, 0),
-                        outs, run(i * size))
-
   count = (jnp.sum(needed) + size - 1) // size
-  outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
-  outs = jax.tree.map(lambda x: x[:total], jax.lax.fori_loop(0, count, batch, outs))
+  outs = _skipping(run, advance, count, batches, size, skipped)
+  outs = jax.tree.map(lambda x: x[:total], outs)
   if bar is not None:
     jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
   outs = jax.tree.map(lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s),
                       outs, skipped)
   return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
+
+
+def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax.Array, Any], Any],
+              count: jax.Array, batches: int, size: int, skipped: Any) -> Any:
+  """``run(i * size)`` for the batches ``i < count``, ``skipped`` in the others' places.
+
+  Runs the first ``count`` batches only (a ``jax.lax.while_loop``, whose trip
+  count is traced). JAX does not differentiate such a loop in reverse mode,
+  so its derivatives (a custom JVP) are those of a loop over every batch that
+  runs a batch only where ``i < count`` (a ``jax.lax.cond`` in a
+  ``jax.lax.map``): the same values, differentiable both ways. Each batch is
+  recomputed in the backward pass (``jax.checkpoint``), so that reverse mode
+  keeps one batch's intermediates at a time, as the forward does, not every
+  batch's. The values ``run`` closes over that carry derivatives (the model's
+  variables, the clean outputs) are made explicit arguments
+  (``jax.closure_convert``) so that the custom JVP sees them. ``advance(start,
+  ran, out)`` (the progress bar) follows each batch, outside the recomputed
+  part, so that it counts each batch once.
+  """
+  converted, consts = jax.closure_convert(run, jnp.zeros((), jnp.int32))
+
+  def first_batches(consts, skipped):
+    def batch(i, outs):
+      out = advance(i * size, True, converted(i * size, *consts))
+      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * size, 0),
+                          outs, out)
+
+    outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
+    return jax.lax.fori_loop(0, count, batch, outs)
+
+  def every_batch(consts, skipped):
+    def batch(i):
+      return jax.lax.cond(
+          i < count, lambda: converted(i * size, *consts),
+          lambda: jax.tree.map(lambda s: jnp.broadcast_to(s, (size,) + jnp.shape(s)), skipped))
+
+    outs = jax.lax.map(lambda i: advance(i * size, i < count, jax.checkpoint(batch)(i)),
+                       jnp.arange(batches))
+    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:]), outs)
+
+  looped = jax.custom_jvp(first_batches)
+  looped.defjvp(lambda primals, tangents: jax.jvp(every_batch, primals, tangents))
+  return looped(consts, skipped)
 
 
 def call_groups(calls: int) -> list[tuple[int, ...]]:
