@@ -276,18 +276,19 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
 
 @pytest.mark.parametrize('changed_from', [0, 3])
 def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_from):
-  """``jax.grad`` of a loss of the effects, with respect to the params: one ``jax.vmap``
-  (``batch_size=None``) and in batches of 2, each under ``jax.jit`` and outside it, against
-  the same loss of the patched runs written by hand; and ``jax.jvp`` of the effects in
-  batches, along the params, against ``jax.jvp`` of the hand-written ones. The corrupted
-  input differs from the clean one at every token, or from token 3 on: then the patches of
-  tokens 0-2 change nothing, and in batches they do not run (two of each call's three batches
-  are skipped, the loop that skips them is differentiated)."""
+  """``jax.grad`` of a loss of the effects, with respect to the params and both inputs: one
+  ``jax.vmap`` (``batch_size=None``) and in batches of 2, each under ``jax.jit`` and outside
+  it, against the same loss of the patched runs written by hand; and ``jax.jvp`` of the
+  effects in batches, along all three, against ``jax.jvp`` of the hand-written ones. The
+  corrupted input differs from the clean one at every token, or from token 3 on: then the
+  patches of tokens 0-2 change nothing and in batches do not run, their effects are exactly
+  0, and their derivatives are not (moving the clean input there changes what they patch)."""
   _, variables, clean, corrupted, metric = mlp
   corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
 
-  def by_hand(params):
+  def by_hand(v, clean, corrupted):
+    params = v['params']
     outputs = by_hand_outputs(params, clean)
     base = metric_of(mlp_by_hand(params, corrupted))
     return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
@@ -295,20 +296,22 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
                                              if n == c else h)) - base
                        for token in range(SHAPE[1])] for call in NAMES])
 
-  want = jax.grad(lambda v: jnp.sum(weights * by_hand(v['params']) ** 2))(variables)
+  args = (variables, clean, corrupted)
+  # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
+  loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
+  want = jax.grad(lambda *a: loss(by_hand(*a)), argnums=(0, 1, 2))(*args)
+  assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
   for batch_size, wrap in itertools.product((None, 2), (jax.jit, lambda f: f)):
     patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
-    got = wrap(jax.grad(lambda v: jnp.sum(weights * patch(v, clean, corrupted).effects ** 2)))(
-        variables)
+    got = wrap(jax.grad(lambda *a: loss(patch(*a).effects), argnums=(0, 1, 2)))(*args)
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
-  direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(5), x.shape), variables)
+  directions = jax.tree.map(lambda x: jax.random.normal(jax.random.key(5), x.shape), args)
   patch = perturbkit.activation_patching(metric, axis=1, batch_size=2)
-  got = jax.jit(lambda v, t: jax.jvp(lambda v: patch(v, clean, corrupted).effects, (v,), (t,)))(
-      variables, direction)
-  want = jax.jvp(lambda v: by_hand(v['params']), (variables,), (direction,))
+  got = jax.jit(lambda a, t: jax.jvp(lambda *a: patch(*a).effects, a, t))(args, directions)
+  want = jax.jvp(by_hand, args, directions)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   if changed_from:
-    assert not jnp.any(want[0][:, :changed_from]) and jnp.all(want[0][:, changed_from:])
+    assert not jnp.any(got[0][:, :changed_from]) and jnp.all(got[0][:, changed_from:])
 
 
 # The batches of 4 within each group of calls, 5 tokens per call (3 calls: one group; two
@@ -431,14 +434,19 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
     chex.assert_trees_all_close(gxa.effects, every[:, jnp.array(positions)], **TOL)
 
 
-def test_attributions_differentiate_as_their_formulas_by_hand(mlp):
+@pytest.mark.parametrize('changed_from', [0, 3])
+def test_attributions_differentiate_as_their_formulas_by_hand(mlp, changed_from):
   """The effects are differentiable again: ``jax.grad`` of a loss of the attribution
   patching (and gradient x activation) effects, with respect to the params and the
   inputs, equals ``jax.grad`` of the same loss of the formulas written with the hand
-  MLP's outputs and ``jax.vjp`` gradients."""
+  MLP's outputs and ``jax.vjp`` gradients; also where the clean and corrupted inputs (and
+  outputs) agree, on tokens 0-2, where ``a_clean - a_corrupted`` is 0 and its derivative
+  is not."""
   _, variables, clean, corrupted, metric = mlp
+  corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
-  loss = lambda effects: jnp.sum(weights * effects ** 2)
+  # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
+  loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
   attribution = perturbkit.attribution_patching(metric, axis=1)
   gxa = perturbkit.grad_times_activation(metric, axis=1)
 
@@ -456,6 +464,7 @@ def test_attributions_differentiate_as_their_formulas_by_hand(mlp):
   want = jax.grad(lambda v, c, x: loss(attribution_by_hand(v['params'], c, x)),
                   argnums=(0, 1, 2))(variables, clean, corrupted)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
   got = jax.grad(lambda v, x: loss(gxa(v, x).effects), argnums=(0, 1))(variables, corrupted)
   want = jax.grad(lambda v, x: loss(gxa_by_hand(v['params'], x)), argnums=(0, 1))(
       variables, corrupted)
@@ -605,6 +614,24 @@ def test_nnx_equals_its_linen_twin(twins):
     assert got.effects.shape == (1, 2)
     chex.assert_trees_all_close(got, want, **TOL)
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
+
+
+def test_nnx_batched_patching_differentiates_as_its_linen_twin(twins):
+  """``jax.grad`` with respect to the clean input of the batched sweep's effects under
+  ``nnx.jit``, against the Linen twin's under ``jax.jit`` (the Linen one is checked against
+  hand-written patches above); the corrupted input agrees with the clean one on tokens 0-2."""
+  model, variables, linen, clean, corrupted = twins
+  corrupted = clean.at[:, 3:].set(corrupted[:, 3:])
+  nnx_patch = perturbkit.nnx.activation_patching(lambda m, x: metric_of(m(x)), axis=1,
+                                                  batch_size=2)
+  linen_patch = perturbkit.activation_patching(lambda v, x: metric_of(linen.apply(v, x)), axis=1,
+                                               batch_size=2)
+  loss = lambda effects: jnp.sum(jnp.sin(effects))
+  got = nnx.jit(lambda m, c: jax.grad(lambda c: loss(nnx_patch(m, c, corrupted).effects))(c))(
+      model, clean)
+  want = jax.jit(jax.grad(lambda c: loss(linen_patch(variables, c, corrupted).effects)))(clean)
+  assert float(jnp.abs(want).max()) > 1e-3
+  chex.assert_trees_all_close(got, want, **TOL)
 
 
 class _BatchNormNet(nnx.Module):

@@ -111,14 +111,15 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
 
 def _minus(x: jax.Array, y: jax.Array) -> jax.Array:
   x, y = widened(x), widened(y)
-  return jnp.where(x == y, jnp.zeros((), x.dtype), x - y)
+  return jnp.where((x == y) & jnp.isinf(x), jnp.zeros((), x.dtype), x - y)
 
 
 def difference(a: Any, b: Any) -> Any:
   """``a - b`` leaf by leaf, in at least float32 (:func:`widened`); 0 where they are equal.
 
-  Equal entries do not move, infinite ones too (a masked ``-inf`` attention
-  score in both runs), where ``a - b`` would be ``nan``.
+  Equal infinite entries (a masked ``-inf`` attention score in both runs) give
+  0, where ``a - b`` would be ``nan``; elsewhere it is ``a - b`` itself, with
+  its derivatives (``da - db``, also where the two are equal).
   """
   return jax.tree.map(_minus, a, b)
 

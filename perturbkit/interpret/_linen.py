@@ -138,11 +138,11 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   batches it does not run (the needed runs go first, and the loop stops after
   the last of them). The compiled sweep holds the model after each group's
   first call once per group. Jittable, and the effects are differentiable
-  (``jax.grad``, ``jax.jvp``, under ``jax.jit`` too). In batches, the loop
-  stops after the last batch holding a needed run; differentiated, it visits
-  every batch instead (a loop with a traced length is not differentiable in
-  reverse mode), still runs only those, and ``jax.grad`` recomputes each
-  batch in the backward pass, which keeps the memory about a batch's.
+  (``jax.grad``, ``jax.jvp``, under ``jax.jit`` too). Differentiated, every
+  patched run runs, the skipped ones too: a patch that changes nothing at
+  these inputs still has derivatives (moving the clean input changes what it
+  patches in). ``jax.grad`` in batches recomputes each batch in the backward
+  pass, which keeps the memory about a batch's.
 
   Args:
     fn: ``(variables, inputs) -> metric``.

@@ -60,7 +60,7 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   ``skipped`` instead of running: the needed jobs go first, and the loop over
   batches stops after the last batch holding one (a ``jax.lax.while_loop``,
   whose invariant part, the model before the edited calls, XLA computes once;
-  see :func:`_skipping` for its derivatives).
+  differentiated, every job runs: see :func:`_skipping`).
   In one batch (no ``batch_size``, or no fewer jobs) every job runs.
   """
   total = jax.tree.leaves(jobs)[0].shape[0]
@@ -95,33 +95,39 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
     return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
 
   count = (jnp.sum(needed) + size - 1) // size
-  outs = _skipping(run, advance, count, batches, size, skipped)
-  outs = jax.tree.map(lambda x: x[:total], outs)
+  outs = _skipping(run, advance, needed, count, batches, size, skipped)
   if bar is not None:
     jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
-  outs = jax.tree.map(lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s),
-                      outs, skipped)
   return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
 
 
 def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax.Array, Any], Any],
-              count: jax.Array, batches: int, size: int, skipped: Any) -> Any:
-  """``run(i * size)`` for the batches ``i < count``, ``skipped`` in the others' places.
+              needed: jax.Array, count: jax.Array, batches: int, size: int, skipped: Any) -> Any:
+  """``run`` of each batch of jobs, the needed ones first; ``skipped`` for the others' results.
 
-  Runs the first ``count`` batches only (a ``jax.lax.while_loop``, whose trip
-  count is traced). JAX does not differentiate such a loop in reverse mode,
-  so its derivatives (a custom JVP) are those of a loop over every batch that
-  runs a batch only where ``i < count`` (a ``jax.lax.cond`` in a
-  ``jax.lax.map``): the same values, differentiable both ways. Each batch is
-  recomputed in the backward pass (``jax.checkpoint``), so that reverse mode
-  keeps one batch's intermediates at a time, as the forward does, not every
-  batch's. The values ``run`` closes over that carry derivatives (the model's
-  variables, the clean outputs) are made explicit arguments
-  (``jax.closure_convert``) so that the custom JVP sees them. ``advance(start,
-  ran, out)`` (the progress bar) follows each batch, outside the recomputed
-  part, so that it counts each batch once.
+  The values: the first ``count`` batches run (a ``jax.lax.while_loop``, whose
+  trip count is traced), which hold every job where ``needed``; the others'
+  results are ``skipped`` exactly. Their derivatives (a custom JVP) are those
+  of running every batch: a skipped job's result equals ``skipped`` at this
+  point, but not its derivatives (a patch that changes nothing here changes the
+  metric when the clean input moves), so they are never taken as zero. And a
+  loop over every batch (a ``jax.lax.map``) is differentiable in reverse mode,
+  which a loop with a traced trip count is not. Each batch is recomputed in
+  the backward pass (``jax.checkpoint``), so that reverse mode keeps one
+  batch's intermediates at a time, as the forward does. The values ``run``
+  closes over that carry derivatives (the model's variables, the clean
+  outputs) are made explicit arguments (``jax.closure_convert``) so that the
+  custom JVP sees them. ``advance(start, ran, out)`` (the progress bar) counts
+  the batches ``i < count`` after each runs, outside the recomputed part, so
+  once each.
   """
+  total = needed.shape[0]
   converted, consts = jax.closure_convert(run, jnp.zeros((), jnp.int32))
+
+  def chosen(outs, skipped):
+    outs = jax.tree.map(lambda x: x[:total], outs)
+    return jax.tree.map(
+        lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s), outs, skipped)
 
   def first_batches(consts, skipped):
     def batch(i, outs):
@@ -130,20 +136,20 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
                           outs, out)
 
     outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
-    return jax.lax.fori_loop(0, count, batch, outs)
+    return chosen(jax.lax.fori_loop(0, count, batch, outs), skipped)
 
-  def every_batch(consts, skipped):
-    def batch(i):
-      return jax.lax.cond(
-          i < count, lambda: converted(i * size, *consts),
-          lambda: jax.tree.map(lambda s: jnp.broadcast_to(s, (size,) + jnp.shape(s)), skipped))
+  def every_batch(consts):
+    batch = jax.checkpoint(lambda i: converted(i * size, *consts))
+    outs = jax.lax.map(lambda i: advance(i * size, i < count, batch(i)), jnp.arange(batches))
+    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
 
-    outs = jax.lax.map(lambda i: advance(i * size, i < count, jax.checkpoint(batch)(i)),
-                       jnp.arange(batches))
-    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:]), outs)
+  def derivatives(primals, tangents):
+    consts, skipped = primals
+    outs, tangent = jax.jvp(every_batch, (consts,), (tangents[0],))
+    return chosen(outs, skipped), tangent
 
   looped = jax.custom_jvp(first_batches)
-  looped.defjvp(lambda primals, tangents: jax.jvp(every_batch, primals, tangents))
+  looped.defjvp(derivatives)
   return looped(consts, skipped)
 
 
