@@ -248,7 +248,7 @@ def ratios_of(t: dict[str, float]) -> dict[str, float]:
 
 
 def measure_model(size: dict[str, Any], repeats: int, key: jax.Array) -> dict[str, Any]:
-  """Compiles, checks and times the four variants on GPT-2 at ``size``."""
+  """Compiles, checks and times the variants on GPT-2 at ``size``."""
   p = gpt2_problem(size, key)
   blocks = filters.by_path(*p.blocks)
   sweep = perturbkit.activation_patching(p.metric, filter=blocks, axis=1)

@@ -89,16 +89,28 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
     return out
 
   if skip is None:
-    # Differentiated in reverse mode, each batch is recomputed (see _skipping).
-    outs = jax.lax.map(lambda i: advance(i * size, True, jax.checkpoint(run)(i * size)),
-                       jnp.arange(batches))
-    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
+    return _every_batch(run, advance, batches, size, total, batches)
 
   count = (jnp.sum(needed) + size - 1) // size
   outs = _skipping(run, advance, needed, count, batches, size, skipped)
   if bar is not None:
     jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
   return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
+
+
+def _every_batch(run: Callable[[jax.Array], Any],
+                 advance: Callable[[jax.Array, jax.Array, Any], Any], batches: int, size: int,
+                 total: int, count: jax.Array | int) -> Any:
+  """``run(i * size)`` of every batch ``i`` (a ``jax.lax.map``), the first ``total`` results.
+
+  Each batch is recomputed in the backward pass (``jax.checkpoint``), so that
+  reverse mode keeps one batch's intermediates at a time, as the forward does,
+  not every batch's. ``advance(start, ran, out)`` follows each batch, outside
+  the recomputed part (so it runs once per batch), with ``ran`` for ``i < count``.
+  """
+  batch = jax.checkpoint(run)
+  outs = jax.lax.map(lambda i: advance(i * size, i < count, batch(i * size)), jnp.arange(batches))
+  return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
 
 
 def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax.Array, Any], Any],
@@ -110,16 +122,13 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
   results are ``skipped`` exactly. Their derivatives (a custom JVP) are those
   of running every batch: a skipped job's result equals ``skipped`` at this
   point, but not its derivatives (a patch that changes nothing here changes the
-  metric when the clean input moves), so they are never taken as zero. And a
-  loop over every batch (a ``jax.lax.map``) is differentiable in reverse mode,
-  which a loop with a traced trip count is not. Each batch is recomputed in
-  the backward pass (``jax.checkpoint``), so that reverse mode keeps one
-  batch's intermediates at a time, as the forward does. The values ``run``
-  closes over that carry derivatives (the model's variables, the clean
-  outputs) are made explicit arguments (``jax.closure_convert``) so that the
-  custom JVP sees them. ``advance(start, ran, out)`` (the progress bar) counts
-  the batches ``i < count`` after each runs, outside the recomputed part, so
-  once each.
+  metric when the clean input moves), so they are never taken as zero. And
+  :func:`_every_batch` is differentiable in reverse mode, which a loop with a
+  traced trip count is not. The values ``run`` closes over that carry
+  derivatives (the model's variables, the clean outputs) are made explicit
+  arguments (``jax.closure_convert``) so that the custom JVP sees them.
+  ``advance(start, ran, out)`` (the progress bar) counts the batches
+  ``i < count``, once each.
   """
   total = needed.shape[0]
   converted, consts = jax.closure_convert(run, jnp.zeros((), jnp.int32))
@@ -139,9 +148,8 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
     return chosen(jax.lax.fori_loop(0, count, batch, outs), skipped)
 
   def every_batch(consts):
-    batch = jax.checkpoint(lambda i: converted(i * size, *consts))
-    outs = jax.lax.map(lambda i: advance(i * size, i < count, batch(i)), jnp.arange(batches))
-    return jax.tree.map(lambda x: x.reshape((batches * size,) + x.shape[2:])[:total], outs)
+    return _every_batch(lambda start: converted(start, *consts), advance, batches, size, total,
+                        count)
 
   def derivatives(primals, tangents):
     consts, skipped = primals
