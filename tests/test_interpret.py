@@ -274,6 +274,24 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
   assert len(runs) == 2 + len(NAMES) * per_call
 
 
+def patching_by_hand(v, clean, corrupted):
+  """``(calls, tokens)``: each Dense call's output patched from ``clean`` at one token, by hand."""
+  params = v['params']
+  outputs = by_hand_outputs(params, clean)
+  base = metric_of(mlp_by_hand(params, corrupted))
+  return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
+                                           _on_tokens(lambda _: outputs[n], [t])(h)
+                                           if n == c else h)) - base
+                     for token in range(SHAPE[1])] for call in NAMES])
+
+
+def attribution_by_hand(params, clean, corrupted):
+  """``(calls, tokens)``: ``(a_clean - a_corrupted) . g`` per token, ``g`` from ``jax.vjp``."""
+  a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
+  _, grads = by_hand_grads(params, corrupted)
+  return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
+
+
 @pytest.mark.parametrize('changed_from', [0, 3])
 def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_from):
   """``jax.grad`` of a loss of the effects, with respect to the params and both inputs: one
@@ -287,15 +305,7 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
   corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
 
-  def by_hand(v, clean, corrupted):
-    params = v['params']
-    outputs = by_hand_outputs(params, clean)
-    base = metric_of(mlp_by_hand(params, corrupted))
-    return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
-                                             _on_tokens(lambda _: outputs[n], [t])(h)
-                                             if n == c else h)) - base
-                       for token in range(SHAPE[1])] for call in NAMES])
-
+  by_hand = patching_by_hand
   args = (variables, clean, corrupted)
   # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
@@ -370,6 +380,59 @@ def test_progress_bar_counts_each_run_once_when_differentiated(mlp, monkeypatch)
   jax.jit(lambda v: jax.jvp(effects, (v,), (v,)))(variables)
   jax.effects_barrier()
   assert len(bars) == 2 and all(bar[-1] == 15 and max(bar) == 15 for bar in bars), bars
+
+
+def test_effects_per_example_under_vmap_and_one_bar_per_run(mlp, monkeypatch):
+  """Effects per example: ``jax.vmap`` over (clean, corrupted) pairs of a metric of one example,
+  under ``jax.jit``, against each example's patches and attributions by hand. The two examples
+  differ from token 3 on and at token 1 only, so their batched sweeps skip different patches;
+  the gradient of a loss of the effects through ``vmap`` against the same by hand. The bar
+  counts the 15 runs of one sweep once per run, not once per example: under ``vmap``, under
+  ``jax.grad`` of it, and under ``vmap`` of ``vmap``."""
+  model, variables, clean, corrupted, _ = mlp
+  params = variables['params']
+  corrupted = jnp.stack([clean[0].at[3:].set(corrupted[0, 3:]),
+                         clean[1].at[1].set(corrupted[1, 1])])
+  metric = lambda v, x: metric_of(model.apply(v, x[None]))
+  bars = []
+
+  class Recorded(sweep_module.tqdm):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      bars.append([])
+
+    def update(self, n=1):
+      super().update(n)
+      bars[-1].append(self.n)
+
+  monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
+  examples = range(SHAPE[0])
+  one = lambda f, i: f(variables, clean[i:i + 1], corrupted[i:i + 1])
+  patched = jnp.stack([one(patching_by_hand, i) for i in examples])
+  attributed = jnp.stack([attribution_by_hand(params, clean[i:i + 1], corrupted[i:i + 1])
+                          for i in examples])
+  assert float(jnp.abs(patched[0, :, 3:]).min()) > 1e-6 and not jnp.any(patched[0, :, :3])
+  patch = perturbkit.activation_patching(metric, axis=1, batch_size=2, progress=True)
+  per_example = jax.vmap(patch, in_axes=(None, 0, 0))
+  got = jax.jit(per_example)(variables, clean, corrupted)
+  chex.assert_trees_all_close(got.effects, patched, **TOL)
+  chex.assert_trees_all_close(got.corrupted_metric,
+                              jnp.stack([metric(variables, x) for x in corrupted]), **TOL)
+  attribute = jax.jit(jax.vmap(perturbkit.attribution_patching(metric, axis=1),
+                               in_axes=(None, 0, 0)))
+  chex.assert_trees_all_close(attribute(variables, clean, corrupted).effects, attributed, **TOL)
+
+  weights = jax.random.normal(jax.random.key(4), patched.shape)
+  loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
+  want = jax.grad(lambda v: loss(jnp.stack([
+      patching_by_hand(v, clean[i:i + 1], corrupted[i:i + 1]) for i in examples])))(variables)
+  got = jax.jit(jax.grad(lambda v: loss(per_example(v, clean, corrupted).effects)))(variables)
+  chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  nested = jax.jit(jax.vmap(per_example, in_axes=(None, 0, 0)))(
+      variables, clean[None], corrupted[None])
+  chex.assert_trees_all_close(nested.effects[0], patched, **TOL)
+  jax.effects_barrier()
+  assert len(bars) == 3 and all(bar[-1] == 15 and max(bar) == 15 for bar in bars), bars
 
 
 def test_patching_and_attribution_per_head_of_a_view_equal_the_heads_by_hand(mlp):

@@ -68,6 +68,11 @@ Conventions
 * The metric is ``fn``'s output and must be a real scalar (reduce the batch,
   e.g. the mean logit difference); patching changes every example of the batch
   at once, and the attributions sum over the batch and every axis but ``axis``.
+  For effects per example, ``jax.vmap`` the returned function over examples
+  with a metric of one example: ``jax.vmap(activation_patching(metric,
+  axis=1), in_axes=(None, 0, 0))(variables, clean, corrupted)``, effects of
+  shape ``(examples, calls, positions)``; the sweeps run in lockstep, in one
+  computation.
 * Effects and Grad-CAM maps are computed in at least float32: a bfloat16
   model's outputs are subtracted, multiplied by their gradients and summed in
   float32, activation patching subtracts the metrics in float32, and every

@@ -160,9 +160,10 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
       128-run sweep on one H200: 2.4 ms in batches of 8, 0.4 ms with ``None``).
     progress: Show a progress bar (tqdm) of the patched runs done, moved after
       each batch of ``batch_size`` as the compiled sweep runs (also under
-      ``jax.jit``, on one device or a batch sharded over several; not under a
-      ``jax.vmap`` of the returned function, nor inside ``jax.shard_map``,
-      where every device would report its own batches).
+      ``jax.jit``, on one device or a batch sharded over several, and under a
+      ``jax.vmap`` of the returned function, one sweep per example, where it
+      counts the runs of one sweep; not inside ``jax.shard_map``, where every
+      device would report its own batches).
 
   Returns:
     A function ``(variables, clean, corrupted) -> PatchingResult``.
@@ -324,8 +325,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
       that many forward and backward passes' (default 8). ``None``: each
       group's pairs as one ``jax.vmap``.
     progress: Show a progress bar (tqdm) of the (call, node) pairs done, moved
-      after each batch of ``batch_size`` (also under ``jax.jit``; not inside
-      ``jax.shard_map``, as for :func:`activation_patching`).
+      after each batch of ``batch_size`` (also under ``jax.jit`` and
+      ``jax.vmap``; not inside ``jax.shard_map``, as for :func:`activation_patching`).
 
   Returns:
     A function ``(variables, inputs, baseline=None) -> PatchingResult``

@@ -5,6 +5,8 @@ batch), so it shows the progress of the compiled sweep as it runs, under
 ``jax.jit`` too, and starts afresh on every run of the compiled function. The
 callback is unordered, as JAX allows on many devices (a sweep of a batch sharded
 over them): the groups of calls may run in any order, and each batch adds its runs.
+Under ``jax.vmap`` (one sweep per example, run in lockstep) the bar counts the
+runs of one sweep: each batch reports once (:func:`_report`), not once per example.
 """
 from typing import Any, Callable
 
@@ -52,6 +54,33 @@ class ProgressBar:
       self.bar = None
 
 
+def _report(advance: Callable[..., None], count: jax.Array, dependencies: Any,
+            combine: Callable[[jax.Array], jax.Array]) -> None:
+  """``advance(count)`` once ``dependencies`` are computed; once, not per example, under ``vmap``.
+
+  ``jax.debug.callback`` under ``jax.vmap`` runs once per example, each with
+  that example's slice of every argument: a bar would count each batch once per
+  example. Here a vmapped report (a ``custom_vmap``, so under nested ``vmap``
+  too) is one callback with ``combine`` of the examples' counts: the sweeps run
+  in lockstep, so a batch counts once if any example ran it (``jnp.max``), and
+  the jobs skipped by every example once (``jnp.min``). The dependencies only
+  order the callback after them; no derivative flows into it.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def report(count, dependencies):
+    jax.debug.callback(advance, count, dependencies)
+    return ()
+
+  @report.def_vmap
+  def report_once(axis_size, in_batched, count, dependencies):
+    del axis_size
+    report(combine(count) if in_batched[0] else count, dependencies)
+    return (), ()
+
+  report(count, jax.lax.stop_gradient(dependencies))
+
+
 def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
              bar: ProgressBar | None, skip: tuple[jax.Array, Any] | None = None) -> jax.Array:
   """``job`` over the leading axis of ``jobs``, ``batch_size`` at a time; ``bar`` after each batch.
@@ -85,7 +114,7 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
 
   def advance(start: jax.Array, ran: jax.Array, out: Any) -> Any:
     if bar is not None:
-      jax.debug.callback(bar.advance, jnp.where(ran, jnp.minimum(size, total - start), 0), out)
+      _report(bar.advance, jnp.where(ran, jnp.minimum(size, total - start), 0), out, jnp.max)
     return out
 
   if skip is None:
@@ -94,7 +123,7 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   count = (jnp.sum(needed) + size - 1) // size
   outs = _skipping(run, advance, needed, count, batches, size, skipped)
   if bar is not None:
-    jax.debug.callback(bar.advance, total - jnp.minimum(count * size, total), outs)
+    _report(bar.advance, total - jnp.minimum(count * size, total), outs, jnp.min)
   return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
 
 
