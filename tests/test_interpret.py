@@ -14,6 +14,7 @@
   state untouched; GPT-2 (tuple outputs) against ``capture_intermediates`` and by-hand
   patching. Every named error, and the fix its message suggests.
 """
+import inspect
 import itertools
 
 import chex
@@ -695,6 +696,29 @@ def test_nnx_batched_patching_differentiates_as_its_linen_twin(twins):
   want = jax.jit(jax.grad(lambda c: loss(linen_patch(variables, c, corrupted).effects)))(clean)
   assert float(jnp.abs(want).max()) > 1e-3
   chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_nnx_effects_per_example_under_nnx_vmap_equal_its_linen_twin(twins):
+  """``nnx.vmap`` and ``jax.vmap`` over (clean, corrupted) pairs of the NNX functions, a metric
+  of one example, against ``jax.vmap`` of the Linen twin's (checked against patches by hand
+  above). ``nnx.vmap`` binds its arguments by the returned function's signature, which is its
+  own ``(model, clean, corrupted)``, not the metric's ``(model, x)``."""
+  model, variables, linen, clean, corrupted = twins
+  nnx_metric = lambda m, x: metric_of(m(x[None]))
+  linen_metric = lambda v, x: metric_of(linen.apply(v, x[None]))
+  axes = dict(in_axes=(None, 0, 0))
+  for name in ('activation_patching', 'attribution_patching', 'layer_integrated_gradients'):
+    nnx_fn = getattr(perturbkit.nnx, name)(nnx_metric, axis=1)
+    linen_fn = getattr(perturbkit, name)(linen_metric, axis=1)
+    args = (clean, corrupted) if name != 'layer_integrated_gradients' else (clean, 0 * clean)
+    want = jax.vmap(linen_fn, **axes)(variables, *args)
+    assert want.effects.shape == (SHAPE[0], 4, SHAPE[1])
+    for vmap in (nnx.vmap, jax.vmap):
+      chex.assert_trees_all_close(nnx.jit(vmap(nnx_fn, **axes))(model, *args), want, **TOL)
+    assert list(inspect.signature(linen_fn).parameters)[1:] == list(
+        inspect.signature(nnx_fn).parameters)[1:] == (
+            ['clean', 'corrupted'] if name != 'layer_integrated_gradients'
+            else ['inputs', 'baseline'])
 
 
 class _BatchNormNet(nnx.Module):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
+from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import (check_same_calls, checked_positions,
@@ -132,7 +133,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
   view = checked_view(view)
   positions = checked_positions(positions, axis)
 
-  @functools.wraps(fn)
+  @named_after(fn)
   def attribute(model, clean, corrupted) -> PatchingResult:
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
     corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)

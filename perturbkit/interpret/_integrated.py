@@ -8,7 +8,6 @@ path: ``metric(inputs) - metric(that call's output at the baseline)``
 (completeness), up to the quadrature's error. The (call, node) pairs are a
 sweep (``_sweep.sweep``): one ``jax.vmap`` per group of neighbouring calls.
 """
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,6 +16,7 @@ import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._validate import positive_int
+from perturbkit.core._naming import named_after
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import Direction, difference, first_order_effects
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
@@ -104,7 +104,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
   positions = checked_positions(positions, axis)
   check_progress(progress)
 
-  @functools.wraps(fn)
+  @named_after(fn)
   def attribute(model, inputs, baseline=None) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     where = sweep_positions(traced, axis, positions, view)

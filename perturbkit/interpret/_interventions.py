@@ -1,7 +1,7 @@
 """Interventions: run the unmodified model with edits at selected calls."""
-import functools
 from typing import Any, Callable, Mapping
 
+from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import edit_function
 from perturbkit.interpret._points import Tracer, trace
 
@@ -10,7 +10,7 @@ def run_with_edits(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                    function: str) -> Callable[..., Any]:
   """The front-end-neutral :func:`perturbkit.run_with_edits` (``tracer`` picks the API)."""
 
-  @functools.wraps(fn)
+  @named_after(fn)
   def edited(model, edits: Mapping[Any, Any], *args, **kwargs):
     traced = trace(tracer, fn, model, args, kwargs, filter, function)
     out, _, _ = traced.run({}, args, kwargs, edit_function(edits, traced.paths))

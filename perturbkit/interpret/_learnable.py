@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from perturbkit.core._traced_points import PointEdit, point_name
+from perturbkit.core._naming import named_after
 from perturbkit.errors import InterventionParamsError, UnknownEditPathError
 from perturbkit.interpret._edits import add, apply_edit, scale
 from perturbkit.interpret._points import Tracer, trace
@@ -167,6 +168,7 @@ def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
                     "{'steer': perturbkit.interpret.steering_vector('Dense_1/__call__', (8,))}"
                     f', got {interventions!r}.')
 
+  @named_after(fn)
   def run(model, params, *args, **kwargs):
     traced = trace(tracer, fn, freeze(model), args, kwargs, filter, function)
     edit = intervention_edit(interventions, params, traced.paths)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import point_name
+from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
@@ -66,7 +67,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
   check_batch_size(batch_size)
   check_progress(progress)
 
-  @functools.wraps(fn)
+  @named_after(fn)
   def patch(model, clean, corrupted) -> PatchingResult:
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
     corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)

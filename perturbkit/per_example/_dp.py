@@ -43,6 +43,7 @@ from perturbkit.per_example._rules import LayerNorms
 from perturbkit.core._sweep import guarded_step
 from perturbkit.core._types import Path
 from perturbkit.core._validate import non_negative, positive
+from perturbkit.core._naming import named_after
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -258,7 +259,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   non_negative('noise_multiplier', noise_multiplier)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
-  @functools.wraps(loss_fn)
+  @named_after(loss_fn)
   def run(variables, key, *args, **kwargs):
     check_variables(variables, 'perturbkit.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')

@@ -16,6 +16,7 @@ from flax import nnx, traverse_util
 
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._validate import non_negative, positive
+from perturbkit.core._naming import named_after
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, with_values
 from perturbkit.per_example._batch import BatchAxes
@@ -169,7 +170,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   non_negative('noise_multiplier', noise_multiplier)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
-  @functools.wraps(loss_fn)
+  @named_after(loss_fn)
   def run(model, key, *args, **kwargs):
     check_module(model, 'perturbkit.nnx.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
