@@ -12,7 +12,8 @@ model is checked against references that use no perturbkit code:
   interceptor of this file;
 * attribution patching equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position, the
   activations from ``capture_intermediates`` and ``g`` from ``jax.value_and_grad`` with
-  respect to an explicit delta added by that interceptor.
+  respect to an explicit delta added by that interceptor;
+* Grad-CAM of ResNet's two stages equals its formula with the same activations and gradients.
 """
 import dataclasses
 from typing import Any, Callable
@@ -292,3 +293,25 @@ def test_attribution_patching(problem):
            for position in positions] for layer in p.layers]
   assert result.positions == positions
   chex.assert_trees_all_close(result.effects, jnp.array(want), **TOL)
+
+
+def test_grad_cam_of_resnet_stages_equals_the_formula_by_hand():
+  """Grad-CAM of the unmodified Hugging Face ResNet's two stages, whose outputs are feature
+  maps ``(batch, height, width, channels)``: ``relu(sum_c mean_hw(G)_c A_c)`` per example, with
+  ``A`` from ``capture_intermediates`` and ``G`` from ``jax.grad`` of the interceptor's deltas."""
+  case = hf_models.CASES['resnet_eval']
+  p = Problem(hf_models.hf_model(case.model).variables,
+              **MAKERS['resnet_eval'](hf_models.hf_model(case.model)))
+  with case.strictness():
+    value, maps = jax.jit(perturbkit.grad_cam(p.metric, filter=filters.by_path(*p.layers)))(
+        p.variables, p.clean)
+    _, captured = jax.jit(p.intermediates)(p.variables, p.clean)
+    feature_maps = {layer: hidden(captured[f'{layer}/__call__']) for layer in p.layers}
+    nothing = {layer: (jnp.asarray(False), jnp.zeros(())) for layer in p.layers}
+    want_value, grads = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))(
+        p.variables, p.clean, jax.tree.map(jnp.zeros_like, feature_maps), nothing)
+  want = {f'{layer}/__call__': jax.nn.relu(jnp.einsum(
+      'bhwc,bc->bhw', feature_maps[layer], grads[layer].mean(axis=(1, 2)))) for layer in p.layers}
+  assert all(m.ndim == 4 for m in feature_maps.values())
+  assert all(float(m.max()) > 1e-6 for m in want.values())
+  chex.assert_trees_all_close((value, maps), (want_value, want), **TOL)
