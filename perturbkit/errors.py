@@ -183,9 +183,12 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a lifted '
           'transform (nn.remat, nn.jit, nn.scan, an NNX transform, ...), whose intermediate '
-          'values do not exist outside it. Leave such calls out with the filter (e.g. '
-          'filter=perturbkit.filters.by_path(...) naming calls outside the transform, or '
-          'the transformed module itself).')
+          "values do not exist outside it (the transformed module's own output included). "
+          'Leave such calls out with the filter (e.g. filter=perturbkit.filters.by_path(...) '
+          'naming calls outside the transform, such as the module that calls the transformed '
+          'one), or run a copy of the model built without the transform on the same '
+          'variables (a Hugging Face model: the same config without gradient '
+          'checkpointing; its params are the same).')
 
 
 class UnperturbedCallsWarning(UserWarning):

@@ -944,6 +944,18 @@ def test_calls_inside_lifted_transforms_are_named_with_the_function_and_the_filt
   _, cache = perturbkit.run_with_cache(model.apply, filter=filters.by_path('Dense_0', 'Dense_1'))(
       variables, x)
   assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
+  # The transformed module's own output is inside the transform too; the fix the message
+  # names: a copy of the model without the transform, on the same variables.
+  with pytest.raises(perturbkit.ActivationsUnavailableError,
+                     match=r"block/__call__.*own output.*without the transform"):
+    perturbkit.run_with_cache(model.apply, filter=filters.by_path('block'))(variables, x)
+  plain = models.Lifted(hand=True)
+  out, cache = perturbkit.run_with_cache(plain.apply, filter=filters.by_path('block'))(
+      variables, x)
+  _, state = plain.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  chex.assert_trees_all_close(cache.outputs['block']['__call__'],
+                              state['intermediates']['block']['__call__'][0], **TOL)
+  chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
 
   nnx_model = nnx_models.RematMLP(rngs=nnx.Rngs(0))
   with pytest.raises(perturbkit.ActivationsUnavailableError,

@@ -81,9 +81,11 @@ Conventions
   shapes (``CallStructureMismatchError`` names the first call that differs).
 * NNX: the functions run a copy of the model merged in their own trace; the
   model's state (batch statistics, RNG counts) is not changed.
-* Calls inside lifted transforms (``nn.scan``, ``nn.remat``, NNX transforms)
-  have no output outside them: leave them out with the filter
-  (``ActivationsUnavailableError``).
+* Calls inside lifted transforms (``nn.scan``, ``nn.remat``, NNX transforms),
+  the transformed module's own call included, have no output outside them:
+  leave them out with the filter (``ActivationsUnavailableError``), or run a
+  copy of the model built without the transform on the same variables (a
+  Hugging Face model with gradient checkpointing: the same config without it).
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,
