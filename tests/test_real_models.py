@@ -10,13 +10,16 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
 * ``interleaved(propagate='original')``: one step equals ``jax.grad`` + the optax update;
 * GPT-2 with its blocks as segments, ``propagate='updated'``: two steps equal a per-block
   reference written out with ``jax.vjp``;
-* the default (layer-wise) segments: which calls, what goes to REST, and that steps train.
+* the default (layer-wise) segments: which calls, what goes to REST, and that steps train;
+* BERT with Hugging Face's gradient checkpointing (every layer in ``nn.remat``): the same
+  activation gradients as the plain model on the same variables.
 """
 import contextlib
 import dataclasses
 from typing import Any, Callable
 
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -372,3 +375,26 @@ def test_gpt2_chosen_segment_holding_the_tied_embedding_raises():
   tx = perturbkit.interleaved(loss_fn, optax.sgd(LR), segments=1)
   with case.strictness(), pytest.raises(perturbkit.SharedSegmentError, match="'transformer'"):
     tx.init(hf.variables, *batch)
+
+
+def test_bert_with_gradient_checkpointing_gives_the_plain_models_gradients():
+  """Hugging Face's gradient checkpointing runs every BERT layer inside ``nn.remat``. On the
+  same variables, every activation gradient (the calls inside the layers included) equals the
+  plain model's, which the test above checks against explicit deltas; the parameter gradients
+  equal ``jax.grad`` of the checkpointed model."""
+  import transformers as T
+  case = hf_models.CASES['bert']
+  plain = hf_models.hf_model(case.model)
+  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
+  loss_fn, batch = case.make(checkpointed.module)
+  plain_loss, _ = case.make(plain.module)
+  variables = plain.variables
+  assert 'remat' in str(jax.make_jaxpr(loss_fn)(variables, *batch))  # jax.checkpoint's primitive
+  value, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, *batch)
+  want_value, want = jax.jit(perturbkit.value_and_grad(plain_loss))(variables, *batch)
+  calls = flax.traverse_util.flatten_dict(grads['perturbations'], sep='/')
+  assert 'encoder/layer/1/attention/self/query/__call__' in calls and len(calls) > 40
+  chex.assert_trees_all_close((value, grads['perturbations']), (want_value, want['perturbations']),
+                              **TOL)
+  params = jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch))(variables['params'])
+  chex.assert_trees_all_close(grads['params'], params, **TOL)
