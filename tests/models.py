@@ -268,7 +268,8 @@ class Block(nn.Module):
 
 
 class Lifted(nn.Module):
-  """Dense -> lifted Block -> Dense, with ``nn.remat`` or ``nn.jit`` around Block."""
+  """Dense -> lifted Block -> Dense, with ``nn.remat`` or ``nn.jit`` around Block (or, with
+  ``transform='none'``, the same model without a transform)."""
   transform: str = 'remat'
   hand: bool = False
 
@@ -276,9 +277,29 @@ class Lifted(nn.Module):
   def __call__(self, x):
     h = perturb(self, 'Dense_0/__call__', nn.Dense(4, name='Dense_0')(x))
     # The hand twin uses the plain Block: the lifted one computes the same thing.
-    block = Block if self.hand else {'remat': nn.remat, 'jit': nn.jit}[self.transform](Block)
+    transform = {'remat': nn.remat, 'jit': nn.jit, 'none': lambda block: block}[self.transform]
+    block = Block if self.hand else transform(Block)
     h = block(hand=self.hand, name='block')(h)
     return perturb(self, 'Dense_1/__call__', nn.Dense(2, name='Dense_1')(h))
+
+
+class NormBlock(nn.Module):
+  """Dense -> BatchNorm (batch statistics, updating its running averages) -> relu."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x)))
+
+
+class RematNorm(nn.Module):
+  """Dense -> ``nn.remat(NormBlock)`` -> Dense (``remat=False``: the same without the transform);
+  applied with ``mutable=['batch_stats']``."""
+  remat: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(NormBlock) if self.remat else NormBlock
+    return nn.Dense(2)(block(name='block')(nn.Dense(3)(x)))
 
 
 class Cell(nn.Module):

@@ -931,12 +931,80 @@ def test_sweep_positions_that_are_no_indices_are_refused_where_given(sweep):
   make(metric, axis=1, positions=np.array([0, 3], np.int32))
 
 
-def test_calls_inside_lifted_transforms_are_named_with_the_function_and_the_filter_fix():
-  model = models.Lifted(transform='remat')
-  x = jnp.ones((2, 3))
+@pytest.mark.parametrize('transform', ['remat', 'jit'])
+def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transform):
+  """``nn.remat`` or ``nn.jit`` around a block: the calls inside it are read, edited and
+  patched through a mutable collection that the transform carries out. Caching (outputs,
+  inputs, gradients), edits inside the block, activation and attribution patching of every
+  call, and ``value_and_grad``'s activations and inputs equal the same model without the
+  transform on the same variables; the cached output inside equals its
+  ``capture_intermediates``."""
+  model, twin = models.Lifted(transform=transform), models.Lifted(transform='none')
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  corrupted = jax.random.normal(jax.random.key(2), (2, 3))
+  variables = model.init(jax.random.key(0), x)
+  metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(m.apply(v, x)))
+  inner = ('block', 'Dense_0', '__call__')
+
+  got = jax.jit(perturbkit.run_with_cache(metric(model), grads=True, return_inputs=True))(
+      variables, x)
+  want = perturbkit.run_with_cache(metric(twin), grads=True, return_inputs=True)(variables, x)
+  assert set(flat(got[1].outputs)) == {'Dense_0/__call__', 'block/Dense_0/__call__',
+                                       'block/__call__', 'Dense_1/__call__'}
+  chex.assert_trees_all_close(got, want, **TOL)
+  _, state = twin.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  chex.assert_trees_all_close(got[1].outputs['block']['Dense_0']['__call__'],
+                              state['intermediates']['block']['Dense_0']['__call__'][0], **TOL)
+  assert float(jnp.abs(got[1].grads['block']['Dense_0']['__call__']).max()) > 1e-3
+
+  edits = {'/'.join(inner): interpret.add(jnp.ones(4)),
+           'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
+  chex.assert_trees_all_close(
+      jax.jit(perturbkit.run_with_edits(model.apply))(variables, edits, x),
+      perturbkit.run_with_edits(twin.apply)(variables, edits, x), **TOL)
+  for name in ('activation_patching', 'attribution_patching'):
+    got = jax.jit(getattr(perturbkit, name)(metric(model), axis=0))(variables, x, corrupted)
+    want = getattr(perturbkit, name)(metric(twin), axis=0)(variables, x, corrupted)
+    assert got.paths == want.paths and '/'.join(inner) in got.paths
+    chex.assert_trees_all_close(got, want, **TOL)
+  assert float(jnp.abs(want.effects).max()) > 1e-3
+  grads = dict(return_activations=True, return_inputs=True)
+  chex.assert_trees_all_close(
+      jax.jit(perturbkit.value_and_grad(metric(model), **grads))(variables, x),
+      perturbkit.value_and_grad(metric(twin), **grads)(variables, x), **TOL)
+
+
+def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_transform():
+  """A BatchNorm in training mode inside ``nn.remat``, applied with ``mutable=['batch_stats']``:
+  the cached run returns the model's output and its updated statistics, as the model run
+  without perturbkit does, and caching and attribution patching equal the model without the
+  transform."""
+  model, twin = models.RematNorm(), models.RematNorm(remat=False)
+  x = jax.random.normal(jax.random.key(1), (5, 3))
+  variables = model.init(jax.random.key(0), x)
+  run = lambda m: lambda v, x: m.apply(v, x, mutable=['batch_stats'])
+  (out, updates), cache = jax.jit(perturbkit.run_with_cache(run(model)))(variables, x)
+  chex.assert_trees_all_close((out, updates), run(model)(variables, x), **TOL)
+  assert not np.allclose(updates['batch_stats']['block']['BatchNorm_0']['mean'],
+                         variables['batch_stats']['block']['BatchNorm_0']['mean'])
+  assert 'BatchNorm_0' in cache.outputs['block']
+  chex.assert_trees_all_close(cache, perturbkit.run_with_cache(run(twin))(variables, x)[1],
+                              **TOL)
+  metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(run(m)(v, x)[0]))
+  got = jax.jit(perturbkit.attribution_patching(metric(model), axis=0))(variables, x, 2 * x)
+  want = perturbkit.attribution_patching(metric(twin), axis=0)(variables, x, 2 * x)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_filter_fix():
+  """``nn.scan`` (its ``variable_axes`` without perturbkit's collection) and NNX transforms
+  cannot carry a call's output out: a named error with the function, the call and the fix."""
+  model = models.Scanned()
+  x = jnp.ones((3, 3))
   variables = model.init(jax.random.key(0), x)
   with pytest.raises(perturbkit.ActivationsUnavailableError,
-                     match=r'perturbkit.run_with_cache cannot read.*block.*filter'):
+                     match=r"perturbkit.run_with_cache cannot read.*scan/Dense_0.*own output.*"
+                           r"filter.*without the transform"):
     perturbkit.run_with_cache(model.apply)(variables, x)
   with pytest.raises(perturbkit.ActivationsUnavailableError,
                      match='perturbkit.activation_patching cannot'):
@@ -944,18 +1012,6 @@ def test_calls_inside_lifted_transforms_are_named_with_the_function_and_the_filt
   _, cache = perturbkit.run_with_cache(model.apply, filter=filters.by_path('Dense_0', 'Dense_1'))(
       variables, x)
   assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
-  # The transformed module's own output is inside the transform too; the fix the message
-  # names: a copy of the model without the transform, on the same variables.
-  with pytest.raises(perturbkit.ActivationsUnavailableError,
-                     match=r"block/__call__.*own output.*without the transform"):
-    perturbkit.run_with_cache(model.apply, filter=filters.by_path('block'))(variables, x)
-  plain = models.Lifted(hand=True)
-  out, cache = perturbkit.run_with_cache(plain.apply, filter=filters.by_path('block'))(
-      variables, x)
-  _, state = plain.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
-  chex.assert_trees_all_close(cache.outputs['block']['__call__'],
-                              state['intermediates']['block']['__call__'][0], **TOL)
-  chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
 
   nnx_model = nnx_models.RematMLP(rngs=nnx.Rngs(0))
   with pytest.raises(perturbkit.ActivationsUnavailableError,

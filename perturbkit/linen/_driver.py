@@ -14,7 +14,7 @@
 """
 import functools
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import flax
 import flax.linen as nn
@@ -32,23 +32,34 @@ from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
                                inside_lifted_transform, merge)
-from perturbkit.core._trees import get_in
+from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import CallFilter, Variables
+
+
+# Where a call inside a lifted transform (``nn.remat``, ``nn.jit``) leaves its output and
+# inputs: Flax carries a mutable collection out of the transform, which a Python-side
+# record of the values traced inside it could not leave.
+CAPTURES = 'perturbkit_captures'
+
+
+def _also_mutable(mutable: Any, collection: str) -> Any:
+  """``mutable`` (an ``apply`` argument) with ``collection`` mutable as well."""
+  if mutable is True:
+    return True
+  if mutable is False or mutable is None:
+    return [collection]
+  if isinstance(mutable, str):
+    return [mutable, collection]
+  if isinstance(mutable, flax.core.DenyList):
+    deny = mutable.deny
+    deny = [deny] if isinstance(deny, str) else list(deny)
+    return flax.core.DenyList([d for d in deny if d != collection])
+  return [*mutable, collection]
 
 
 def _with_collection(mutable: Any) -> Any:
   """``mutable`` with the perturbation collection made mutable as well."""
-  if mutable is True:
-    return True
-  if mutable is False or mutable is None:
-    return [COLLECTION]
-  if isinstance(mutable, str):
-    return [mutable, COLLECTION]
-  if isinstance(mutable, flax.core.DenyList):
-    deny = mutable.deny
-    deny = [deny] if isinstance(deny, str) else list(deny)
-    return flax.core.DenyList([d for d in deny if d != COLLECTION])
-  return [*mutable, COLLECTION]
+  return _also_mutable(mutable, COLLECTION)
 
 
 def check_variables(variables: Any, function: str):
@@ -118,7 +129,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              hooks: Sequence[Hook] = (),
              unreachable: list[str] | None = None,
              point_paths: set[tuple] | None = None,
-             hooks_matched: set[int] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
+             hooks_matched: set[int] | None = None,
+             lifted: set[tuple] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
   Points placed by hand in the model (its own ``self.perturb(name, x)``) are
@@ -129,7 +141,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   :class:`UnperturbedCallsWarning`. The path of every call's point (module path
   plus point key) is added to ``point_paths`` if given: a point's value may
   itself hold dicts (a call returning a dict), so the paths cannot be read back
-  from the tree.
+  from the tree; those of the calls inside a lifted transform are also added
+  to ``lifted`` if given.
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -144,6 +157,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   def on_point(call, output, applied):
     if applied:
       reached.add(call.path + (call.key,))
+      if lifted is not None and inside_lifted_transform(call.module):
+        lifted.add(call.path + (call.key,))
     elif has_differentiable_leaf(output):
       missed.append(call.name)
 
@@ -191,7 +206,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                     args: tuple, kwargs: dict, *, points: CallFilter, strict: bool,
                     expected: set[tuple], hooks: Sequence[Hook] = (),
                     edit: PointEdit | None = None, activations: bool = False,
-                    inputs: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
+                    inputs: bool = False,
+                    lifted: Collection[tuple] = ()) -> tuple[Any, dict[str, dict[tuple, Any]]]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -214,6 +230,12 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     edit: ``(point path, floating-point part of the output) -> edited part``.
     activations: Capture each selected call's output (before its edit).
     inputs: Capture each selected call's ``(args, kwargs)`` (array leaves).
+    lifted: The point paths of the selected calls inside a lifted transform
+      (``discover``'s ``lifted``). With captures asked for, each top-level
+      ``apply`` then runs with the :data:`CAPTURES` collection mutable, and
+      those calls' captures come out of their transform through it (a
+      transform that carries no mutable collection, such as ``nn.scan``
+      without it in ``variable_axes``, cannot).
 
   Returns:
     ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
@@ -221,26 +243,50 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
 
   Raises:
     PerturbationsNotAppliedError: a point in ``expected`` was not reached.
-    ActivationsUnavailableError: a capture inside a lifted transform.
+    ActivationsUnavailableError: a capture inside a lifted transform that does
+      not carry the captures out.
   """
   applied: set[tuple] = set()
   captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
+  kinds = [kind for kind, wanted in (('activations', activations), ('inputs', inputs)) if wanted]
 
   def on_point(call, output, was_applied):
     if not was_applied:
       return
     path = call.path + (call.key,)
     applied.add(path)
-    if (activations or inputs) and inside_lifted_transform(call.module):
+    if not kinds:
+      return
+    captures = {kind: differentiable_part(output) if kind == 'activations'
+                else array_part((call.args, call.kwargs)) for kind in kinds}
+    if not inside_lifted_transform(call.module):
+      for kind, value in captures.items():
+        captured[kind][path] = value
+    elif path in lifted and call.module.is_mutable_collection(CAPTURES):
+      call.module.put_variable(CAPTURES, call.key, captures)
+    else:
       raise ActivationsUnavailableError(call.name)
-    if activations:
-      captured['activations'][path] = differentiable_part(output)
-    if inputs:
-      captured['inputs'][path] = array_part((call.args, call.kwargs))
+
+  def on_root(module, method, run, a, kw):
+    del run
+    unbound, own = module.unbind()
+    mutable = module.scope.mutable
+    out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
+                             mutable=_also_mutable(mutable, CAPTURES), **kw)
+    from_transforms = new.get(CAPTURES, {})
+    for path in lifted:
+      for kind, value in (find_in(from_transforms, path) or {}).items():
+        captured[kind][path] = value
+    # The collections the caller's apply may change, written where it returns them from.
+    for collection, tree in new.items():
+      if collection != CAPTURES:
+        for name, value in tree.items():
+          module.put_variable(collection, name, value)
+    return out
 
   handler = _point_handler(points, hooks, strict, on_point, edit)
   full = {**variables, COLLECTION: perturbations}
-  with intercept(_interception(points, hooks), handler):
+  with intercept(_interception(points, hooks), handler, on_root if lifted and kinds else None):
     out = loss_fn(full, *args, **kwargs)
   missing = sorted('/'.join(p) for p in expected - applied)
   if missing:
@@ -347,7 +393,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
   Lifted transforms:
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style
-    modules need nothing. Inside ``nn.scan``/``nn.vmap``, Flax only passes
+    modules need nothing (``return_activations`` and ``return_inputs`` of the
+    calls inside ``nn.remat`` and ``nn.jit`` too). Inside ``nn.scan``/``nn.vmap``, Flax only passes
     collections listed in ``variable_axes``: add ``'perturbations': 0`` there to
     get per-iteration gradients stacked along the scan axis (checked against a
     hand-unrolled loop). Without it the calls inside cannot carry a
@@ -379,9 +426,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   def _value_and_grad(variables, args, kwargs):
     expected: set[tuple] = set()
     matched: set[int] = set()
+    lifted: set[tuple] = set()
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
                                   strict=strict, hooks=hooks, point_paths=expected,
-                                  hooks_matched=matched)
+                                  hooks_matched=matched, lifted=lifted)
     if not points_found:
       raise NoPerturbationPointsError(seen)
     check_matched(hooks, matched, seen)
@@ -390,7 +438,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       out, captured = perturbed_apply(
           loss_fn, {**variables, 'params': params}, perturbations, args, kwargs, points=points,
           strict=strict, expected=expected, hooks=hooks, activations=return_activations,
-          inputs=return_inputs)
+          inputs=return_inputs, lifted=lifted)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, {k: nested(v) for k, v in captured.items()})

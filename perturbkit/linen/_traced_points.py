@@ -35,9 +35,10 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """
   check_variables(variables, function)
   expected: set[tuple] = set()
+  lifted: set[tuple] = set()
   with suspended():
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
-                           point_paths=expected)
+                           point_paths=expected, lifted=lifted)
   if not expected:
     raise NoPerturbationPointsError(seen)
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
@@ -51,7 +52,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       try:
         out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
                                         strict=strict, expected=expected, edit=edit,
-                                        activations=True, inputs=True)
+                                        activations=True, inputs=True, lifted=lifted)
       except ActivationsUnavailableError as error:
         raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
