@@ -13,7 +13,8 @@ model is checked against references that use no perturbkit code:
 * attribution patching equals ``jnp.vdot(a_clean - a_corrupted, g)`` at each position, the
   activations from ``capture_intermediates`` and ``g`` from ``jax.value_and_grad`` with
   respect to an explicit delta added by that interceptor;
-* Grad-CAM of ResNet's two stages equals its formula with the same activations and gradients.
+* Grad-CAM of ResNet's two stages equals its formula with the same activations and gradients;
+* BERT with gradient checkpointing (its layers in ``nn.remat``) equals the plain model.
 """
 import dataclasses
 from typing import Any, Callable
@@ -315,3 +316,36 @@ def test_grad_cam_of_resnet_stages_equals_the_formula_by_hand():
   assert all(m.ndim == 4 for m in feature_maps.values())
   assert all(float(m.max()) > 1e-6 for m in want.values())
   chex.assert_trees_all_close((value, maps), (want_value, want), **TOL)
+
+
+def test_bert_with_gradient_checkpointing_equals_the_plain_model():
+  """Hugging Face's gradient checkpointing runs each BERT layer inside ``nn.remat``: caching
+  every call (the calls inside the layers included), attribution patching of every call and
+  activation patching of the layers equal the plain model's on the same variables (checked
+  against the references above). With dropout on, the cached run is the model's own run: the
+  same output as ``apply`` with the same dropout key."""
+  import transformers as T
+  case = hf_models.CASES['bert']
+  plain = hf_models.hf_model(case.model)
+  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
+  p, twin = (Problem(plain.variables, **_bert(hf)) for hf in (checkpointed, plain))
+  with case.strictness():
+    got = jax.jit(perturbkit.run_with_cache(p.metric, grads=True))(p.variables, p.clean)
+    want = jax.jit(perturbkit.run_with_cache(twin.metric, grads=True))(p.variables, p.clean)
+    assert 'encoder/layer/1/attention/self/query/__call__' in flat(got[1].outputs)
+    chex.assert_trees_all_close(got, want, **TOL)
+    for name, layers in (('attribution_patching', None),
+                         ('activation_patching', filters.by_path(*p.layers))):
+      got = jax.jit(getattr(perturbkit, name)(p.metric, filter=layers, axis=1))(
+          p.variables, p.clean, p.corrupted)
+      want = jax.jit(getattr(perturbkit, name)(twin.metric, filter=layers, axis=1))(
+          p.variables, p.clean, p.corrupted)
+      assert got.paths == want.paths
+      chex.assert_trees_all_close(got, want, **TOL)
+      assert float(jnp.abs(want.effects).max()) > 1e-4
+
+    rngs = {'dropout': jax.random.key(3)}
+    dropped = lambda v, ids: p.head(p.forward(v, ids, deterministic=False, rngs=rngs))
+    out, _ = jax.jit(perturbkit.run_with_cache(dropped))(p.variables, p.clean)
+    np.testing.assert_array_equal(out, jax.jit(dropped)(p.variables, p.clean))
+    assert not np.allclose(out, p.run(p.variables, p.clean))
