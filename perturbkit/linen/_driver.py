@@ -150,13 +150,13 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """
   found: dict[tuple, PointShape] = {}
   seen: list[str] = []
-  reached: set[tuple] = set()
+  reached: dict[tuple, None] = {}  # in call order: the program does not depend on hashing
   calls: set[tuple] = set()
   missed: list[str] = []
 
   def on_point(call, output, applied):
     if applied:
-      reached.add(call.path + (call.key,))
+      reached[call.path + (call.key,)] = None
       if lifted is not None and inside_lifted_transform(call.module):
         lifted.add(call.path + (call.key,))
     elif has_differentiable_leaf(output):
