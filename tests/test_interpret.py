@@ -357,12 +357,8 @@ def test_progress_bar_counts_the_patched_runs_of_each_run(mlp, capsys, monkeypat
   assert capsys.readouterr().err.count('activation patching: 100%') == 2
 
 
-def test_progress_bar_counts_each_run_once_when_differentiated(mlp, monkeypatch):
-  """``jax.grad`` (which recomputes each batch in the backward pass) and ``jax.jvp`` of the
-  batched sweep, under ``jax.jit``: one bar per run, reaching 15 (the skipped runs of tokens
-  0-2, where the inputs agree, counted at the end), never more."""
-  _, variables, clean, corrupted, metric = mlp
-  corrupted = clean.at[:, 3:].set(corrupted[:, 3:])
+def recorded_bars(monkeypatch) -> list[list[int]]:
+  """The progress bars made from now on, each as the counts it showed after each update."""
   bars = []
 
   class Recorded(sweep_module.tqdm):
@@ -375,6 +371,16 @@ def test_progress_bar_counts_each_run_once_when_differentiated(mlp, monkeypatch)
       bars[-1].append(self.n)
 
   monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
+  return bars
+
+
+def test_progress_bar_counts_each_run_once_when_differentiated(mlp, monkeypatch):
+  """``jax.grad`` (which recomputes each batch in the backward pass) and ``jax.jvp`` of the
+  batched sweep, under ``jax.jit``: one bar per run, reaching 15 (the skipped runs of tokens
+  0-2, where the inputs agree, counted at the end), never more."""
+  _, variables, clean, corrupted, metric = mlp
+  corrupted = clean.at[:, 3:].set(corrupted[:, 3:])
+  bars = recorded_bars(monkeypatch)
   patch = perturbkit.activation_patching(metric, axis=1, batch_size=4, progress=True)
   effects = lambda v: patch(v, clean, corrupted).effects
   jax.jit(jax.grad(lambda v: jnp.sum(effects(v) ** 2)))(variables)
@@ -395,18 +401,7 @@ def test_effects_per_example_under_vmap_and_one_bar_per_run(mlp, monkeypatch):
   corrupted = jnp.stack([clean[0].at[3:].set(corrupted[0, 3:]),
                          clean[1].at[1].set(corrupted[1, 1])])
   metric = lambda v, x: metric_of(model.apply(v, x[None]))
-  bars = []
-
-  class Recorded(sweep_module.tqdm):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      bars.append([])
-
-    def update(self, n=1):
-      super().update(n)
-      bars[-1].append(self.n)
-
-  monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
+  bars = recorded_bars(monkeypatch)
   examples = range(SHAPE[0])
   one = lambda f, i: f(variables, clean[i:i + 1], corrupted[i:i + 1])
   patched = jnp.stack([one(patching_by_hand, i) for i in examples])
