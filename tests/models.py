@@ -302,6 +302,15 @@ class RematNorm(nn.Module):
     return nn.Dense(2)(block(name='block')(nn.Dense(3)(x)))
 
 
+class MappedDense(nn.Module):
+  """A Dense per member under ``nn.vmap`` with every collection in ``variable_axes``."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.vmap(nn.Dense, variable_axes={True: 0}, split_rngs={'params': True})
+    return dense(4, name='dense')(x)
+
+
 class Cell(nn.Module):
   """A scan body: carry -> tanh(Dense(carry)), also emitted as the step's output.
 

@@ -992,8 +992,9 @@ def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_tr
 
 
 def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_filter_fix():
-  """``nn.scan`` (its ``variable_axes`` without perturbkit's collection) and NNX transforms
-  cannot carry a call's output out: a named error with the function, the call and the fix."""
+  """``nn.scan`` (its ``variable_axes`` without perturbkit's collection), ``nn.vmap`` mapping
+  every collection (which stacks the captures) and NNX transforms cannot carry a call's output
+  out as it is: a named error with the function, the call and the fix."""
   model = models.Scanned()
   x = jnp.ones((3, 3))
   variables = model.init(jax.random.key(0), x)
@@ -1007,6 +1008,17 @@ def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_fil
   _, cache = perturbkit.run_with_cache(model.apply, filter=filters.by_path('Dense_0', 'Dense_1'))(
       variables, x)
   assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
+
+  # A transform that maps every collection, perturbkit's included, stacks one value per
+  # member: not the call's output either.
+  mapped = models.MappedDense()
+  x = jnp.ones((5, 2, 3))
+  variables = mapped.init(jax.random.key(0), x)
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match='stack it per iteration'):
+    perturbkit.run_with_cache(mapped.apply)(variables, x)
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
+    perturbkit.value_and_grad(lambda v, x: mapped.apply(v, x).sum(),
+                              return_activations=True)(variables, x)
 
   nnx_model = nnx_models.RematMLP(rngs=nnx.Rngs(0))
   with pytest.raises(perturbkit.ActivationsUnavailableError,

@@ -84,10 +84,11 @@ Conventions
 * Calls inside Linen's ``nn.remat`` and ``nn.jit`` (a Hugging Face model
   with gradient checkpointing) are cached, edited and patched like any other:
   their outputs leave the transform in a mutable collection. Calls inside a
-  transform that carries no collection out (``nn.scan``, ``nn.vmap``, NNX
-  transforms), the transformed module's own call included, have no output
-  outside it: leave them out with the filter (``ActivationsUnavailableError``),
-  or run a copy of the model built without the transform on the same variables.
+  transform that carries no collection out or stacks it per iteration
+  (``nn.scan``, ``nn.vmap``, NNX transforms), the transformed module's own
+  call included, have no output outside it: leave them out with the filter
+  (``ActivationsUnavailableError``), or run a copy of the model built without
+  the transform on the same variables.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,

@@ -19,6 +19,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from perturbkit.core import filters as _filters
@@ -235,7 +236,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       ``apply`` then runs with the :data:`CAPTURES` collection mutable, and
       those calls' captures come out of their transform through it (a
       transform that carries no mutable collection, such as ``nn.scan``
-      without it in ``variable_axes``, cannot).
+      without it in ``variable_axes``, cannot; one that maps it stacks them,
+      which is refused).
 
   Returns:
     ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
@@ -249,6 +251,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   applied: set[tuple] = set()
   captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
   kinds = [kind for kind, wanted in (('activations', activations), ('inputs', inputs)) if wanted]
+  shapes_inside: dict[tuple, Any] = {}
 
   def on_point(call, output, was_applied):
     if not was_applied:
@@ -264,6 +267,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
         captured[kind][path] = value
     elif path in lifted and call.module.is_mutable_collection(CAPTURES):
       call.module.put_variable(CAPTURES, call.key, captures)
+      shapes_inside[path] = jax.tree.map(jnp.shape, captures)
     else:
       raise ActivationsUnavailableError(call.name)
 
@@ -275,7 +279,14 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                              mutable=_also_mutable(mutable, CAPTURES), **kw)
     from_transforms = new.get(CAPTURES, {})
     for path in lifted:
-      for kind, value in (find_in(from_transforms, path) or {}).items():
+      captures = find_in(from_transforms, path)
+      if captures is None:
+        continue
+      # A transform that maps the collection (nn.scan, nn.vmap with every collection in
+      # variable_axes) stacks one value per iteration: not the call's output.
+      if jax.tree.map(jnp.shape, captures) != shapes_inside[path]:
+        raise ActivationsUnavailableError('/'.join(map(str, path)))
+      for kind, value in captures.items():
         captured[kind][path] = value
     # The collections the caller's apply may change, written where it returns them from.
     for collection, tree in new.items():
