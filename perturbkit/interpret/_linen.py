@@ -51,9 +51,9 @@ def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None =
       ``perturbkit.nnx.run_with_cache``).
     ActivationsUnavailableError: a selected call runs inside a lifted
       transform that carries no collection out or stacks it per iteration
-      (``nn.scan``, ``nn.vmap``),
-      where its output does not exist outside; leave it out with the filter.
-      Calls inside ``nn.remat`` and ``nn.jit`` are cached like any other.
+      (``nn.scan``, ``nn.vmap``), where its output does not exist outside;
+      leave it out with the filter. Calls inside ``nn.remat`` and ``nn.jit``
+      are cached like any other.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -58,11 +58,6 @@ def _also_mutable(mutable: Any, collection: str) -> Any:
   return [*mutable, collection]
 
 
-def _with_collection(mutable: Any) -> Any:
-  """``mutable`` with the perturbation collection made mutable as well."""
-  return _also_mutable(mutable, COLLECTION)
-
-
 def check_variables(variables: Any, function: str):
   """Raises a named error unless ``variables`` are Linen variables with a ``'params'`` collection.
 
@@ -168,7 +163,7 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     own = {c: t for c, t in own.items() if c != COLLECTION}
     reached.clear()
     _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
-                           mutable=_with_collection(module.scope.mutable), **kw)
+                           mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
     created = new.get(COLLECTION, {})
     calls.update(reached)
     for path in reached:
@@ -405,10 +400,11 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   Lifted transforms:
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style
     modules need nothing (``return_activations`` and ``return_inputs`` of the
-    calls inside ``nn.remat`` and ``nn.jit`` too). Inside ``nn.scan``/``nn.vmap``, Flax only passes
-    collections listed in ``variable_axes``: add ``'perturbations': 0`` there to
-    get per-iteration gradients stacked along the scan axis (checked against a
-    hand-unrolled loop). Without it the calls inside cannot carry a
+    calls inside ``nn.remat`` and ``nn.jit`` too). Inside
+    ``nn.scan``/``nn.vmap``, Flax only passes collections listed in
+    ``variable_axes``: add ``'perturbations': 0`` there to get per-iteration
+    gradients stacked along the scan axis (checked against a hand-unrolled
+    loop). Without it the calls inside cannot carry a
     perturbation; perturbkit then says so with an ``UnperturbedCallsWarning``
     naming them, instead of silently dropping them as plain Flax does.
 
