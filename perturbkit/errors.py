@@ -177,14 +177,16 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'return_activations=True (or return_inputs=True) cannot return the output (or '
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
           'come out as they are (nn.scan or nn.vmap, which carry no collection out or stack '
-          'it per iteration; an NNX transform; ...). Exclude such calls with the filter, or '
+          "it per iteration; nnx.scan or nnx.vmap, which stack or broadcast the module's "
+          'state; ...). Exclude such calls with the filter, or '
           'leave return_activations off (their activation gradients are still returned).')
     else:
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '
           'whose intermediate values do not come out as they are (nn.scan or nn.vmap, which '
-          'carry no collection out or stack it per iteration; an NNX transform such as '
-          "nnx.remat; ...), the transformed module's own output included. Leave such calls "
+          "carry no collection out or stack it per iteration; nnx.scan or nnx.vmap, which "
+          "stack or broadcast the module's state; ...), the transformed module's own output "
+          'included. Leave such calls '
           'out with the filter (e.g. filter=perturbkit.filters.by_path(...) naming calls '
           'outside the transform, such as the module that calls the transformed one), or run '
           'a copy of the model built without the transform on the same variables.')

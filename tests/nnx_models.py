@@ -251,6 +251,32 @@ class RematMLP(nnx.Module):
     return self.head(h)
 
 
+class LiftedBlock(nnx.Module):
+  """Linear -> BatchNorm (batch statistics) -> the same Linear again -> tanh."""
+
+  def __init__(self, width: int, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(width, width, rngs=rngs)
+    self.norm = nnx.BatchNorm(width, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.linear(self.norm(self.linear(x))))
+
+
+class Lifted(nnx.Module):
+  """Linear -> LiftedBlock under ``nnx.remat`` or ``nnx.jit`` -> Linear (``transform='none'``:
+  the same model without a transform, with the same state from the same ``rngs``)."""
+
+  def __init__(self, transform: str = 'remat', width: int = 4, *, rngs: nnx.Rngs):
+    self.transform = transform
+    self.inp = nnx.Linear(3, width, rngs=rngs)
+    self.block = LiftedBlock(width, rngs=rngs)
+    self.out = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    lift = {'remat': nnx.remat, 'jit': nnx.jit, 'none': lambda f: f}[self.transform]
+    return self.out(lift(lambda block, h: block(h))(self.block, self.inp(x)))
+
+
 class VmapBroadcast(nnx.Module):
   """A block under ``nnx.vmap`` over examples, its state broadcast."""
 

@@ -991,10 +991,57 @@ def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_tr
   chex.assert_trees_all_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize('transform', ['remat', 'jit'])
+def test_nnx_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transform):
+  """``nnx.remat`` or ``nnx.jit`` around a block with BatchNorm in training mode and a Linear
+  called twice: its calls are read, edited and patched through the modules' capture state,
+  which the transform carries out. Caching (outputs, inputs, gradients), edits inside the
+  block, activation and attribution patching of every call, and ``value_and_grad``'s
+  activations, inputs and batch statistics equal the same model without the transform."""
+  model = nnx_models.Lifted(transform, rngs=nnx.Rngs(0))
+  twin = nnx_models.Lifted('none', rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (5, 3))
+  corrupted = jax.random.normal(jax.random.key(2), (5, 3))
+  metric = lambda m, x: jnp.sum(jnp.tanh(m(x)))
+  inner = 'block/linear/__call__#1'
+
+  got = nnx.jit(perturbkit.nnx.run_with_cache(metric, grads=True, return_inputs=True))(model, x)
+  want = perturbkit.nnx.run_with_cache(metric, grads=True, return_inputs=True)(twin, x)
+  assert set(flat(got[1].outputs)) == {
+      'inp/__call__', 'block/linear/__call__', 'block/norm/__call__', inner, 'block/__call__',
+      'out/__call__'}
+  chex.assert_trees_all_close(got, want, **TOL)
+  hand = nnx.clone(twin)                # by hand, outside perturbkit (its statistics change)
+  h = hand.block.norm(hand.block.linear(hand.inp(x)))
+  chex.assert_trees_all_close(got[1].outputs['block']['linear']['__call__#1'],
+                              hand.block.linear(h), **TOL)
+  assert float(jnp.abs(got[1].grads['block']['linear']['__call__#1']).max()) > 1e-3
+
+  edits = {inner: interpret.add(jnp.ones(4)),
+           'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
+  run = lambda m, x: m(x)
+  chex.assert_trees_all_close(perturbkit.nnx.run_with_edits(run)(model, edits, x),
+                              perturbkit.nnx.run_with_edits(run)(twin, edits, x), **TOL)
+  for name in ('activation_patching', 'attribution_patching'):
+    got = nnx.jit(getattr(perturbkit.nnx, name)(metric, axis=0))(model, x, corrupted)
+    want = getattr(perturbkit.nnx, name)(metric, axis=0)(twin, x, corrupted)
+    assert got.paths == want.paths and inner in got.paths
+    chex.assert_trees_all_close(got, want, **TOL)
+  assert float(jnp.abs(want.effects).max()) > 1e-3
+
+  options = dict(return_activations=True, return_inputs=True)
+  chex.assert_trees_all_close(
+      perturbkit.nnx.value_and_grad(metric, **options)(model, x),
+      perturbkit.nnx.value_and_grad(metric, **options)(twin, x), **TOL)
+  chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat),
+                              **TOL)
+  assert not np.allclose(model.block.norm.mean[...], 0.0)
+
+
 def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_filter_fix():
   """``nn.scan`` (its ``variable_axes`` without perturbkit's collection), ``nn.vmap`` mapping
-  every collection (which stacks the captures) and NNX transforms cannot carry a call's output
-  out as it is: a named error with the function, the call and the fix."""
+  every collection (which stacks the captures), ``nnx.scan`` and ``nnx.vmap`` cannot carry a
+  call's output out as it is: a named error with the function, the call and the fix."""
   model = models.Scanned()
   x = jnp.ones((3, 3))
   variables = model.init(jax.random.key(0), x)
@@ -1020,7 +1067,13 @@ def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_fil
     perturbkit.value_and_grad(lambda v, x: mapped.apply(v, x).sum(),
                               return_activations=True)(variables, x)
 
-  nnx_model = nnx_models.RematMLP(rngs=nnx.Rngs(0))
-  with pytest.raises(perturbkit.ActivationsUnavailableError,
-                     match=r'perturbkit.nnx.run_with_cache cannot.*filter'):
-    perturbkit.nnx.run_with_cache(lambda m, x: m(x))(nnx_model, jnp.ones((2, 4)))
+  # nnx.scan stacks the capture state per iteration; nnx.vmap, the module's state broadcast
+  # but its perturbations mapped, cannot carry a per-example value out.
+  for nnx_model in (nnx_models.ScanMLP(rngs=nnx.Rngs(0)),
+                    nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0))):
+    with pytest.raises(perturbkit.ActivationsUnavailableError,
+                       match=r'perturbkit.nnx.run_with_cache cannot.*block.*filter'):
+      perturbkit.nnx.run_with_cache(lambda m, x: m(x))(nnx_model, jnp.ones((2, 4)))
+    with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
+      perturbkit.nnx.value_and_grad(lambda m, x: m(x).sum(), return_inputs=True)(
+          nnx_model, jnp.ones((2, 4)))

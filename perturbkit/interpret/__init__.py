@@ -81,14 +81,15 @@ Conventions
   shapes (``CallStructureMismatchError`` names the first call that differs).
 * NNX: the functions run a copy of the model merged in their own trace; the
   model's state (batch statistics, RNG counts) is not changed.
-* Calls inside Linen's ``nn.remat`` and ``nn.jit`` (a Hugging Face model
-  with gradient checkpointing) are cached, edited and patched like any other:
-  their outputs leave the transform in a mutable collection. Calls inside a
-  transform that carries no collection out or stacks it per iteration
-  (``nn.scan``, ``nn.vmap``, NNX transforms), the transformed module's own
-  call included, have no output outside it: leave them out with the filter
-  (``ActivationsUnavailableError``), or run a copy of the model built without
-  the transform on the same variables.
+* Calls inside ``nn.remat`` and ``nn.jit`` (a Hugging Face model with
+  gradient checkpointing) or ``nnx.remat`` and ``nnx.jit`` are cached, edited
+  and patched like any other: their outputs leave the transform in a mutable
+  collection (Linen) or the modules' capture state (NNX). Calls inside a
+  transform that carries no collection out, or stacks or broadcasts it per
+  iteration (``nn.scan``, ``nn.vmap``, ``nnx.scan``, ``nnx.vmap``), the
+  transformed module's own call included, have no output outside it: leave
+  them out with the filter (``ActivationsUnavailableError``), or run a copy of
+  the model built without the transform on the same variables.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,

@@ -27,6 +27,9 @@ def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None =
 
   As :func:`perturbkit.run_with_cache`, with ``fn(model, *args, **kwargs)``;
   the cache is keyed like the params state (``cache.outputs['layers'][0]['__call__']``).
+  Calls inside ``nnx.remat`` and ``nnx.jit`` are cached like any other; calls
+  inside ``nnx.scan`` or ``nnx.vmap`` raise ``ActivationsUnavailableError``
+  (leave them out with the filter).
 
   Example:
     >>> import jax.numpy as jnp

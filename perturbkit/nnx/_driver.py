@@ -255,6 +255,41 @@ def point_order(found: _Discovery) -> list[PointPath]:
 PointEdit = Callable[[tuple, Any], Any]
 
 
+class _Captured(nnx.Variable):
+  """A call's output or inputs, captured inside an NNX transform (``nnx.remat``, ``nnx.jit``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sown:
+  """A capture made inside an NNX transform, read back from the capture state."""
+  kind: str                # 'activations' or 'inputs'
+  path: PointPath          # where the capture is reported: module path + point key
+  state_path: PointPath    # where it is in the capture state: module path + sown name
+  where: str               # the call, for messages
+  shapes: Any              # the leaves' shapes inside the transform
+
+
+def _shapes(tree: Any) -> list:
+  return [getattr(leaf, 'shape', None) for leaf in jax.tree.leaves(tree)]
+
+
+def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
+               state: Mapping[PointPath, Any]):
+  """Puts the captures made inside NNX transforms in their places, in call order.
+
+  Raises:
+    ActivationsUnavailableError: a transform that maps the capture state
+      (``nnx.scan``, ``nnx.vmap``) returned one value per iteration, not the
+      call's output.
+  """
+  for s in sown:
+    value = state[s.state_path]
+    if _shapes(value) != s.shapes:
+      raise ActivationsUnavailableError(s.where)
+    captured[s.kind] = [(p, value if p == s.path and v is None else v)
+                        for p, v in captured[s.kind]]
+
+
 def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations: Sequence[Any],
                    args: tuple, kwargs: dict, *, found: _Discovery, points: CallFilter,
                    hooks: Sequence[Hook] = (), edit: PointEdit | None = None,
@@ -285,12 +320,26 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
 
   Raises:
     PerturbationsNotAppliedError: a point found was not reached.
-    ActivationsUnavailableError: a capture inside an NNX transform.
+    ActivationsUnavailableError: a capture inside an NNX transform that maps
+      or broadcasts the module's state (``nnx.scan``, ``nnx.vmap``).
   """
   applied: set[tuple] = set()
   captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
+  sown: list[_Sown] = []
   expected = {(p.path, p.key): p for p in found.points}
   prepare = _selected(points, hooks)
+
+  def capture(call: Call, kind: str, value: Any):
+    path = call.path + (call.key,)
+    if not call.copied:
+      captured[kind].append((path, value))
+      return
+    # A value traced inside an NNX transform cannot leave it through Python; the
+    # module's capture state does, as the transform's output.
+    name = f'{call.key}:{kind}'
+    call.module.sow(_Captured, name, value, reduce_fn=lambda _, v: v, init_fn=lambda: None)
+    sown.append(_Sown(kind, path, call.path + (name,), call.name, _shapes(value)))
+    captured[kind].append((path, None))
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     output, selected = prepare(call, run())
@@ -301,12 +350,10 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     if store is None or any(n not in store for n in point.names):
       return output
     path = call.path + (call.key,)
-    if (activations or inputs) and call.copied:
-      raise ActivationsUnavailableError(call.name)
     if activations:
-      captured['activations'].append((path, differentiable_part(output)))
+      capture(call, 'activations', differentiable_part(output))
     if inputs:
-      captured['inputs'].append((path, array_part((call.args, call.kwargs))))
+      capture(call, 'inputs', array_part((call.args, call.kwargs)))
     applied.add((call.path, call.key))
     if edit is not None:
       output = merge(output, edit(path, differentiable_part(output)))
@@ -315,10 +362,23 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
   order = point_order(found)
   init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]))
   with instrument([model], handler):
-    out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
+    if not (activations or inputs):
+      out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)
+    else:
+      try:
+        out, state = nnx.capture(loss_fn, _Captured, init=init)(model, *args, **kwargs)
+      except ValueError as error:
+        # A transform that broadcasts the capture state (``nnx.vmap`` with the
+        # module's state broadcast) refuses the mapped value by its name.
+        refused = [s.where for s in sown if repr(s.state_path[-1]) in str(error)]
+        if refused:
+          raise ActivationsUnavailableError(refused[0]) from error
+        raise
   missing = sorted(expected[k].where for k in set(expected) - applied)
   if missing:
     raise PerturbationsNotAppliedError(missing, nnx=True)
+  if sown:
+    _read_sown(captured, sown, _flat_state(state))
   return out, {k: _nested(v) for k, v in captured.items()}
 
 
@@ -386,7 +446,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       the module's state broadcast.
     UninstrumentableModuleError: a submodule's class cannot be instrumented.
     ActivationsUnavailableError: ``return_activations`` or ``return_inputs``
-      for a call inside an NNX transform.
+      for a call inside ``nnx.scan`` or ``nnx.vmap`` (inside ``nnx.remat`` and
+      ``nnx.jit`` they are returned).
 
   Example:
     >>> import jax.numpy as jnp

@@ -38,8 +38,8 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   Raises:
     WrongFrontEndError: ``model`` is a Linen module or Linen variables.
     NoPerturbationPointsError: the filter selects no call.
-    ActivationsUnavailableError: (from ``run``) a selected call runs inside an
-      NNX transform; the message names ``function``.
+    ActivationsUnavailableError: (from ``run``) a selected call runs inside
+      ``nnx.scan`` or ``nnx.vmap``; the message names ``function``.
   """
   check_module(model, function)
   found = discover(fn, model, args, kwargs, points=filter, strict=strict, scalar=False)
