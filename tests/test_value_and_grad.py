@@ -244,3 +244,28 @@ def test_pytree_outputs_with_int_leaves_pass_through():
   # int leaf: the point holds the tuple of its float leaves.
   assert isinstance(points['StructHead_0']['__call__'], tuple)
   assert len(points['StructHead_0']['__call__']) == 1
+
+
+@pytest.mark.parametrize('remat', [False, True])
+def test_apply_with_every_collection_mutable_returns_only_the_callers_collections(remat):
+  """``apply(..., mutable=True)`` in the loss returns every collection of the variables it is
+  given; perturbkit's zero perturbations are not among them, so the mutated collections (here
+  BatchNorm's statistics and the params) equal those of the loss run without perturbkit and
+  can be merged into a train state as they are. Also through ``run_with_cache`` inside
+  ``nn.remat``, where the apply is replayed to carry the captures out."""
+  model = models.RematNorm(remat=remat)
+  x = jax.random.normal(jax.random.key(1), (5, 3))
+  variables = model.init(jax.random.key(0), x)
+
+  def loss_fn(variables, x):
+    out, updates = model.apply(variables, x, mutable=True)
+    return jnp.sum(out ** 2), updates
+
+  want = loss_fn(variables, x)
+  assert set(want[1]) == {'params', 'batch_stats'}
+  got, grads = jax.jit(perturbkit.value_and_grad(loss_fn, has_aux=True))(variables, x)
+  chex.assert_trees_all_close(got, want, **TOL)
+  assert float(jnp.abs(grads['perturbations']['Dense_0']['__call__']).max()) > 1e-3
+  (out, updates), _ = jax.jit(perturbkit.run_with_cache(
+      lambda v, x: model.apply(v, x, mutable=True)))(variables, x)
+  chex.assert_trees_all_close((out, updates), model.apply(variables, x, mutable=True), **TOL)

@@ -283,9 +283,10 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
         raise ActivationsUnavailableError('/'.join(map(str, path)))
       for kind, value in captures.items():
         captured[kind][path] = value
-    # The collections the caller's apply may change, written where it returns them from.
+    # The collections the caller's apply may change, written where it returns them from
+    # (the perturbations are not changed: the caller's apply holds them as they were given).
     for collection, tree in new.items():
-      if collection != CAPTURES:
+      if collection not in (CAPTURES, COLLECTION):
         for name, value in tree.items():
           module.put_variable(collection, name, value)
     return out
@@ -297,7 +298,48 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   missing = sorted('/'.join(p) for p in expected - applied)
   if missing:
     raise PerturbationsNotAppliedError(missing)
-  return out, captured
+  return _without_points(out, perturbations), captured
+
+
+def _without_points(out: Any, perturbations: Any) -> Any:
+  """``out`` without the perturbations collection among the collections an ``apply`` returned.
+
+  A loss whose ``apply`` has ``mutable=True`` gets every collection of the
+  variables back, perturbkit's zero perturbations included; they are not the
+  caller's (whose own are replaced by perturbkit's), and merged into a train
+  state they would add an activation-sized array per call. A mapping loses
+  its ``'perturbations'`` entry where that entry has the tree and shapes of
+  the perturbations perturbkit handed in (values from inside ``nn.remat`` come
+  back as new arrays, so identity cannot tell).
+  """
+  def layout(tree: Any) -> tuple[Any, list]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [jnp.shape(leaf) for leaf in leaves]
+
+  ours = layout(perturbations)
+
+  def returned(node: Any) -> bool:
+    if not isinstance(node, Mapping) or COLLECTION not in node:
+      return False
+    try:
+      return layout(node[COLLECTION]) == ours
+    except (TypeError, ValueError):  # leaves that are not arrays
+      return False
+
+  def strip(node: Any) -> Any:
+    # Down plain containers only: other pytrees (a model's output dataclass) are left
+    # as they are, as rebuilding some of them fails.
+    if returned(node):
+      return type(node)({k: v for k, v in node.items() if k != COLLECTION})
+    if type(node) in (tuple, list):
+      return type(node)(strip(n) for n in node)
+    if isinstance(node, tuple) and hasattr(node, '_fields'):
+      return type(node)(*(strip(n) for n in node))
+    if type(node) is dict:
+      return {k: strip(v) for k, v in node.items()}
+    return node
+
+  return strip(out) if jax.tree.leaves(perturbations) else out
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
@@ -316,7 +358,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   the trace, so under ``jax.jit`` XLA removes them; the function works under
   ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``, and with a
   ``loss_fn`` that contains its own inner gradient step (the points inside the
-  inner step get the derivative of the outer loss through that step).
+  inner step get the derivative of the outer loss through that step). The
+  collections an ``apply(..., mutable=...)`` in the loss returns are the ones
+  it returns without perturbkit (with ``mutable=True`` too: the perturbations
+  are not among them), ready to merge into the train state.
 
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
