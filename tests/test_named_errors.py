@@ -88,6 +88,33 @@ def test_linen_interleaved_aux_without_has_aux(linen):
   chex.assert_trees_all_close(metrics['aux']['mean'], jnp.mean(X), **TOL)
 
 
+def test_linen_interleaved_loss_returning_every_collection(linen):
+  """``apply(..., mutable=True)`` returns the params too; returned as aux they are read
+  outside every call, so no call can be a segment. The message says so and gives the fix,
+  which then matches jax.grad + optax."""
+  model, variables = linen
+
+  def every_collection(v, x):
+    out, updates = model.apply(v, x, mutable=True)
+    return jnp.mean(out ** 2), updates
+
+  trainer = perturbkit.interleaved(every_collection, optax.sgd(0.1), has_aux=True)
+  with pytest.raises(perturbkit.SegmentationError,
+                     match=r"by output\): the loss returns them.*mutable=True.*'params'"):
+    trainer.init(variables, X)
+
+  def changed_collections(v, x):
+    out, updates = model.apply(v, x, mutable=['intermediates'])
+    return jnp.mean(out ** 2), updates
+
+  trainer = perturbkit.interleaved(changed_collections, optax.sgd(0.1), has_aux=True,
+                                   propagate='original')
+  state, _ = trainer.step(trainer.init(variables, X), X)
+  grads = jax.grad(_linen_loss(model))(variables, X)
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'], grads['params'])
+  chex.assert_trees_all_close(state.params, want, **TOL)
+
+
 def test_nnx_aux_without_has_aux(nnx_model):
   with pytest.raises(perturbkit.MissingHasAuxError, match='pass `has_aux=True`'):
     perturbkit.nnx.value_and_grad(_nnx_aux_loss)(nnx_model, X)

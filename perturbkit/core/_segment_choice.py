@@ -109,8 +109,12 @@ def _nearest_ancestor(path: Path, chosen: set) -> Path | None:
 
 
 def _outside_reason(what: set[str]) -> str:
-  return ('its params are also read outside its call (by ' + ', '.join(sorted(what)) +
-          '), e.g. tied weights or a loss term on them')
+  if 'output' in what:
+    example = ("the loss returns them (apply(..., mutable=True) returns 'params' too: ask for "
+               "the collections the model changes, e.g. mutable=['batch_stats'])")
+  else:
+    example = 'e.g. tied weights or a loss term on them'
+  return f'its params are also read outside its call (by {", ".join(sorted(what))}): {example}'
 
 
 def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
