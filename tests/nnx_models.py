@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import bridge
 
 
 def point(module: nnx.Module, owner: nnx.Module, key: str, value: Any) -> Any:
@@ -275,6 +276,17 @@ class Lifted(nnx.Module):
   def __call__(self, x):
     lift = {'remat': nnx.remat, 'jit': nnx.jit, 'none': lambda f: f}[self.transform]
     return self.out(lift(lambda block, h: block(h))(self.block, self.inp(x)))
+
+
+class Bridged(nnx.Module):
+  """An NNX model with a Linen MLP inside, through Flax's ``nnx.bridge.ToNNX``."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.linen = bridge.ToNNX(LinenMLP(dout=5), rngs=rngs)
+    self.head = nnx.Linear(5, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.linen(x)))
 
 
 class VmapBroadcast(nnx.Module):

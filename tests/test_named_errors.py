@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.nnx import bridge
 
 import models
 import nnx_models
@@ -169,6 +170,33 @@ def test_linen_model_to_nnx_functions(linen):
     perturbkit.nnx.interleaved(_linen_loss(model), optax.sgd(0.1)).init(variables, X)
   with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.value_and_grad'):
     perturbkit.nnx.value_and_grad(_linen_loss(model))(model, X)
+
+
+def test_linen_model_wrapped_in_the_nnx_bridge_to_nnx_functions():
+  """A whole Linen model wrapped in ``nnx.bridge.ToNNX`` is refused by the NNX functions (its
+  layers are Linen calls they cannot see), with the Linen function and the variables to give
+  it; that fix equals ``nnx.grad`` of the wrapped model."""
+  wrapped = bridge.ToNNX(nnx_models.LinenMLP(), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 4))
+  bridge.lazy_init(wrapped, x)
+  loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+  for make in (perturbkit.nnx.value_and_grad, perturbkit.nnx.run_with_cache,
+               perturbkit.nnx.per_example_grad_norms):
+    with pytest.raises(perturbkit.WrongFrontEndError,
+                       match=r'LinenMLP\) wrapped in nnx.bridge.ToNNX.*use perturbkit\.'):
+      make(loss_fn)(wrapped, x)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='perturbkit.interleaved'):
+    perturbkit.nnx.InterleavedOptimizer(wrapped, optax.sgd(0.1), loss_fn, x)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='perturbkit.kfac_layers'):
+    perturbkit.nnx.kfac_layers(wrapped, x)
+
+  variables = {'params': nnx.to_pure_dict(nnx.state(wrapped, nnx.Param))}
+  module = wrapped.to_nnx__module
+  _, grads = perturbkit.value_and_grad(lambda v, x: jnp.mean(module.apply(v, x) ** 2))(
+      variables, x)
+  want = nnx.to_pure_dict(nnx.grad(loss_fn)(wrapped, x))
+  chex.assert_trees_all_close(grads['params'], want, **TOL)
+  assert set(grads['perturbations']) == {'dense_0', 'dense_1', 'dense_2'}
 
 
 def test_not_variables(linen):

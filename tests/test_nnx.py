@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.nnx import bridge
 
 import nnx_models as M
 import perturbkit
@@ -298,6 +299,32 @@ def test_scan_with_broadcast_block_warns_and_mapped_perturbations_fix_it():
   chex.assert_trees_all_close(grads['perturbations']['block']['linear']['__call__'],
                               want['linear'], **TOL)
   chex.assert_trees_all_close(grads['perturbations']['block']['__call__'], want['block'], **TOL)
+
+
+def test_linen_module_through_the_bridge():
+  """A Linen MLP inside an NNX model through ``nnx.bridge.ToNNX`` (which turns every
+  attribute of the instance into a Linen variable): its call is a point like any other.
+  Params equal ``nnx.grad``; the gradient at its output equals ``jax.grad`` of the rest of
+  the model at that output; the cache and attribution patching equal the calls made by hand."""
+  model, x = M.Bridged(rngs=nnx.Rngs(0)), M.random_batch((3, 4))
+  bridge.lazy_init(model, x)
+  loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
+  loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
+  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
+  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
+  h = model.linen(x)
+  rest = lambda h: jnp.sum(jnp.tanh(model.head(nnx.relu(h))))
+  chex.assert_trees_all_close(grads['perturbations']['linen']['__call__'], jax.grad(rest)(h),
+                              **TOL)
+  assert float(jnp.abs(jax.grad(rest)(h)).max()) > 1e-2
+  assert not {'_perturbkit_sites', '__captures__'} & set(vars(model.linen))  # left as it was
+
+  _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+  chex.assert_trees_all_close(cache.outputs['linen']['__call__'], h, **TOL)
+  corrupted = 2 * x
+  got = perturbkit.nnx.attribution_patching(loss_fn, axis=0)(model, x, corrupted)
+  want = jnp.sum((h - model.linen(corrupted)) * jax.grad(rest)(model.linen(corrupted)), axis=1)
+  chex.assert_trees_all_close(got.effects[got.paths.index('linen/__call__')], want, **TOL)
 
 
 def test_containers_sequential_and_list():

@@ -32,6 +32,7 @@ from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
 from perturbkit.kfac._rules import ConvGeometry, LayerInfo, hashable, as_tuple, call_input
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
+from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
 from perturbkit.core._segment_choice import flat_leaf_owners
 from perturbkit.core._types import CallFilter
@@ -205,6 +206,7 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     >>> sorted(layers.layers), layers.skipped
     (['layers/0', 'layers/2'], {'layers/1': 'LayerNorm has no Kronecker-factor rule'})
   """
+  check_module(model, 'perturbkit.nnx.kfac_layers')
   predict = call_model if predict is None else predict
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[NNXPath, tuple[nnx.Module, list[str]]] = {}

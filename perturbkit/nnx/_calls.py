@@ -38,6 +38,7 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from flax import nnx
+from flax.nnx import bridge as nnx_bridge
 
 from perturbkit.core._points import point_key
 from perturbkit.errors import UninstrumentableModuleError
@@ -162,10 +163,29 @@ def _opaque(block: _Block, call: Call, run: Callable[[], Any],
   return output
 
 
-def _dispatching(method_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+# Attributes that ``nnx.bridge.ToNNX`` must not see: it turns every attribute of
+# the instance into a Linen variable and refuses anything else.
+_NOT_FOR_BRIDGE = (SITES_ATTR, '__captures__')
+
+
+def _run_bridged(original: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
+  """Runs a ``ToNNX`` method with perturbkit's and ``nnx.capture``'s attributes set aside."""
+  own = vars(module)
+  aside = {name: own.pop(name) for name in _NOT_FOR_BRIDGE if name in own}
+  try:
+    return original(module, *args, **kwargs)
+  finally:
+    own.update(aside)
+
+
+def _dispatching(method_name: str, original: Callable[..., Any],
+                 bridged: bool = False) -> Callable[..., Any]:
   @functools.wraps(original)
   def method(self, *args, **kwargs):
-    run = lambda: original(self, *args, **kwargs)
+    if bridged:
+      run = lambda: _run_bridged(original, self, args, kwargs)
+    else:
+      run = lambda: original(self, *args, **kwargs)
     blocks = _THREAD.blocks
     active = []
     for depth, path in reversed(vars(self).get(SITES_ATTR, ())):
@@ -252,7 +272,9 @@ def instrumented_class(cls: type) -> type:
   with _CLASS_LOCK:
     sub = _CLASSES.get(cls)
     if sub is None:
-      namespace = {name: _dispatching(name, fn) for name, fn in _model_methods(cls).items()}
+      bridged = issubclass(cls, nnx_bridge.ToNNX)
+      namespace = {name: _dispatching(name, fn, bridged)
+                   for name, fn in _model_methods(cls).items()}
       # `_perturbkit_path_of` lets front-end-neutral code (path filters) ask a
       # module for its path without importing this module.
       namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import bridge as nnx_bridge
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
@@ -56,6 +57,17 @@ def check_module(model: Any, function: str):
     WrongFrontEndError: ``model`` is a Linen module or Linen variables.
     TypeError: ``model`` is anything else that is not an ``nnx.Module``.
   """
+  if isinstance(model, nnx_bridge.ToNNX):
+    # Its calls are Linen calls, which an NNX function cannot see; Flax's nnx.capture,
+    # which the NNX functions run the model in, also fails on it.
+    linen = function.replace('perturbkit.nnx.', 'perturbkit.', 1)
+    raise WrongFrontEndError(
+        function, f'a Linen module ({type(model.to_nnx__module).__name__}) wrapped in '
+        'nnx.bridge.ToNNX as the whole model',
+        f'Its layers are Linen calls: use {linen} on the Linen module, '
+        '`model.to_nnx__module.apply(variables, ...)` with `variables = {"params": '
+        'nnx.to_pure_dict(nnx.state(model, nnx.Param))}`. Inside a larger NNX model a '
+        'ToNNX submodule is one call, like any other.')
   if isinstance(model, nnx.Module):
     return
   if isinstance(model, (Mapping, nn.Module)):
