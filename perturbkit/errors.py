@@ -197,10 +197,12 @@ class UnperturbedCallsWarning(UserWarning):
 
   def __init__(self, names, nnx: bool = False):
     if nnx:
-      where = ('an NNX transform (nnx.scan, nnx.vmap, ...) that broadcasts the module\'s '
-               'state')
+      where = ('an NNX transform that broadcasts the module\'s state (nnx.scan, nnx.vmap, '
+               '...) or carries the module from step to step (nnx.scan with it in the carry, '
+               'as nnx.RNN does with its cell: one point for every step would sum the steps)')
       fix = ('let the transform map the perturbations, e.g. `nnx.scan(f, in_axes=(nnx.'
-             'StateAxes({nnx.Perturbation: 0, ...: None}), nnx.Carry))`')
+             'StateAxes({nnx.Perturbation: 0, ...: None}), nnx.Carry))`; the call that '
+             'runs the transform (an nnx.RNN) has its own point, every step included')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
                '"perturbations" collection')

@@ -289,6 +289,19 @@ class Bridged(nnx.Module):
     return self.head(nnx.relu(self.linen(x)))
 
 
+class Recurrent(nnx.Module):
+  """Linear -> Flax's ``nnx.RNN`` of an ``nnx.LSTMCell`` (the cell is carried by ``nnx.scan``
+  from step to step) -> Linear."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(3, 4, rngs=rngs)
+    self.rnn = nnx.RNN(nnx.LSTMCell(4, 4, rngs=rngs))
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(self.embed(x)))
+
+
 class VmapBroadcast(nnx.Module):
   """A block under ``nnx.vmap`` over examples, its state broadcast."""
 

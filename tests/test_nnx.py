@@ -327,6 +327,36 @@ def test_linen_module_through_the_bridge():
   chex.assert_trees_all_close(got.effects[got.paths.index('linen/__call__')], want, **TOL)
 
 
+def test_rnn_cell_calls_are_reported_and_the_rest_equal_jax_grad():
+  """Flax's ``nnx.RNN`` carries its cell through ``nnx.scan`` from step to step, so a point
+  inside the cell could neither be created (the carry would change structure) nor be one per
+  step: the cell's calls are named in an ``UnperturbedCallsWarning`` and get no point. The
+  RNN's own call has one, for every step; params equal ``nnx.grad``, the gradients at the RNN
+  and the embedding equal the gradients of the rest of the model there, and the cache equals
+  the calls made by hand."""
+  model, x = M.Recurrent(rngs=nnx.Rngs(0)), M.random_batch((2, 5, 3))
+  loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'carries the module from step to step.*rnn/cell/__call__'):
+    loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
+  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
+  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
+  assert {'embed', 'rnn', 'head'} <= set(grads['perturbations'])
+  assert '__call__' not in grads['perturbations']['rnn'].get('cell', {})
+  embedded = model.embed(x)
+  hidden = model.rnn(embedded)
+  after_rnn = lambda h: jnp.sum(jnp.tanh(model.head(h)))
+  # The RNN draws its initial carry from the model's RNG streams: nnx.grad keeps that state.
+  at_embed = nnx.grad(lambda m, e: after_rnn(m.rnn(e)), argnums=1)(model, embedded)
+  chex.assert_trees_all_close(grads['perturbations']['rnn']['__call__'],
+                              jax.grad(after_rnn)(hidden), **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['embed']['__call__'], at_embed, **TOL)
+  assert float(jnp.abs(at_embed).max()) > 1e-3
+  with pytest.warns(perturbkit.UnperturbedCallsWarning):
+    _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+  chex.assert_trees_all_close(cache.outputs['rnn']['__call__'], hidden, **TOL)
+
+
 def test_containers_sequential_and_list():
   model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
                          nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(1)), jnp.tanh),

@@ -182,15 +182,30 @@ class _Discovery:
   unreachable: list[str]
 
 
-def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe):
+@dataclasses.dataclass
+class _Attempt:
+  """What a discovery run that raised leaves behind, for one without points in transforms."""
+  perturbed_copies: bool = False  # a point was made inside an NNX transform
+  failed_in: NNXPath | None = None  # the innermost call outside transforms that raised
+
+
+def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe,
+                   skip: Callable[[Call], bool] = lambda call: False,
+                   attempt: _Attempt | None = None):
   found: list[_Point] = []
   seen: list[str] = []
   missed: list[str] = []
   prepare = _selected(points, hooks)
+  attempt = _Attempt() if attempt is None else attempt
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     seen.append(call.name)
-    output, selected = prepare(call, run())
+    try:
+      output, selected = prepare(call, run())
+    except Exception:
+      if not call.copied and attempt.failed_in is None:
+        attempt.failed_in = call.path
+      raise
     if not selected:
       return output
     if not has_differentiable_leaf(output):
@@ -198,9 +213,10 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
         raise NonDifferentiableOutputError(call.name, leaf_dtypes(output))
       return output
     store = _perturbation_store(call)
-    if store is None:
+    if store is None or (call.copied and skip(call)):
       missed.append(call.name)
       return output
+    attempt.perturbed_copies |= call.copied
     names = _leaf_names(call.key, output)
     taken = [n for n in names if n in store]
     if taken:
@@ -238,7 +254,24 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   """
   run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
                           points=points, hooks=hooks, strict=strict)
-  out, shapes, found, seen, missed = run(probe=False)
+  attempt = _Attempt()
+  try:
+    out, shapes, found, seen, missed = run(probe=False, attempt=attempt)
+  except Exception as error:  # pylint: disable=broad-except
+    if not attempt.perturbed_copies:
+      raise
+    # A transform that carries the module from step to step (nnx.scan with the module in
+    # the carry, as nnx.RNN does with its cell) cannot take a new perturbation, and one
+    # perturbation for every step would be a sum over the steps: those calls get none.
+    # Without the transform's enclosing call, every call inside a transform gets none.
+    site = attempt.failed_in
+    skip = ((lambda call: True) if site is None else
+            (lambda call: call.path[:len(site)] == site))
+    run = functools.partial(run, skip=skip)
+    try:
+      out, shapes, found, seen, missed = run(probe=False)
+    except Exception:  # pylint: disable=broad-except
+      raise error from None
   if scalar:
     check_loss(out, has_aux)
   ours = {p for point in found for p in point.leaf_paths()}
