@@ -32,6 +32,15 @@ touching the caller's model object.
 * Tests compare every result with the Linen twin of the same model,
   ``nnx.Optimizer`` (``propagate='original'``), a hand-coded per-layer backward,
   explicit perturbation arguments and ``jax.jvp``.
+* Transforms and Flax's own layers: inside ``nnx.scan`` over stacked modules
+  (their state mapped) the gradients are per iteration; inside ``nnx.remat``
+  and ``nnx.jit`` they are as without the transform. Calls that a transform
+  carries from step to step (the cell of ``nnx.RNN``) or broadcasts
+  (``nnx.vmap`` with the state broadcast) get no point and are named in an
+  ``UnperturbedCallsWarning``; the call that runs the transform has its point.
+  A Linen module inside an NNX model through ``nnx.bridge.ToNNX`` is one call;
+  a whole Linen model wrapped in ``ToNNX`` belongs to the Linen functions
+  (``WrongFrontEndError`` says how).
 * ``python -m perturbkit.demo --api nnx`` runs the demo on the NNX twin of its
   CNN; ``notebooks/05_nnx.ipynb`` walks through an NNX CNN: the layer-by-layer
   update-then-propagate question asked by an NNX user, answered without
@@ -101,7 +110,9 @@ functions of ``perturbkit.interpret`` (conventions in ``help(perturbkit.interpre
 with ``fn(model, *args)``; the edits and interventions are ``perturbkit.interpret``'s
 (keyed by the NNX path, ``'layers/0/__call__'``). They run a copy of
 the model merged in their own trace, so the model's state does not change; the
-results equal the Linen twin's (``tests/test_interpret.py``).
+results equal the Linen twin's (``tests/test_interpret.py``). Calls inside
+``nnx.remat`` and ``nnx.jit`` are read and edited like any other; calls inside
+``nnx.scan`` and ``nnx.vmap`` raise ``ActivationsUnavailableError``.
 
 Not yet on NNX
 --------------
