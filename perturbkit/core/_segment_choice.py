@@ -110,8 +110,9 @@ def _nearest_ancestor(path: Path, chosen: set) -> Path | None:
 
 def _outside_reason(what: set[str]) -> str:
   if 'output' in what:
-    example = ("the loss returns them (apply(..., mutable=True) returns 'params' too: ask for "
-               "the collections the model changes, e.g. mutable=['batch_stats'])")
+    example = ("the loss returns them; return only what changes (Linen: apply(..., "
+               "mutable=True) returns 'params' too, ask for e.g. mutable=['batch_stats']; NNX: "
+               "nnx.state(model) holds the params, return e.g. nnx.state(model, nnx.BatchStat))")
   else:
     example = 'e.g. tied weights or a loss term on them'
   return f'its params are also read outside its call (by {", ".join(sorted(what))}): {example}'
