@@ -236,7 +236,8 @@ def always_true_after(values: PyTree) -> jax.Array:
   ``values`` (e.g. the input cotangent at the old weights) at the cost of
   reading a scalar per array.
   """
-  firsts = [leaf.ravel()[0] for leaf in jax.tree.leaves(values) if jnp.size(leaf)]
+  # Indexed, not raveled: a ravel of an array sharded across devices is an all-gather.
+  firsts = [leaf[(0,) * jnp.ndim(leaf)] for leaf in jax.tree.leaves(values) if jnp.size(leaf)]
   # Equal or unequal to itself (NaN included): true, and not folded away by XLA.
   return jnp.all(jnp.stack([(x == x) | (x != x) for x in firsts] or [jnp.ones((), bool)]))
 
