@@ -133,6 +133,7 @@ from perturbkit.errors import OptimizerStateError
 from perturbkit.errors import ParamsReadOutsideError
 from perturbkit.errors import PerExampleError
 from perturbkit.errors import PerturbationsNotAppliedError
+from perturbkit.errors import OutsideApplyError
 from perturbkit.errors import PerturbationStructureError
 from perturbkit.errors import PerturbkitError
 from perturbkit.errors import PositionOutOfRangeError
@@ -234,6 +235,7 @@ __all__ = [
     'ParamsReadOutsideError',
     'PerExampleError',
     'PerturbationsNotAppliedError',
+    'OutsideApplyError',
     'PerturbationStructureError',
     'PerturbkitError',
     'PositionOutOfRangeError',

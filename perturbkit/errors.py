@@ -16,7 +16,8 @@ Activation gradients, hooks and interleaved training: ``NoPerturbationPointsErro
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
 message lists the calls seen), ``PerturbationStructureError``,
 ``NonDifferentiableOutputError``, ``PerturbationsNotAppliedError`` (the loss did
-not pass the variables to ``model.apply``), ``ActivationsUnavailableError``,
+not pass the variables to ``model.apply``), ``OutsideApplyError`` (a submodule
+called outside a method of the model: ``model.bind``, ``nn.apply``), ``ActivationsUnavailableError``,
 ``SegmentationError``, ``SharedSegmentError``, ``StateMismatchError``,
 ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
 ``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
@@ -134,6 +135,19 @@ class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
     super().__init__(
         f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
         + advice)
+
+
+class OutsideApplyError(PerturbkitError, TypeError):
+  """A Linen submodule was called outside a method call of the model (``bind``, ``nn.apply``)."""
+
+  def __init__(self, where):
+    super().__init__(
+        f'The call {where} ran outside a method call of the model: on a module bound with '
+        '`model.bind(variables)`, in `nn.apply(fn, model)`, or in `model.apply(..., '
+        'method=fn)` with a function that is not a method of the model. perturbkit makes its '
+        "points where `apply` calls one of the model's methods. Call a method of the model: "
+        "`model.apply(variables, x)`, or `model.apply(variables, x, method='encode')` (or "
+        '`method=Model.encode`), and put any code around it in the loss.')
 
 
 class SegmentationError(PerturbkitError, ValueError):

@@ -199,6 +199,59 @@ def test_linen_model_wrapped_in_the_nnx_bridge_to_nnx_functions():
   assert set(grads['perturbations']) == {'dense_0', 'dense_1', 'dense_2'}
 
 
+class _Encoder(nn.Module):
+  def setup(self):
+    self.encoder = nn.Dense(4)
+    self.head = nn.Dense(2)
+
+  def encode(self, x):
+    return nn.relu(self.encoder(x))
+
+  def __call__(self, x):
+    return self.head(self.encode(x))
+
+
+def test_submodule_called_outside_a_method_of_the_model():
+  """A loss that calls a ``model.bind``-bound module's children, runs ``nn.apply(fn, model)``
+  or ``apply(..., method=fn)`` with a function of the module calls them outside any method of
+  the model, where no point can be made: a named error with the fix, a method of the model,
+  which then equals the hand-written chain's gradients. Backward hooks need no point."""
+  model = _Encoder()
+  variables = model.init(jax.random.key(0), X)
+  chain = lambda m, x: m.head(m.encode(x))
+
+  def bound(v, x):
+    return jnp.sum(chain(model.bind(v), x) ** 2)
+
+  functional = lambda v, x: jnp.sum(nn.apply(chain, model)(v, x) ** 2)
+  lambda_method = lambda v, x: jnp.sum(model.apply(v, x, method=chain) ** 2)
+  for loss_fn in (bound, functional, lambda_method):
+    with pytest.raises(perturbkit.OutsideApplyError,
+                       match=r"head/__call__ ran outside a method.*method='encode'"):
+      perturbkit.value_and_grad(loss_fn)(variables, X)
+    with pytest.raises(perturbkit.OutsideApplyError):
+      perturbkit.interleaved(loss_fn, optax.sgd(0.1)).init(variables, X)
+
+  # The fix: a method of the model (here __call__ is the chain; method=_Encoder.encode works
+  # the same way).
+  fixed = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  loss, grads = perturbkit.value_and_grad(fixed)(variables, X)
+  chex.assert_trees_all_close(grads['params'], jax.grad(bound)(variables, X)['params'], **TOL)
+  h = model.apply(variables, X, method=_Encoder.encode)
+  rest = lambda h: jnp.sum(model.apply(variables, h, method=lambda m, h: m.head(h)) ** 2)
+  chex.assert_trees_all_close(grads['perturbations']['encoder']['__call__'],
+                              jax.grad(lambda e: rest(nn.relu(e)))(
+                                  model.apply(variables, X, method=lambda m, x: m.encoder(x))),
+                              **TOL)
+  _, encoded = perturbkit.value_and_grad(
+      lambda v, x: jnp.sum(model.apply(v, x, method=_Encoder.encode)))(variables, X)
+  assert set(encoded['perturbations']) == {'encoder'}
+  assert h.shape == (4, 4)
+  zero = perturbkit.backward_hook(lambda g: 0 * g, perturbkit.filters.by_path('head'))
+  grads = jax.grad(perturbkit.with_hooks(bound, zero))(variables, X)
+  assert float(jnp.abs(grads['params']['encoder']['kernel']).max()) == 0.0
+
+
 def test_not_variables(linen):
   model, variables = linen
   with pytest.raises(perturbkit.NotVariablesError, match='pass the whole dict'):

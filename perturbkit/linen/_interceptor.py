@@ -22,6 +22,7 @@ import flax.linen as nn
 from perturbkit.core.filters import linen_path_prefix, module_path
 from perturbkit.core._points import point_key
 from perturbkit.core._types import CallFilter, Path
+from perturbkit.errors import OutsideApplyError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,9 @@ def intercept(filter: CallFilter, on_call: Handler,
     call = Call(module, method_name, key, args, kwargs)
     if state.transparent:
       return on_call(call, run)
+    if not state.roots_active:
+      # A bound module's child called directly: no apply started, so no point can be made.
+      raise OutsideApplyError(call.name)
     ran = []
 
     def run_once():
