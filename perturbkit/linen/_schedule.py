@@ -228,6 +228,13 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     ``pmean``-ed over devices) and ``private_grad`` / ``dp_sgd`` (clipped sums
     ``psum``-ed, noise drawn once).
 
+    Without ``axis_name``, ``jax.jit(tx.step)`` on sharded inputs and params
+    (the batch over a ``'data'`` axis, kernels over a ``'model'`` axis, as
+    ``nn.with_partitioning`` lays them out) is partitioned by XLA like a
+    standard step: the same result, each param keeps its sharding, and
+    nothing of an activation's size is sent beyond what the standard step
+    sends, only the metrics' scalars (``tests/test_multidevice_grads.py``).
+
   Tests:
     ``propagate='original'`` is compared with ``jax.grad`` + optax;
     ``'updated'`` with a hand-coded per-layer backward (on GPT-2, per block);
