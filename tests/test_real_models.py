@@ -14,7 +14,6 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
 * BERT with Hugging Face's gradient checkpointing (every layer in ``nn.remat``): the same
   activation gradients as the plain model on the same variables.
 """
-import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -29,6 +28,7 @@ import pytest
 
 import hf_models
 import perturbkit
+from explicit_deltas import at, explicit_deltas, points_of, zeros
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
 
@@ -60,72 +60,9 @@ def setup(built: Setup):
     yield built
 
 
-# --- The reference: explicit deltas added by an interceptor of our own ---------------------
-
-def _is_model_call(module: nn.Module, method_name: str) -> bool:
-  # Submodule method calls only: not the root (nor a root made by a nested `apply`, as GPT-2's
-  # tied LM head does), not `setup`, not Flax's internal lambda-named helpers.
-  return (module.scope is not None and bool(module.path) and method_name != 'setup'
-          and method_name.isidentifier())
-
-
-def _is_float(leaf) -> bool:
-  return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
-
-
-@contextlib.contextmanager
-def explicit_deltas(deltas: dict | None = None, shapes: dict | None = None):
-  """Adds ``deltas[path + (key,)][i]`` to the i-th float leaf of every submodule call's output.
-
-  ``key`` is the method name, then ``'#1'``, ``'#2'``... for later calls of the same method of
-  the same module. With ``shapes``, records the float leaves' shapes under the same names.
-  """
-  counts: dict = {}
-
-  def interceptor(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    module, method = context.module, context.method_name
-    if not _is_model_call(module, method):
-      return out
-    path = tuple(module.path)
-    n = counts.get((path, method), 0)
-    counts[(path, method)] = n + 1
-    name = path + (method if n == 0 else f'{method}#{n}',)
-    leaves, treedef = jax.tree.flatten(out)
-    where = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
-    if not where:
-      return out
-    if shapes is not None:
-      shapes[name] = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in where]
-    if deltas is not None:
-      for i, delta in zip(where, deltas[name]):
-        leaves[i] = leaves[i] + delta
-    return jax.tree.unflatten(treedef, leaves)
-
-  with nn.intercept_methods(interceptor):
-    yield
-
-
 def reference_points(s: Setup) -> dict:
   """``{path + (key,): [ShapeDtypeStruct per float leaf]}``, in execution order."""
-  shapes: dict = {}
-
-  def run(variables, *batch):
-    with explicit_deltas(shapes=shapes):
-      return s.loss_fn(variables, *batch)
-
-  jax.eval_shape(run, s.variables, *s.batch)
-  return shapes
-
-
-def _zeros(shapes: dict) -> dict:
-  return {name: [jnp.zeros(x.shape, x.dtype) for x in leaves] for name, leaves in shapes.items()}
-
-
-def _at(tree, name: tuple):
-  for k in name:
-    tree = tree[k]
-  return tree
+  return points_of(s.loss_fn, s.variables, *s.batch)
 
 
 def _max_abs(tree) -> float:
@@ -171,15 +108,15 @@ def reference(built: Setup) -> Reference:
 
       # At zero deltas the loss is the plain loss: one backward pass gives jax.grad's
       # parameter gradients and the gradient with respect to every call's delta.
-      zeros = _zeros(points)
+      at_zero = zeros(points)
       (_, value), (param_grads, act_grads) = jax.value_and_grad(
-          loss, argnums=(0, 1), has_aux=True)(variables['params'], zeros)
+          loss, argnums=(0, 1), has_aux=True)(variables['params'], at_zero)
       if not direction:
         return value, param_grads, act_grads, None
 
       def along(t):
         deltas = {n: [t * d for d in direction[n]] if n in direction else z
-                  for n, z in zeros.items()}
+                  for n, z in at_zero.items()}
         return loss(variables['params'], deltas)[0]
 
       _, derivative = jax.jvp(along, (jnp.float32(0.0),), (jnp.float32(1.0),))
@@ -202,7 +139,7 @@ def test_value_and_grad_equals_explicit_deltas_and_jax_grad(setup, reference):
       'perturbkit has a different number of activation-gradient arrays than the reference '
       f'has float leaves over its {len(ref.points)} calls')
   for name in ref.points:
-    got_leaves = jax.tree.leaves(_at(got, name))
+    got_leaves = jax.tree.leaves(at(got, name))
     assert len(got_leaves) == len(ref.act_grads[name]), name
     for g, w in zip(got_leaves, ref.act_grads[name]):
       np.testing.assert_allclose(g, w, **TOL, err_msg='/'.join(name))
@@ -210,7 +147,7 @@ def test_value_and_grad_equals_explicit_deltas_and_jax_grad(setup, reference):
   if not ref.direction:
     return
   predicted = sum(jnp.vdot(g, d) for n in ref.direction
-                  for g, d in zip(jax.tree.leaves(_at(got, n)), ref.direction[n]))
+                  for g, d in zip(jax.tree.leaves(at(got, n)), ref.direction[n]))
   np.testing.assert_allclose(predicted, ref.derivative, rtol=1e-3, atol=1e-6)
   assert abs(float(ref.derivative)) > 1e-4
 

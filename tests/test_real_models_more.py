@@ -1,0 +1,137 @@
+"""More unmodified Hugging Face Flax families: activation gradients and the cache.
+
+Each family brings something the main set (``tests/test_real_models.py``) does not:
+ALBERT runs one layer's modules at every depth (calls counted ``'#1'``, ``'#2'``...), BLOOM
+has ALiBi attention, GPT-J rotary embeddings and attention parallel to the MLP, RoFormer
+rotary embeddings in an encoder, ELECTRA an embedding projection, OPT a projected embedding
+size, XGLM sinusoidal positions, BEiT relative position biases and layer scales. For each:
+``perturbkit.value_and_grad`` equals explicit deltas added by the tests' own interceptor
+(``tests/explicit_deltas.py``) and ``jax.grad``; every call's cached output, patched back in,
+gives the model's output bit for bit.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_models
+import perturbkit
+from explicit_deltas import at, explicit_deltas, points_of, zeros
+from perturbkit import interpret
+
+pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
+
+TOL = dict(rtol=2e-5, atol=1e-6)
+B, S, V, W = 2, hf_models.SEQ, hf_models.VOCAB, 16
+SMALL = dict(vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=2,
+             intermediate_size=32, max_position_embeddings=16)
+
+
+def _ids():
+  return jax.random.randint(jax.random.key(0), (B, S), 3, V)
+
+
+def _positions():
+  return jnp.broadcast_to(jnp.arange(S), (B, S))
+
+
+def _causal(module):
+  ids = _ids()
+  return lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), _positions()).logits, ids
+
+
+def _bloom(module):
+  ids = _ids()
+  return lambda v, ids: module.apply(v, ids, jnp.ones_like(ids)).logits, ids
+
+
+def _encoder(module):
+  ids = _ids()
+  return (lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                                      _positions(), None).logits, ids)
+
+
+def _roformer(module):
+  ids = _ids()
+  return (lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                                      None).logits, ids)
+
+
+def _albert(module):
+  ids = _ids()
+  return (lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                                      _positions()).last_hidden_state, ids)
+
+
+def _image(module):
+  pixels = jax.random.normal(jax.random.key(1), (B, hf_models.IMAGE, hf_models.IMAGE, 3))
+  return lambda v, pixels: module.apply(v, pixels).last_hidden_state, pixels
+
+
+def _families():
+  import transformers as T
+  return {
+      'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(
+          embedding_size=8, num_hidden_groups=1, **SMALL), _do_init=False), _albert),
+      'bloom': (lambda: T.FlaxBloomForCausalLM(T.BloomConfig(
+          vocab_size=V, hidden_size=W, n_layer=2, n_head=2), _do_init=False), _bloom),
+      'gptj': (lambda: T.FlaxGPTJForCausalLM(T.GPTJConfig(
+          vocab_size=V, n_embd=W, n_layer=2, n_head=2, rotary_dim=4, n_positions=16),
+          _do_init=False), _causal),
+      'electra': (lambda: T.FlaxElectraForMaskedLM(T.ElectraConfig(
+          embedding_size=8, **SMALL), _do_init=False), _encoder),
+      'roformer': (lambda: T.FlaxRoFormerForMaskedLM(T.RoFormerConfig(
+          embedding_size=W, **SMALL), _do_init=False), _roformer),
+      'xglm': (lambda: T.FlaxXGLMForCausalLM(T.XGLMConfig(
+          vocab_size=V, d_model=W, num_layers=2, attention_heads=2, ffn_dim=32,
+          max_position_embeddings=16), _do_init=False), _causal),
+      'opt': (lambda: T.FlaxOPTForCausalLM(T.OPTConfig(
+          vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+          max_position_embeddings=16, word_embed_proj_dim=8), _do_init=False), _causal),
+      'beit': (lambda: T.FlaxBeitModel(T.BeitConfig(
+          image_size=hf_models.IMAGE, patch_size=8, use_relative_position_bias=True,
+          layer_scale_init_value=0.1, **{k: v for k, v in SMALL.items() if k not in (
+              'vocab_size', 'max_position_embeddings')}), _do_init=False), _image),
+  }
+
+
+@pytest.mark.parametrize('name', ['albert', 'beit', 'bloom', 'electra', 'gptj', 'opt',
+                                  'roformer', 'xglm'])
+def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
+  build, make = _families()[name]
+  with jax.numpy_rank_promotion('allow'):
+    hf = build()
+    variables = hf_models.filled_variables(hf)
+    run, inputs = make(hf.module)
+    loss_fn = lambda v, x: jnp.sum(jnp.tanh(run(v, x)) ** 2)
+
+    points = points_of(loss_fn, variables, inputs)
+
+    @jax.jit
+    def reference(variables, inputs):
+      def loss(params, deltas):
+        with explicit_deltas(deltas=deltas):
+          return loss_fn({**variables, 'params': params}, inputs)
+      return jax.value_and_grad(loss, argnums=(0, 1))(variables['params'], zeros(points))
+
+    value, (param_grads, act_grads) = reference(variables, inputs)
+    got_value, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, inputs)
+    output, cache = jax.jit(perturbkit.run_with_cache(run))(variables, inputs)
+    back = {'/'.join(point): interpret.replace(at(cache.outputs, point)) for point in points}
+    patched = jax.jit(perturbkit.run_with_edits(run))(variables, back, inputs)
+    plain = jax.jit(run)(variables, inputs)
+
+  chex.assert_trees_all_close(got_value, value, **TOL)
+  chex.assert_trees_all_close(grads['params'], param_grads, **TOL)
+  assert len(points) > 10
+  assert len(jax.tree.leaves(grads['perturbations'])) == sum(map(len, points.values()))
+  for point in points:
+    for g, want in zip(jax.tree.leaves(at(grads['perturbations'], point)), act_grads[point]):
+      np.testing.assert_allclose(g, want, **TOL, err_msg='/'.join(point))
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(act_grads)) > 1e-3
+  if name == 'albert':  # one layer's modules at both depths
+    assert any(point[-1] == '__call__#1' for point in points)
+  np.testing.assert_array_equal(output, plain)
+  np.testing.assert_array_equal(patched, plain)
+  assert len(back) == len(points)
