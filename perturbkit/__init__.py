@@ -130,10 +130,10 @@ from perturbkit.errors import NotAnOptimizerError
 from perturbkit.errors import NotVariablesError
 from perturbkit.errors import OptaxPrivacyError
 from perturbkit.errors import OptimizerStateError
+from perturbkit.errors import OutsideApplyError
 from perturbkit.errors import ParamsReadOutsideError
 from perturbkit.errors import PerExampleError
 from perturbkit.errors import PerturbationsNotAppliedError
-from perturbkit.errors import OutsideApplyError
 from perturbkit.errors import PerturbationStructureError
 from perturbkit.errors import PerturbkitError
 from perturbkit.errors import PositionOutOfRangeError
@@ -232,10 +232,10 @@ __all__ = [
     'NotVariablesError',
     'OptaxPrivacyError',
     'OptimizerStateError',
+    'OutsideApplyError',
     'ParamsReadOutsideError',
     'PerExampleError',
     'PerturbationsNotAppliedError',
-    'OutsideApplyError',
     'PerturbationStructureError',
     'PerturbkitError',
     'PositionOutOfRangeError',

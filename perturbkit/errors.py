@@ -17,9 +17,9 @@ Activation gradients, hooks and interleaved training: ``NoPerturbationPointsErro
 message lists the calls seen), ``PerturbationStructureError``,
 ``NonDifferentiableOutputError``, ``PerturbationsNotAppliedError`` (the loss did
 not pass the variables to ``model.apply``), ``OutsideApplyError`` (a submodule
-called outside a method of the model: ``model.bind``, ``nn.apply``), ``ActivationsUnavailableError``,
-``SegmentationError``, ``SharedSegmentError``, ``StateMismatchError``,
-``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
+called outside a method of the model: ``model.bind``, ``nn.apply``),
+``ActivationsUnavailableError``, ``SegmentationError``, ``SharedSegmentError``,
+``StateMismatchError``, ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
 ``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
 
 Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):

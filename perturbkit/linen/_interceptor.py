@@ -158,7 +158,8 @@ def intercept(filter: CallFilter, on_call: Handler,
     if state.transparent:
       return on_call(call, run)
     if not state.roots_active:
-      # A bound module's child called directly: no apply started, so no point can be made.
+      # Outside every method call of the model (a `bind`-bound module's child, or a
+      # function given to `nn.apply`): no apply started here, so no point can be made.
       raise OutsideApplyError(call.name)
     ran = []
 
