@@ -320,7 +320,7 @@ def _shapes(tree: Any) -> list:
 
 def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
                state: Mapping[PointPath, Any]):
-  """Puts the captures made inside NNX transforms in their places, in call order.
+  """Puts the captures made inside NNX transforms in their places (the ``_Sown`` entries).
 
   Raises:
     ActivationsUnavailableError: a transform that maps the capture state
@@ -331,8 +331,7 @@ def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sow
     value = state[s.state_path]
     if _shapes(value) != s.shapes:
       raise ActivationsUnavailableError(s.where)
-    captured[s.kind] = [(p, value if p == s.path and v is None else v)
-                        for p, v in captured[s.kind]]
+    captured[s.kind] = [(p, value if v is s else v) for p, v in captured[s.kind]]
 
 
 def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations: Sequence[Any],
@@ -384,7 +383,7 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     name = f'{call.key}:{kind}'
     call.module.sow(_Captured, name, value, reduce_fn=lambda _, v: v, init_fn=lambda: None)
     sown.append(_Sown(kind, path, call.path + (name,), call.name, _shapes(value)))
-    captured[kind].append((path, None))
+    captured[kind].append((path, sown[-1]))  # its place, filled by _read_sown
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     output, selected = prepare(call, run())
