@@ -1067,13 +1067,14 @@ def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_fil
     perturbkit.value_and_grad(lambda v, x: mapped.apply(v, x).sum(),
                               return_activations=True)(variables, x)
 
-  # nnx.scan stacks the capture state per iteration; nnx.vmap, the module's state broadcast
-  # but its perturbations mapped, cannot carry a per-example value out.
+  # nnx.scan stacks the capture state per iteration (value_and_grad returns it so, like the
+  # gradients); nnx.vmap, the module's state broadcast but its perturbations mapped, cannot
+  # carry a per-example value out at all.
   for nnx_model in (nnx_models.ScanMLP(rngs=nnx.Rngs(0)),
                     nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0))):
     with pytest.raises(perturbkit.ActivationsUnavailableError,
                        match=r'perturbkit.nnx.run_with_cache cannot.*block.*filter'):
       perturbkit.nnx.run_with_cache(lambda m, x: m(x))(nnx_model, jnp.ones((2, 4)))
-    with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
-      perturbkit.nnx.value_and_grad(lambda m, x: m(x).sum(), return_inputs=True)(
-          nnx_model, jnp.ones((2, 4)))
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
+    perturbkit.nnx.value_and_grad(lambda m, x: m(x).sum(), return_inputs=True)(
+        nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))

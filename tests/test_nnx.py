@@ -231,6 +231,25 @@ def test_scan_gives_per_iteration_gradients_like_an_unrolled_loop():
   chex.assert_trees_all_close(points['head']['__call__'], want['head'], **TOL)
   _not_vacuous(want['linear'][0])
 
+  # Activations and inputs come out per iteration too, stacked like the gradients.
+  _, same, acts, inputs = perturbkit.nnx.value_and_grad(
+      M.mse, return_activations=True, return_inputs=True)(model, x)
+  chex.assert_trees_all_close(same, grads, **TOL)
+  hidden, linear_in, linear_out = x, [], []
+  for i in range(model.depth):
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+    linear_in.append(hidden)
+    linear_out.append(block.linear(hidden))
+    hidden = jnp.tanh(linear_out[-1])
+  chex.assert_trees_all_close(acts['blocks']['linear']['__call__'], jnp.stack(linear_out), **TOL)
+  chex.assert_trees_all_close(acts['blocks']['__call__'], jnp.tanh(jnp.stack(linear_out)), **TOL)
+  chex.assert_trees_all_close(inputs['blocks']['linear']['__call__'],
+                              ((jnp.stack(linear_in),), {}), **TOL)
+  chex.assert_trees_all_close(acts['head']['__call__'], model.head(hidden), **TOL)
+  # The interventions need the call's own output, which a scan has only per iteration.
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match='run_with_cache'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+
 
 def test_remat_equals_the_plain_call():
   x = M.random_batch((2, 4))
@@ -438,7 +457,7 @@ def test_return_activations_has_aux_and_kwargs():
   chex.assert_trees_all_close(g['perturbations'], grads['perturbations'], **TOL)
   with pytest.raises(perturbkit.ActivationsUnavailableError):
     perturbkit.nnx.value_and_grad(M.mse, return_activations=True)(
-        M.ScanMLP(rngs=nnx.Rngs(0)), M.random_batch((2, 4)))
+        M.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), M.random_batch((2, 4)))
 
 
 class _Codec(nnx.Module):

@@ -71,10 +71,11 @@ def test_return_inputs_keyword_and_non_array_arguments():
   chex.assert_trees_all_close(inputs['scaled']['inner']['__call__'], ((x,), {}), **TOL)
 
 
-def test_return_inputs_inside_an_nnx_transform_is_refused():
+def test_return_inputs_inside_an_nnx_vmap_with_broadcast_state_is_refused():
+  # (Inside nnx.scan they come out per iteration: tests/test_nnx.py.)
   with pytest.raises(perturbkit.ActivationsUnavailableError):
     perturbkit.nnx.value_and_grad(M.mse, return_inputs=True)(
-        M.ScanMLP(rngs=nnx.Rngs(0)), M.random_batch((2, 4)))
+        M.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), M.random_batch((2, 4)))
 
 
 # --- NNX twins of test_kfac's Linen MLP and CNN (same attribute names, same weights) -------

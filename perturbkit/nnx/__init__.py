@@ -33,8 +33,9 @@ touching the caller's model object.
   ``nnx.Optimizer`` (``propagate='original'``), a hand-coded per-layer backward,
   explicit perturbation arguments and ``jax.jvp``.
 * Transforms and Flax's own layers: inside ``nnx.scan`` over stacked modules
-  (their state mapped) the gradients are per iteration; inside ``nnx.remat``
-  and ``nnx.jit`` they are as without the transform. Calls that a transform
+  (their state mapped) the gradients, activations and inputs are per
+  iteration; inside ``nnx.remat`` and ``nnx.jit`` they are as without the
+  transform. Calls that a transform
   carries from step to step (the cell of ``nnx.RNN``) or broadcasts
   (``nnx.vmap`` with the state broadcast) get no point and are named in an
   ``UnperturbedCallsWarning``; the call that runs the transform has its point.

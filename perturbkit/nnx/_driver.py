@@ -312,24 +312,43 @@ class _Sown:
   state_path: PointPath    # where it is in the capture state: module path + sown name
   where: str               # the call, for messages
   shapes: Any              # the leaves' shapes inside the transform
+  stacking: tuple[int, int] | None  # (axis, size) the call's point is stacked along outside
 
 
 def _shapes(tree: Any) -> list:
   return [getattr(leaf, 'shape', None) for leaf in jax.tree.leaves(tree)]
 
 
+def _stacking(point: _Point, shapes: Mapping[PointPath, jax.ShapeDtypeStruct]
+              ) -> tuple[int, int] | None:
+  """``(axis, size)`` where the point outside is stacked (``nnx.scan`` over stacked modules)."""
+  inside, outside = point.shapes[0], tuple(shapes[point.leaf_paths()[0]].shape)
+  for axis in range(len(outside)):
+    if len(outside) == len(inside) + 1 and outside[:axis] + outside[axis + 1:] == inside:
+      return axis, outside[axis]
+  return None
+
+
 def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
-               state: Mapping[PointPath, Any]):
+               state: Mapping[PointPath, Any], per_iteration: bool):
   """Puts the captures made inside NNX transforms in their places (the ``_Sown`` entries).
+
+  With ``per_iteration``, a capture stacked along the axis its call's
+  perturbation (and so its gradient) is stacked along is taken as it is.
 
   Raises:
     ActivationsUnavailableError: a transform that maps the capture state
       (``nnx.scan``, ``nnx.vmap``) returned one value per iteration, not the
-      call's output.
+      call's output (nor, with ``per_iteration``, stacked like its gradient).
   """
   for s in sown:
     value = state[s.state_path]
-    if _shapes(value) != s.shapes:
+    stacked = None
+    if per_iteration and s.stacking is not None:
+      axis, size = s.stacking
+      stacked = [None if shape is None else shape[:axis] + (size,) + shape[axis:]
+                 for shape in s.shapes]
+    if _shapes(value) not in (s.shapes, stacked):
       raise ActivationsUnavailableError(s.where)
     captured[s.kind] = [(p, value if v is s else v) for p, v in captured[s.kind]]
 
@@ -337,7 +356,8 @@ def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sow
 def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations: Sequence[Any],
                    args: tuple, kwargs: dict, *, found: _Discovery, points: CallFilter,
                    hooks: Sequence[Hook] = (), edit: PointEdit | None = None,
-                   activations: bool = False, inputs: bool = False) -> tuple[Any, dict]:
+                   activations: bool = False, inputs: bool = False,
+                   per_iteration: bool = False) -> tuple[Any, dict]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points ``discover`` found.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -357,6 +377,8 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     edit: ``(point path, floating-point part of the output) -> edited part``.
     activations: Capture each point's call output (before its edit).
     inputs: Capture each point's call ``(args, kwargs)`` (array leaves).
+    per_iteration: Captures inside ``nnx.scan`` over stacked modules may come
+      out stacked per iteration, along the axis of the call's gradient.
 
   Returns:
     ``(what loss_fn returned, {'activations': tree, 'inputs': tree})``, the
@@ -382,7 +404,9 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     # module's capture state does, as the transform's output.
     name = f'{call.key}:{kind}'
     call.module.sow(_Captured, name, value, reduce_fn=lambda _, v: v, init_fn=lambda: None)
-    sown.append(_Sown(kind, path, call.path + (name,), call.name, _shapes(value)))
+    point = expected[(call.path, call.key)]
+    sown.append(_Sown(kind, path, call.path + (name,), call.name, _shapes(value),
+                      _stacking(point, found.shapes)))
     captured[kind].append((path, sown[-1]))  # its place, filled by _read_sown
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
@@ -422,7 +446,7 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
   if missing:
     raise PerturbationsNotAppliedError(missing, nnx=True)
   if sown:
-    _read_sown(captured, sown, _flat_state(state))
+    _read_sown(captured, sown, _flat_state(state), per_iteration)
   return out, {k: _nested(v) for k, v in captured.items()}
 
 
@@ -445,7 +469,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   one array per floating-point leaf, in the output's structure (``None`` for
   other leaves). Hand-placed ``self.perturb(name, x)`` points appear under
   their names. Inside ``nnx.scan`` over stacked modules the gradients are per
-  iteration, stacked along the scan axis.
+  iteration, stacked along the scan axis, and so are the activations and
+  inputs that ``return_activations`` and ``return_inputs`` give.
 
   The model's state changes as under ``nnx.value_and_grad`` (batch statistics,
   RNG counts); its classes, attributes and graphdef are never touched, also
@@ -490,8 +515,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       the module's state broadcast.
     UninstrumentableModuleError: a submodule's class cannot be instrumented.
     ActivationsUnavailableError: ``return_activations`` or ``return_inputs``
-      for a call inside ``nnx.scan`` or ``nnx.vmap`` (inside ``nnx.remat`` and
-      ``nnx.jit`` they are returned).
+      for a call inside ``nnx.vmap`` with the module's state broadcast (inside
+      ``nnx.remat`` and ``nnx.jit`` they are returned as they are, inside
+      ``nnx.scan`` per iteration).
 
   Example:
     >>> import jax.numpy as jnp
@@ -529,7 +555,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     def differentiable(model, perturbations, args, kwargs):
       out, captured = perturbed_call(loss_fn, model, perturbations, args, kwargs, found=found,
                                      points=points, hooks=hooks, activations=return_activations,
-                                     inputs=return_inputs)
+                                     inputs=return_inputs, per_iteration=True)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, captured)
