@@ -190,10 +190,10 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
       super().__init__(
           f'return_activations=True (or return_inputs=True) cannot return the output (or '
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
-          'come out as they are (nn.scan or nn.vmap, which carry no collection out or stack '
-          "it per iteration; nnx.vmap, which broadcasts the module's state; ...). Exclude "
-          'such calls with the filter, or leave return_activations off (their activation '
-          'gradients are still returned).')
+          "come out: it carries out neither a mutable collection nor the call's "
+          "perturbation stacked like its output (nnx.vmap with the module's state "
+          'broadcast, ...). Exclude such calls with the filter, or leave return_activations '
+          'off (their activation gradients are still returned).')
     else:
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '

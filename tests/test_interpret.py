@@ -1057,15 +1057,18 @@ def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_fil
   assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
 
   # A transform that maps every collection, perturbkit's included, stacks one value per
-  # member: not the call's output either.
+  # member: not the call's output either. value_and_grad returns it so, like the gradients.
   mapped = models.MappedDense()
-  x = jnp.ones((5, 2, 3))
+  x = jax.random.normal(jax.random.key(1), (5, 2, 3))
   variables = mapped.init(jax.random.key(0), x)
   with pytest.raises(perturbkit.ActivationsUnavailableError, match='stack it per iteration'):
     perturbkit.run_with_cache(mapped.apply)(variables, x)
-  with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
-    perturbkit.value_and_grad(lambda v, x: mapped.apply(v, x).sum(),
-                              return_activations=True)(variables, x)
+  _, grads, acts = perturbkit.value_and_grad(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
+                                             return_activations=True)(variables, x)
+  dense = variables['params']['dense']
+  by_hand = jnp.einsum('mbi,mio->mbo', x, dense['kernel']) + dense['bias'][:, None]
+  chex.assert_trees_all_close(acts['dense']['__call__'], by_hand, **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['dense']['__call__'], 2 * by_hand, **TOL)
 
   # nnx.scan stacks the capture state per iteration (value_and_grad returns it so, like the
   # gradients); nnx.vmap, the module's state broadcast but its perturbations mapped, cannot

@@ -211,6 +211,29 @@ def test_scan_per_iteration_grads_equal_unrolled_loop():
   per_iteration = got['scan']['Dense_0']['__call__']
   assert not np.allclose(per_iteration[0], per_iteration[-1], atol=1e-3)
 
+  # Activations and inputs inside the scan come out per iteration too, stacked like the
+  # gradients (they leave the scan with the perturbations it maps), against the loop.
+  _, same, acts, inputs = perturbkit.value_and_grad(
+      lambda v, x: models.scalar(case.model.apply(v, x)), return_activations=True,
+      return_inputs=True)(variables, x)
+  chex.assert_trees_all_close(same, grads, **TOL)
+  p = variables['params']
+  h = x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'][None]
+  cell, cell_in, cell_out = p['scan']['Dense_0'], [], []
+  for i in range(cell['kernel'].shape[0]):
+    cell_in.append(h)
+    cell_out.append(h @ cell['kernel'][i] + cell['bias'][i][None])
+    h = jnp.tanh(cell_out[-1])
+  chex.assert_trees_all_close(acts['scan']['Dense_0']['__call__'], jnp.stack(cell_out), **TOL)
+  chex.assert_trees_all_close(acts['scan']['__call__'], (jnp.tanh(jnp.stack(cell_out)),) * 2,
+                              **TOL)
+  chex.assert_trees_all_close(inputs['scan']['Dense_0']['__call__'],
+                              ((jnp.stack(cell_in),), {}), **TOL)
+  chex.assert_trees_all_close(acts['Dense_1']['__call__'], case.model.apply(variables, x), **TOL)
+  # The interventions need the call's own output, which a scan has only per iteration.
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match='run_with_cache'):
+    perturbkit.run_with_cache(case.model.apply)(variables, x)
+
 
 def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():
   model = models.Scanned(map_perturbations=False)

@@ -43,6 +43,15 @@ from perturbkit.core._types import CallFilter, Variables
 CAPTURES = 'perturbkit_captures'
 
 
+def _captures_name(key: str) -> str:
+  """Where a call's captures sit among the perturbations of its module (no point has it)."""
+  return f'{key}:captures'
+
+
+def _leaf_shapes(tree: Any) -> list:
+  return [jnp.shape(leaf) for leaf in jax.tree.leaves(tree)]
+
+
 def _also_mutable(mutable: Any, collection: str) -> Any:
   """``mutable`` (an ``apply`` argument) with ``collection`` mutable as well."""
   if mutable is True:
@@ -202,8 +211,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                     args: tuple, kwargs: dict, *, points: CallFilter, strict: bool,
                     expected: set[tuple], hooks: Sequence[Hook] = (),
                     edit: PointEdit | None = None, activations: bool = False,
-                    inputs: bool = False,
-                    lifted: Collection[tuple] = ()) -> tuple[Any, dict[str, dict[tuple, Any]]]:
+                    inputs: bool = False, lifted: Collection[tuple] = (),
+                    per_iteration: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -233,6 +242,11 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       transform that carries no mutable collection, such as ``nn.scan``
       without it in ``variable_axes``, cannot; one that maps it stacks them,
       which is refused).
+    per_iteration: Captures inside a transform that maps the perturbations
+      but carries no other collection (``nn.scan`` with ``'perturbations'`` in
+      ``variable_axes``) leave with them, stacked per iteration along the axis
+      of the call's gradient; a transform that maps the captures stacks them
+      the same way, which is then taken too.
 
   Returns:
     ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
@@ -247,6 +261,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
   kinds = [kind for kind, wanted in (('activations', activations), ('inputs', inputs)) if wanted]
   shapes_inside: dict[tuple, Any] = {}
+  outputs_inside: dict[tuple, list] = {}  # the output's leaf shapes inside the transform
+  in_points: set[tuple] = set()  # captures that leave with the perturbations (per iteration)
 
   def on_point(call, output, was_applied):
     if not was_applied:
@@ -260,26 +276,48 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     if not inside_lifted_transform(call.module):
       for kind, value in captures.items():
         captured[kind][path] = value
-    elif path in lifted and call.module.is_mutable_collection(CAPTURES):
+      return
+    if path in lifted and call.module.is_mutable_collection(CAPTURES):
       call.module.put_variable(CAPTURES, call.key, captures)
-      shapes_inside[path] = jax.tree.map(jnp.shape, captures)
+    elif path in lifted and per_iteration and call.module.is_mutable_collection(COLLECTION):
+      # A transform that maps the perturbations (nn.scan with them in variable_axes) but
+      # carries no other collection: the captures leave with them, one per iteration.
+      call.module.put_variable(COLLECTION, _captures_name(call.key), captures)
+      in_points.add(path)
     else:
       raise ActivationsUnavailableError(call.name)
+    shapes_inside[path] = _leaf_shapes(captures)
+    outputs_inside[path] = _leaf_shapes(differentiable_part(output))
+
+  def stacked_like_the_gradient(path: tuple) -> list | None:
+    """The captures' leaf shapes with the axis the point's perturbation is stacked along."""
+    inside, outside = outputs_inside[path][0], _leaf_shapes(find_in(perturbations, path))[0]
+    for axis in range(len(outside)):
+      if len(outside) == len(inside) + 1 and outside[:axis] + outside[axis + 1:] == inside:
+        return [shape[:axis] + (outside[axis],) + shape[axis:] for shape in shapes_inside[path]]
+    return None
 
   def on_root(module, method, run, a, kw):
     del run
     unbound, own = module.unbind()
-    mutable = module.scope.mutable
+    mutable = _also_mutable(module.scope.mutable, CAPTURES)
+    if per_iteration:
+      mutable = _also_mutable(mutable, COLLECTION)
     out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
-                             mutable=_also_mutable(mutable, CAPTURES), **kw)
-    from_transforms = new.get(CAPTURES, {})
+                             mutable=mutable, **kw)
     for path in lifted:
-      captures = find_in(from_transforms, path)
+      if path in in_points:
+        captures = find_in(new.get(COLLECTION, {}), path[:-1] + (_captures_name(path[-1]),))
+      else:
+        captures = find_in(new.get(CAPTURES, {}), path)
       if captures is None:
         continue
       # A transform that maps the collection (nn.scan, nn.vmap with every collection in
-      # variable_axes) stacks one value per iteration: not the call's output.
-      if jax.tree.map(jnp.shape, captures) != shapes_inside[path]:
+      # variable_axes) stacks one value per iteration: not the call's output, though
+      # stacked like the call's gradient where ``per_iteration`` takes that.
+      shapes = _leaf_shapes(captures)
+      if shapes != shapes_inside[path] and not (
+          per_iteration and shapes == stacked_like_the_gradient(path)):
         raise ActivationsUnavailableError('/'.join(map(str, path)))
       for kind, value in captures.items():
         captured[kind][path] = value
@@ -449,9 +487,11 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ``nn.scan``/``nn.vmap``, Flax only passes collections listed in
     ``variable_axes``: add ``'perturbations': 0`` there to get per-iteration
     gradients stacked along the scan axis (checked against a hand-unrolled
-    loop). Without it the calls inside cannot carry a
-    perturbation; perturbkit then says so with an ``UnperturbedCallsWarning``
-    naming them, instead of silently dropping them as plain Flax does.
+    loop); ``return_activations`` and ``return_inputs`` then give the calls'
+    outputs and inputs stacked the same way. Without it the calls inside cannot
+    carry a perturbation; perturbkit then says so with an
+    ``UnperturbedCallsWarning`` naming them, instead of silently dropping them
+    as plain Flax does.
 
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner
@@ -490,7 +530,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       out, captured = perturbed_apply(
           loss_fn, {**variables, 'params': params}, perturbations, args, kwargs, points=points,
           strict=strict, expected=expected, hooks=hooks, activations=return_activations,
-          inputs=return_inputs, lifted=lifted)
+          inputs=return_inputs, lifted=lifted, per_iteration=True)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, {k: nested(v) for k, v in captured.items()})
