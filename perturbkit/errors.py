@@ -16,8 +16,9 @@ Activation gradients, hooks and interleaved training: ``NoPerturbationPointsErro
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
 message lists the calls seen), ``PerturbationStructureError``,
 ``NonDifferentiableOutputError``, ``PerturbationsNotAppliedError`` (the loss did
-not pass the variables to ``model.apply``), ``OutsideApplyError`` (a submodule
-called outside a method of the model: ``model.bind``, ``nn.apply``),
+not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
+training given a submodule called outside a method of the model: ``model.bind``,
+``nn.apply``),
 ``ActivationsUnavailableError``, ``SegmentationError``, ``SharedSegmentError``,
 ``StateMismatchError``, ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
 ``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
@@ -144,10 +145,12 @@ class OutsideApplyError(PerturbkitError, TypeError):
     super().__init__(
         f'The call {where} ran outside a method call of the model: on a module bound with '
         '`model.bind(variables)`, in `nn.apply(fn, model)`, or in `model.apply(..., '
-        'method=fn)` with a function that is not a method of the model. perturbkit makes its '
-        "points where `apply` calls one of the model's methods. Call a method of the model: "
-        "`model.apply(variables, x)`, or `model.apply(variables, x, method='encode')` (or "
-        '`method=Model.encode`), and put any code around it in the loss.')
+        'method=fn)` with a function that is not a method of the model. Activation '
+        'gradients, hooks and the interpretability functions take such calls; interleaved '
+        "training, per-example gradients and K-FAC replay calls from the model's method "
+        "calls. Call a method of the model: `model.apply(variables, x)`, or "
+        "`model.apply(variables, x, method='encode')` (or `method=Model.encode`), and put "
+        'any code around it in the loss.')
 
 
 class SegmentationError(PerturbkitError, ValueError):

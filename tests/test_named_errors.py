@@ -214,11 +214,19 @@ class _Encoder(nn.Module):
 def test_submodule_called_outside_a_method_of_the_model():
   """A loss that calls a ``model.bind``-bound module's children, runs ``nn.apply(fn, model)``
   or ``apply(..., method=fn)`` with a function of the module calls them outside any method of
-  the model, where no point can be made: a named error with the fix, a method of the model,
-  which then equals the hand-written chain's gradients. Backward hooks need no point."""
+  the model. Activation gradients and the interpretability functions take such calls and
+  equal the same chain through ``model.apply`` (and ``jax.grad``, and the gradient at the
+  encoder by hand); interleaved training, which replays calls from the model's method calls,
+  raises a named error with the fix, a method of the model."""
   model = _Encoder()
   variables = model.init(jax.random.key(0), X)
   chain = lambda m, x: m.head(m.encode(x))
+  fixed = lambda v, x: jnp.sum(model.apply(v, x) ** 2)   # __call__ is the chain
+  want = perturbkit.value_and_grad(fixed)(variables, X)
+  h = model.apply(variables, X, method=lambda m, x: m.encoder(x))
+  rest = lambda e: jnp.sum(model.apply(variables, nn.relu(e), method=lambda m, h: m.head(h)) ** 2)
+  chex.assert_trees_all_close(want[1]['perturbations']['encoder']['__call__'],
+                              jax.grad(rest)(h), **TOL)
 
   def bound(v, x):
     return jnp.sum(chain(model.bind(v), x) ** 2)
@@ -226,27 +234,24 @@ def test_submodule_called_outside_a_method_of_the_model():
   functional = lambda v, x: jnp.sum(nn.apply(chain, model)(v, x) ** 2)
   lambda_method = lambda v, x: jnp.sum(model.apply(v, x, method=chain) ** 2)
   for loss_fn in (bound, functional, lambda_method):
+    got = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X)
+    chex.assert_trees_all_close(got, want, **TOL)
+    chex.assert_trees_all_close(got[1]['params'], jax.grad(loss_fn)(variables, X)['params'],
+                                **TOL)
     with pytest.raises(perturbkit.OutsideApplyError,
                        match=r"head/__call__ ran outside a method.*method='encode'"):
-      perturbkit.value_and_grad(loss_fn)(variables, X)
-    with pytest.raises(perturbkit.OutsideApplyError):
       perturbkit.interleaved(loss_fn, optax.sgd(0.1)).init(variables, X)
 
-  # The fix: a method of the model (here __call__ is the chain; method=_Encoder.encode works
-  # the same way).
-  fixed = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
-  loss, grads = perturbkit.value_and_grad(fixed)(variables, X)
-  chex.assert_trees_all_close(grads['params'], jax.grad(bound)(variables, X)['params'], **TOL)
-  h = model.apply(variables, X, method=_Encoder.encode)
-  rest = lambda h: jnp.sum(model.apply(variables, h, method=lambda m, h: m.head(h)) ** 2)
-  chex.assert_trees_all_close(grads['perturbations']['encoder']['__call__'],
-                              jax.grad(lambda e: rest(nn.relu(e)))(
-                                  model.apply(variables, X, method=lambda m, x: m.encoder(x))),
-                              **TOL)
-  _, encoded = perturbkit.value_and_grad(
-      lambda v, x: jnp.sum(model.apply(v, x, method=_Encoder.encode)))(variables, X)
-  assert set(encoded['perturbations']) == {'encoder'}
-  assert h.shape == (4, 4)
+  # Two bound trees in one loss are two applies: distinct points, as with two model.apply.
+  twice = lambda v, x: functional(v, x) + functional(v, 2 * x)
+  chex.assert_trees_all_close(perturbkit.value_and_grad(twice)(variables, X),
+                              perturbkit.value_and_grad(lambda v, x: fixed(v, x) + fixed(v, 2 * x))(
+                                  variables, X), **TOL)
+  metric = lambda run: lambda v, x: jnp.sum(run(v, x))
+  chex.assert_trees_all_close(
+      perturbkit.attribution_patching(metric(lambda v, x: chain(model.bind(v), x)), axis=0)(
+          variables, X, 2 * X),
+      perturbkit.attribution_patching(metric(model.apply), axis=0)(variables, X, 2 * X), **TOL)
   zero = perturbkit.backward_hook(lambda g: 0 * g, perturbkit.filters.by_path('head'))
   grads = jax.grad(perturbkit.with_hooks(bound, zero))(variables, X)
   assert float(jnp.abs(grads['params']['encoder']['kernel']).max()) == 0.0

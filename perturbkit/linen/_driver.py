@@ -160,10 +160,16 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   missed: list[str] = []
 
   def on_point(call, output, applied):
+    path = call.path + (call.key,)
     if applied:
-      reached[call.path + (call.key,)] = None
+      reached[path] = None
       if lifted is not None and inside_lifted_transform(call.module):
-        lifted.add(call.path + (call.key,))
+        lifted.add(path)
+    elif call.outside_apply and has_differentiable_leaf(output):
+      # Outside every method call (a `bind`-bound module): no apply to replay with the
+      # collection mutable, so the point's zeros are made here, from the output.
+      calls.add(path)
+      found[path] = PointShape.of(differentiable_part(output))
     elif has_differentiable_leaf(output):
       missed.append(call.name)
 
@@ -193,7 +199,7 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     return handler(call, run)
 
   def traced(variables, *args):
-    with intercept(_filters.all_calls, recording, on_root):
+    with intercept(_filters.all_calls, recording, on_root, outside_apply=True):
       return loss_fn(variables, *args, **kwargs)
 
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
@@ -331,7 +337,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
 
   handler = _point_handler(points, hooks, strict, on_point, edit)
   full = {**variables, COLLECTION: perturbations}
-  with intercept(_interception(points, hooks), handler, on_root if lifted and kinds else None):
+  with intercept(_interception(points, hooks), handler, on_root if lifted and kinds else None,
+                 outside_apply=True):
     out = loss_fn(full, *args, **kwargs)
   missing = sorted('/'.join(p) for p in expected - applied)
   if missing:
@@ -399,7 +406,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   inner step get the derivative of the outer loss through that step). The
   collections an ``apply(..., mutable=...)`` in the loss returns are the ones
   it returns without perturbkit (with ``mutable=True`` too: the perturbations
-  are not among them), ready to merge into the train state.
+  are not among them), ready to merge into the train state. The loss may also
+  reach the model through ``model.bind(variables)``, ``nn.apply(fn, model)``
+  or ``apply(..., method=fn)``: calls made there are points as well.
 
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)``).

@@ -35,12 +35,15 @@ class Call:
     key: The point key of this call within the module's scope.
     args: The call's positional arguments.
     kwargs: The call's keyword arguments.
+    outside_apply: Whether the call runs outside every method call of the
+      model (on a ``model.bind``-bound module, in ``nn.apply(fn, model)``).
   """
   module: nn.Module
   method_name: str
   key: str
   args: tuple = ()
   kwargs: dict = dataclasses.field(default_factory=dict)
+  outside_apply: bool = False
 
   @property
   def path(self) -> Path:
@@ -73,6 +76,7 @@ class _State:
     self.scope_counts: dict[Any, dict[str, int]] = {}
     self.roots_active = 0
     self.suspended = 0
+    self.rootless_scope = None  # the root scope of the last call outside a method call
 
   def start_apply(self):
     for k, n in self.apply_counts.items():
@@ -115,7 +119,7 @@ _LOCAL = _Local()
 @contextlib.contextmanager
 def intercept(filter: CallFilter, on_call: Handler,
               on_root: RootHandler | None = None, *,
-              transparent: bool = False) -> Iterator[None]:
+              transparent: bool = False, outside_apply: bool = False) -> Iterator[None]:
   """Hands every selected submodule call inside the block to ``on_call``.
 
   Args:
@@ -127,6 +131,10 @@ def intercept(filter: CallFilter, on_call: Handler,
     transparent: The handler only wraps each call's output (a backward hook)
       and may see the same call again in a replay, so :func:`suspended`
       leaves this block active.
+    outside_apply: The handler takes calls made outside every method call of
+      the model (``Call.outside_apply``); otherwise such a call is an
+      :class:`OutsideApplyError` (transparent blocks take them always). Each
+      new bound tree they run in counts as a new apply.
 
   Yields:
     Nothing; the interception ends with the block.
@@ -151,15 +159,19 @@ def intercept(filter: CallFilter, on_call: Handler,
         return on_root(module, method, run, args, kwargs)
       finally:
         state.roots_active -= 1
+    outside = not state.roots_active
+    if outside and module.scope.root is not state.rootless_scope:
+      # Outside every method call of the model (a `bind`-bound module's child, or a
+      # function given to `nn.apply`): each bound tree counts as an apply of its own.
+      state.start_apply()
+      state.rootless_scope = module.scope.root
     key = state.next_key(module, method_name)
     if not filter(module, method_name):
       return run()
-    call = Call(module, method_name, key, args, kwargs)
+    call = Call(module, method_name, key, args, kwargs, outside)
     if state.transparent:
       return on_call(call, run)
-    if not state.roots_active:
-      # Outside every method call of the model (a `bind`-bound module's child, or a
-      # function given to `nn.apply`): no apply started here, so no point can be made.
+    if outside and not outside_apply:
       raise OutsideApplyError(call.name)
     ran = []
 
