@@ -72,6 +72,33 @@ def shapes_of(tree: Any) -> list[tuple[tuple[int, ...], Any]]:
   return [(tuple(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in jax.tree.leaves(tree)]
 
 
+def leaf_shapes(tree: Any) -> list[tuple[int, ...]]:
+  """The shape of each leaf, in ``jax.tree.leaves`` order."""
+  return [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree)]
+
+
+def stacked_axis(inside: tuple[int, ...], outside: tuple[int, ...]) -> tuple[int, int] | None:
+  """``(axis, size)`` where ``outside`` is ``inside`` with one axis inserted, else ``None``.
+
+  A point made inside ``nn.scan``/``nnx.scan`` over stacked modules has the
+  call's shape there (``inside``) and, outside, one value per iteration
+  stacked along the scan axis (``outside``).
+  """
+  if len(outside) != len(inside) + 1:
+    return None
+  for axis in range(len(outside)):
+    if outside[:axis] + outside[axis + 1:] == inside:
+      return axis, outside[axis]
+  return None
+
+
+def with_stacked_axis(shapes: list[tuple[int, ...]], stacking: tuple[int, int]
+                      ) -> list[tuple[int, ...]]:
+  """``shapes`` with the ``(axis, size)`` of :func:`stacked_axis` inserted in each."""
+  axis, size = stacking
+  return [shape[:axis] + (size,) + shape[axis:] for shape in shapes]
+
+
 def leaf_dtypes(tree: Any) -> list[str]:
   return [str(getattr(leaf, 'dtype', type(leaf).__name__)) for leaf in jax.tree.leaves(tree)]
 

@@ -19,7 +19,6 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from perturbkit.core import filters as _filters
@@ -32,7 +31,8 @@ from perturbkit.core._hooks import Hook, apply_hooks, check_matched
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
-                               inside_lifted_transform, merge)
+                               inside_lifted_transform, leaf_shapes, merge, stacked_axis,
+                               with_stacked_axis)
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import CallFilter, Variables
 
@@ -46,10 +46,6 @@ CAPTURES = 'perturbkit_captures'
 def _captures_name(key: str) -> str:
   """Where a call's captures sit among the perturbations of its module (no point has it)."""
   return f'{key}:captures'
-
-
-def _leaf_shapes(tree: Any) -> list:
-  return [jnp.shape(leaf) for leaf in jax.tree.leaves(tree)]
 
 
 def _also_mutable(mutable: Any, collection: str) -> Any:
@@ -292,16 +288,13 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       in_points.add(path)
     else:
       raise ActivationsUnavailableError(call.name)
-    shapes_inside[path] = _leaf_shapes(captures)
-    outputs_inside[path] = _leaf_shapes(differentiable_part(output))
+    shapes_inside[path] = leaf_shapes(captures)
+    outputs_inside[path] = leaf_shapes(differentiable_part(output))
 
   def stacked_like_the_gradient(path: tuple) -> list | None:
     """The captures' leaf shapes with the axis the point's perturbation is stacked along."""
-    inside, outside = outputs_inside[path][0], _leaf_shapes(find_in(perturbations, path))[0]
-    for axis in range(len(outside)):
-      if len(outside) == len(inside) + 1 and outside[:axis] + outside[axis + 1:] == inside:
-        return [shape[:axis] + (outside[axis],) + shape[axis:] for shape in shapes_inside[path]]
-    return None
+    stacking = stacked_axis(outputs_inside[path][0], leaf_shapes(find_in(perturbations, path))[0])
+    return None if stacking is None else with_stacked_axis(shapes_inside[path], stacking)
 
   def on_root(module, method, run, a, kw):
     del run
@@ -321,7 +314,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       # A transform that maps the collection (nn.scan, nn.vmap with every collection in
       # variable_axes) stacks one value per iteration: not the call's output, though
       # stacked like the call's gradient where ``per_iteration`` takes that.
-      shapes = _leaf_shapes(captures)
+      shapes = leaf_shapes(captures)
       if shapes != shapes_inside[path] and not (
           per_iteration and shapes == stacked_like_the_gradient(path)):
         raise ActivationsUnavailableError('/'.join(map(str, path)))
@@ -358,8 +351,7 @@ def _without_points(out: Any, perturbations: Any) -> Any:
   back as new arrays, so identity cannot tell).
   """
   def layout(tree: Any) -> tuple[Any, list]:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, [jnp.shape(leaf) for leaf in leaves]
+    return jax.tree.structure(tree), leaf_shapes(tree)
 
   ours = layout(perturbations)
 

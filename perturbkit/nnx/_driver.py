@@ -39,7 +39,8 @@ from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
                                PerturbationsNotAppliedError, UnmappedPerturbationError,
                                UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
-                               leaf_dtypes, merge)
+                               leaf_dtypes, leaf_shapes, merge, stacked_axis,
+                               with_stacked_axis)
 from perturbkit.core._types import CallFilter
 
 # One entry of the flat perturbation list: module path + perturb name.
@@ -315,20 +316,6 @@ class _Sown:
   stacking: tuple[int, int] | None  # (axis, size) the call's point is stacked along outside
 
 
-def _shapes(tree: Any) -> list:
-  return [getattr(leaf, 'shape', None) for leaf in jax.tree.leaves(tree)]
-
-
-def _stacking(point: _Point, shapes: Mapping[PointPath, jax.ShapeDtypeStruct]
-              ) -> tuple[int, int] | None:
-  """``(axis, size)`` where the point outside is stacked (``nnx.scan`` over stacked modules)."""
-  inside, outside = point.shapes[0], tuple(shapes[point.leaf_paths()[0]].shape)
-  for axis in range(len(outside)):
-    if len(outside) == len(inside) + 1 and outside[:axis] + outside[axis + 1:] == inside:
-      return axis, outside[axis]
-  return None
-
-
 def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
                state: Mapping[PointPath, Any], per_iteration: bool):
   """Puts the captures made inside NNX transforms in their places (the ``_Sown`` entries).
@@ -345,10 +332,8 @@ def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sow
     value = state[s.state_path]
     stacked = None
     if per_iteration and s.stacking is not None:
-      axis, size = s.stacking
-      stacked = [None if shape is None else shape[:axis] + (size,) + shape[axis:]
-                 for shape in s.shapes]
-    if _shapes(value) not in (s.shapes, stacked):
+      stacked = with_stacked_axis(s.shapes, s.stacking)
+    if leaf_shapes(value) not in (s.shapes, stacked):
       raise ActivationsUnavailableError(s.where)
     captured[s.kind] = [(p, value if v is s else v) for p, v in captured[s.kind]]
 
@@ -405,8 +390,9 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     name = f'{call.key}:{kind}'
     call.module.sow(_Captured, name, value, reduce_fn=lambda _, v: v, init_fn=lambda: None)
     point = expected[(call.path, call.key)]
-    sown.append(_Sown(kind, path, call.path + (name,), call.name, _shapes(value),
-                      _stacking(point, found.shapes)))
+    outside = tuple(found.shapes[point.leaf_paths()[0]].shape)
+    sown.append(_Sown(kind, path, call.path + (name,), call.name, leaf_shapes(value),
+                      stacked_axis(point.shapes[0], outside)))
     captured[kind].append((path, sown[-1]))  # its place, filled by _read_sown
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
