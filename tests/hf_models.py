@@ -18,6 +18,10 @@ import numpy as np
 import optax
 
 BATCH, SEQ, VOCAB, WIDTH, HEADS, LAYERS, IMAGE = 2, 8, 100, 32, 2, 2, 16
+# A tiny text config in the names most Hugging Face configs share, for the families that
+# are tested beyond CASES (tests/test_real_models_more.py, test_real_models_per_example.py).
+SMALL_CONFIG = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=32, max_position_embeddings=16)
 
 # transformers 4.x logs (not warns) that its Flax classes are deprecated; should a release
 # turn that into a Python warning, it must not fail the suite (pytest turns warnings into errors).

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import hf_models
+from hf_models import SMALL_CONFIG
 import perturbkit
 from explicit_deltas import at, explicit_deltas, points_of, zeros
 from perturbkit import interpret
@@ -23,9 +24,7 @@ from perturbkit import interpret
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
 
 TOL = dict(rtol=2e-5, atol=1e-6)
-B, S, V, W = 2, hf_models.SEQ, hf_models.VOCAB, 16
-SMALL = dict(vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=2,
-             intermediate_size=32, max_position_embeddings=16)
+B, S, V, W = 2, hf_models.SEQ, hf_models.VOCAB, SMALL_CONFIG['hidden_size']
 
 
 def _ids():
@@ -73,16 +72,16 @@ def _families():
   import transformers as T
   return {
       'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(
-          embedding_size=8, num_hidden_groups=1, **SMALL), _do_init=False), _albert),
+          embedding_size=8, num_hidden_groups=1, **SMALL_CONFIG), _do_init=False), _albert),
       'bloom': (lambda: T.FlaxBloomForCausalLM(T.BloomConfig(
           vocab_size=V, hidden_size=W, n_layer=2, n_head=2), _do_init=False), _bloom),
       'gptj': (lambda: T.FlaxGPTJForCausalLM(T.GPTJConfig(
           vocab_size=V, n_embd=W, n_layer=2, n_head=2, rotary_dim=4, n_positions=16),
           _do_init=False), _causal),
       'electra': (lambda: T.FlaxElectraForMaskedLM(T.ElectraConfig(
-          embedding_size=8, **SMALL), _do_init=False), _encoder),
+          embedding_size=8, **SMALL_CONFIG), _do_init=False), _encoder),
       'roformer': (lambda: T.FlaxRoFormerForMaskedLM(T.RoFormerConfig(
-          embedding_size=W, **SMALL), _do_init=False), _roformer),
+          embedding_size=W, **SMALL_CONFIG), _do_init=False), _roformer),
       'xglm': (lambda: T.FlaxXGLMForCausalLM(T.XGLMConfig(
           vocab_size=V, d_model=W, num_layers=2, attention_heads=2, ffn_dim=32,
           max_position_embeddings=16), _do_init=False), _causal),
@@ -91,7 +90,7 @@ def _families():
           max_position_embeddings=16, word_embed_proj_dim=8), _do_init=False), _causal),
       'beit': (lambda: T.FlaxBeitModel(T.BeitConfig(
           image_size=hf_models.IMAGE, patch_size=8, use_relative_position_bias=True,
-          layer_scale_init_value=0.1, **{k: v for k, v in SMALL.items() if k not in (
+          layer_scale_init_value=0.1, **{k: v for k, v in SMALL_CONFIG.items() if k not in (
               'vocab_size', 'max_position_embeddings')}), _do_init=False), _image),
   }
 

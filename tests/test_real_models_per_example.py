@@ -34,6 +34,7 @@ import optax
 import pytest
 
 import hf_models
+from hf_models import SMALL_CONFIG
 from test_per_example import assert_norms_equal, documented_noise, norms_of
 import perturbkit
 
@@ -380,10 +381,6 @@ def test_clip_contrastive_loss_is_refused():
 
 # -- more families -----------------------------------------------------------------------------
 
-_SMALL = dict(vocab_size=hf_models.VOCAB, hidden_size=16, num_hidden_layers=2,
-              num_attention_heads=2, intermediate_size=32, max_position_embeddings=16)
-
-
 def _encoder_loss(module):
   def loss_fn(variables, ids, mask, token_types, positions):
     out = module.apply(variables, ids, mask, token_types, positions)
@@ -408,13 +405,13 @@ def _more_families():
   import transformers as T
   return {
       'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(embedding_size=8, **{
-          **_SMALL, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
+          **SMALL_CONFIG, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
       'roberta': (lambda: T.FlaxRobertaModel(T.RobertaConfig(**{
-          **_SMALL, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
+          **SMALL_CONFIG, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
       'mistral': (lambda: T.FlaxMistralForCausalLM(T.MistralConfig(
-          num_key_value_heads=1, sliding_window=None, **_SMALL), _do_init=False), _causal_lm),
+          num_key_value_heads=1, sliding_window=None, **SMALL_CONFIG), _do_init=False), _causal_lm),
       'gemma': (lambda: T.FlaxGemmaForCausalLM(T.GemmaConfig(
-          num_key_value_heads=1, head_dim=8, hidden_activation='gelu_pytorch_tanh', **_SMALL),
+          num_key_value_heads=1, head_dim=8, hidden_activation='gelu_pytorch_tanh', **SMALL_CONFIG),
           _do_init=False), _causal_lm),
       'gpt_neo': (lambda: T.FlaxGPTNeoForCausalLM(T.GPTNeoConfig(
           vocab_size=hf_models.VOCAB, hidden_size=16, num_layers=2, num_heads=2,
