@@ -323,7 +323,8 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
   every call (the calls inside the layers included), attribution patching of every call and
   activation patching of the layers equal the plain model's on the same variables (checked
   against the references above). With dropout on, the cached run is the model's own run: the
-  same output as ``apply`` with the same dropout key."""
+  same output as ``apply`` with the same dropout key. ``value_and_grad``'s activations equal
+  the plain model's."""
   import transformers as T
   case = hf_models.CASES['bert']
   plain = hf_models.hf_model(case.model)
@@ -333,6 +334,13 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
     got = jax.jit(perturbkit.run_with_cache(p.metric, grads=True))(p.variables, p.clean)
     want = jax.jit(perturbkit.run_with_cache(twin.metric, grads=True))(p.variables, p.clean)
     assert 'encoder/layer/1/attention/self/query/__call__' in flat(got[1].outputs)
+    chex.assert_trees_all_close(got, want, **TOL)
+    # value_and_grad's activations too: the encoder's point holds a ModelOutput, which the
+    # replay with the perturbations mutable reads back as a dict.
+    got = jax.jit(perturbkit.value_and_grad(p.metric, return_activations=True))(
+        p.variables, p.clean)
+    want = jax.jit(perturbkit.value_and_grad(twin.metric, return_activations=True))(
+        p.variables, p.clean)
     chex.assert_trees_all_close(got, want, **TOL)
     for name, layers in (('attribution_patching', None),
                          ('activation_patching', filters.by_path(*p.layers))):

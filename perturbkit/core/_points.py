@@ -5,7 +5,7 @@ boolean and ``None`` leaves pass through untouched. The arrays live in the
 ``'perturbations'`` collection at the module's path, under the call's point key,
 and are added with Flax's own ``Module.perturb``.
 """
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -171,7 +171,39 @@ def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
   part = differentiable_part(output)
   if not module.is_mutable_collection(COLLECTION):
     _check_matches(module, key, part, where)
+  elif module.has_variable(COLLECTION, key):
+    # A collection passed in and made mutable holds every mapping as a dict (a Hugging
+    # Face ModelOutput among them), which Flax's perturb would add to the call's own node.
+    value = in_structure_of(module.get_variable(COLLECTION, key), part)
+    return merge(output, jax.tree.map(jnp.add, part, value)), True
   return merge(output, module.perturb(key, part)), True
+
+
+def in_structure_of(value: Any, like: Any) -> Any:
+  """``value`` in ``like``'s tree structure, each leaf looked up by its key path in ``value``.
+
+  For a value Flax rebuilt with plain dicts where ``like`` has other mapping nodes
+  (a dataclass that is a ``Mapping``, an ``OrderedDict``); as it is when the
+  structures already agree.
+  """
+  if jax.tree.structure(value) == jax.tree.structure(like):
+    return value
+  flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+  leaves = []
+  for path, _ in flat:
+    node = value
+    for entry in path:
+      if isinstance(entry, jax.tree_util.DictKey):
+        node = node[entry.key]
+      elif isinstance(entry, jax.tree_util.SequenceKey):
+        node = node[entry.idx]
+      elif isinstance(entry, jax.tree_util.GetAttrKey):
+        node = node[entry.name] if isinstance(node, Mapping) else getattr(node, entry.name)
+      else:
+        raise PerturbationStructureError(
+            f'cannot read the perturbation at {jax.tree_util.keystr(path)}')
+    leaves.append(node)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 class PointShape(NamedTuple):
