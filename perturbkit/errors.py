@@ -195,18 +195,17 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
           "come out: it carries out neither a mutable collection nor the call's "
           "perturbation stacked like its output (nnx.vmap with the module's state "
-          'broadcast, ...). Exclude such calls with the filter, or leave return_activations '
-          'off (their activation gradients are still returned).')
+          'broadcast, a scan inside a scan, ...). Exclude such calls with the filter, or '
+          'leave return_activations off (their activation gradients are still returned).')
     else:
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '
-          'whose intermediate values do not come out as they are (nn.scan or nn.vmap, which '
-          "carry no collection out or stack it per iteration; nnx.scan or nnx.vmap, which "
-          "stack or broadcast the module's state; ...), the transformed module's own output "
-          'included. Leave such calls '
-          'out with the filter (e.g. filter=perturbkit.filters.by_path(...) naming calls '
-          'outside the transform, such as the module that calls the transformed one), or run '
-          'a copy of the model built without the transform on the same variables.')
+          'whose intermediate values do not come out, neither as they are nor stacked per '
+          "iteration (nnx.vmap with the module's state broadcast, a scan inside a scan, a "
+          'transform that carries no collection out, ...). Leave such calls out with the '
+          'filter (e.g. filter=perturbkit.filters.by_path(...) naming calls outside the '
+          'transform, such as the module that calls the transformed one), or run a copy of '
+          'the model built without the transform on the same variables.')
 
 
 class UnperturbedCallsWarning(UserWarning):
@@ -607,10 +606,14 @@ class UnknownEditPathError(PerturbkitError, KeyError):
   """An edit names a path that no selected call has."""
 
   def __init__(self, path, known):
+    iterations = [k for k in known if str(k).startswith(f'{path}[')]
+    scanned = (f' {path} runs once per iteration of a scan (nn.scan, nnx.scan): edit one '
+               f'iteration of it, {iterations[0]!r} to {iterations[-1]!r} (the cache holds '
+               'its outputs stacked along the scan axis).') if iterations else ''
     super().__init__(
-        f'There is an edit at {path!r}, but no selected call has that path. The calls '
-        f'with points are: {_listed(known, 12)}. Key an edit by the call\'s path and point '
-        "key as in run_with_cache's outputs ({'Dense_0': {'__call__': edit}} or "
+        f'There is an edit at {path!r}, but no selected call has that path.{scanned} The '
+        f'calls with points are: {_listed(known, 12)}. Key an edit by the call\'s path and '
+        "point key as in run_with_cache's outputs ({'Dense_0': {'__call__': edit}} or "
         "{'Dense_0/__call__': edit}), or widen the filter to select that call.")
 
   def __str__(self):

@@ -1038,46 +1038,40 @@ def test_nnx_calls_inside_remat_and_jit_equal_the_model_without_the_transform(tr
   assert not np.allclose(model.block.norm.mean[...], 0.0)
 
 
-def test_calls_inside_transforms_that_carry_no_collection_are_named_with_the_filter_fix():
-  """``nn.scan`` (its ``variable_axes`` without perturbkit's collection), ``nn.vmap`` mapping
-  every collection (which stacks the captures), ``nnx.scan`` and ``nnx.vmap`` cannot carry a
-  call's output out as it is: a named error with the function, the call and the fix."""
-  model = models.Scanned()
-  x = jnp.ones((3, 3))
-  variables = model.init(jax.random.key(0), x)
-  with pytest.raises(perturbkit.ActivationsUnavailableError,
-                     match=r"perturbkit.run_with_cache cannot read.*scan/Dense_0.*own output.*"
-                           r"filter.*without the transform"):
-    perturbkit.run_with_cache(model.apply)(variables, x)
-  with pytest.raises(perturbkit.ActivationsUnavailableError,
-                     match='perturbkit.activation_patching cannot'):
-    perturbkit.activation_patching(lambda v, x: model.apply(v, x).mean())(variables, x, x)
-  _, cache = perturbkit.run_with_cache(model.apply, filter=filters.by_path('Dense_0', 'Dense_1'))(
-      variables, x)
-  assert set(cache.outputs) == {'Dense_0', 'Dense_1'}
-
-  # A transform that maps every collection, perturbkit's included, stacks one value per
-  # member: not the call's output either. value_and_grad returns it so, like the gradients.
+def test_calls_inside_mapping_transforms_are_points_per_member_or_named_errors():
+  """``nn.vmap`` mapping every collection, perturbkit's included, runs a call once per member:
+  the cache stacks its outputs like its gradient, and an edit addresses one member
+  (``'dense/__call__[1]'``), against the members computed by hand. (``nn.scan`` and
+  ``nnx.scan``: tests/test_interpret_scan.py.) ``nnx.vmap`` with the module's state broadcast
+  but its perturbations mapped cannot carry a per-example value out at all: a named error
+  with the function, the call and the fix."""
   mapped = models.MappedDense()
   x = jax.random.normal(jax.random.key(1), (5, 2, 3))
   variables = mapped.init(jax.random.key(0), x)
-  with pytest.raises(perturbkit.ActivationsUnavailableError, match='stack it per iteration'):
-    perturbkit.run_with_cache(mapped.apply)(variables, x)
-  _, grads, acts = perturbkit.value_and_grad(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
-                                             return_activations=True)(variables, x)
   dense = variables['params']['dense']
   by_hand = jnp.einsum('mbi,mio->mbo', x, dense['kernel']) + dense['bias'][:, None]
+  _, grads, acts = perturbkit.value_and_grad(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
+                                             return_activations=True)(variables, x)
   chex.assert_trees_all_close(acts['dense']['__call__'], by_hand, **TOL)
   chex.assert_trees_all_close(grads['perturbations']['dense']['__call__'], 2 * by_hand, **TOL)
+  _, cache = perturbkit.run_with_cache(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
+                                       grads=True)(variables, x)
+  chex.assert_trees_all_close(cache.outputs['dense']['__call__'], by_hand, **TOL)
+  chex.assert_trees_all_close(cache.grads['dense']['__call__'], 2 * by_hand, **TOL)
+  edited = perturbkit.run_with_edits(mapped.apply)(
+      variables, {'dense/__call__[1]': interpret.scale(3.0, positions=[0], axis=1)}, x)
+  chex.assert_trees_all_close(edited, by_hand.at[1, :, 0].multiply(3.0), **TOL)
+  result = perturbkit.attribution_patching(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2))(
+      variables, x, -x)
+  assert result.paths == tuple(f'dense/__call__[{m}]' for m in range(5))
+  corrupted = -by_hand + 2 * dense['bias'][:, None]  # the outputs of -x
+  want = [jnp.sum((by_hand[m] - corrupted[m]) * 2 * corrupted[m]) for m in range(5)]
+  np.testing.assert_allclose(result.effects[:, 0], want, **TOL)
 
-  # nnx.scan stacks the capture state per iteration (value_and_grad returns it so, like the
-  # gradients); nnx.vmap, the module's state broadcast but its perturbations mapped, cannot
-  # carry a per-example value out at all.
-  for nnx_model in (nnx_models.ScanMLP(rngs=nnx.Rngs(0)),
-                    nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0))):
-    with pytest.raises(perturbkit.ActivationsUnavailableError,
-                       match=r'perturbkit.nnx.run_with_cache cannot.*block.*filter'):
-      perturbkit.nnx.run_with_cache(lambda m, x: m(x))(nnx_model, jnp.ones((2, 4)))
+  with pytest.raises(perturbkit.ActivationsUnavailableError,
+                     match=r'perturbkit.nnx.run_with_cache cannot read.*block.*nnx.vmap.*filter'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x))(
+        nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
   with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
     perturbkit.nnx.value_and_grad(lambda m, x: m(x).sum(), return_inputs=True)(
         nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))

@@ -230,9 +230,7 @@ def test_scan_per_iteration_grads_equal_unrolled_loop():
   chex.assert_trees_all_close(inputs['scan']['Dense_0']['__call__'],
                               ((jnp.stack(cell_in),), {}), **TOL)
   chex.assert_trees_all_close(acts['Dense_1']['__call__'], case.model.apply(variables, x), **TOL)
-  # The interventions need the call's own output, which a scan has only per iteration.
-  with pytest.raises(perturbkit.ActivationsUnavailableError, match='run_with_cache'):
-    perturbkit.run_with_cache(case.model.apply)(variables, x)
+  # The cache, edits and patching per iteration: tests/test_interpret_scan.py.
 
 
 def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():

@@ -84,12 +84,24 @@ Conventions
 * Calls inside ``nn.remat`` and ``nn.jit`` (a Hugging Face model with
   gradient checkpointing) or ``nnx.remat`` and ``nnx.jit`` are cached, edited
   and patched like any other: their outputs leave the transform in a mutable
-  collection (Linen) or the modules' capture state (NNX). Calls inside a
-  transform that carries no collection out, or stacks or broadcasts it per
-  iteration (``nn.scan``, ``nn.vmap``, ``nnx.scan``, ``nnx.vmap``), the
-  transformed module's own call included, have no output outside it: leave
-  them out with the filter (``ActivationsUnavailableError``), or run a copy of
-  the model built without the transform on the same variables.
+  collection (Linen) or the modules' capture state (NNX).
+* Scanned layers: a call inside ``nn.scan`` (with ``'perturbations': 0`` in
+  ``variable_axes``, as for ``value_and_grad``), ``nnx.scan`` over stacked
+  modules, or a ``vmap`` that maps the perturbations runs once per iteration.
+  The cache holds its outputs, inputs and gradients stacked along the scan
+  axis, like ``value_and_grad``'s (``cache.outputs['layers']['attn']
+  ['__call__'][2]``: the third layer's); the edits, patching and attribution
+  address each iteration as its own call, ``'layers/attn/__call__[2]'``, with
+  the shape of one iteration's output (positions and ``axis`` as for any
+  call). Rows of a result list a call's iterations one after another. The edit
+  of an iteration is computed inside the scan only where the iteration index
+  matches (a ``jnp.where`` for one edited iteration, a ``jax.lax.switch``
+  for several), so the scan stays one loop; activation patching's runs of a
+  scanned call each run the whole scan, the iterations before the patched one
+  included (unrolled layers share them). Calls inside a transform whose
+  values cannot come out (``nnx.vmap`` with the module's state broadcast, a
+  scan inside a scan) raise ``ActivationsUnavailableError``: leave them out
+  with the filter, or run a copy of the model built without the transform.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``NonScalarMetricError``,
@@ -101,7 +113,10 @@ Tested against (``tests/test_interpret.py``): Linen's ``capture_intermediates``
 ``jax.vjp`` (metric gradients, attribution) and with each edit written into it
 (edits, each patch of activation patching); an unchunked sweep (the chunked one);
 the NNX model against its Linen twin; a tiny Hugging Face GPT-2, whose blocks
-return tuples. ``tests/test_interpret_attribution.py``: integrated gradients
+return tuples. ``tests/test_interpret_scan.py``: scanned models against the
+same layers as a Python loop (edits written in, each patched run, ``jax.grad``
+at explicit deltas), and a transformer scanned over ``remat`` against its
+layers unrolled, on both front ends. ``tests/test_interpret_attribution.py``: integrated gradients
 against completeness and ``jax.grad`` of the hand-written model at the same
 nodes; Grad-CAM against ``jax.vjp`` of the CNN written out; a steering vector's
 gradient against the model with the vector as an explicit parameter, and optax

@@ -47,7 +47,7 @@ def run_with_cache(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, retur
 
   @functools.wraps(fn)
   def cached(model, *args, **kwargs):
-    traced = trace(tracer, fn, model, args, kwargs, filter, function)
+    traced = trace(tracer, fn, model, args, kwargs, filter, function, split_iterations=False)
     inputs = None
     if not grads:
       out, outputs, inputs = traced.run({}, args, kwargs, None)

@@ -50,10 +50,12 @@ def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None =
     WrongFrontEndError: the first argument is an NNX model (use
       ``perturbkit.nnx.run_with_cache``).
     ActivationsUnavailableError: a selected call runs inside a lifted
-      transform that carries no collection out or stacks it per iteration
-      (``nn.scan``, ``nn.vmap``), where its output does not exist outside;
-      leave it out with the filter. Calls inside ``nn.remat`` and ``nn.jit``
-      are cached like any other.
+      transform its values cannot leave (one that does not map the
+      perturbations carries none out, and the call is then no point at all,
+      with an ``UnperturbedCallsWarning``; a scan inside a scan); leave it out
+      with the filter. Calls inside ``nn.remat`` and ``nn.jit`` are cached
+      like any other; inside ``nn.scan``/``nn.vmap`` with ``'perturbations'``
+      in ``variable_axes``, stacked per iteration like their gradients.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -82,7 +84,8 @@ def run_with_edits(fn: Callable[..., Any], *,
   in ``edits`` has its output edited (the calls after it see the edited
   value). ``edits`` maps a call's path and point key to an edit, nested like
   the cache (``{'Dense_0': {'__call__': edit}}``) or joined
-  (``{'Dense_0/__call__': edit}``); the edits are ``perturbkit.interpret``'s
+  (``{'Dense_0/__call__': edit}``; ``'layers/Dense_0/__call__[2]'``: that call
+  in the third iteration of an ``nn.scan``); the edits are ``perturbkit.interpret``'s
   ``replace``, ``add``, ``scale``, ``zero_ablate`` and ``mean_ablate``, each
   optionally only at ``positions`` along an ``axis``. Edits are pytrees of
   arrays: ``jax.vmap`` over a stack of them runs many interventions at once,

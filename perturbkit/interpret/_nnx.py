@@ -27,9 +27,12 @@ def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None =
 
   As :func:`perturbkit.run_with_cache`, with ``fn(model, *args, **kwargs)``;
   the cache is keyed like the params state (``cache.outputs['layers'][0]['__call__']``).
-  Calls inside ``nnx.remat`` and ``nnx.jit`` are cached like any other; calls
-  inside ``nnx.scan`` or ``nnx.vmap`` raise ``ActivationsUnavailableError``
-  (leave them out with the filter).
+  Calls inside ``nnx.remat`` and ``nnx.jit`` are cached like any other; inside
+  ``nnx.scan`` over stacked modules (or ``nnx.vmap`` mapping the perturbations),
+  stacked per iteration like their gradients, where the edits and patching
+  address each iteration (``'layers/attn/__call__[2]'``). Calls inside
+  ``nnx.vmap`` with the module's state broadcast raise
+  ``ActivationsUnavailableError`` (leave them out with the filter).
 
   Example:
     >>> import jax.numpy as jnp

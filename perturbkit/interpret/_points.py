@@ -14,14 +14,22 @@ class Tracer(Protocol):
   """A front end's ``traced_points``: ``perturbkit.linen`` or ``perturbkit.nnx``."""
 
   def __call__(self, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict, *,
-               filter: CallFilter, strict: bool, function: str) -> TracedPoints: ...
+               filter: CallFilter, strict: bool, function: str,
+               split_iterations: bool = True) -> TracedPoints: ...
 
 
 def trace(tracer: Tracer, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict,
-          filter: CallFilter | bool | None, function: str) -> TracedPoints:
-  """``tracer`` with the filter read as ``value_and_grad`` reads it."""
+          filter: CallFilter | bool | None, function: str,
+          split_iterations: bool = True) -> TracedPoints:
+  """``tracer`` with the filter read as ``value_and_grad`` reads it.
+
+  ``split_iterations``: a call inside a scan is one point per iteration
+  (``'__call__[0]'``, ...), which the edits and patching address; ``False``: one
+  point, stacked per iteration like its gradient (the cache).
+  """
   points, strict = point_options(filter, None)
-  return tracer(fn, model, args, kwargs, filter=points, strict=strict, function=function)
+  return tracer(fn, model, args, kwargs, filter=points, strict=strict, function=function,
+                split_iterations=split_iterations)
 
 
 def nest(flat: Mapping[tuple, Any]) -> dict:

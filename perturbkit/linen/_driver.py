@@ -28,6 +28,7 @@ from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPoints
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
+from perturbkit.core._iterations import iteration_key
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
@@ -114,7 +115,13 @@ def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
     if points(call.module, call.method_name):
       before = output
       if edit is not None and has_differentiable_leaf(output):
-        output = merge(output, edit(call.path + (call.key,), differentiable_part(output)))
+        path, part = call.path + (call.key,), differentiable_part(output)
+        if call.module.has_variable(COLLECTION, iteration_key(call.key)):
+          # A scan's call, one iteration of it (see core/_iterations.py).
+          index = call.module.get_variable(COLLECTION, iteration_key(call.key))
+          output = merge(output, edit(path, part, iteration=index.reshape(())))
+        else:
+          output = merge(output, edit(path, part))
       output, applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
       on_point(call, before, applied)
     return output
@@ -131,7 +138,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              unreachable: list[str] | None = None,
              point_paths: set[tuple] | None = None,
              hooks_matched: set[int] | None = None,
-             lifted: set[tuple] | None = None) -> tuple[dict[tuple, PointShape], list[str]]:
+             lifted: set[tuple] | None = None,
+             inside: dict[tuple, PointShape] | None = None
+             ) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
   Points placed by hand in the model (its own ``self.perturb(name, x)``) are
@@ -143,7 +152,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   plus point key) is added to ``point_paths`` if given: a point's value may
   itself hold dicts (a call returning a dict), so the paths cannot be read back
   from the tree; those of the calls inside a lifted transform are also added
-  to ``lifted`` if given.
+  to ``lifted`` if given, with the shape of their output there to ``inside``
+  (a scan's point, outside it, is stacked per iteration).
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -161,6 +171,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       reached[path] = None
       if lifted is not None and inside_lifted_transform(call.module):
         lifted.add(path)
+        if inside is not None:
+          inside[path] = PointShape.of(differentiable_part(output))
     elif call.outside_apply and has_differentiable_leaf(output):
       # Outside every method call (a `bind`-bound module): no apply to replay with the
       # collection mutable, so the point's zeros are made here, from the output.

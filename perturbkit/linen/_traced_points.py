@@ -1,8 +1,10 @@
 """A Linen function's selected calls as :class:`TracedPoints`, for the families to run."""
 from typing import Any, Callable
 
+from perturbkit.core._iterations import (iteration_indices, iteration_key, leaf_shapes_of,
+                                         per_iteration, stacking)
 from perturbkit.core._points import PointShape
-from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
+from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.errors import ActivationsUnavailableError, NoPerturbationPointsError
 from perturbkit.linen._driver import check_variables, discover, nested, perturbed_apply
@@ -10,7 +12,8 @@ from perturbkit.linen._interceptor import suspended
 
 
 def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
-                  filter: CallFilter, strict: bool, function: str) -> TracedPoints:
+                  filter: CallFilter, strict: bool, function: str,
+                  split_iterations: bool = True) -> TracedPoints:
   """The calls ``fn(variables, *args, **kwargs)`` makes that ``filter`` selects.
 
   Args:
@@ -21,6 +24,10 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     filter: Which calls get a point.
     strict: Whether a selected call without floating-point output is an error.
     function: The public function, for messages.
+    split_iterations: A call inside ``nn.scan``/``nn.vmap`` with
+      ``'perturbations'`` in ``variable_axes`` is one point per iteration
+      (``'__call__[0]'``, ...; see ``core/_iterations.py``); ``False``: one
+      point, its outputs and inputs stacked per iteration like its gradient.
 
   Returns:
     The points and a ``run`` that closes over ``variables``.
@@ -30,31 +37,40 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     WrongFrontEndError: ``variables`` is an NNX model.
     NoPerturbationPointsError: the filter selects no call.
     ActivationsUnavailableError: (from ``run``) a selected call runs inside a
-      lifted transform, where its output does not exist outside; the message
-      names ``function``.
+      lifted transform whose values do not come out (one that carries no
+      collection out, scans nested in scans); the message names ``function``.
   """
   check_variables(variables, function)
   expected: set[tuple] = set()
   lifted: set[tuple] = set()
+  inside: dict[tuple, PointShape] = {}
   with suspended():
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
-                           point_paths=expected, lifted=lifted)
+                           point_paths=expected, lifted=lifted, inside=inside)
   if not expected:
     raise NoPerturbationPointsError(seen)
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
   paths = tuple(sorted(expected, key=lambda p: first.get(point_name(p), len(seen))))
   shapes: dict[tuple, PointShape] = {p: found[p] for p in paths}
+  stackings = {p: s for p in paths if p in inside
+               for s in [stacking(leaf_shapes_of(inside[p]), leaf_shapes_of(found[p]))]
+               if s is not None}
+  indices = {p[:-1] + (iteration_key(p[-1]),): iteration_indices(s)
+             for p, s in stackings.items()} if split_iterations else {}
 
-  def run(perturbations, args, kwargs, edit: PointEdit | None = None):
-    tree = nested({p: perturbations[p] if p in perturbations else shape.zeros()
-                   for p, shape in found.items()})
+  def run(perturbations, args, kwargs, edit=None):
+    tree = nested({**{p: perturbations[p] if p in perturbations else shape.zeros()
+                      for p, shape in found.items()}, **indices})
     with suspended():
       try:
         out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
                                         strict=strict, expected=expected, edit=edit,
-                                        activations=True, inputs=True, lifted=lifted)
+                                        activations=True, inputs=True, lifted=lifted,
+                                        per_iteration=bool(stackings))
       except ActivationsUnavailableError as error:
         raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
 
-  return TracedPoints(paths, shapes, run)
+  if not split_iterations:
+    return TracedPoints(paths, shapes, run)
+  return per_iteration(paths, shapes, stackings, run)

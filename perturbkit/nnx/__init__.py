@@ -112,8 +112,10 @@ with ``fn(model, *args)``; the edits and interventions are ``perturbkit.interpre
 (keyed by the NNX path, ``'layers/0/__call__'``). They run a copy of
 the model merged in their own trace, so the model's state does not change; the
 results equal the Linen twin's (``tests/test_interpret.py``). Calls inside
-``nnx.remat`` and ``nnx.jit`` are read and edited like any other; calls inside
-``nnx.scan`` and ``nnx.vmap`` raise ``ActivationsUnavailableError``.
+``nnx.remat`` and ``nnx.jit`` are read and edited like any other; a call inside
+``nnx.scan`` over stacked modules is cached stacked per iteration and edited and
+patched per iteration (``'layers/attn/__call__[2]'``); calls inside ``nnx.vmap``
+with the module's state broadcast raise ``ActivationsUnavailableError``.
 
 Not yet on NNX
 --------------

@@ -33,6 +33,7 @@ from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, gra
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
                                 PerturbationStructureError, WrongFrontEndError)
+from perturbkit.core._iterations import iteration_key
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
@@ -342,7 +343,9 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
                    args: tuple, kwargs: dict, *, found: _Discovery, points: CallFilter,
                    hooks: Sequence[Hook] = (), edit: PointEdit | None = None,
                    activations: bool = False, inputs: bool = False,
-                   per_iteration: bool = False) -> tuple[Any, dict]:
+                   per_iteration: bool = False,
+                   iterations: Mapping[PointPath, jax.Array] | None = None
+                   ) -> tuple[Any, dict]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points ``discover`` found.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -364,6 +367,9 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     inputs: Capture each point's call ``(args, kwargs)`` (array leaves).
     per_iteration: Captures inside ``nnx.scan`` over stacked modules may come
       out stacked per iteration, along the axis of the call's gradient.
+    iterations: Iteration indices to put next to the perturbations
+      (``core/_iterations.py``), by path; the edit of a call that has them is
+      called as ``edit(path, output, iteration=i)``.
 
   Returns:
     ``(what loss_fn returned, {'activations': tree, 'inputs': tree})``, the
@@ -410,11 +416,17 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
       capture(call, 'inputs', array_part((call.args, call.kwargs)))
     applied.add((call.path, call.key))
     if edit is not None:
-      output = merge(output, edit(path, differentiable_part(output)))
+      part = differentiable_part(output)
+      if iteration_key(call.key) in store:  # a scan's call, one iteration of it
+        index = store[iteration_key(call.key)].reshape(())
+        output = merge(output, edit(path, part, iteration=index))
+      else:
+        output = merge(output, edit(path, part))
     return _perturb(call.module, call.key, output)
 
   order = point_order(found)
-  init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]))
+  init = nnx.State(_nested([(p, nnx.Perturbation(z)) for p, z in zip(order, perturbations)]
+                           + [(p, nnx.Perturbation(i)) for p, i in (iterations or {}).items()]))
   with instrument([model], handler):
     if not (activations or inputs):
       out = nnx.capture(loss_fn, init=init)(model, *args, **kwargs)

@@ -5,8 +5,10 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from perturbkit.core._iterations import (iteration_indices, iteration_key, leaf_shapes_of,
+                                         per_iteration, stacking)
 from perturbkit.core._points import PointShape
-from perturbkit.core._traced_points import PointEdit, TracedPoints
+from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter
 from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
@@ -15,7 +17,8 @@ from perturbkit.nnx._driver import check_module, discover, perturbed_call
 
 
 def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
-                  filter: CallFilter, strict: bool, function: str) -> TracedPoints:
+                  filter: CallFilter, strict: bool, function: str,
+                  split_iterations: bool = True) -> TracedPoints:
   """The calls ``fn(model, *args, **kwargs)`` makes that ``filter`` selects.
 
   ``run`` works on a copy of the model merged inside its own trace (split once
@@ -31,6 +34,10 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     filter: Which calls get a point.
     strict: Whether a selected call without floating-point output is an error.
     function: The public function, for messages.
+    split_iterations: A call inside ``nnx.scan``/``nnx.vmap`` that maps the
+      perturbations is one point per iteration (``'__call__[0]'``, ...; see
+      ``core/_iterations.py``); ``False``: one point, its outputs and inputs
+      stacked per iteration like its gradient.
 
   Returns:
     The points and a ``run`` that closes over the model's state.
@@ -39,7 +46,8 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     WrongFrontEndError: ``model`` is a Linen module or Linen variables.
     NoPerturbationPointsError: the filter selects no call.
     ActivationsUnavailableError: (from ``run``) a selected call runs inside
-      ``nnx.scan`` or ``nnx.vmap``; the message names ``function``.
+      an NNX transform its values cannot leave (``nnx.vmap`` with the module's
+      state broadcast); the message names ``function``.
   """
   check_module(model, function)
   found = discover(fn, model, args, kwargs, points=filter, strict=strict, scalar=False)
@@ -52,9 +60,14 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
             for path, p in zip(paths, found.points)}
   hand_placed = [PointShape(jax.tree.structure(0), (found.shapes[p],))
                  for p in found.hand_placed]
+  stackings = {path: s for path, p in zip(paths, found.points)
+               for s in [stacking(list(p.shapes), leaf_shapes_of(shapes[path]))]
+               if s is not None}
+  indices = {path[:-1] + (iteration_key(path[-1]),): iteration_indices(s)
+             for path, s in stackings.items()} if split_iterations else {}
   graphdef, state = nnx.split(model)
 
-  def run(perturbations, args, kwargs, edit: PointEdit | None = None):
+  def run(perturbations, args, kwargs, edit=None):
     flat = []
     for path in paths:
       value = perturbations[path] if path in perturbations else shapes[path].zeros()
@@ -65,10 +78,13 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       # module that updates its own state (BatchNorm in training mode) could not write them.
       model = nnx.merge(graphdef, state, copy=True)
       out, captured = perturbed_call(fn, model, flat, args, kwargs, found=found, points=filter,
-                                     edit=edit, activations=True, inputs=True)
+                                     edit=edit, activations=True, inputs=True,
+                                     per_iteration=bool(stackings), iterations=indices)
     except ActivationsUnavailableError as error:
       raise ActivationsUnavailableError(error.where, function) from None
     return (out, {p: get_in(captured['activations'], p) for p in paths},
             {p: get_in(captured['inputs'], p) for p in paths})
 
-  return TracedPoints(paths, shapes, run)
+  if not split_iterations:
+    return TracedPoints(paths, shapes, run)
+  return per_iteration(paths, shapes, stackings, run)

@@ -1,0 +1,166 @@
+"""Calls inside a scan as one point per iteration.
+
+A call inside ``nn.scan``/``nnx.scan`` (or a ``vmap`` mapping the
+perturbations) has one point, stacked along the transform's axis: its gradient
+and captures come out with one value per iteration. To edit, patch or
+attribute one iteration of it (one layer of a scanned transformer), the
+interpretability functions see it as ``size`` points, ``'__call__[0]'``,
+``'__call__[1]'``, ..., each with the shape of one iteration's output.
+:func:`per_iteration` builds that view over a front end's run, which gives the
+edit of a stacked call the iteration it runs in (an index the transform slices
+like the perturbations, see :func:`iteration_indices`).
+"""
+import functools
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from perturbkit.core._points import PointShape, stacked_axis, with_stacked_axis
+from perturbkit.core._traced_points import PointEdit, TracedPoints
+
+
+class Stacking(NamedTuple):
+  """The axis a stacked point's values are stacked along, and how many iterations."""
+  axis: int
+  size: int
+
+
+def stacking(inside: list[tuple[int, ...]], outside: list[tuple[int, ...]]) -> Stacking | None:
+  """How a point's leaf shapes ``outside`` its transform stack those ``inside`` per iteration.
+
+  ``None`` unless every leaf is stacked along the same one axis (the same shapes:
+  a transform that does not stack, ``nn.remat``).
+  """
+  if not inside or list(inside) == list(outside):
+    return None
+  found = stacked_axis(inside[0], outside[0])
+  if found is None or with_stacked_axis(list(inside), found) != list(outside):
+    return None
+  return Stacking(*found)
+
+
+def leaf_shapes_of(shape: PointShape) -> list[tuple[int, ...]]:
+  """The leaf shapes a :class:`PointShape` holds."""
+  return [tuple(s.shape) for s in shape.leaves]
+
+
+def iteration_key(key: str) -> str:
+  """Where a stacked call's iteration indices sit next to its point (no point has it)."""
+  return f'{key}:iteration'
+
+
+def iteration_indices(stacking: Stacking) -> jax.Array:
+  """``0 .. size - 1`` stacked along ``stacking.axis`` of a ``(1,)`` array per iteration.
+
+  Put next to the call's perturbation, the transform slices it like the
+  perturbation, so inside iteration ``i`` it is ``[i]``.
+  """
+  shape = [1]
+  shape.insert(stacking.axis, stacking.size)
+  return jnp.arange(stacking.size, dtype=jnp.int32).reshape(shape)
+
+
+def iteration_path(path: tuple, index: int) -> tuple:
+  """The point path of one iteration of a stacked call: ``(..., '__call__[2]')``."""
+  return path[:-1] + (f'{path[-1]}[{index}]',)
+
+
+def _unstacked_shape(shape: PointShape, stacking: Stacking) -> PointShape:
+  axis = stacking.axis
+  return PointShape(shape.treedef, tuple(
+      jax.ShapeDtypeStruct(s.shape[:axis] + s.shape[axis + 1:], s.dtype) for s in shape.leaves))
+
+
+def _take(tree: Any, index: int, axis: int) -> Any:
+  return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, axis, keepdims=False), tree)
+
+
+def _stack(values: list, axis: int) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs, axis), *values)
+
+
+# A front end's run whose edit takes, for a stacked call, the index of the iteration it
+# runs in: ``edit(path, output, iteration=i)``.
+StackedRun = Callable[[Mapping[tuple, Any], tuple, dict, Callable[..., Any] | None],
+                      tuple[Any, dict, dict]]
+
+
+def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
+                  stackings: Mapping[tuple, Stacking], run: StackedRun) -> TracedPoints:
+  """``TracedPoints`` with each stacked call as one point per iteration.
+
+  Args:
+    paths: The selected calls' point paths, in call order.
+    shapes: Each point's shape outside its transform (stacked for the stacked calls).
+    stackings: The stacked calls and their axis and iteration count.
+    run: The front end's run over the real points: stacked perturbations in,
+      stacked outputs and inputs out; for a stacked call it calls the edit as
+      ``edit(path, output, iteration=i)`` with the iteration's index ``i``.
+
+  Returns:
+    The same calls, each stacked one replaced by ``iteration_path(path, i)`` for
+    every iteration ``i``, in place.
+  """
+  if not stackings:
+    return TracedPoints(paths, dict(shapes), run)
+  expanded: list[tuple] = []
+  own_shapes: dict[tuple, PointShape] = {}
+  origin: dict[tuple, tuple[tuple, int]] = {}
+  for path in paths:
+    if path not in stackings:
+      expanded.append(path)
+      own_shapes[path] = shapes[path]
+      continue
+    for i in range(stackings[path].size):
+      one = iteration_path(path, i)
+      expanded.append(one)
+      own_shapes[one] = _unstacked_shape(shapes[path], stackings[path])
+      origin[one] = (path, i)
+  iterations = {path: [iteration_path(path, i) for i in range(s.size)]
+                for path, s in stackings.items()}
+
+  def stacked_edit(edit: PointEdit) -> Callable[..., Any]:
+    def dispatch(path: tuple, output: Any, iteration: jax.Array | None = None) -> Any:
+      if iteration is None:
+        return edit(path, output)
+      branches = [functools.partial(edit, one) for one in iterations[path]]
+      edited = [(i, branch(output)) for i, branch in enumerate(branches)]
+      edited = [(i, value) for i, value in edited if value is not output]
+      if not edited:
+        return output
+      if len(edited) == 1:  # one iteration edited: no branch, the edit masked elsewhere
+        i, value = edited[0]
+        return jax.tree.map(lambda e, o: jnp.where(iteration == i, e, o), value, output)
+      return jax.lax.switch(iteration, branches, output)
+    return dispatch
+
+  def own_run(perturbations, args, kwargs, edit: PointEdit | None = None):
+    given: dict[tuple, Any] = {}
+    per_stack: dict[tuple, dict[int, Any]] = {}
+    for path, value in perturbations.items():
+      if path in origin:
+        stacked, i = origin[path]
+        per_stack.setdefault(stacked, {})[i] = value
+      else:
+        given[path] = value
+    for stacked, values in per_stack.items():
+      given[stacked] = _stack([values[i] if i in values else own_shapes[one].zeros()
+                               for i, one in enumerate(iterations[stacked])],
+                              stackings[stacked].axis)
+    out, outputs, inputs = run(given, args, kwargs,
+                               None if edit is None else stacked_edit(edit))
+
+    def split(flat: dict) -> dict:
+      parts = {}
+      for path in expanded:
+        if path in origin:
+          stacked, i = origin[path]
+          parts[path] = _take(flat[stacked], i, stackings[stacked].axis)
+        else:
+          parts[path] = flat[path]
+      return parts
+
+    return out, split(outputs), split(inputs)
+
+  return TracedPoints(tuple(expanded), own_shapes, own_run)

@@ -1,0 +1,362 @@
+"""Caching, edits, activation and attribution patching of calls inside a scan, per iteration.
+
+A call inside ``nn.scan`` (``'perturbations'`` in ``variable_axes``) or ``nnx.scan`` over
+stacked modules is one point per iteration for the edits and patching
+(``'scan/Dense_0/__call__[1]'``: that call in the second iteration), and one stacked array in
+the cache. Each model here is also written out as a Python loop over its stacked params, with
+every call's output passed through ``at`` so that a test can record it and edit it by hand:
+the edits, each patched run, and the gradients the attributions use come from that loop.
+"""
+import re
+from typing import Any, Callable, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import flax.linen as nn
+from flax import nnx
+
+import models
+import nnx_models
+import perturbkit
+from perturbkit import filters, interpret
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class Case(NamedTuple):
+  api: Any                       # perturbkit or perturbkit.nnx
+  model: Any                     # the variables (Linen) or the module (NNX)
+  metric: Callable               # (model, x) -> scalar, on the scanned model
+  loop: Callable                 # (x, at) -> output, the model written out
+  scanned: Callable              # the filter of the calls inside the scan
+  stacked: tuple[str, ...]       # those calls' paths, without the iteration, in point order
+  length: int
+  clean: jax.Array
+  corrupted: jax.Array
+
+
+def _linen() -> Case:
+  model = models.Scanned(length=3)
+  clean = jax.random.normal(jax.random.key(1), (3, 3))
+  variables = model.init(jax.random.key(0), clean)
+  p = variables['params']
+
+  def loop(x, at):
+    h = at('Dense_0/__call__', x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'][None])
+    cell = p['scan']['Dense_0']
+    for i in range(3):
+      h = jnp.tanh(at(f'scan/Dense_0/__call__[{i}]', h @ cell['kernel'][i] + cell['bias'][i][None]))
+      h = at(f'scan/__call__[{i}]', (h, h))[0]
+    return at('Dense_1/__call__', h @ p['Dense_1']['kernel'] + p['Dense_1']['bias'][None])
+
+  return Case(perturbkit, variables, lambda v, x: jnp.sum(model.apply(v, x) ** 2), loop,
+              filters.by_path('scan*'), ('scan/__call__', 'scan/Dense_0/__call__'), 3,
+              clean, jax.random.normal(jax.random.key(2), (3, 3)))
+
+
+def _nnx() -> Case:
+  model = nnx_models.ScanMLP(width=4, depth=3, rngs=nnx.Rngs(0))
+  graphdef, stacked = nnx.split(model.blocks)
+
+  def loop(x, at):
+    h = x
+    for i in range(3):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+      h = at(f'blocks/__call__[{i}]',
+             jnp.tanh(at(f'blocks/linear/__call__[{i}]', block.linear(h))))
+    return at('head/__call__', model.head(h))
+
+  return Case(perturbkit.nnx, model, lambda m, x: jnp.sum(m(x) ** 2), loop,
+              filters.by_path('blocks*'), ('blocks/linear/__call__', 'blocks/__call__'), 3,
+              nnx_models.random_batch((2, 4), seed=1), nnx_models.random_batch((2, 4), seed=2))
+
+
+@pytest.fixture(params=['linen', 'nnx'], scope='module')
+def case(request) -> Case:
+  return _linen() if request.param == 'linen' else _nnx()
+
+
+def _run(case: Case, x, edits: dict | None = None):
+  """The loop's metric and every call's output (before its edit), with ``edits`` by hand."""
+  seen = {}
+
+  def at(name, value):
+    seen[name] = value
+    return edits[name](value) if edits and name in edits else value
+
+  return jnp.sum(case.loop(x, at) ** 2), seen
+
+
+def _iterations(case: Case) -> list[str]:
+  return [f'{name}[{i}]' for name in case.stacked for i in range(case.length)]
+
+
+def _leaves(value):
+  """The first (carry) leaf of a tuple output; the array itself otherwise."""
+  return value[0] if isinstance(value, tuple) else value
+
+
+def test_the_loop_is_the_model(case):
+  np.testing.assert_allclose(case.metric(case.model, case.clean), _run(case, case.clean)[0],
+                             **TOL)
+
+
+def test_edits_at_one_iteration_equal_the_loop_with_the_edit_written_in(case):
+  """One iteration of a call edited (at one position, or replaced whole), under jax.jit and
+  for a stack of edits under jax.vmap; the other iterations run as they are."""
+  name, other = f'{case.stacked[1]}[1]', f'{case.stacked[1]}[2]'
+  width = _leaves(_run(case, case.clean)[1][name]).shape
+  value = jax.random.normal(jax.random.key(5), width)
+  edits = {name: interpret.add(0.7, positions=[2], axis=1), other: interpret.replace(value)}
+  got = jax.jit(case.api.run_with_edits(case.metric))(case.model, edits, case.clean)
+  want, _ = _run(case, case.clean, {name: lambda a: a.at[:, 2].add(0.7), other: lambda a: value})
+  np.testing.assert_allclose(got, want, **TOL)
+  assert not np.allclose(got, _run(case, case.clean)[0], **TOL)
+
+  deltas = jnp.array([-1.0, 0.5, 2.0])
+  stack = jax.vmap(lambda d: {name: interpret.add(d, positions=[0], axis=1)})(deltas)
+  got = jax.vmap(case.api.run_with_edits(case.metric), in_axes=(None, 0, None))(
+      case.model, stack, case.clean)
+  for d, g in zip(deltas, got):
+    np.testing.assert_allclose(g, _run(case, case.clean, {name: lambda a: a.at[:, 0].add(d)})[0],
+                               **TOL)
+
+
+def test_the_cache_is_stacked_and_patching_it_back_changes_nothing(case):
+  out, cache = case.api.run_with_cache(case.metric)(case.model, case.clean)
+  _, seen = _run(case, case.clean)
+  flat = perturbkit_flat(cache.outputs)
+  patch = {}
+  for name in case.stacked:
+    stacked = flat[name]
+    for i in range(case.length):
+      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], stacked), seen[f'{name}[{i}]'],
+                                  **TOL)
+      patch[f'{name}[{i}]'] = interpret.replace(jax.tree.map(lambda a: a[i], stacked))
+  np.testing.assert_array_equal(
+      case.api.run_with_edits(case.metric)(case.model, patch, case.clean), out)
+
+
+def perturbkit_flat(tree: dict, prefix: str = '') -> dict:
+  """``{'scan': {'Dense_0': {'__call__': v}}}`` as ``{'scan/Dense_0/__call__': v}``."""
+  flat = {}
+  for key, value in tree.items():
+    name = f'{prefix}/{key}' if prefix else str(key)
+    if isinstance(value, dict) and not str(key).startswith('__call__'):
+      flat.update(perturbkit_flat(value, name))
+    else:
+      flat[name] = value
+  return flat
+
+
+def test_activation_patching_equals_a_loop_of_hand_patched_runs(case):
+  """Each (call, iteration) x position: the corrupted loop with that output's position set to
+  its clean value (every leaf of a tuple output), minus the corrupted metric."""
+  result = jax.jit(case.api.activation_patching(case.metric, filter=case.scanned, axis=1,
+                                                batch_size=5))(
+      case.model, case.clean, case.corrupted)
+  assert result.paths == tuple(_iterations(case))
+  _, clean = _run(case, case.clean)
+  base, _ = _run(case, case.corrupted)
+  want = np.zeros(result.effects.shape)
+  for r, name in enumerate(result.paths):
+    for j in range(result.effects.shape[1]):
+      patched = lambda a, j=j, name=name: jax.tree.map(
+          lambda x, c: x.at[:, j].set(c[:, j]), a, clean[name])
+      want[r, j] = _run(case, case.corrupted, {name: patched})[0] - base
+  np.testing.assert_allclose(result.effects, want, **TOL)
+  assert np.abs(want).max() > 1e-3
+  np.testing.assert_allclose(result.corrupted_metric, base, **TOL)
+
+
+def test_attribution_patching_equals_the_gradient_of_the_loop(case):
+  """``(a_clean - a_corrupted) . d metric / d a`` per iteration and position, with the
+  gradient from jax.grad of the loop with an explicit delta added at every call."""
+  result = case.api.attribution_patching(case.metric, filter=case.scanned, axis=1)(
+      case.model, case.clean, case.corrupted)
+  _, clean = _run(case, case.clean)
+  _, corrupted = _run(case, case.corrupted)
+  names = _iterations(case)
+  zeros = {n: jax.tree.map(jnp.zeros_like, corrupted[n]) for n in names}
+
+  def with_deltas(deltas):
+    edits = {n: (lambda a, n=n: jax.tree.map(jnp.add, a, deltas[n])) for n in names}
+    return _run(case, case.corrupted, edits)[0]
+
+  grads = jax.grad(with_deltas)(zeros)
+  for r, name in enumerate(result.paths):
+    want = sum(jnp.sum((c - a) * g, axis=0) for c, a, g in zip(
+        jax.tree.leaves(clean[name]), jax.tree.leaves(corrupted[name]),
+        jax.tree.leaves(grads[name])))
+    np.testing.assert_allclose(result.effects[r], want, **TOL)
+  assert np.abs(result.effects).max() > 1e-3
+  # The cache's gradients are the same gradients, stacked per iteration.
+  _, cache = case.api.run_with_cache(case.metric, grads=True)(case.model, case.corrupted)
+  flat = perturbkit_flat(cache.grads)
+  for name in case.stacked:
+    for i in range(case.length):
+      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], flat[name]),
+                                  grads[f'{name}[{i}]'], **TOL)
+
+
+def test_a_steering_vector_at_one_iteration_is_trained_with_optax(case):
+  """A learnable intervention at one iteration: its gradient equals the loop's with the vector
+  as an explicit parameter."""
+  name = f'{case.stacked[1]}[0]'
+  width = _leaves(_run(case, case.clean)[1][name]).shape[-1]
+  steer = {'steer': interpret.steering_vector(name, (width,))}
+  params = jax.tree.map(lambda z: z + 0.3, interpret.init_interventions(steer))
+  fn = case.api.run_with_interventions(case.metric, steer)
+  got = jax.grad(lambda q: fn(case.model, q, case.clean))(params)
+  want = jax.grad(lambda q: _run(case, case.clean, {name: lambda a: a + q['steer'][None]})[0])(params)
+  chex.assert_trees_all_close(got, want, **TOL)
+  assert np.abs(want['steer']).max() > 1e-3
+  tx = optax.sgd(0.1)
+  state = tx.init(params)
+  before = fn(case.model, params, case.clean)
+  for _ in range(3):
+    updates, state = tx.update(jax.grad(lambda q: fn(case.model, q, case.clean))(params), state)
+    params = optax.apply_updates(params, updates)
+  assert fn(case.model, params, case.clean) < before
+
+
+def test_unknown_iterations_are_named_with_the_paths_there_are(case):
+  name = case.stacked[1]
+  last = f'{name}[{case.length - 1}]'
+  with pytest.raises(perturbkit.errors.UnknownEditPathError,
+                     match=rf'{name} runs once per iteration.*{name}\[0\].*{re.escape(last)}'):
+    case.api.run_with_edits(case.metric)(case.model, {name: interpret.zero_ablate()},
+                                         case.clean)
+  with pytest.raises(perturbkit.errors.UnknownEditPathError, match=rf'calls with points.*'
+                                                                   rf'{re.escape(last)}'):
+    case.api.run_with_edits(case.metric)(
+        case.model, {f'{name}[{case.length}]': interpret.zero_ablate()}, case.clean)
+
+
+# --- A scanned, rematerialized transformer against the same layers unrolled ---------------
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, deterministic=True,
+                                        name='attn')(nn.LayerNorm(name='ln')(x))
+    x = x + h
+    return x + nn.Dense(8, name='mlp')(nn.gelu(nn.Dense(16, name='up')(x))), None
+
+
+class _LinenTransformer(nn.Module):
+  scan: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(11, 8, name='embed')(tokens)
+    if self.scan:   # the layout of large Linen models: nn.scan over nn.remat'd layers
+      body = nn.scan(nn.remat(_LinenBlock), variable_axes={'params': 0, 'perturbations': 0},
+                     split_rngs={'params': True}, length=3)
+      x, _ = body(name='layers')(x, None)
+    else:
+      for i in range(3):
+        x, _ = _LinenBlock(name=f'layers_{i}')(x, None)
+    return nn.Dense(11, name='head')(x)
+
+
+class _NNXBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.ln = nnx.LayerNorm(8, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=rngs)
+    self.up = nnx.Linear(8, 16, rngs=rngs)
+    self.mlp = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln(x), deterministic=True)
+    return x + self.mlp(nnx.gelu(self.up(x)))
+
+
+class _NNXTransformer(nnx.Module):
+  """Layers made with ``nnx.vmap`` and run with ``nnx.scan`` over ``nnx.remat``, the layout of
+  the Flax NNX guides; ``unrolled`` holds the same layers as a list."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(11, 8, rngs=rngs)
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return _NNXBlock(rngs)
+
+    self.layers = create(rngs)
+    self.head = nnx.Linear(8, 11, rngs=rngs)
+
+  def __call__(self, tokens):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(self.embed(tokens), self.layers))
+
+
+class _NNXUnrolled(nnx.Module):
+  def __init__(self, scanned: _NNXTransformer):
+    self.embed, self.head = scanned.embed, scanned.head
+    graphdef, state = nnx.split(scanned.layers)
+    self.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+                            for i in range(3)])
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.layers:
+      x = block(x)
+    return self.head(x)
+
+
+@pytest.mark.parametrize('api', ['linen', 'nnx'])
+def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
+  """Activation and attribution patching of each layer's attention and block output, per
+  token, on a transformer whose layers run in a scan over remat: row ``layers/attn/__call__[i]``
+  equals row ``layers_i/attn/__call__`` of the same layers written as a loop."""
+  tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, 11)
+  corrupted = tokens.at[:, 1].set((tokens[:, 1] + 1) % 11)
+
+  def metric_of(apply):
+    def metric(model, t):
+      logits = apply(model, t)
+      return jnp.mean(logits[:, -1, 3] - logits[:, -1, 5])
+    return metric
+
+  if api == 'linen':
+    scanned = _LinenTransformer()
+    variables = scanned.init(jax.random.key(1), tokens)
+    params = dict(variables['params'])
+    layers = params.pop('layers')
+    params.update({f'layers_{i}': jax.tree.map(lambda a, i=i: a[i], layers) for i in range(3)})
+    fn, model = perturbkit, variables
+    twin, twin_model = _LinenTransformer(scan=False), {'params': params}
+    metric, twin_metric = metric_of(scanned.apply), metric_of(twin.apply)
+    calls, twin_calls = filters.by_path('layers', 'layers/attn'), filters.by_path(
+        'layers_?', 'layers_?/attn')
+    unrolled = lambda path, i: path.replace('layers/', f'layers_{i}/', 1)
+  else:
+    model = _NNXTransformer(nnx.Rngs(0))
+    fn, twin_model = perturbkit.nnx, _NNXUnrolled(model)
+    metric = twin_metric = metric_of(lambda m, t: m(t))
+    calls = filters.by_path('layers', 'layers/attn')
+    twin_calls = filters.by_path('layers/?', 'layers/?/attn')
+    unrolled = lambda path, i: path.replace('layers/', f'layers/{i}/', 1)
+
+  np.testing.assert_allclose(metric(model, tokens), twin_metric(twin_model, tokens), **TOL)
+  for function in (fn.activation_patching, fn.attribution_patching):
+    got = jax.jit(function(metric, filter=calls, axis=1))(model, tokens, corrupted)
+    want = function(twin_metric, filter=twin_calls, axis=1)(twin_model, tokens, corrupted)
+    assert len(got.paths) == 6
+    rows = []
+    for path in got.paths:
+      call, i = path[:-1].split('[')
+      rows.append(want.paths.index(unrolled(call, int(i))))
+    np.testing.assert_allclose(got.effects, want.effects[np.array(rows)], rtol=1e-4, atol=1e-5)
+    assert np.abs(got.effects).max() > 1e-3
