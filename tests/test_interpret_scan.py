@@ -194,6 +194,14 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
         jax.tree.leaves(grads[name])))
     np.testing.assert_allclose(result.effects[r], want, **TOL)
   assert np.abs(result.effects).max() > 1e-3
+  # Gradient x activation at the corrupted input: a . d metric / d a, from the same gradients.
+  times = case.api.grad_times_activation(case.metric, filter=case.scanned, axis=1)(
+      case.model, case.corrupted)
+  assert times.paths == result.paths
+  for r, name in enumerate(times.paths):
+    want = sum(jnp.sum(a * g, axis=0) for a, g in zip(
+        jax.tree.leaves(corrupted[name]), jax.tree.leaves(grads[name])))
+    np.testing.assert_allclose(times.effects[r], want, **TOL)
   # The cache's gradients are the same gradients, stacked per iteration.
   _, cache = case.api.run_with_cache(case.metric, grads=True)(case.model, case.corrupted)
   flat = perturbkit_flat(cache.grads)
@@ -317,9 +325,10 @@ class _NNXUnrolled(nnx.Module):
 
 @pytest.mark.parametrize('api', ['linen', 'nnx'])
 def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
-  """Activation and attribution patching of each layer's attention and block output, per
-  token, on a transformer whose layers run in a scan over remat: row ``layers/attn/__call__[i]``
-  equals row ``layers_i/attn/__call__`` of the same layers written as a loop."""
+  """Activation and attribution patching and layer integrated gradients of each layer's
+  attention and block output, per token, on a transformer whose layers run in a scan over
+  remat: row ``layers/attn/__call__[i]`` equals row ``layers_i/attn/__call__`` of the same
+  layers written as a loop."""
   tokens = jax.random.randint(jax.random.key(0), (2, 4), 0, 11)
   corrupted = tokens.at[:, 1].set((tokens[:, 1] + 1) % 11)
 
@@ -350,9 +359,13 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
     unrolled = lambda path, i: path.replace('layers/', f'layers/{i}/', 1)
 
   np.testing.assert_allclose(metric(model, tokens), twin_metric(twin_model, tokens), **TOL)
-  for function in (fn.activation_patching, fn.attribution_patching):
-    got = jax.jit(function(metric, filter=calls, axis=1))(model, tokens, corrupted)
-    want = function(twin_metric, filter=twin_calls, axis=1)(twin_model, tokens, corrupted)
+  integrated = lambda metric, filter, axis: fn.layer_integrated_gradients(
+      metric, filter=filter, axis=axis, steps=4)
+  for function, args in ((fn.activation_patching, (tokens, corrupted)),
+                         (fn.attribution_patching, (tokens, corrupted)),
+                         (integrated, (corrupted,))):
+    got = jax.jit(function(metric, filter=calls, axis=1))(model, *args)
+    want = function(twin_metric, filter=twin_calls, axis=1)(twin_model, *args)
     assert len(got.paths) == 6
     rows = []
     for path in got.paths:
