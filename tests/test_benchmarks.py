@@ -201,6 +201,27 @@ def check_interventions(stdout: str, data: dict):
   assert 'gpt2: OK' in stdout, stdout[-3000:]
 
 
+def check_interventions_scan(stdout: str, data: dict):
+  variant_keys = {'median_s', 'p25_s', 'p75_s', 'samples_s', 'lower_s', 'compile_s',
+                  'temp_bytes'}
+  assert data['benchmark'] == 'interventions_scan'
+  assert data['config']['sizes'] == 'tiny' and data['config']['repeats'] == 2
+  assert data['all_ok'] is True
+  model = data['models']['transformer']
+  # The script's own checks: every effect of the scanned model equals the unrolled model's
+  # row for the same layer and call.
+  assert model['checks'] == {'sweep_scan_vs_unrolled': True, 'attribution_scan_vs_unrolled': True,
+                             'forward_scan_vs_unrolled': True}, model['mismatches']
+  assert model['rows'] > model['size']['layers']
+  assert set(model['variants']) == {'sweep_scan', 'sweep_unrolled', 'attribution_scan',
+                                    'attribution_unrolled', 'forward_scan', 'forward_unrolled'}
+  for v, m in model['variants'].items():
+    assert variant_keys <= set(m), (v, variant_keys - set(m))
+    assert len(m['samples_s']) == 2 and m['median_s'] > 0, v
+  assert len(model['ratios']) == 5 and all(r > 0 for r in model['ratios'].values())
+  assert 'transformer: OK' in stdout, stdout[-3000:]
+
+
 RUNS = {
     'activation_grads': ('bench_activation_grads.py', ['--sizes', 'small', '--repeats', '2'],
                          check_activation_grads),
@@ -208,6 +229,8 @@ RUNS = {
                                              'mlp', 'transformer'], check_interleaved),
     'interventions': ('bench_interventions.py', ['--sizes', 'tiny', '--repeats', '2'],
                       check_interventions),
+    'interventions_scan': ('bench_interventions_scan.py', ['--sizes', 'tiny', '--repeats', '2'],
+                           check_interventions_scan),
     'kfac': ('bench_kfac.py', ['--sizes', 'small', '--models', 'mlp', '--repeats', '2'],
              check_kfac),
     'per_example': ('bench_per_example.py', ['--sizes', 'tiny', '--models', 'mlp', 'cnn',
