@@ -127,6 +127,17 @@ def time_round_robin(thunks: Mapping[str, Callable[[], Any]], repeats: int, *,
   return samples
 
 
+def measure_each(names: Sequence[str], measure: Callable[[str, jax.Array], Any]) -> dict:
+  """``{name: measure(name, key)}`` in order, each model with its own key
+  (``fold_in(key(0), i)``), saying which one is being compiled and timed."""
+  key = jax.random.key(0)
+  results = {}
+  for i, name in enumerate(names):
+    print(f'[{name}] compiling and timing ...', flush=True)
+    results[name] = measure(name, jax.random.fold_in(key, i))
+  return results
+
+
 def summarize(samples: Sequence[float]) -> dict[str, float]:
   """Median and quartiles of per-call seconds."""
   if len(samples) == 1:

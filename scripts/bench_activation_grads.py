@@ -259,12 +259,8 @@ def report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   args = common.parse_args(__doc__.split('\n')[0], SIZES, DEFAULT_OUT, 30, argv)
-  key = jax.random.key(0)
-  results = {}
-  for i, name in enumerate(args.models):
-    print(f'[{name}] compiling and timing ...', flush=True)
-    results[name] = measure_model(name, SIZES[args.sizes][name], args.repeats,
-                                  jax.random.fold_in(key, i))
+  results = common.measure_each(args.models, lambda name, key: measure_model(
+      name, SIZES[args.sizes][name], args.repeats, key))
   report(results)
   all_ok = all(r['ok'] for r in results.values())
   common.write_results(args.out, 'activation_grads',

@@ -285,12 +285,8 @@ def main(argv: list[str] | None = None) -> int:
   if steps % k:
     raise SystemExit(f'--steps ({steps}) must be a multiple of --k ({k}): kfac_host_switch '
                      'counts its calls to know when the statistics are due.')
-  key = jax.random.key(0)
-  results = {}
-  for i, name in enumerate(args.models):
-    print(f'[{name}] compiling and timing ...', flush=True)
-    results[name] = measure_model(name, SIZES[args.sizes][name], k, steps, args.repeats,
-                                  jax.random.fold_in(key, i))
+  results = common.measure_each(args.models, lambda name, key: measure_model(
+      name, SIZES[args.sizes][name], k, steps, args.repeats, key))
   report(results, k)
   all_ok = all(r['ok'] for r in results.values())
   common.write_results(args.out, 'kfac',
