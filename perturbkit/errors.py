@@ -355,8 +355,8 @@ class KFACUnsupportedLayerError(PerturbkitError, TypeError):
     exclude = exclude or '`perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`'
     super().__init__(
         f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
-        '`nn.Dense`, `nn.Conv` (feature_group_count=1) and `nn.Embed` `__call__`s outside '
-        'lifted transforms whose params no other code reads. Leave the filter at its '
+        '`nn.Dense`, `nn.Conv` (feature_group_count=1) and `nn.Embed` `__call__`s (not run '
+        'once per iteration of nn.scan/nn.vmap) whose params no other code reads. Leave the filter at its '
         'default (unsupported layers are then listed in `layers.skipped` and their params '
         f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
 

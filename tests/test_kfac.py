@@ -7,6 +7,7 @@ captured explicitly; ``A`` and ``G`` are then formed with numpy.
 """
 import functools
 import textwrap
+import warnings
 
 import chex
 import flax.linen as nn
@@ -16,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+import models
 import perturbkit
 from host_devices import run_child
 
@@ -550,6 +552,25 @@ def test_explicitly_selected_layer_without_rule_is_an_error():
   assert list(layers.layers) == ['layers_0']
   assert layers.skipped == {'layers_1': 'not selected by the filter',
                             'layers_2': 'not selected by the filter'}
+
+
+def test_layers_run_once_per_iteration_are_skipped_or_refused_with_the_reason():
+  """A Dense inside nn.scan has stacked params and one point per iteration: skipped (refused
+  when a filter selects it); inside a scan that does not map the perturbations its gradient
+  cannot be read at all: skipped with that reason. The layers around the scan are layers."""
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  for mapped, reason in ((True, 'once per iteration'), (False, 'does not map')):
+    model = models.Scanned(map_perturbations=mapped)
+    variables = model.init(jax.random.key(0), x)
+    predict = lambda v, x, model=model: model.apply(v, x)
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', perturbkit.UnperturbedCallsWarning)
+      layers = perturbkit.kfac_layers(predict, variables, x)
+      assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
+      assert reason in layers.skipped['scan/Dense_0']
+      with pytest.raises(perturbkit.KFACUnsupportedLayerError, match=f'scan/Dense_0.*{reason}'):
+        perturbkit.kfac_layers(predict, variables, x,
+                               filter=perturbkit.filters.by_type(nn.Dense))
 
 
 def test_tied_embedding_attend_is_skipped_not_half_preconditioned():

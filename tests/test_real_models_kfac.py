@@ -345,6 +345,30 @@ def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup):
     assert name not in s.layers.layers
 
 
+def test_bert_with_gradient_checkpointing_gets_the_plain_models_layers_and_factors():
+  """Hugging Face's gradient checkpointing runs each BERT layer inside ``nn.remat``: the
+  layers there are preconditioned like the plain model's (the same layers and skips), and the
+  estimator's loss, gradients and factors equal the plain model's, whose factors the tests
+  above check against the explicit-delta reference."""
+  import transformers as T
+  s = build('bert')
+  plain = hf_models.hf_model(s.hf.model)
+  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
+  predict = _bert_predict(checkpointed.module)
+  with s.hf.strictness():
+    layers = perturbkit.kfac_layers(predict, s.variables, s.inputs)
+    assert layers == s.layers
+    assert 'encoder/layer/1/attention/self/query' in layers.layers
+    for fisher, key in (('empirical', None), ('sampled', KEY)):
+      got = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                              fisher=fisher))(s.variables, s.inputs,
+                                                              s.labels, key)
+      want = jax.jit(perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
+                                               fisher=fisher))(s.variables, s.inputs,
+                                                               s.labels, key)
+      chex.assert_trees_all_close(got, want, **TOL)
+
+
 def test_gpt2_tied_embedding_and_conv1d_are_named_not_guessed():
   """GPT-2's ``FlaxConv1D`` has no rule and is listed as such; its ``wte`` embedding is also the
   transposed LM-head kernel, so K-FAC factors of its ``__call__`` would miss part of its

@@ -21,19 +21,20 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from perturbkit.core import filters as _filters
-from perturbkit.linen._driver import value_and_grad
-from perturbkit.errors import NoPerturbationPointsError
-from perturbkit.linen._interceptor import intercept
+from perturbkit.core._iterations import leaf_shapes_of
+from perturbkit.linen._driver import discover
+from perturbkit.linen._interceptor import intercept, suspended
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import LayerInfo, call_input, describe, unsupported_reason
-from perturbkit.core._points import inside_lifted_transform
-from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter, Variables
 
-_LIFTED = ('it runs inside a lifted transform (nn.scan, nn.vmap, nn.remat), where its '
-           'inputs are not available')
+_LIFTED = ('it runs once per iteration of a lifted transform (nn.scan, nn.vmap), where K-FAC '
+           'would need factors per iteration')
+_UNREACHED = ('its calls run inside a lifted transform that does not map the "perturbations" '
+              'collection (nn.scan, nn.vmap without it in variable_axes), so their gradients '
+              'cannot be read')
 
 
 def outside_reason(what: set[str]) -> str:
@@ -130,8 +131,6 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       unselected.add(path)
       return False
     reason = unsupported_reason(module, method_name)
-    if reason is None and inside_lifted_transform(module):
-      reason = _LIFTED
     if reason is not None:
       unsupported.setdefault(path, reason)
       if user is not None:
@@ -141,12 +140,20 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     return True
 
   loss_fn = lambda v, x: _float_sum(predict_fn(v, x))
-  try:
-    _, shapes = jax.eval_shape(value_and_grad(loss_fn, filter=recorder, strict=False),
-                               variables, inputs)
-    points = shapes['perturbations']
-  except NoPerturbationPointsError:
-    points = {}
+  lifted: set[tuple] = set()
+  inside: dict[tuple, Any] = {}
+  with suspended():
+    points, _ = discover(loss_fn, variables, (inputs,), {}, filter=recorder, strict=False,
+                         unreachable=[], lifted=lifted, inside=inside)
+  for path in lifted:
+    # Inside nn.remat and nn.jit (a Hugging Face model with gradient checkpointing) a call
+    # is the call it would be outside, and its inputs and gradient come out; nn.scan and
+    # nn.vmap run it once per iteration, with a point stacked per iteration.
+    if leaf_shapes_of(inside[path]) != leaf_shapes_of(points[path]):
+      unsupported.setdefault(path[:-1], _LIFTED)
+      if user is not None:
+        selected_unsupported.setdefault(path[:-1], f'{_LIFTED} ({path[-1]})')
+      supported.pop(path[:-1], None)
 
   flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
   owners = sorted({key[:-1] for key in flat})
@@ -161,7 +168,12 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     elif owner in supported:
       module = supported[owner]
       param = 'embedding' if isinstance(module, nn.Embed) else 'kernel'
-      calls = tuple(k for k in get_in(points, owner) if k.startswith('__call__'))
+      calls = tuple(p[-1] for p in points if p[:-1] == owner and p[-1].startswith('__call__'))
+      if not calls:
+        if user is not None:
+          raise KFACUnsupportedLayerError(name, _UNREACHED)
+        skipped[name] = _UNREACHED
+        continue
       layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
