@@ -284,7 +284,58 @@ def test_layers_without_a_rule_are_listed_or_refused():
   assert only.skipped == {'layers/0': 'not selected by the filter',
                           'layers/1': 'not selected by the filter'}
   scanned = perturbkit.nnx.kfac_layers(M.ScanMLP(rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
-  assert 'inside an NNX transform' in scanned.skipped['blocks/linear']
+  assert 'once per iteration of an NNX transform' in scanned.skipped['blocks/linear']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='blocks/linear.*once per'):
+    perturbkit.nnx.kfac_layers(M.ScanMLP(rngs=nnx.Rngs(0)), jnp.ones((2, 4)),
+                               filter=perturbkit.nnx.filters.by_type(nnx.Linear))
+
+
+class _RematBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(6, 8, rngs=rngs)
+    self.down = nnx.Linear(8, 6, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.tanh(self.up(x)))
+
+
+class _Rematted(nnx.Module):
+  """Tokens and positions embedded, a residual block, a head; with ``remat`` the embeddings
+  and the block run inside ``nnx.remat`` of a function of the whole model (which hands every
+  param, the head's too, back out of the transform)."""
+
+  def __init__(self, remat: bool, rngs):
+    self.remat = remat
+    self.tokens = nnx.Embed(7, 6, rngs=rngs)
+    self.positions = nnx.Embed(5, 6, rngs=rngs)
+    self.block = _RematBlock(rngs)
+    self.head = nnx.Linear(6, 3, rngs=rngs)
+
+  def __call__(self, ids):
+    def body(model, ids):
+      h = model.tokens(ids) + model.positions(jnp.arange(ids.shape[1]))[None]
+      return model.block(h)
+
+    h = nnx.remat(body)(self, ids) if self.remat else body(self, ids)
+    return self.head(h)
+
+
+def test_layers_inside_nnx_remat_are_preconditioned_like_the_plain_model():
+  """Layers inside ``nnx.remat`` are the plain model's layers, with the same skips (the
+  position table looked up with ``jnp.arange`` is shared by every example, also inside the
+  transform), and the estimator's loss, gradients and factors equal the plain model's."""
+  ids = jax.random.randint(jax.random.key(0), (4, 5), 0, 7)
+  labels = jax.random.randint(jax.random.key(1), (4, 5), 0, 3)
+  plain, rematted = _Rematted(False, nnx.Rngs(0)), _Rematted(True, nnx.Rngs(0))
+  layers = perturbkit.nnx.kfac_layers(rematted, ids)
+  assert layers == perturbkit.nnx.kfac_layers(plain, ids)
+  assert sorted(layers.layers) == ['block/down', 'block/up', 'head', 'tokens']
+  assert 'neither computed from the batch' in layers.skipped['positions']
+  for fisher, key in (('empirical', None), ('sampled', jax.random.key(3))):
+    estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher=fisher)
+    got, want = estimate(rematted, ids, labels, key), estimate(plain, ids, labels, key)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got[2]['block/up'].a).max()) > 0
 
 
 

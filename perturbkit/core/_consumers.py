@@ -9,7 +9,9 @@ equation that takes the param as an operand, and whose result carries gradient
 to the outputs (not only through ``stop_gradient``), is a read outside the
 segment.
 Calls to nested jaxprs (``jit``, ``remat``, ``scan``, ``cond``, ...) are
-followed into their bodies.
+followed into their bodies. With liveness (``spared`` given), a param a nested
+jaxpr hands back unchanged (``nnx.remat`` returns the module's state) is the
+same param outside it, not a read.
 """
 from typing import Any, Callable, Mapping
 
@@ -157,7 +159,12 @@ def _live_vars(jaxpr, live_out: list[bool], spared: Mapping[str, int]) -> set:
 
 
 def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, int],
-               report: Callable[[str, str], None]):
+               report: Callable[[str, str], None],
+               handed_back: Callable[[int, str], None] | None = None):
+  """``handed_back(j, owner)``: the nested jaxpr's output ``j`` is an owner's param as it came
+  in (``nnx.remat`` returns the module's state): the caller's output ``j`` is that param too,
+  not a read."""
+  owners = dict(owners)
   live = _live_vars(jaxpr, live_out, spared)
   for eqn in jaxpr.eqns:
     read = {i: owners[v] for i, v in enumerate(eqn.invars)
@@ -181,10 +188,17 @@ def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, i
       for name in read.values():
         report(name, eqn.primitive.name)
       continue
+    lined_up = eqn.primitive.name not in ('scan', 'while')
     for body, operands in bodies:
       offset = len(eqn.invars) - len(operands)
       inner = {b: read[offset + i] for i, b in enumerate(body.invars) if offset + i in read}
-      _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report)
-  for v, keep in zip(jaxpr.outvars, live_out):
+      passed = None
+      if lined_up and len(body.outvars) == len(eqn.outvars):
+        passed = lambda j, owner, eqn=eqn: owners.__setitem__(eqn.outvars[j], owner)
+      _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report, passed)
+  for j, (v, keep) in enumerate(zip(jaxpr.outvars, live_out)):
     if keep and isinstance(v, jex_core.Var) and v in owners:
-      report(owners[v], 'output')
+      if handed_back is not None:
+        handed_back(j, owners[v])
+      else:
+        report(owners[v], 'output')

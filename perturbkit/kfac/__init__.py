@@ -33,7 +33,7 @@ the learning rate accordingly).
 Which layers are skipped
 ------------------------
 Layers without a rule (LayerNorm, a tied ``attend``, calls run once per
-iteration of ``nn.scan``/``nn.vmap``, or inside an NNX transform) and layers whose weights are also read outside their calls (GPT-2's
+iteration of ``nn.scan``/``nn.vmap`` or ``nnx.scan``/``nnx.vmap``) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to
 the fallback transform; selecting one explicitly raises
@@ -42,8 +42,9 @@ position table the model looks up itself (Whisper's encoder ``jnp.arange``,
 CLIP's vision ``(1, patches)`` id buffer) has one output for the whole batch, the
 gradient at it is summed over the examples, and factors from it would be
 ``(Σg)(Σg)ᵀ`` instead of ``Σ g gᵀ``. Layers inside ``nn.remat`` and ``nn.jit``
-(a Hugging Face model with gradient checkpointing) are preconditioned like any
-other: their calls' inputs and gradients come out of the transform as they are. Whether a call's input is computed from the
+(a Hugging Face model with gradient checkpointing) or ``nnx.remat`` and
+``nnx.jit`` are preconditioned like any other: their calls' inputs and gradients
+come out of the transform as they are. Whether a call's input is computed from the
 batch is read off the jaxpr; positions broadcast to ``(batch, length)`` are
 per-example rows and keep the layer (``tests/test_kfac_shared_inputs.py``,
 ``tests/test_real_models_kfac.py``). A read that reaches the loss only through

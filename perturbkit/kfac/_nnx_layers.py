@@ -32,13 +32,17 @@ from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
 from perturbkit.kfac._rules import ConvGeometry, LayerInfo, hashable, as_tuple, call_input
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
-from perturbkit.nnx._driver import check_module
+from perturbkit.nnx._driver import check_module, discover
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
 from perturbkit.core._segment_choice import flat_leaf_owners
 from perturbkit.core._types import CallFilter
 
-_IN_TRANSFORM = ('it runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat), where its '
-                 'inputs are not available')
+_IN_TRANSFORM = ('it runs once per iteration of an NNX transform (nnx.scan, nnx.vmap), or '
+                 'where its gradient cannot be read, and K-FAC would need factors per iteration')
+
+
+class _Input(nnx.Variable):
+  """A layer call's input, recorded inside an NNX transform."""
 
 
 def call_model(model: nnx.Module, inputs: Any) -> Any:
@@ -60,9 +64,26 @@ def unsupported_reason(call: Call) -> str | None:
     return f'{name}.{call.method_name} has no Kronecker-factor rule (only __call__)'
   if isinstance(module, nnx.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
-  if call.copied:
-    return _IN_TRANSFORM
   return None
+
+
+def per_iteration_layers(model: nnx.Module, inputs: Any,
+                         predict: Callable[[nnx.Module, Any], Any],
+                         paths: set[NNXPath]) -> set[NNXPath]:
+  """The layers among ``paths`` (called inside NNX transforms) whose calls have no point
+  or one stacked per iteration (``nnx.scan``, ``nnx.vmap``): K-FAC would need factors per
+  iteration. Inside ``nnx.remat`` and ``nnx.jit`` a call's point has the call's shape, and
+  its inputs and gradient come out of the transform."""
+  if not paths:
+    return set()
+  found = discover(predict, model, (inputs,), {}, strict=False, scalar=False,
+                   points=_filters.any_of(*(_filters.by_path(layer_name(p)) for p in paths)))
+  as_called: dict[NNXPath, list[bool]] = {}
+  for point in found.points:
+    outside = [found.shapes.get(leaf) for leaf in point.leaf_paths()]
+    as_called.setdefault(point.path, []).append(
+        all(o is not None and tuple(o.shape) == tuple(i) for o, i in zip(outside, point.shapes)))
+  return {path for path in paths if not as_called.get(path) or not all(as_called[path])}
 
 
 def describe(module: nnx.Module, path: NNXPath, kernel_shape: tuple[int, ...],
@@ -126,7 +147,7 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
     plain = {path: nnx.graphdef(modules[path]) for path in paths if path in modules}
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
-      if call.copied or call.method_name != '__call__' or call.path not in plain:
+      if call.method_name != '__call__' or call.path not in plain:
         return run()
       return run_segment(call, plain[call.path], nnx.Param, no_backward, ())
 
@@ -135,7 +156,10 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params)
-  return reads_outside(jaxpr, flat_leaf_owners(params, [segment_name(p) for p in paths]))
+  # Liveness followed into nested jaxprs: nnx.remat hands the module's params back out of
+  # its body, which is no read unless the model uses what comes out.
+  return reads_outside(jaxpr, flat_leaf_owners(params, [segment_name(p) for p in paths]),
+                       spared={})
 
 
 def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
@@ -151,15 +175,21 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
     captured = []
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
-      if not call.copied and call.method_name == '__call__' and call.path in names:
+      if call.method_name == '__call__' and call.path in names:
         x = call_input(call.args, call.kwargs)
         recorded.append((names[call.path], tuple(jnp.shape(x))))
+        if call.copied:
+          # Traced inside an NNX transform (nnx.remat): it leaves as the transform's output.
+          name = f'input_{len(recorded)}'
+          call.module.sow(_Input, name, x, reduce_fn=lambda _, v: v, init_fn=lambda: None)
+          x = call.path + (name,)
         captured.append(x)
       return run()
 
     with instrument([copy], on_call, transparent=True):
-      predict(copy, inputs)
-    return captured
+      _, sown = nnx.capture(predict, _Input)(copy, inputs)
+    flat = {tuple(path): var.get_value() for path, var in nnx.to_flat_state(sown)}
+    return [flat[x] if isinstance(x, tuple) else x for x in captured]
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
@@ -213,6 +243,7 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
   unsupported: dict[NNXPath, str] = {}
   selected_unsupported: dict[NNXPath, str] = {}
   unselected: set[NNXPath] = set()
+  in_transform: set[NNXPath] = set()
   for call, selected in _recorded_calls(model, inputs, predict, user):
     if not selected:
       unselected.add(call.path)
@@ -224,6 +255,13 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
         selected_unsupported.setdefault(call.path, f'{reason} ({call.method_name})')
       continue
     supported.setdefault(call.path, (call.module, []))[1].append(call.key)
+    if call.copied:
+      in_transform.add(call.path)
+  for path in per_iteration_layers(model, inputs, predict, in_transform):
+    del supported[path]
+    unsupported.setdefault(path, _IN_TRANSFORM)
+    if user is not None:
+      selected_unsupported.setdefault(path, f'{_IN_TRANSFORM} (__call__)')
 
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   owners = sorted({path[:-1] for path in params}, key=lambda p: tuple(map(str, p)))
