@@ -173,6 +173,19 @@ def test_activation_patching_equals_a_loop_of_hand_patched_runs(case):
   np.testing.assert_allclose(result.corrupted_metric, base, **TOL)
 
 
+def test_effects_per_example_under_vmap_equal_one_sweep_per_example(case):
+  """``jax.vmap`` over examples (the metric of one example) runs the per-iteration sweeps in
+  lockstep: each example's effects equal its own sweep, and differ between examples."""
+  one = lambda model, x: case.metric(model, x[None])
+  sweep = case.api.activation_patching(one, filter=case.scanned, axis=1)
+  per_example = jax.jit(jax.vmap(sweep, in_axes=(None, 0, 0)))(
+      case.model, case.clean, case.corrupted)
+  for e in range(case.clean.shape[0]):
+    alone = sweep(case.model, case.clean[e], case.corrupted[e])
+    np.testing.assert_allclose(per_example.effects[e], alone.effects, **TOL)
+  assert not np.allclose(per_example.effects[0], per_example.effects[1], **TOL)
+
+
 def test_attribution_patching_equals_the_gradient_of_the_loop(case):
   """``(a_clean - a_corrupted) . d metric / d a`` per iteration and position, with the
   gradient from jax.grad of the loop with an explicit delta added at every call."""
