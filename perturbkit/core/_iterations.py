@@ -61,6 +61,13 @@ def iteration_indices(stacking: Stacking) -> jax.Array:
   return jnp.arange(stacking.size, dtype=jnp.int32).reshape(shape)
 
 
+def index_entries(stackings: Mapping[tuple, Stacking]) -> dict[tuple, jax.Array]:
+  """``{path next to each stacked point: its iteration indices}``, for the front ends to put
+  next to the perturbations."""
+  return {path[:-1] + (iteration_key(path[-1]),): iteration_indices(s)
+          for path, s in stackings.items()}
+
+
 def iteration_path(path: tuple, index: int) -> tuple:
   """The point path of one iteration of a stacked call: ``(..., '__call__[2]')``."""
   return path[:-1] + (f'{path[-1]}[{index}]',)

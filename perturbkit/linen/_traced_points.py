@@ -1,8 +1,7 @@
 """A Linen function's selected calls as :class:`TracedPoints`, for the families to run."""
 from typing import Any, Callable
 
-from perturbkit.core._iterations import (iteration_indices, iteration_key, leaf_shapes_of,
-                                         per_iteration, stacking)
+from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stacking
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._types import CallFilter, Variables
@@ -55,8 +54,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   stackings = {p: s for p in paths if p in inside
                for s in [stacking(leaf_shapes_of(inside[p]), leaf_shapes_of(found[p]))]
                if s is not None}
-  indices = {p[:-1] + (iteration_key(p[-1]),): iteration_indices(s)
-             for p, s in stackings.items()} if split_iterations else {}
+  indices = index_entries(stackings) if split_iterations else {}
 
   def run(perturbations, args, kwargs, edit=None):
     tree = nested({**{p: perturbations[p] if p in perturbations else shape.zeros()

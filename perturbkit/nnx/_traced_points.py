@@ -5,8 +5,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from perturbkit.core._iterations import (iteration_indices, iteration_key, leaf_shapes_of,
-                                         per_iteration, stacking)
+from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stacking
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._trees import get_in
@@ -63,8 +62,7 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   stackings = {path: s for path, p in zip(paths, found.points)
                for s in [stacking(list(p.shapes), leaf_shapes_of(shapes[path]))]
                if s is not None}
-  indices = {path[:-1] + (iteration_key(path[-1]),): iteration_indices(s)
-             for path, s in stackings.items()} if split_iterations else {}
+  indices = index_entries(stackings) if split_iterations else {}
   graphdef, state = nnx.split(model)
 
   def run(perturbations, args, kwargs, edit=None):
