@@ -195,14 +195,16 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
           "come out: it carries out neither a mutable collection nor the call's "
           "perturbation stacked like its output (nnx.vmap with the module's state "
-          'broadcast, a scan inside a scan, ...). Exclude such calls with the filter, or '
-          'leave return_activations off (their activation gradients are still returned).')
+          'broadcast, nested scans that stack along other axes than the leading ones, ...). '
+          'Exclude such calls with the filter, or leave return_activations off (their '
+          'activation gradients are still returned).')
     else:
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '
           'whose intermediate values do not come out, neither as they are nor stacked per '
-          "iteration (nnx.vmap with the module's state broadcast, a scan inside a scan, a "
-          'transform that carries no collection out, ...). Leave such calls out with the '
+          "iteration (nnx.vmap with the module's state broadcast, nested scans that stack "
+          'along other axes than the leading ones, a transform that carries no collection '
+          'out, ...). Leave such calls out with the '
           'filter (e.g. filter=perturbkit.filters.by_path(...) naming calls outside the '
           'transform, such as the module that calls the transformed one), or run a copy of '
           'the model built without the transform on the same variables.')

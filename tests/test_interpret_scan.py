@@ -34,7 +34,7 @@ class Case(NamedTuple):
   loop: Callable                 # (x, at) -> output, the model written out
   scanned: Callable              # the filter of the calls inside the scan
   stacked: tuple[str, ...]       # those calls' paths, without the iteration, in point order
-  length: int
+  sizes: tuple[int, ...]         # the iterations: (layers,), or (outer, inner) for nested scans
   clean: jax.Array
   corrupted: jax.Array
 
@@ -54,7 +54,7 @@ def _linen() -> Case:
     return at('Dense_1/__call__', h @ p['Dense_1']['kernel'] + p['Dense_1']['bias'][None])
 
   return Case(perturbkit, variables, lambda v, x: jnp.sum(model.apply(v, x) ** 2), loop,
-              filters.by_path('scan*'), ('scan/__call__', 'scan/Dense_0/__call__'), 3,
+              filters.by_path('scan*'), ('scan/__call__', 'scan/Dense_0/__call__'), (3,),
               clean, jax.random.normal(jax.random.key(2), (3, 3)))
 
 
@@ -71,13 +71,112 @@ def _nnx() -> Case:
     return at('head/__call__', model.head(h))
 
   return Case(perturbkit.nnx, model, lambda m, x: jnp.sum(m(x) ** 2), loop,
-              filters.by_path('blocks*'), ('blocks/linear/__call__', 'blocks/__call__'), 3,
+              filters.by_path('blocks*'), ('blocks/linear/__call__', 'blocks/__call__'), (3,),
               nnx_models.random_batch((2, 4), seed=1), nnx_models.random_batch((2, 4), seed=2))
 
 
-@pytest.fixture(params=['linen', 'nnx'], scope='module')
+class _NestedCell(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return jnp.tanh(nn.Dense(4, name='d')(h)), None
+
+
+class _Outer(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    inner = nn.scan(_NestedCell, variable_axes={'params': 0, 'perturbations': 0},
+                    split_rngs={'params': True}, length=2)
+    return inner(name='inner')(h, None)[0], None
+
+
+class _Nested(nn.Module):
+  """A scan of 3 steps, each a scan of 2 steps of tanh(Dense)."""
+
+  @nn.compact
+  def __call__(self, x):
+    outer = nn.scan(_Outer, variable_axes={'params': 0, 'perturbations': 0},
+                    split_rngs={'params': True}, length=3)
+    return outer(name='outer')(x, None)[0]
+
+
+def _linen_nested() -> Case:
+  model = _Nested()
+  clean = jax.random.normal(jax.random.key(1), (3, 4))
+  variables = model.init(jax.random.key(0), clean)
+  dense = variables['params']['outer']['inner']['d']
+
+  def loop(x, at):
+    h = x
+    for i in range(3):
+      for j in range(2):
+        pre = h @ dense['kernel'][i, j] + dense['bias'][i, j][None]
+        h = jnp.tanh(at(f'outer/inner/d/__call__[{i}][{j}]', pre))
+        h = at(f'outer/inner/__call__[{i}][{j}]', (h, None))[0]
+    return h
+
+  return Case(perturbkit, variables, lambda v, x: jnp.sum(model.apply(v, x) ** 2), loop,
+              filters.by_path('outer/inner*'), ('outer/inner/__call__', 'outer/inner/d/__call__'),
+              (3, 2), clean, jax.random.normal(jax.random.key(2), (3, 4)))
+
+
+class _NNXCell(nnx.Module):
+  def __init__(self, rngs):
+    self.d = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, h):
+    return jnp.tanh(self.d(h))
+
+
+class _NNXNested(nnx.Module):
+  """Cells stacked (3, 2) with nested nnx.vmap, run by an nnx.scan inside an nnx.scan."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def outer(rngs):
+      @nnx.split_rngs(splits=2)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def inner(rngs):
+        return _NNXCell(rngs)
+      return inner(rngs)
+
+    self.cells = outer(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def outer(h, cells):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def inner(h, cell):
+        return cell(h)
+      return inner(h, cells)
+
+    return outer(x, self.cells)
+
+
+def _nnx_nested() -> Case:
+  model = _NNXNested(nnx.Rngs(0))
+  graphdef, stacked = nnx.split(model.cells)
+
+  def loop(x, at):
+    h = x
+    for i in range(3):
+      for j in range(2):
+        cell = nnx.merge(graphdef, jax.tree.map(lambda a: a[i, j], stacked))
+        h = at(f'cells/__call__[{i}][{j}]', jnp.tanh(at(f'cells/d/__call__[{i}][{j}]',
+                                                         cell.d(h))))
+    return h
+
+  return Case(perturbkit.nnx, model, lambda m, x: jnp.sum(m(x) ** 2), loop,
+              filters.by_path('cells*'), ('cells/d/__call__', 'cells/__call__'), (3, 2),
+              nnx_models.random_batch((2, 4), seed=1), nnx_models.random_batch((2, 4), seed=2))
+
+
+CASES = {'linen': _linen, 'nnx': _nnx, 'linen_nested': _linen_nested, 'nnx_nested': _nnx_nested}
+
+
+@pytest.fixture(params=list(CASES), scope='module')
 def case(request) -> Case:
-  return _linen() if request.param == 'linen' else _nnx()
+  return CASES[request.param]()
 
 
 def _run(case: Case, x, edits: dict | None = None):
@@ -91,8 +190,19 @@ def _run(case: Case, x, edits: dict | None = None):
   return jnp.sum(case.loop(x, at) ** 2), seen
 
 
+def _indices(case: Case) -> list[tuple[int, ...]]:
+  """Each iteration's index into the stacked axes, in order (row-major when nested)."""
+  return [tuple(int(k) for k in np.unravel_index(i, case.sizes))
+          for i in range(int(np.prod(case.sizes)))]
+
+
+def _at(name: str, index: tuple[int, ...]) -> str:
+  """``'scan/Dense_0/__call__[1]'``, ``'outer/inner/d/__call__[1][0]'``."""
+  return name + ''.join(f'[{k}]' for k in index)
+
+
 def _iterations(case: Case) -> list[str]:
-  return [f'{name}[{i}]' for name in case.stacked for i in range(case.length)]
+  return [_at(name, index) for name in case.stacked for index in _indices(case)]
 
 
 def _leaves(value):
@@ -108,7 +218,7 @@ def test_the_loop_is_the_model(case):
 def test_edits_at_one_iteration_equal_the_loop_with_the_edit_written_in(case):
   """One iteration of a call edited (at one position, or replaced whole), under jax.jit and
   for a stack of edits under jax.vmap; the other iterations run as they are."""
-  name, other = f'{case.stacked[1]}[1]', f'{case.stacked[1]}[2]'
+  name, other = (_at(case.stacked[1], _indices(case)[i]) for i in (1, -1))
   width = _leaves(_run(case, case.clean)[1][name]).shape
   value = jax.random.normal(jax.random.key(5), width)
   edits = {name: interpret.add(0.7, positions=[2], axis=1), other: interpret.replace(value)}
@@ -127,18 +237,25 @@ def test_edits_at_one_iteration_equal_the_loop_with_the_edit_written_in(case):
 
 
 def test_the_cache_is_stacked_and_patching_it_back_changes_nothing(case):
+  """The cache holds a stacked call's outputs stacked over its iterations (two axes in a scan
+  inside a scan), each equal to the loop's; patching them all back in is the unedited run."""
   out, cache = case.api.run_with_cache(case.metric)(case.model, case.clean)
   _, seen = _run(case, case.clean)
   flat = perturbkit_flat(cache.outputs)
   patch = {}
   for name in case.stacked:
     stacked = flat[name]
-    for i in range(case.length):
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], stacked), seen[f'{name}[{i}]'],
+    for i in _indices(case):
+      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], stacked), seen[_at(name, i)],
                                   **TOL)
-      patch[f'{name}[{i}]'] = interpret.replace(jax.tree.map(lambda a: a[i], stacked))
+      patch[_at(name, i)] = interpret.replace(jax.tree.map(lambda a: a[i], stacked))
   np.testing.assert_array_equal(
       case.api.run_with_edits(case.metric)(case.model, patch, case.clean), out)
+  # value_and_grad returns the same activations, stacked the same way.
+  _, _, acts = case.api.value_and_grad(case.metric, return_activations=True)(
+      case.model, case.clean)
+  for name in case.stacked:
+    chex.assert_trees_all_close(perturbkit_flat(acts)[name], flat[name], **TOL)
 
 
 def perturbkit_flat(tree: dict, prefix: str = '') -> dict:
@@ -219,15 +336,15 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
   _, cache = case.api.run_with_cache(case.metric, grads=True)(case.model, case.corrupted)
   flat = perturbkit_flat(cache.grads)
   for name in case.stacked:
-    for i in range(case.length):
+    for i in _indices(case):
       chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], flat[name]),
-                                  grads[f'{name}[{i}]'], **TOL)
+                                  grads[_at(name, i)], **TOL)
 
 
 def test_a_steering_vector_at_one_iteration_is_trained_with_optax(case):
   """A learnable intervention at one iteration: its gradient equals the loop's with the vector
   as an explicit parameter."""
-  name = f'{case.stacked[1]}[0]'
+  name = _at(case.stacked[1], _indices(case)[0])
   width = _leaves(_run(case, case.clean)[1][name]).shape[-1]
   steer = {'steer': interpret.steering_vector(name, (width,))}
   params = jax.tree.map(lambda z: z + 0.3, interpret.init_interventions(steer))
@@ -247,15 +364,16 @@ def test_a_steering_vector_at_one_iteration_is_trained_with_optax(case):
 
 def test_unknown_iterations_are_named_with_the_paths_there_are(case):
   name = case.stacked[1]
-  last = f'{name}[{case.length - 1}]'
+  last = _at(name, _indices(case)[-1])
   with pytest.raises(perturbkit.errors.UnknownEditPathError,
                      match=rf'{name} runs once per iteration.*{name}\[0\].*{re.escape(last)}'):
     case.api.run_with_edits(case.metric)(case.model, {name: interpret.zero_ablate()},
                                          case.clean)
+  first = _at(name, _indices(case)[0])
   with pytest.raises(perturbkit.errors.UnknownEditPathError, match=rf'calls with points.*'
-                                                                   rf'{re.escape(last)}'):
+                                                                   rf'{re.escape(first)}'):
     case.api.run_with_edits(case.metric)(
-        case.model, {f'{name}[{case.length}]': interpret.zero_ablate()}, case.clean)
+        case.model, {_at(name, case.sizes): interpret.zero_ablate()}, case.clean)
 
 
 # --- A scanned, rematerialized transformer against the same layers unrolled ---------------

@@ -11,25 +11,36 @@ edit of a stacked call the iteration it runs in (an index the transform slices
 like the perturbations, see :func:`iteration_indices`).
 """
 import functools
+import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from perturbkit.core._points import PointShape, stacked_axis, with_stacked_axis
 from perturbkit.core._traced_points import PointEdit, TracedPoints
 
 
 class Stacking(NamedTuple):
-  """The axis a stacked point's values are stacked along, and how many iterations."""
+  """Where a stacked point's values are stacked: the axes ``sizes`` from ``axis`` on.
+
+  ``sizes`` is ``(iterations,)`` for a scan, ``(outer, inner)`` for a scan inside a
+  scan; the iterations are numbered in row-major order of those axes.
+  """
   axis: int
-  size: int
+  sizes: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    """How many iterations in all."""
+    return math.prod(self.sizes)
 
 
 def stacking(inside: list[tuple[int, ...]], outside: list[tuple[int, ...]]) -> Stacking | None:
   """How a point's leaf shapes ``outside`` its transform stack those ``inside`` per iteration.
 
-  ``None`` unless every leaf is stacked along the same one axis (the same shapes:
+  ``None`` unless every leaf is stacked along the same axes (the same shapes:
   a transform that does not stack, ``nn.remat``).
   """
   if not inside or list(inside) == list(outside):
@@ -51,13 +62,12 @@ def iteration_key(key: str) -> str:
 
 
 def iteration_indices(stacking: Stacking) -> jax.Array:
-  """``0 .. size - 1`` stacked along ``stacking.axis`` of a ``(1,)`` array per iteration.
+  """``0 .. size - 1`` stacked like the point, one ``(1,)`` array per iteration.
 
-  Put next to the call's perturbation, the transform slices it like the
+  Put next to the call's perturbation, the transforms slice it like the
   perturbation, so inside iteration ``i`` it is ``[i]``.
   """
-  shape = [1]
-  shape.insert(stacking.axis, stacking.size)
+  shape = with_stacked_axis([(1,)], (stacking.axis, stacking.sizes))[0]
   return jnp.arange(stacking.size, dtype=jnp.int32).reshape(shape)
 
 
@@ -68,23 +78,39 @@ def index_entries(stackings: Mapping[tuple, Stacking]) -> dict[tuple, jax.Array]
           for path, s in stackings.items()}
 
 
-def iteration_path(path: tuple, index: int) -> tuple:
-  """The point path of one iteration of a stacked call: ``(..., '__call__[2]')``."""
-  return path[:-1] + (f'{path[-1]}[{index}]',)
+def iteration_path(path: tuple, index: int, stacking: Stacking) -> tuple:
+  """The point path of one iteration of a stacked call: ``(..., '__call__[2]')``;
+  ``'__call__[1][0]'`` in a scan inside a scan (outer iteration, then inner)."""
+  position = ''.join(f'[{i}]' for i in np.unravel_index(index, stacking.sizes))
+  return path[:-1] + (f'{path[-1]}{position}',)
 
 
 def _unstacked_shape(shape: PointShape, stacking: Stacking) -> PointShape:
-  axis = stacking.axis
+  start, end = stacking.axis, stacking.axis + len(stacking.sizes)
   return PointShape(shape.treedef, tuple(
-      jax.ShapeDtypeStruct(s.shape[:axis] + s.shape[axis + 1:], s.dtype) for s in shape.leaves))
+      jax.ShapeDtypeStruct(s.shape[:start] + s.shape[end:], s.dtype) for s in shape.leaves))
 
 
-def _take(tree: Any, index: int, axis: int) -> Any:
-  return jax.tree.map(lambda x: jax.lax.index_in_dim(x, index, axis, keepdims=False), tree)
+def _take(tree: Any, index: int, stacking: Stacking) -> Any:
+  """Iteration ``index`` of values stacked like ``stacking``."""
+  axis, n = stacking.axis, len(stacking.sizes)
+
+  def take(x):
+    flat = x.reshape(x.shape[:axis] + (stacking.size,) + x.shape[axis + n:])
+    return jax.lax.index_in_dim(flat, index, axis, keepdims=False)
+
+  return jax.tree.map(take, tree)
 
 
-def _stack(values: list, axis: int) -> Any:
-  return jax.tree.map(lambda *xs: jnp.stack(xs, axis), *values)
+def _stack(values: list, stacking: Stacking) -> Any:
+  """One value per iteration stacked like ``stacking``."""
+  axis = stacking.axis
+
+  def stack(*xs):
+    stacked = jnp.stack(xs, axis)
+    return stacked.reshape(stacked.shape[:axis] + stacking.sizes + stacked.shape[axis + 1:])
+
+  return jax.tree.map(stack, *values)
 
 
 # A front end's run whose edit takes, for a stacked call, the index of the iteration it
@@ -120,11 +146,11 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
       own_shapes[path] = shapes[path]
       continue
     for i in range(stackings[path].size):
-      one = iteration_path(path, i)
+      one = iteration_path(path, i, stackings[path])
       expanded.append(one)
       own_shapes[one] = _unstacked_shape(shapes[path], stackings[path])
       origin[one] = (path, i)
-  iterations = {path: [iteration_path(path, i) for i in range(s.size)]
+  iterations = {path: [iteration_path(path, i, s) for i in range(s.size)]
                 for path, s in stackings.items()}
 
   def stacked_edit(edit: PointEdit) -> Callable[..., Any]:
@@ -154,7 +180,7 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
     for stacked, values in per_stack.items():
       given[stacked] = _stack([values[i] if i in values else own_shapes[one].zeros()
                                for i, one in enumerate(iterations[stacked])],
-                              stackings[stacked].axis)
+                              stackings[stacked])
     out, outputs, inputs = run(given, args, kwargs,
                                None if edit is None else stacked_edit(edit))
 
@@ -163,7 +189,7 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
       for path in expanded:
         if path in origin:
           stacked, i = origin[path]
-          parts[path] = _take(flat[stacked], i, stackings[stacked].axis)
+          parts[path] = _take(flat[stacked], i, stackings[stacked])
         else:
           parts[path] = flat[path]
       return parts

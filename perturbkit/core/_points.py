@@ -77,26 +77,32 @@ def leaf_shapes(tree: Any) -> list[tuple[int, ...]]:
   return [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(tree)]
 
 
-def stacked_axis(inside: tuple[int, ...], outside: tuple[int, ...]) -> tuple[int, int] | None:
-  """``(axis, size)`` where ``outside`` is ``inside`` with one axis inserted, else ``None``.
+def stacked_axis(inside: tuple[int, ...], outside: tuple[int, ...]
+                 ) -> tuple[int, tuple[int, ...]] | None:
+  """``(axis, sizes)`` where ``outside`` is ``inside`` with the axes ``sizes`` inserted at
+  ``axis``, else ``None``.
 
   A point made inside ``nn.scan``/``nnx.scan`` over stacked modules has the
   call's shape there (``inside``) and, outside, one value per iteration
-  stacked along the scan axis (``outside``).
+  stacked along the scan axis (``outside``): ``sizes`` is ``(iterations,)``.
+  Inside a scan inside a scan, each mapping the perturbations along axis 0,
+  it is stacked along two leading axes, ``(outer, inner)`` iterations.
   """
-  if len(outside) != len(inside) + 1:
-    return None
-  for axis in range(len(outside)):
-    if outside[:axis] + outside[axis + 1:] == inside:
-      return axis, outside[axis]
+  extra = len(outside) - len(inside)
+  if extra == 1:
+    for axis in range(len(outside)):
+      if outside[:axis] + outside[axis + 1:] == inside:
+        return axis, (outside[axis],)
+  elif extra > 1 and tuple(outside[extra:]) == tuple(inside):
+    return 0, tuple(outside[:extra])
   return None
 
 
-def with_stacked_axis(shapes: list[tuple[int, ...]], stacking: tuple[int, int]
+def with_stacked_axis(shapes: list[tuple[int, ...]], stacking: tuple[int, tuple[int, ...]]
                       ) -> list[tuple[int, ...]]:
-  """``shapes`` with the ``(axis, size)`` of :func:`stacked_axis` inserted in each."""
-  axis, size = stacking
-  return [shape[:axis] + (size,) + shape[axis:] for shape in shapes]
+  """``shapes`` with the ``(axis, sizes)`` of :func:`stacked_axis` inserted in each."""
+  axis, sizes = stacking
+  return [tuple(shape[:axis]) + tuple(sizes) + tuple(shape[axis:]) for shape in shapes]
 
 
 def leaf_dtypes(tree: Any) -> list[str]:

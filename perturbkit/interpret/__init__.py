@@ -93,14 +93,17 @@ Conventions
   ['__call__'][2]``: the third layer's); the edits, patching and attribution
   address each iteration as its own call, ``'layers/attn/__call__[2]'``, with
   the shape of one iteration's output (positions and ``axis`` as for any
-  call). Rows of a result list a call's iterations one after another. The edit
+  call). In a scan inside a scan (both mapping the perturbations along axis
+  0) a call is stacked along two leading axes and addressed
+  ``'__call__[outer][inner]'``. Rows of a result list a call's iterations one
+  after another. The edit
   of an iteration is computed inside the scan only where the iteration index
   matches (a ``jnp.where`` for one edited iteration, a ``jax.lax.switch``
   for several), so the scan stays one loop; activation patching's runs of a
   scanned call each run the whole scan, the iterations before the patched one
   included (unrolled layers share them). Calls inside a transform whose
-  values cannot come out (``nnx.vmap`` with the module's state broadcast, a
-  scan inside a scan) raise ``ActivationsUnavailableError``: leave them out
+  values cannot come out (``nnx.vmap`` with the module's state broadcast)
+  raise ``ActivationsUnavailableError``: leave them out
   with the filter, or run a copy of the model built without the transform.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
@@ -113,8 +116,8 @@ Tested against (``tests/test_interpret.py``): Linen's ``capture_intermediates``
 ``jax.vjp`` (metric gradients, attribution) and with each edit written into it
 (edits, each patch of activation patching); an unchunked sweep (the chunked one);
 the NNX model against its Linen twin; a tiny Hugging Face GPT-2, whose blocks
-return tuples. ``tests/test_interpret_scan.py``: scanned models against the
-same layers as a Python loop (edits written in, each patched run, ``jax.grad``
+return tuples. ``tests/test_interpret_scan.py``: scanned models (and scans
+inside scans) against the same layers as a Python loop (edits written in, each patched run, ``jax.grad``
 at explicit deltas), and a transformer scanned over ``remat`` against its
 layers unrolled, on both front ends. ``tests/test_interpret_attribution.py``: integrated gradients
 against completeness and ``jax.grad`` of the hand-written model at the same

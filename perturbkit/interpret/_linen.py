@@ -52,7 +52,7 @@ def run_with_cache(fn: Callable[..., Any], *, filter: CallFilter | bool | None =
     ActivationsUnavailableError: a selected call runs inside a lifted
       transform its values cannot leave (one that does not map the
       perturbations carries none out, and the call is then no point at all,
-      with an ``UnperturbedCallsWarning``; a scan inside a scan); leave it out
+      with an ``UnperturbedCallsWarning``); leave it out
       with the filter. Calls inside ``nn.remat`` and ``nn.jit`` are cached
       like any other; inside ``nn.scan``/``nn.vmap`` with ``'perturbations'``
       in ``variable_axes``, stacked per iteration like their gradients.

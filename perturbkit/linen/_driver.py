@@ -501,7 +501,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ``variable_axes``: add ``'perturbations': 0`` there to get per-iteration
     gradients stacked along the scan axis (checked against a hand-unrolled
     loop); ``return_activations`` and ``return_inputs`` then give the calls'
-    outputs and inputs stacked the same way. Without it the calls inside cannot
+    outputs and inputs stacked the same way (inside a scan inside a scan, along
+    two leading axes, outer then inner). Without it the calls inside cannot
     carry a perturbation; perturbkit then says so with an
     ``UnperturbedCallsWarning`` naming them, instead of silently dropping them
     as plain Flax does.

@@ -37,7 +37,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     NoPerturbationPointsError: the filter selects no call.
     ActivationsUnavailableError: (from ``run``) a selected call runs inside a
       lifted transform whose values do not come out (one that carries no
-      collection out, scans nested in scans); the message names ``function``.
+      collection out); the message names ``function``.
   """
   check_variables(variables, function)
   expected: set[tuple] = set()

@@ -314,7 +314,7 @@ class _Sown:
   state_path: PointPath    # where it is in the capture state: module path + sown name
   where: str               # the call, for messages
   shapes: Any              # the leaves' shapes inside the transform
-  stacking: tuple[int, int] | None  # (axis, size) the call's point is stacked along outside
+  stacking: tuple[int, tuple[int, ...]] | None  # (axis, sizes) of the point stacked outside
 
 
 def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
