@@ -51,6 +51,24 @@ def stacking(inside: list[tuple[int, ...]], outside: list[tuple[int, ...]]) -> S
   return Stacking(*found)
 
 
+def stackings_of(inside: Mapping[tuple, list[tuple[int, ...]]],
+                 outside: Mapping[tuple, PointShape]) -> dict[tuple, Stacking]:
+  """The stacked points among those whose leaf shapes ``inside`` their transform are given
+  (``outside``: every point's shape)."""
+  found = {path: stacking(list(shapes), leaf_shapes_of(outside[path]))
+           for path, shapes in inside.items()}
+  return {path: s for path, s in found.items() if s is not None}
+
+
+def edit_output(edit: Callable[..., Any], path: tuple, part: Any,
+                index: jax.Array | None) -> Any:
+  """``edit(path, part)``; for a scan's call, whose iteration indices the transform sliced
+  to ``index``, the edit of that iteration."""
+  if index is None:
+    return edit(path, part)
+  return edit(path, part, iteration=index.reshape(()))
+
+
 def leaf_shapes_of(shape: PointShape) -> list[tuple[int, ...]]:
   """The leaf shapes a :class:`PointShape` holds."""
   return [tuple(s.shape) for s in shape.leaves]
@@ -140,18 +158,19 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
   expanded: list[tuple] = []
   own_shapes: dict[tuple, PointShape] = {}
   origin: dict[tuple, tuple[tuple, int]] = {}
+  iterations: dict[tuple, list[tuple]] = {}
   for path in paths:
     if path not in stackings:
       expanded.append(path)
       own_shapes[path] = shapes[path]
       continue
-    for i in range(stackings[path].size):
-      one = iteration_path(path, i, stackings[path])
+    s = stackings[path]
+    iterations[path] = [iteration_path(path, i, s) for i in range(s.size)]
+    one_shape = _unstacked_shape(shapes[path], s)
+    for i, one in enumerate(iterations[path]):
       expanded.append(one)
-      own_shapes[one] = _unstacked_shape(shapes[path], stackings[path])
+      own_shapes[one] = one_shape
       origin[one] = (path, i)
-  iterations = {path: [iteration_path(path, i, s) for i in range(s.size)]
-                for path, s in stackings.items()}
 
   def stacked_edit(edit: PointEdit) -> Callable[..., Any]:
     def dispatch(path: tuple, output: Any, iteration: jax.Array | None = None) -> Any:

@@ -28,7 +28,7 @@ from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPoints
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
-from perturbkit.core._iterations import iteration_key
+from perturbkit.core._iterations import edit_output, iteration_key
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
@@ -115,13 +115,10 @@ def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
     if points(call.module, call.method_name):
       before = output
       if edit is not None and has_differentiable_leaf(output):
-        path, part = call.path + (call.key,), differentiable_part(output)
-        if call.module.has_variable(COLLECTION, iteration_key(call.key)):
-          # A scan's call, one iteration of it (see core/_iterations.py).
-          index = call.module.get_variable(COLLECTION, iteration_key(call.key))
-          output = merge(output, edit(path, part, iteration=index.reshape(())))
-        else:
-          output = merge(output, edit(path, part))
+        # A scan's call has its iteration indices next to its point (core/_iterations.py).
+        index = call.module.get_variable(COLLECTION, iteration_key(call.key))
+        output = merge(output, edit_output(edit, call.path + (call.key,),
+                                           differentiable_part(output), index))
       output, applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
       on_point(call, before, applied)
     return output

@@ -1,7 +1,7 @@
 """A Linen function's selected calls as :class:`TracedPoints`, for the families to run."""
 from typing import Any, Callable
 
-from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stacking
+from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stackings_of
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._types import CallFilter, Variables
@@ -51,9 +51,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
   paths = tuple(sorted(expected, key=lambda p: first.get(point_name(p), len(seen))))
   shapes: dict[tuple, PointShape] = {p: found[p] for p in paths}
-  stackings = {p: s for p in paths if p in inside
-               for s in [stacking(leaf_shapes_of(inside[p]), leaf_shapes_of(found[p]))]
-               if s is not None}
+  stackings = stackings_of({p: leaf_shapes_of(inside[p]) for p in paths if p in inside}, found)
   indices = index_entries(stackings) if split_iterations else {}
 
   def run(perturbations, args, kwargs, edit=None):
@@ -69,6 +67,4 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
         raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
 
-  if not split_iterations:
-    return TracedPoints(paths, shapes, run)
-  return per_iteration(paths, shapes, stackings, run)
+  return per_iteration(paths, shapes, stackings if split_iterations else {}, run)

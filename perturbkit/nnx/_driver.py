@@ -33,7 +33,7 @@ from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, gra
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
                                 PerturbationStructureError, WrongFrontEndError)
-from perturbkit.core._iterations import iteration_key
+from perturbkit.core._iterations import edit_output, iteration_key
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
@@ -416,12 +416,10 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
       capture(call, 'inputs', array_part((call.args, call.kwargs)))
     applied.add((call.path, call.key))
     if edit is not None:
-      part = differentiable_part(output)
-      if iteration_key(call.key) in store:  # a scan's call, one iteration of it
-        index = store[iteration_key(call.key)].reshape(())
-        output = merge(output, edit(path, part, iteration=index))
-      else:
-        output = merge(output, edit(path, part))
+      # A scan's call has its iteration indices next to its point (core/_iterations.py).
+      name = iteration_key(call.key)
+      index = store[name] if name in store else None
+      output = merge(output, edit_output(edit, path, differentiable_part(output), index))
     return _perturb(call.module, call.key, output)
 
   order = point_order(found)

@@ -5,7 +5,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stacking
+from perturbkit.core._iterations import index_entries, per_iteration, stackings_of
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._trees import get_in
@@ -59,9 +59,7 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
             for path, p in zip(paths, found.points)}
   hand_placed = [PointShape(jax.tree.structure(0), (found.shapes[p],))
                  for p in found.hand_placed]
-  stackings = {path: s for path, p in zip(paths, found.points)
-               for s in [stacking(list(p.shapes), leaf_shapes_of(shapes[path]))]
-               if s is not None}
+  stackings = stackings_of({path: p.shapes for path, p in zip(paths, found.points)}, shapes)
   indices = index_entries(stackings) if split_iterations else {}
   graphdef, state = nnx.split(model)
 
@@ -83,6 +81,4 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     return (out, {p: get_in(captured['activations'], p) for p in paths},
             {p: get_in(captured['inputs'], p) for p in paths})
 
-  if not split_iterations:
-    return TracedPoints(paths, shapes, run)
-  return per_iteration(paths, shapes, stackings, run)
+  return per_iteration(paths, shapes, stackings if split_iterations else {}, run)
