@@ -207,6 +207,15 @@ def write_results(path: str | None, benchmark: str, config: Mapping[str, Any],
   print(f'wrote {path}')
 
 
+def write_checked(path: str | None, benchmark: str, config: Mapping[str, Any],
+                  models: Mapping[str, Any]) -> int:
+  """:func:`write_results` with ``all_ok`` read from each model's ``'ok'``; returns the
+  script's exit status, 0 when every model's checks passed."""
+  all_ok = all(model['ok'] for model in models.values())
+  write_results(path, benchmark, config, models, all_ok)
+  return 0 if all_ok else 1
+
+
 def check_lines(result: Mapping[str, Any]) -> tuple[str, str]:
   """A model's check status ('OK' or the mismatches) and its targets line ('name=yes, ...')."""
   status = 'OK' if result['ok'] else f'MISMATCH {result["mismatches"]}'

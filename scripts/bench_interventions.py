@@ -395,11 +395,10 @@ def main(argv: list[str] | None = None) -> int:
   results = common.measure_each(args.models, lambda name, key: measure_model(
       SIZES[args.sizes][name], args.repeats, key))
   report(results)
-  all_ok = all(r['ok'] for r in results.values())
-  common.write_results(args.out, 'interventions',
-                       {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
-                        'variants': list(VARIANTS), 'targets': TARGETS}, results, all_ok)
-  return 0 if all_ok else 1
+  config = {
+      'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
+      'variants': list(VARIANTS), 'targets': TARGETS}
+  return common.write_checked(args.out, 'interventions', config, results)
 
 
 if __name__ == '__main__':

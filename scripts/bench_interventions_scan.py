@@ -1,4 +1,4 @@
-"""Activation and attribution patching of a transformer whose layers run in a scan, against the same layers unrolled.
+"""Activation and attribution patching of a scanned transformer, against its layers unrolled.
 
 Large Linen models run their layers as ``nn.scan`` over ``nn.remat`` (one compiled layer,
 stacked params). perturbkit addresses each iteration of a scanned call as its own call
@@ -181,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
   results = common.measure_each(args.models, lambda name, key: measure_model(
       SIZES[args.sizes][name], args.repeats, key))
   report(results)
-  all_ok = all(r['ok'] for r in results.values())
-  common.write_results(args.out, 'interventions_scan',
-                       {'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
-                        'variants': list(VARIANTS)}, results, all_ok)
-  return 0 if all_ok else 1
+  config = {
+      'sizes': args.sizes, 'repeats': args.repeats, 'tolerance': TOLERANCE,
+      'variants': list(VARIANTS)}
+  return common.write_checked(args.out, 'interventions_scan', config, results)
 
 
 if __name__ == '__main__':

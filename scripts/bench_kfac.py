@@ -288,12 +288,9 @@ def main(argv: list[str] | None = None) -> int:
   results = common.measure_each(args.models, lambda name, key: measure_model(
       name, SIZES[args.sizes][name], k, steps, args.repeats, key))
   report(results, k)
-  all_ok = all(r['ok'] for r in results.values())
-  common.write_results(args.out, 'kfac',
-                       {'sizes': args.sizes, 'repeats': args.repeats, 'k': k, 'steps': steps,
-                        'variants': list(VARIANTS), 'time_target': TIME_TARGET},
-                       results, all_ok)
-  return 0 if all_ok else 1
+  return common.write_checked(
+      args.out, 'kfac', {'sizes': args.sizes, 'repeats': args.repeats, 'k': k, 'steps': steps,
+                         'variants': list(VARIANTS), 'time_target': TIME_TARGET}, results)
 
 
 if __name__ == '__main__':
