@@ -241,7 +241,7 @@ def test_the_cache_is_stacked_and_patching_it_back_changes_nothing(case):
   inside a scan), each equal to the loop's; patching them all back in is the unedited run."""
   out, cache = case.api.run_with_cache(case.metric)(case.model, case.clean)
   _, seen = _run(case, case.clean)
-  flat = perturbkit_flat(cache.outputs)
+  flat = models.unnest(cache.outputs)
   patch = {}
   for name in case.stacked:
     stacked = flat[name]
@@ -255,19 +255,7 @@ def test_the_cache_is_stacked_and_patching_it_back_changes_nothing(case):
   _, _, acts = case.api.value_and_grad(case.metric, return_activations=True)(
       case.model, case.clean)
   for name in case.stacked:
-    chex.assert_trees_all_close(perturbkit_flat(acts)[name], flat[name], **TOL)
-
-
-def perturbkit_flat(tree: dict, prefix: str = '') -> dict:
-  """``{'scan': {'Dense_0': {'__call__': v}}}`` as ``{'scan/Dense_0/__call__': v}``."""
-  flat = {}
-  for key, value in tree.items():
-    name = f'{prefix}/{key}' if prefix else str(key)
-    if isinstance(value, dict) and not str(key).startswith('__call__'):
-      flat.update(perturbkit_flat(value, name))
-    else:
-      flat[name] = value
-  return flat
+    chex.assert_trees_all_close(models.unnest(acts)[name], flat[name], **TOL)
 
 
 def test_activation_patching_equals_a_loop_of_hand_patched_runs(case):
@@ -334,7 +322,7 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
     np.testing.assert_allclose(times.effects[r], want, **TOL)
   # The cache's gradients are the same gradients, stacked per iteration.
   _, cache = case.api.run_with_cache(case.metric, grads=True)(case.model, case.corrupted)
-  flat = perturbkit_flat(cache.grads)
+  flat = models.unnest(cache.grads)
   for name in case.stacked:
     for i in _indices(case):
       chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], flat[name]),
