@@ -32,7 +32,7 @@ from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
 from perturbkit.kfac._rules import ConvGeometry, LayerInfo, hashable, as_tuple, call_input
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
-from perturbkit.nnx._driver import check_module, discover
+from perturbkit.nnx._driver import check_module, discover, flat_state
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
 from perturbkit.core._segment_choice import flat_leaf_owners
 from perturbkit.core._types import CallFilter
@@ -188,7 +188,7 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
     with instrument([copy], on_call, transparent=True):
       _, sown = nnx.capture(predict, _Input)(copy, inputs)
-    flat = {tuple(path): var.get_value() for path, var in nnx.to_flat_state(sown)}
+    flat = flat_state(sown)
     return [flat[x] if isinstance(x, tuple) else x for x in captured]
 
   params = params_tree(template)

@@ -156,7 +156,8 @@ def _selected(points: CallFilter, hooks: Sequence[Hook]) -> Callable[[Call, Any]
   return prepare
 
 
-def _flat_state(state: nnx.State) -> dict[PointPath, Any]:
+def flat_state(state: nnx.State) -> dict[PointPath, Any]:
+  """``{path: value}`` of a state (a capture's, a module's)."""
   return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
@@ -237,7 +238,7 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
       return nnx.capture(loss_fn, nnx.Perturbation)(model, *args, **kwargs)
 
   out, state = nnx.eval_shape(traced, model, *args, **kwargs)
-  return out, _flat_state(state), found, seen, missed
+  return out, flat_state(state), found, seen, missed
 
 
 def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
@@ -442,7 +443,7 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
   if missing:
     raise PerturbationsNotAppliedError(missing, nnx=True)
   if sown:
-    _read_sown(captured, sown, _flat_state(state), per_iteration)
+    _read_sown(captured, sown, flat_state(state), per_iteration)
   return out, {k: _nested(v) for k, v in captured.items()}
 
 
