@@ -188,14 +188,18 @@ def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, i
       for name in read.values():
         report(name, eqn.primitive.name)
       continue
-    lined_up = eqn.primitive.name not in ('scan', 'while')
+    loops = eqn.primitive.name in ('scan', 'while')
+
+    def passed(j: int, owner: str, outvars=eqn.outvars):
+      owners[outvars[j]] = owner
+
     for body, operands in bodies:
       offset = len(eqn.invars) - len(operands)
       inner = {b: read[offset + i] for i, b in enumerate(body.invars) if offset + i in read}
-      passed = None
-      if lined_up and len(body.outvars) == len(eqn.outvars):
-        passed = lambda j, owner, eqn=eqn: owners.__setitem__(eqn.outvars[j], owner)
-      _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report, passed)
+      # A body whose outputs are the equation's (not a loop's carry) hands params back.
+      same_outputs = not loops and len(body.outvars) == len(eqn.outvars)
+      _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report,
+                 passed if same_outputs else None)
   for j, (v, keep) in enumerate(zip(jaxpr.outvars, live_out)):
     if keep and isinstance(v, jex_core.Var) and v in owners:
       if handed_back is not None:
