@@ -226,8 +226,16 @@ def test_linen_twin_gives_identical_steps(twin):
       chex.assert_trees_all_close(m_nnx, m_linen, **TOL)
       # The clip is active: the norm it scales by exceeds the bound.
       assert float(s_nnx.grad_norm) > options.get('clip_global_norm', 0.0)
-    chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
-                                s_linen.params, **TOL)
+    both = [traverse_util.flatten_dict(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param))),
+            traverse_util.flatten_dict(s_linen.params)]
+    if twin == 'transformer':
+      # The key bias cancels in the softmax: its gradient is 0 up to rounding, so after two
+      # steps it holds rounding noise (about 1e-6, different on other CPUs), not a value
+      # the two front ends must share.
+      for params in both:
+        bias = params.pop(('attention', 'key', 'bias'))
+        assert float(jnp.abs(bias).max()) < 2e-5, bias
+    chex.assert_trees_all_close(*both, **TOL)
 
 
 def test_one_trace_and_the_graphdef_is_unchanged():
