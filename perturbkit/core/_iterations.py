@@ -106,7 +106,8 @@ def iteration_path(path: tuple, index: int, stacking: Stacking) -> tuple:
 def _unstacked_shape(shape: PointShape, stacking: Stacking) -> PointShape:
   start, end = stacking.axis, stacking.axis + len(stacking.sizes)
   return PointShape(shape.treedef, tuple(
-      jax.ShapeDtypeStruct(s.shape[:start] + s.shape[end:], s.dtype) for s in shape.leaves))
+      jax.ShapeDtypeStruct(s.shape[:start] + s.shape[end:], s.dtype) for s in shape.leaves),
+      shape.varying)
 
 
 def _take(tree: Any, index: int, stacking: Stacking) -> Any:

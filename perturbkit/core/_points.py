@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from perturbkit.core._varying import vary, varying_axes
 from perturbkit.errors import NonDifferentiableOutputError, PerturbationStructureError
 
 COLLECTION = 'perturbations'
@@ -213,19 +214,24 @@ def in_structure_of(value: Any, like: Any) -> Any:
 
 
 class PointShape(NamedTuple):
-  """What a point holds, without its values: a treedef and each leaf's shape/dtype."""
+  """What a point holds, without its values: a treedef, each leaf's shape/dtype and the
+  mesh axes each leaf varies over inside ``jax.shard_map`` (none elsewhere)."""
   treedef: Any
   leaves: tuple[jax.ShapeDtypeStruct, ...]
+  varying: tuple[frozenset[str], ...] = ()
 
   @classmethod
   def of(cls, value: Any) -> 'PointShape':
     leaves, treedef = jax.tree.flatten(value)
     return cls(treedef, tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-                              for x in leaves))
+                              for x in leaves), tuple(map(varying_axes, leaves)))
 
   def zeros(self) -> Any:
-    """Zeros of this shape, made inside the trace (rebuilt from arrays only)."""
-    return jax.tree.unflatten(self.treedef, [jnp.zeros(s.shape, s.dtype) for s in self.leaves])
+    """Zeros of this shape, made inside the trace (rebuilt from arrays only), varying over
+    the devices as the leaves do (see :mod:`perturbkit.core._varying`)."""
+    varying = self.varying or (frozenset(),) * len(self.leaves)
+    return jax.tree.unflatten(self.treedef, [vary(jnp.zeros(s.shape, s.dtype), v)
+                                             for s, v in zip(self.leaves, varying)])
 
 def point_key(method_name: str, index: int) -> str:
   """The point key of the ``index``-th call of ``method_name`` (0-based)."""

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
 from perturbkit.core._naming import named_after
+from perturbkit.core._varying import vary
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import (check_same_calls, checked_positions,
@@ -88,9 +89,11 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
   count = 1 if positions is None else len(positions)
 
   def scalars(path: tuple) -> jax.Array:
+    shape = traced.shapes[path]
     dtype = functools.reduce(jnp.promote_types, [accumulation_dtype(leaf.dtype)
-                                                 for leaf in traced.shapes[path].leaves])
-    return jnp.zeros((count,), dtype)
+                                                 for leaf in shape.leaves])
+    # Inside shard_map, varying like the output, so each device gets its own effects.
+    return vary(jnp.zeros((count,), dtype), frozenset().union(*shape.varying))
 
   def metric(s: dict) -> jax.Array:
     def moved_along(path: tuple, output: Any) -> Any:

@@ -103,7 +103,8 @@ def check_same_calls(clean: TracedPoints, corrupted: TracedPoints):
   for i in range(max(len(clean.paths), len(corrupted.paths))):
     a = clean.paths[i] if i < len(clean.paths) else None
     b = corrupted.paths[i] if i < len(corrupted.paths) else None
-    if a != b or clean.shapes[a] != corrupted.shapes[b]:
+    # Shapes and dtypes: inside shard_map one input may vary over the devices, the other not.
+    if a != b or clean.shapes[a][:2] != corrupted.shapes[b][:2]:
       raise CallStructureMismatchError(f'call {i} ({point_name(a or b)})',
                                        _described(clean, a), _described(corrupted, b))
 

@@ -5,6 +5,8 @@ batch), so it shows the progress of the compiled sweep as it runs, under
 ``jax.jit`` too, and starts afresh on every run of the compiled function. The
 callback is unordered, as JAX allows on many devices (a sweep of a batch sharded
 over them): the groups of calls may run in any order, and each batch adds its runs.
+Inside ``jax.shard_map``, where each device runs the whole sweep on its shard, the
+bar counts the first device's runs.
 Under ``jax.vmap`` (one sweep per example, run in lockstep) the bar counts the
 runs of one sweep: each batch reports once (:func:`_report`), not once per example.
 """
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from perturbkit.core._varying import typed_like, vary_like
 from perturbkit.errors import InvalidOptionError
 
 # The most groups of calls a sweep is cut into (see ``sweep``).
@@ -78,7 +81,21 @@ def _report(advance: Callable[..., None], count: jax.Array, dependencies: Any,
     report(combine(count) if in_batched[0] else count, dependencies)
     return (), ()
 
-  report(count, jax.lax.stop_gradient(dependencies))
+  report(_first_device_only(count), jax.lax.stop_gradient(dependencies))
+
+
+def _first_device_only(count: jax.Array) -> jax.Array:
+  """``count`` on the first device of the ``jax.shard_map`` it runs in, 0 on the others.
+
+  Inside ``shard_map`` every device runs the whole sweep on its own shard of
+  the batch, and a callback runs once per device: the bar follows the first
+  device's sweep (each reaches every job), not the sum over devices.
+  """
+  axes = tuple(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+  if not axes:
+    return count
+  first = jnp.all(jnp.stack([jax.lax.axis_index(axis) == 0 for axis in axes]))
+  return jnp.where(first, count, jnp.zeros_like(count))
 
 
 def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
@@ -170,10 +187,13 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
   def first_batches(consts, skipped):
     def batch(i, outs):
       out = advance(i * size, True, converted(i * size, *consts))
-      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * size, 0),
-                          outs, out)
+      return jax.tree.map(
+          lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, vary_like(b, a), i * size, 0),
+          outs, out)
 
     outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
+    # Inside shard_map, the results start typed as what a batch makes (varying per device).
+    outs = typed_like(outs, lambda: converted(jnp.zeros((), jnp.int32), *consts))
     return chosen(jax.lax.fori_loop(0, count, batch, outs), skipped)
 
   def every_batch(consts):

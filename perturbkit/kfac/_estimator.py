@@ -33,6 +33,7 @@ from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
+from perturbkit.core._varying import typed_like
 
 
 def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
@@ -266,10 +267,9 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       # The gradient stays outside the conditional: XLA:CPU runs convolutions inside
       # control flow several times slower, and most steps take no statistics.
       value, param_grads, absent, aux = without_stats(variables, inputs, targets)
-      stats = jax.lax.cond(jnp.asarray(with_stats, bool),
-                           lambda: with_stats_fn(variables, inputs, targets, key,
-                                                 fisher_only=True)[2],
-                           lambda: absent)
+      taken = lambda: with_stats_fn(variables, inputs, targets, key, fisher_only=True)[2]
+      stats = jax.lax.cond(jnp.asarray(with_stats, bool), taken,
+                           lambda: typed_like(absent, taken))
       out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._varying import typed_like
 from perturbkit.kfac._checks import check_kernel_shapes, refuse_outside_reads, signature
 from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
                                         split_output)
@@ -150,10 +151,9 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
       # As in the Linen estimator: the gradient stays outside the conditional, and the
       # statistics' forward pass runs on the state from before this step.
       value, param_grads, absent, aux = without_stats(model, inputs, targets)
-      stats = jax.lax.cond(jnp.asarray(with_stats, bool),
-                           lambda: with_stats_fn(graphdef, state, inputs, targets, key,
-                                                 fisher_only=True)[2],
-                           lambda: absent)
+      taken = lambda: with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=True)[2]
+      stats = jax.lax.cond(jnp.asarray(with_stats, bool), taken,
+                           lambda: typed_like(absent, taken))
     out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

@@ -402,7 +402,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   call, at the module's path under its point key (``'__call__'``, then
   ``'__call__#1'`` for a second call). The zero perturbations are made inside
   the trace, so under ``jax.jit`` XLA removes them; the function works under
-  ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``, and with a
+  ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``. Inside
+  ``shard_map`` each device's ``grads['perturbations']`` are its own shard's,
+  with ``check_vma`` on or off (the zeros vary over the devices as the outputs
+  do; ``grads['params']`` is what ``jax.grad`` gives there). It works with a
   ``loss_fn`` that contains its own inner gradient step (the points inside the
   inner step get the derivative of the outer loss through that step). The
   collections an ``apply(..., mutable=...)`` in the loss returns are the ones

@@ -43,6 +43,7 @@ from perturbkit.core._points import (array_part, differentiable_part, has_differ
                                leaf_dtypes, leaf_shapes, merge, stacked_axis,
                                with_stacked_axis)
 from perturbkit.core._types import CallFilter
+from perturbkit.core._varying import zeros_like_type
 
 # One entry of the flat perturbation list: module path + perturb name.
 PointPath = tuple[str | int, ...]
@@ -557,7 +558,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       aux = out[1] if has_aux else None
       return loss, (aux, captured)
 
-    zeros = [jnp.zeros(found.shapes[p].shape, found.shapes[p].dtype) for p in order]
+    zeros = [zeros_like_type(found.shapes[p]) for p in order]
     (loss, (aux, captured)), (g_params, g_points) = nnx.value_and_grad(
         differentiable, argnums=(0, 1), has_aux=True)(model, zeros, args, kwargs)
     by_path = dict(zip(order, g_points))

@@ -1,0 +1,62 @@
+"""Device-varying types inside ``jax.shard_map``: zeros and loop carries typed like the values
+they stand for.
+
+Inside ``shard_map`` (with its default ``check_vma=True``) each value's type
+says over which mesh axes it may differ from device to device, and JAX's
+reverse mode sums over the devices the gradient with respect to a value that
+does not vary (the same on every device). A zero perturbation added to a
+call's output must therefore vary like that output: the gradient with respect
+to it is then the device's own, and it is summed over the devices only where
+the output itself is the same on every device, as the gradient of the params
+is. Likewise a loop whose carry starts as a constant and whose body makes it
+from the device's own data must start with the body's type. Outside
+``shard_map`` (or with ``check_vma=False``) no value varies and these are the
+identity.
+"""
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _manual_axes() -> frozenset[str]:
+  mesh = jax.sharding.get_abstract_mesh()
+  return frozenset(getattr(mesh, 'manual_axes', ()) or ())
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The mesh axes over which ``x`` (an array, a tracer or an abstract value) may differ per
+  device, among those ``shard_map`` makes manual where this runs."""
+  aval = x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)) else jax.typeof(x)
+  kind = getattr(aval, 'manual_axis_type', None)
+  axes = kind.varying if kind is not None else getattr(aval, 'vma', ())
+  return frozenset(axes or ()) & _manual_axes()
+
+
+def vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+  """``x``, typed to vary over ``axes`` too (the same values); ``axes`` outside the current
+  ``shard_map`` are ignored."""
+  missing = (frozenset(axes) & _manual_axes()) - varying_axes(x)
+  if not missing:
+    return x
+  return jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
+
+
+def vary_like(x: jax.Array, *like: Any) -> jax.Array:
+  """``x``, typed to vary over the axes each of ``like`` varies over."""
+  return vary(x, frozenset().union(*map(varying_axes, like)))
+
+
+def zeros_like_type(aval: Any) -> jax.Array:
+  """Zeros of ``aval``'s shape and dtype, varying over the devices as it does."""
+  return vary_like(jnp.zeros(aval.shape, aval.dtype), aval)
+
+
+def typed_like(value: Any, make: Callable[[], Any]) -> Any:
+  """``value`` typed to vary over the devices as ``make()``'s output (a tree of the same
+  structure) does: for the other branch of a ``lax.cond``, or a loop's first carry, which
+  must have the type of what the loop body makes. Traces ``make`` only inside
+  ``shard_map``."""
+  if not _manual_axes():
+    return value
+  return jax.tree.map(vary_like, value, jax.eval_shape(make))

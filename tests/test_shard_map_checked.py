@@ -1,0 +1,124 @@
+"""Inside ``jax.shard_map`` with ``check_vma=True`` (JAX's default) on 4 host CPU devices.
+
+There JAX's reverse mode sums over the devices the gradient with respect to a
+value that is the same on every device (a replicated param). A call's output
+made from the device's own shard of the batch differs per device, so its
+activation gradient, cache, patching and attribution effects must be the
+device's own: each equals the same function run on one device on that shard,
+the reference here (itself checked against independent references in the
+single-device tests). The params' gradient is the sum of the shards' gradients,
+as ``jax.grad`` gives inside ``shard_map``. XLA_FLAGS must be set before jax is imported, so the
+checks run in a child process.
+"""
+import textwrap
+
+from host_devices import run_child
+
+CHILD = textwrap.dedent('''
+    import os
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+    import sys
+    import chex, jax, jax.numpy as jnp, optax
+    from flax import nnx
+    from jax.sharding import Mesh, PartitionSpec as P
+    sys.path.insert(0, sys.argv[1])
+    import models, nnx_models, test_kfac
+    import perturbkit
+    from hand_mlp import SHAPE, metric_of
+    assert jax.device_count() == 4, jax.devices()
+    mesh = Mesh(jax.devices(), ('data',))
+    TOL = dict(rtol=1e-5, atol=1e-6)
+    SHARDS = 4
+
+    def stacked(f):
+      return lambda *a: jax.tree.map(lambda x: jnp.asarray(x)[None], f(*a))
+
+    def on_devices(f, params, *batch, check_vma=True):
+      """f on each device's shard of the batch, inside shard_map; one row per device."""
+      specs = (P(),) + (P('data'),) * len(batch)
+      return jax.jit(jax.shard_map(stacked(f), mesh=mesh, in_specs=specs, out_specs=P('data'),
+                                   check_vma=check_vma))(params, *batch)
+
+    def on_shards(f, params, *batch):
+      """The reference: f on one device, on each shard in turn; one row per shard."""
+      size, one = batch[0].shape[0] // SHARDS, jax.jit(stacked(f))  # compiled once
+      rows = [one(params, *(b[i * size:(i + 1) * size] for b in batch)) for i in range(SHARDS)]
+      return jax.tree.map(lambda *r: jnp.concatenate(r), *rows)
+
+    # value_and_grad: each device's activation gradients are its shard's, the params'
+    # gradient the sum over the shards (the same on every device).
+    shape = (8,) + SHAPE[1:]
+    x = jax.random.normal(jax.random.key(1), shape)
+    x_other = jax.random.normal(jax.random.key(2), shape)
+    model = models.MLP()
+    variables = model.init(jax.random.key(0), x)
+    linen_metric = lambda v, x: metric_of(model.apply(v, x))
+    vg = perturbkit.value_and_grad(linen_metric)
+    loss, grads = on_devices(vg, variables, x)
+    loss1, grads1 = on_shards(vg, variables, x)
+    chex.assert_trees_all_close((loss, grads['perturbations']), (loss1, grads1['perturbations']),
+                                **TOL)
+    summed = jax.tree.map(lambda g: jnp.broadcast_to(g.sum(0), g.shape), grads1['params'])
+    chex.assert_trees_all_close(grads['params'], summed, **TOL)
+    assert float(jnp.abs(grads['perturbations']['Dense_0']['__call__']).max()) > 1e-4
+
+    net = nnx_models.MLP(rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(net)
+    nnx_metric = lambda m, x: metric_of(m(x))
+    merged = lambda f: (lambda state, *a: f(nnx.merge(graphdef, state), *a))
+    nnx_vg = merged(lambda m, x: perturbkit.nnx.value_and_grad(nnx_metric)(m, x)[1]
+                    ['perturbations'])
+    chex.assert_trees_all_close(on_devices(nnx_vg, state, x), on_shards(nnx_vg, state, x), **TOL)
+
+    # The interpretability functions, both front ends; patching also with check_vma=False.
+    # (Layer integrated gradients is made of the same sweep and edits as patching.)
+    def family(api):
+      metric = linen_metric if api is perturbkit else nnx_metric
+      return {
+          'activation_patching': (api.activation_patching(metric, axis=1, batch_size=3,
+                                                          progress=True), 2),
+          'attribution_patching': (api.attribution_patching(metric, axis=1), 2),
+          **({'run_with_cache': (api.run_with_cache(metric, grads=True), 1)}
+             if api is perturbkit else {}),
+      }
+    bars = 0
+    for api, params, wrap in [(perturbkit, variables, lambda f: f),
+                              (perturbkit.nnx, state, merged)]:
+      for name, (fn, inputs) in family(api).items():
+        batch = (x, x_other)[:inputs]
+        want = on_shards(wrap(fn), params, *batch)
+        bars += SHARDS * (name == 'activation_patching')  # one per shard, on one device
+        for check_vma in (True, False) if name == 'activation_patching' else (True,):
+          got = on_devices(wrap(fn), params, *batch, check_vma=check_vma)
+          jax.effects_barrier()
+          chex.assert_trees_all_close(got, want, **TOL)
+          bars += name == 'activation_patching'
+        assert float(jnp.abs(jax.tree.leaves(want)[-1]).max()) > 1e-4, name
+    print('BARS', bars)
+
+    # K-FAC's statistics (a traced with_stats: a lax.cond) and per-example norms per device.
+    images = jax.random.normal(jax.random.key(3), (8, 7, 7, 2))
+    labels = jnp.arange(8) % 5
+    cnn_variables, predict, layers = test_kfac.setup(test_kfac.CNN(), images)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='exact')
+    stats = lambda v, x, y: estimate(v, x, y, with_stats=jnp.asarray(True))[2]
+    chex.assert_trees_all_close(on_devices(stats, cnn_variables, images, labels),
+                                on_shards(stats, cnn_variables, images, labels), **TOL)
+    cross_entropy = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        predict(v, x), y).mean()
+    norms = perturbkit.per_example_grad_norms(cross_entropy)
+    chex.assert_trees_all_close(on_devices(norms, cnn_variables, images, labels),
+                                on_shards(norms, cnn_variables, images, labels), **TOL)
+
+    print('SHARD-MAP-CHECKED-OK')
+''')
+
+
+def test_shard_map_with_check_vma():
+  proc = run_child(CHILD, 'SHARD-MAP-CHECKED-OK')
+  # One bar per patching run, each filled once: the 4 devices' sweeps are not added up
+  # (on each front end, 2 runs inside shard_map, check_vma on and off, and 4 references,
+  # one per shard).
+  assert 'BARS 12' in proc.stdout
+  assert proc.stderr.count('activation patching: 100%') == 12, proc.stderr[-3000:]
