@@ -105,6 +105,7 @@ from perturbkit.interpret import (activation_patching, attribution_patching, Cac
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import CallStructureMismatchError
+from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
@@ -207,6 +208,7 @@ __all__ = [
     'ActivationsUnavailableError',
     'AmbiguousInputError',
     'CallStructureMismatchError',
+    'CheckedShardMapError',
     'EditShapeError',
     'EditViewError',
     'ExamplesAxisError',

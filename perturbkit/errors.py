@@ -10,7 +10,9 @@ the function), ``NonScalarLossError``, ``MissingHasAuxError`` (the loss returned
 round), ``NotVariablesError``, ``InvalidOptionError`` (a numeric option out of
 range), ``NotAnOptimizerError``, ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
-inputs of other shapes).
+inputs of other shapes), ``CheckedShardMapError`` (``axis_name`` given inside
+``jax.shard_map`` with its default ``check_vma=True``, where it would count the
+devices twice).
 
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
@@ -701,3 +703,17 @@ class InterventionParamsError(PerturbkitError, ValueError):
         f'interventions are named {sorted(map(str, names))}. Build the params with '
         'perturbkit.interpret.init_interventions(interventions) and train them with their '
         'structure unchanged (optax keeps it).')
+
+
+class CheckedShardMapError(PerturbkitError, ValueError):
+  """``axis_name`` given inside ``jax.shard_map`` with ``check_vma=True`` (JAX's default)."""
+
+  def __init__(self, function, axis):
+    super().__init__(
+        f'{function} was given axis_name={axis!r} inside jax.shard_map with check_vma=True '
+        "(JAX's default). Its all-reduces over axis_name take each device's own gradient, "
+        "as every device has with check_vma=False; with check_vma=True, JAX's reverse mode "
+        'already sums the gradient of replicated values (the params) over the devices, '
+        'and the result would count the devices twice. Pass check_vma=False to '
+        'jax.shard_map: jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=..., '
+        'check_vma=False).')

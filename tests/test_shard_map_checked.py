@@ -7,7 +7,10 @@ activation gradient, cache, patching and attribution effects must be the
 device's own: each equals the same function run on one device on that shard,
 the reference here (itself checked against independent references in the
 single-device tests). The params' gradient is the sum of the shards' gradients,
-as ``jax.grad`` gives inside ``shard_map``. XLA_FLAGS must be set before jax is imported, so the
+as ``jax.grad`` gives inside ``shard_map``. The families that all-reduce over
+``axis_name`` themselves (interleaved training, DP-SGD, the K-FAC
+preconditioner) would count the devices twice there, so they refuse it with
+``CheckedShardMapError``. XLA_FLAGS must be set before jax is imported, so the
 checks run in a child process.
 """
 import textwrap
@@ -111,6 +114,32 @@ CHILD = textwrap.dedent('''
     chex.assert_trees_all_close(on_devices(norms, cnn_variables, images, labels),
                                 on_shards(norms, cnn_variables, images, labels), **TOL)
 
+    # The families that all-reduce over axis_name refuse check_vma=True, by name.
+    y = jax.random.normal(jax.random.key(4), (8, 2))
+    mse = lambda v, x, y: jnp.mean((model.apply(v, x)[:, -1] - y) ** 2)
+    tx = perturbkit.interleaved(mse, optax.sgd(0.1), axis_name='data')
+    nnx_mse = lambda m, x, y: jnp.mean((m(x)[:, -1] - y) ** 2)
+    nnx_tx = perturbkit.nnx.interleaved(nnx_mse, optax.sgd(0.1), axis_name='data')
+    private = perturbkit.private_grad(mse, clip_norm=1.0, noise_multiplier=1.0,
+                                      axis_name='data')
+    kfac = perturbkit.kfac_preconditioner(layers, axis_name='data')
+    kfac_step = lambda params, x, y: kfac.update(
+        params, kfac.init(params), params,
+        kfac_stats=estimate({'params': params}, x, y, with_stats=True)[2])
+    refused = {
+        'perturbkit.interleaved': (tx.step, tx.init(variables, x, y), x, y),
+        'perturbkit.nnx.interleaved': (nnx_tx.step, nnx_tx.init(net, x, y), x, y),
+        'perturbkit.private_grad': (lambda v, x, y: private(v, jax.random.key(0), x, y),
+                                    variables, x, y),
+        'perturbkit.kfac_preconditioner': (kfac_step, cnn_variables['params'], images, labels),
+    }
+    for name, (f, params, *batch) in refused.items():
+      try:
+        on_devices(f, params, *batch)
+      except perturbkit.CheckedShardMapError as error:
+        assert name in str(error) and 'check_vma=False' in str(error), error
+      else:
+        raise AssertionError(name + ' ran with check_vma=True')
     print('SHARD-MAP-CHECKED-OK')
 ''')
 

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from perturbkit.errors import CheckedShardMapError
+
 
 def _manual_axes() -> frozenset[str]:
   mesh = jax.sharding.get_abstract_mesh()
@@ -50,6 +52,21 @@ def vary_like(x: jax.Array, *like: Any) -> jax.Array:
 def zeros_like_type(aval: Any) -> jax.Array:
   """Zeros of ``aval``'s shape and dtype, varying over the devices as it does."""
   return vary_like(jnp.zeros(aval.shape, aval.dtype), aval)
+
+
+def check_unchecked(axis_name: Any, function: str) -> None:
+  """Raises ``CheckedShardMapError`` if ``axis_name`` is an axis of a ``jax.shard_map`` with
+  ``check_vma=True``, where the gradient of replicated params is already summed over it.
+
+  With ``check_vma=False`` (and under ``pmap``) values carry no device-varying
+  types, and the explicit all-reduce is what averages the devices' gradients.
+  """
+  if axis_name is None:
+    return
+  manual = _manual_axes()
+  for name in (axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)):
+    if name in manual and name in varying_axes(jax.lax.axis_index(name)):
+      raise CheckedShardMapError(function, name)
 
 
 def typed_like(value: Any, make: Callable[[], Any]) -> Any:

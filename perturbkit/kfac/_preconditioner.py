@@ -25,6 +25,7 @@ from perturbkit.errors import KFACShapeError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._rules import LayerFactors, factor_shapes, precondition
 from perturbkit.core._validate import fraction, positive, positive_int
+from perturbkit.core._varying import check_unchecked
 
 
 
@@ -194,6 +195,7 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   def update(updates: Any, state: KFACState, params: Any = None, *, kfac_stats: Any = None,
              **extra_args: Any) -> tuple[Any, KFACState]:
     del extra_args
+    check_unchecked(axis_name, 'perturbkit.kfac_preconditioner')
     if kfac_stats is None:
       raise TypeError('The K-FAC preconditioner needs the batch factors: '
                       'tx.update(grads, state, params, kfac_stats=stats), with stats from '

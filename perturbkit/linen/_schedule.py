@@ -29,6 +29,7 @@ from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, ba
                                init_opt_state, input_mismatch, input_shapes)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
+from perturbkit.core._varying import check_unchecked
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
@@ -226,7 +227,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     same holds for ``perturbkit.nnx.interleaved``, and the same ``axis_name``
     argument exists on ``kfac_preconditioner``, ``kfac_segment`` (factors
     ``pmean``-ed over devices) and ``private_grad`` / ``dp_sgd`` (clipped sums
-    ``psum``-ed, noise drawn once).
+    ``psum``-ed, noise drawn once). With ``axis_name``, ``shard_map`` needs
+    ``check_vma=False``: with JAX's default ``check_vma=True`` its reverse mode
+    already sums the params' gradient over the devices, and these functions
+    raise ``CheckedShardMapError`` rather than count the devices twice.
 
     Without ``axis_name``, ``jax.jit(tx.step)`` on sharded inputs and params
     (the batch over a ``'data'`` axis, kernels over a ``'model'`` axis, as
@@ -280,6 +284,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       return _step(state, args)
 
   def _step(state: InterleavedState, args: tuple) -> tuple[InterleavedState, dict]:
+    check_unchecked(axis_name, 'perturbkit.interleaved')
     variables = _plain(state.variables)
     params = variables['params']
     check_opt_state(optimizer, params, state.opt_state)

@@ -30,6 +30,7 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
                                     input_shapes)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
+from perturbkit.core._varying import check_unchecked
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
 
@@ -81,6 +82,7 @@ def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
 def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: jax.Array,
            args: tuple) -> tuple[nnx.State, nnx.State, dict, jax.Array, dict]:
   """One interleaved step: ``(new wrt state, new other state, opt_state, norm, metrics)``."""
+  check_unchecked(settings.axis_name, 'perturbkit.nnx.interleaved')
   graphdef, template, others = nnx.split(model, settings.wrt, ...)
   params = params_tree(template)
   check_opt_state(settings.optimizer, params, opt_state)

@@ -43,6 +43,7 @@ from perturbkit.per_example._rules import LayerNorms
 from perturbkit.core._sweep import guarded_step
 from perturbkit.core._types import Path
 from perturbkit.core._validate import non_negative, positive
+from perturbkit.core._varying import check_unchecked
 from perturbkit.core._naming import named_after
 
 
@@ -293,6 +294,7 @@ def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
   Returns:
     ``(grads, metrics)`` as :func:`private_grad` documents them.
   """
+  check_unchecked(axis_name, 'perturbkit.private_grad')
   layers = all_layer_norms(result, dense_method)
   norms = jnp.sqrt(functools.reduce(jnp.add, flat_squares(layers).values()))
   factors = clip_factors(norms, clip_norm)
