@@ -197,7 +197,9 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
           "come out: it carries out neither a mutable collection nor the call's "
           "perturbation stacked like its output (nnx.vmap with the module's state "
-          'broadcast, nested scans that stack along other axes than the leading ones, ...). '
+          'broadcast, nested scans that stack along other axes than the leading ones, an '
+          'nnx.StateAxes that stacks nnx.Perturbation along another axis than the rest of '
+          "the module's state, ...). "
           'Exclude such calls with the filter, or leave return_activations off (their '
           'activation gradients are still returned).')
     else:
@@ -205,8 +207,9 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '
           'whose intermediate values do not come out, neither as they are nor stacked per '
           "iteration (nnx.vmap with the module's state broadcast, nested scans that stack "
-          'along other axes than the leading ones, a transform that carries no collection '
-          'out, ...). Leave such calls out with the '
+          'along other axes than the leading ones, an nnx.StateAxes that stacks '
+          "nnx.Perturbation along another axis than the rest of the module's state, a "
+          'transform that carries no collection out, ...). Leave such calls out with the '
           'filter (e.g. filter=perturbkit.filters.by_path(...) naming calls outside the '
           'transform, such as the module that calls the transformed one), or run a copy of '
           'the model built without the transform on the same variables.')

@@ -492,3 +492,67 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
       rows.append(want.paths.index(unrolled(call, int(i))))
     np.testing.assert_allclose(got.effects, want.effects[np.array(rows)], rtol=1e-4, atol=1e-5)
     assert np.abs(got.effects).max() > 1e-3
+
+
+class _ScannedAlongAxis1(nn.Module):
+  """``models.Scanned`` with the perturbations stacked along axis 1 of each call's output."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4, name='Dense_0')(x)
+    scan = nn.scan(models.Cell, variable_axes={'params': 0, 'perturbations': 1},
+                   split_rngs={'params': True}, length=3)
+    h, _ = scan(name='scan')(h, None)
+    return nn.Dense(2, name='Dense_1')(h)
+
+
+def test_linen_scan_stacking_along_axis_1_of_outputs_as_long_as_the_scan():
+  """3 examples, 3 iterations: a ``(3, 4)`` output stacked along axis 1 is ``(3, 3, 4)``,
+  as along axis 0. The iterations are read from where the scan stacked (a marker next to
+  the point), not from the shapes: an edit of iteration 1 is that of the loop, and the
+  cache holds iteration ``i`` at ``[:, i]``."""
+  model = _ScannedAlongAxis1()
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  variables = model.init(jax.random.key(0), x)
+  p = variables['params']
+  value = jnp.full((3, 4), 0.5)
+
+  def loop(x, edit_at=None):
+    h, outputs = x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'][None], []
+    cell = p['scan']['Dense_0']
+    for i in range(3):
+      out = value if i == edit_at else h @ cell['kernel'][i] + cell['bias'][i][None]
+      outputs.append(out)
+      h = jnp.tanh(out)
+    return h @ p['Dense_1']['kernel'] + p['Dense_1']['bias'][None], outputs
+
+  fn = lambda v, x: model.apply(v, x)
+  np.testing.assert_allclose(fn(variables, x), loop(x)[0], **TOL)
+  edited = perturbkit.run_with_edits(fn)(
+      variables, {'scan/Dense_0/__call__[1]': interpret.replace(value)}, x)
+  np.testing.assert_allclose(edited, loop(x, edit_at=1)[0], **TOL)
+  assert np.abs(edited - fn(variables, x)).max() > 1e-3
+  _, cache = perturbkit.run_with_cache(fn)(variables, x)
+  stacked = cache.outputs['scan']['Dense_0']['__call__']
+  for i, want in enumerate(loop(x)[1]):
+    np.testing.assert_allclose(stacked[:, i], want, **TOL)
+
+
+def test_nnx_perturbations_stacked_along_another_axis_than_the_captures_are_refused():
+  """An ``nnx.StateAxes`` that stacks ``nnx.Perturbation`` along axis 1 and the rest of the
+  blocks' state along axis 0: the values read inside the scan come out along another axis
+  than the points, so reading or editing them is refused by name, also where the shapes
+  alone would agree (3 examples, 3 iterations)."""
+  model = nnx_models.ScanMLP(width=4, depth=3, rngs=nnx.Rngs(0))
+
+  def run(m, x):
+    axes = nnx.StateAxes({nnx.Perturbation: 1, ...: 0})
+    body = nnx.scan(lambda h, block: block(h), in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
+    return jnp.sum(m.head(body(x, m.blocks)))
+
+  for batch in (3, 2):
+    x = nnx_models.random_batch((batch, 4), seed=1)
+    for function in (perturbkit.nnx.run_with_cache(run),
+                     lambda m, x: perturbkit.nnx.run_with_edits(run)(m, {}, x)):
+      with pytest.raises(perturbkit.ActivationsUnavailableError, match='blocks/linear'):
+        function(model, x)

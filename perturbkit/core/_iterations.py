@@ -36,26 +36,64 @@ class Stacking(NamedTuple):
     """How many iterations in all."""
     return math.prod(self.sizes)
 
+  def marked_axes(self) -> tuple[int, ...]:
+    """The axes a :func:`marker` stacked like this point has other than 1."""
+    return tuple(self.axis + i for i, size in enumerate(self.sizes) if size != 1)
 
-def stacking(inside: list[tuple[int, ...]], outside: list[tuple[int, ...]]) -> Stacking | None:
+
+def marker_name(key: str) -> str:
+  """The name of the axis marker a front end's discovery puts next to point ``key`` inside a
+  transform (no point has it)."""
+  return f'{key}:axis'
+
+
+def marker(rank: int) -> jax.Array:
+  """An axis marker: zeros of shape ``(1,) * rank``, ``rank`` that of the point's first leaf.
+
+  Made next to a point inside a transform that maps the perturbations, it is
+  stacked like the point; outside, its only axes other than 1 are those the
+  transform stacked along. The point's own shape cannot always tell: stacked
+  along axis 1, a ``(3, 4)`` output of a 3-iteration scan is ``(3, 3, 4)``, as
+  stacked along axis 0.
+  """
+  return jnp.zeros((1,) * rank, jnp.float32)
+
+
+def marked_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The axes of a :func:`marker`'s outside shape other than 1: where it was stacked."""
+  return tuple(i for i, size in enumerate(shape) if size != 1)
+
+
+def stacking(inside: list[tuple[int, ...]], outside: list[tuple[int, ...]],
+             marked: tuple[int, ...] | None = None) -> Stacking | None:
   """How a point's leaf shapes ``outside`` its transform stack those ``inside`` per iteration.
 
+  ``marked``, where given, is the outside shape of the point's :func:`marker`:
+  the stacked axes are where it is not 1. Without it (or with one iteration,
+  where every reading is the same) they are read from the shapes.
   ``None`` unless every leaf is stacked along the same axes (the same shapes:
   a transform that does not stack, ``nn.remat``).
   """
   if not inside or list(inside) == list(outside):
     return None
-  found = stacked_axis(inside[0], outside[0])
+  extra = len(outside[0]) - len(inside[0])
+  axes = marked_axes(marked or ())
+  if axes and extra >= 1:
+    found = (axes[0], tuple(outside[0][axes[0]:axes[0] + extra]))
+  else:
+    found = stacked_axis(inside[0], outside[0])
   if found is None or with_stacked_axis(list(inside), found) != list(outside):
     return None
   return Stacking(*found)
 
 
 def stackings_of(inside: Mapping[tuple, list[tuple[int, ...]]],
-                 outside: Mapping[tuple, PointShape]) -> dict[tuple, Stacking]:
+                 outside: Mapping[tuple, PointShape],
+                 marked: Mapping[tuple, tuple[int, ...]] | None = None) -> dict[tuple, Stacking]:
   """The stacked points among those whose leaf shapes ``inside`` their transform are given
-  (``outside``: every point's shape)."""
-  found = {path: stacking(list(shapes), leaf_shapes_of(outside[path]))
+  (``outside``: every point's shape; ``marked``: the outside shapes of their markers)."""
+  marked = marked or {}
+  found = {path: stacking(list(shapes), leaf_shapes_of(outside[path]), marked.get(path))
            for path, shapes in inside.items()}
   return {path: s for path, s in found.items() if s is not None}
 

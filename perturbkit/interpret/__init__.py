@@ -95,15 +95,18 @@ Conventions
   the shape of one iteration's output (positions and ``axis`` as for any
   call). In a scan inside a scan (both mapping the perturbations along axis
   0) a call is stacked along two leading axes and addressed
-  ``'__call__[outer][inner]'``. Rows of a result list a call's iterations one
-  after another. The edit
+  ``'__call__[outer][inner]'``. Perturbations stacked along another axis
+  (``'perturbations': 1``) are read where the scan put them, also where the
+  shapes alone could be read either way (as many examples as iterations).
+  Rows of a result list a call's iterations one after another. The edit
   of an iteration is computed inside the scan only where the iteration index
   matches (a ``jnp.where`` for one edited iteration, a ``jax.lax.switch``
   for several), so the scan stays one loop; activation patching's runs of a
   scanned call each run the whole scan, the iterations before the patched one
   included (unrolled layers share them). Calls inside a transform whose
-  values cannot come out (``nnx.vmap`` with the module's state broadcast)
-  raise ``ActivationsUnavailableError``: leave them out
+  values cannot come out (``nnx.vmap`` with the module's state broadcast,
+  an ``nnx.StateAxes`` that stacks ``nnx.Perturbation`` along another axis
+  than the rest of the module's state) raise ``ActivationsUnavailableError``: leave them out
   with the filter, or run a copy of the model built without the transform.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,

@@ -19,6 +19,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from perturbkit.core import filters as _filters
@@ -28,7 +29,7 @@ from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPoints
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
-from perturbkit.core._iterations import edit_output, iteration_key
+from perturbkit.core._iterations import edit_output, iteration_key, marker, marker_name
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
@@ -136,7 +137,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              point_paths: set[tuple] | None = None,
              hooks_matched: set[int] | None = None,
              lifted: set[tuple] | None = None,
-             inside: dict[tuple, PointShape] | None = None
+             inside: dict[tuple, PointShape] | None = None,
+             marked: dict[tuple, tuple[int, ...]] | None = None
              ) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
@@ -150,7 +152,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   itself hold dicts (a call returning a dict), so the paths cannot be read back
   from the tree; those of the calls inside a lifted transform are also added
   to ``lifted`` if given, with the shape of their output there to ``inside``
-  (a scan's point, outside it, is stacked per iteration).
+  (a scan's point, outside it, is stacked per iteration), and the outside shape
+  of an axis marker made next to each (``core/_iterations.marker``) to
+  ``marked`` if given.
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -170,6 +174,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
         lifted.add(path)
         if inside is not None:
           inside[path] = PointShape.of(differentiable_part(output))
+        if marked is not None:
+          rank = jnp.ndim(jax.tree.leaves(differentiable_part(output))[0])
+          call.module.put_variable(COLLECTION, marker_name(call.key), marker(rank))
     elif call.outside_apply and has_differentiable_leaf(output):
       # Outside every method call (a `bind`-bound module): no apply to replay with the
       # collection mutable, so the point's zeros are made here, from the output.
@@ -186,10 +193,14 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
                            mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
     created = new.get(COLLECTION, {})
     calls.update(reached)
+    markers = {path[:-1] + (marker_name(path[-1]),): path for path in reached}
     for path in reached:
       found[path] = PointShape.of(get_in(created, path))
     for path, value in traverse_util.flatten_dict(created).items():
-      if not any(path[:len(p)] == p for p in reached):
+      if path in markers:
+        if marked is not None:
+          marked[markers[path]] = tuple(jnp.shape(value))
+      elif not any(path[:len(p)] == p for p in reached):
         found[path] = PointShape.of(value)
     with suspended():
       return run()

@@ -43,15 +43,17 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   expected: set[tuple] = set()
   lifted: set[tuple] = set()
   inside: dict[tuple, PointShape] = {}
+  marked: dict[tuple, tuple[int, ...]] = {}
   with suspended():
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
-                           point_paths=expected, lifted=lifted, inside=inside)
+                           point_paths=expected, lifted=lifted, inside=inside, marked=marked)
   if not expected:
     raise NoPerturbationPointsError(seen)
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
   paths = tuple(sorted(expected, key=lambda p: first.get(point_name(p), len(seen))))
   shapes: dict[tuple, PointShape] = {p: found[p] for p in paths}
-  stackings = stackings_of({p: leaf_shapes_of(inside[p]) for p in paths if p in inside}, found)
+  stackings = stackings_of({p: leaf_shapes_of(inside[p]) for p in paths if p in inside}, found,
+                           marked)
   indices = index_entries(stackings) if split_iterations else {}
 
   def run(perturbations, args, kwargs, edit=None):

@@ -33,14 +33,15 @@ from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, gra
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
                                 PerturbationStructureError, WrongFrontEndError)
-from perturbkit.core._iterations import edit_output, iteration_key
+from perturbkit.core._iterations import (Stacking, edit_output, iteration_key, marked_axes, marker,
+                                         marker_name, stacking)
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
                                PerturbationsNotAppliedError, UnmappedPerturbationError,
                                UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
-                               leaf_dtypes, leaf_shapes, merge, stacked_axis,
+                               leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
@@ -184,6 +185,9 @@ class _Discovery:
   shapes: dict[PointPath, jax.ShapeDtypeStruct]
   seen: list[str]
   unreachable: list[str]
+  # The outside shape of the axis marker next to each point made inside a transform
+  # (core/_iterations.marker), by point path: where the transform stacks it.
+  marked: dict[PointPath, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -232,6 +236,8 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
     shapes = tuple(tuple(leaf.shape) for leaf in jax.tree.leaves(output) if _is_inexact(leaf))
     found.append(_Point(call.path, call.key, tuple(names), structure, call.copied, call.name,
                         shapes))
+    if call.copied:
+      call.module.perturb(marker_name(call.key), marker(len(shapes[0])))
     return _perturb(call.module, call.key, output, probe)
 
   def traced(model, *args, **kwargs):
@@ -278,6 +284,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       raise error from None
   if scalar:
     check_loss(out, has_aux)
+  markers = {p.path + (marker_name(p.key),): p.path + (p.key,) for p in found if p.copied}
+  marked = {markers[p]: tuple(shapes.pop(p).shape) for p in list(shapes) if p in markers}
   ours = {p for point in found for p in point.leaf_paths()}
   reached = [p for p in found if all(q in shapes for q in p.leaf_paths())]
   unreachable = sorted({p.where for p in found if p not in reached} | set(missed))
@@ -292,7 +300,7 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     except Exception as e:  # pylint: disable=broad-except
       raise UnmappedPerturbationError(suspects) from e
   hand_placed = [p for p in shapes if p not in ours]
-  return _Discovery(reached, hand_placed, shapes, seen, unreachable)
+  return _Discovery(reached, hand_placed, shapes, seen, unreachable, marked)
 
 
 def point_order(found: _Discovery) -> list[PointPath]:
@@ -316,7 +324,8 @@ class _Sown:
   state_path: PointPath    # where it is in the capture state: module path + sown name
   where: str               # the call, for messages
   shapes: Any              # the leaves' shapes inside the transform
-  stacking: tuple[int, tuple[int, ...]] | None  # (axis, sizes) of the point stacked outside
+  stacking: Stacking | None  # how the point (its gradient) is stacked outside
+  marker_path: PointPath   # the capture state's axis marker next to it
 
 
 def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sown],
@@ -333,10 +342,12 @@ def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sow
   """
   for s in sown:
     value = state[s.state_path]
-    stacked = None
-    if per_iteration and s.stacking is not None:
-      stacked = with_stacked_axis(s.shapes, s.stacking)
-    if leaf_shapes(value) not in (s.shapes, stacked):
+    # Stacked like the gradient: the same shapes, and (where the shapes alone could be
+    # stacked otherwise) the capture state's marker stacked along the point's axes.
+    stacked = (per_iteration and s.stacking is not None
+               and leaf_shapes(value) == with_stacked_axis(s.shapes, s.stacking)
+               and marked_axes(jnp.shape(state[s.marker_path])) == s.stacking.marked_axes())
+    if leaf_shapes(value) != s.shapes and not stacked:
       raise ActivationsUnavailableError(s.where)
     captured[s.kind] = [(p, value if v is s else v) for p, v in captured[s.kind]]
 
@@ -395,12 +406,15 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
       return
     # A value traced inside an NNX transform cannot leave it through Python; the
     # module's capture state does, as the transform's output.
-    name = f'{call.key}:{kind}'
-    call.module.sow(_Captured, name, value, reduce_fn=lambda _, v: v, init_fn=lambda: None)
+    name, marked = f'{call.key}:{kind}', marker_name(f'{call.key}:{kind}')
     point = expected[(call.path, call.key)]
-    outside = tuple(found.shapes[point.leaf_paths()[0]].shape)
+    for sown_name, sown_value in ((name, value), (marked, marker(len(point.shapes[0])))):
+      call.module.sow(_Captured, sown_name, sown_value, reduce_fn=lambda _, v: v,
+                      init_fn=lambda: None)
+    outside = [tuple(found.shapes[q].shape) for q in point.leaf_paths()]
     sown.append(_Sown(kind, path, call.path + (name,), call.name, leaf_shapes(value),
-                      stacked_axis(point.shapes[0], outside)))
+                      stacking(list(point.shapes), outside, found.marked.get(path)),
+                      call.path + (marked,)))
     captured[kind].append((path, sown[-1]))  # its place, filled by _read_sown
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:

@@ -65,7 +65,8 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   shapes = {path: _shape(p.structure, [found.shapes[q] for q in p.leaf_paths()])
             for path, p in zip(paths, found.points)}
   hand_placed = [_shape(jax.tree.structure(0), [found.shapes[p]]) for p in found.hand_placed]
-  stackings = stackings_of({path: p.shapes for path, p in zip(paths, found.points)}, shapes)
+  stackings = stackings_of({path: p.shapes for path, p in zip(paths, found.points)}, shapes,
+                           found.marked)
   indices = index_entries(stackings) if split_iterations else {}
   graphdef, state = nnx.split(model)
 
