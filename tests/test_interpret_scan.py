@@ -484,7 +484,7 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
                          (fn.attribution_patching, (tokens, corrupted)),
                          (integrated, (corrupted,))):
     got = jax.jit(function(metric, filter=calls, axis=1))(model, *args)
-    want = function(twin_metric, filter=twin_calls, axis=1)(twin_model, *args)
+    want = jax.jit(function(twin_metric, filter=twin_calls, axis=1))(twin_model, *args)
     assert len(got.paths) == 6
     rows = []
     for path in got.paths:

@@ -1,8 +1,9 @@
 """Every ```python block of README.md runs as written, in order, in one namespace.
 
 Once here on one device, and once in a child process with 8 host CPU devices (``XLA_FLAGS``
-must be set before jax is imported), where the README's data-parallel ``step`` is then also
-run on a batch whose rows differ and compared with one device on the whole batch.
+must be set before jax is imported): there the blocks up to the README's data-parallel
+``step`` (the ones the many devices change), and ``step`` is then also run on a batch whose
+rows differ and compared with one device on the whole batch.
 """
 import os
 import pathlib
@@ -18,10 +19,13 @@ def python_blocks(text: str) -> list[str]:
   return re.findall(r'^```python\n(.*?)^```', text, flags=re.DOTALL | re.MULTILINE)
 
 
-def run_readme(path=README) -> dict:
+def run_readme(path=README, until: str | None = None) -> dict:
+  """The namespace the blocks leave; with ``until``, the blocks up to the first holding it."""
   namespace: dict = {'__name__': '__readme__'}
   for i, block in enumerate(python_blocks(pathlib.Path(path).read_text())):
     exec(compile(block, f'README.md python block {i}', 'exec'), namespace)
+    if until is not None and until in block:
+      break
   return namespace
 
 
@@ -49,7 +53,7 @@ CHILD = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])
     import test_readme
     assert jax.device_count() == 8, jax.devices()
-    ns = test_readme.run_readme()
+    ns = test_readme.run_readme(until='jax.shard_map')
     perturbkit, loss_fn, variables = ns['perturbkit'], ns['loss_fn'], ns['variables']
     # Rows that differ, so that a missing all-reduce could not go unnoticed.
     x = jax.random.normal(jax.random.key(1), ns['x'].shape)
