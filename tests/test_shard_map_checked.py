@@ -100,19 +100,19 @@ CHILD = textwrap.dedent('''
     print('BARS', bars)
 
     # K-FAC's statistics (a traced with_stats: a lax.cond) and per-example norms per device.
-    images = jax.random.normal(jax.random.key(3), (8, 7, 7, 2))
+    features = jax.random.normal(jax.random.key(3), (8, 5))
     labels = jnp.arange(8) % 5
-    cnn_variables, predict, layers = test_kfac.setup(test_kfac.CNN(), images)
+    dense_variables, predict, layers = test_kfac.setup(models.MLP(out=5), features)
     estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                          fisher='exact')
     stats = lambda v, x, y: estimate(v, x, y, with_stats=jnp.asarray(True))[2]
-    chex.assert_trees_all_close(on_devices(stats, cnn_variables, images, labels),
-                                on_shards(stats, cnn_variables, images, labels), **TOL)
+    chex.assert_trees_all_close(on_devices(stats, dense_variables, features, labels),
+                                on_shards(stats, dense_variables, features, labels), **TOL)
     cross_entropy = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
         predict(v, x), y).mean()
     norms = perturbkit.per_example_grad_norms(cross_entropy)
-    chex.assert_trees_all_close(on_devices(norms, cnn_variables, images, labels),
-                                on_shards(norms, cnn_variables, images, labels), **TOL)
+    chex.assert_trees_all_close(on_devices(norms, dense_variables, features, labels),
+                                on_shards(norms, dense_variables, features, labels), **TOL)
 
     # The families that all-reduce over axis_name refuse check_vma=True, by name.
     y = jax.random.normal(jax.random.key(4), (8, 2))
@@ -131,7 +131,8 @@ CHILD = textwrap.dedent('''
         'perturbkit.nnx.interleaved': (nnx_tx.step, nnx_tx.init(net, x, y), x, y),
         'perturbkit.private_grad': (lambda v, x, y: private(v, jax.random.key(0), x, y),
                                     variables, x, y),
-        'perturbkit.kfac_preconditioner': (kfac_step, cnn_variables['params'], images, labels),
+        'perturbkit.kfac_preconditioner': (kfac_step, dense_variables['params'], features,
+                                           labels),
     }
     for name, (f, params, *batch) in refused.items():
       try:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from perturbkit.errors import CheckedShardMapError
 
 
-def _manual_axes() -> frozenset[str]:
+def manual_axes() -> frozenset[str]:
+  """The mesh axes of the ``jax.shard_map`` this runs in (none outside one)."""
   mesh = jax.sharding.get_abstract_mesh()
   return frozenset(getattr(mesh, 'manual_axes', ()) or ())
 
@@ -29,16 +30,16 @@ def _manual_axes() -> frozenset[str]:
 def varying_axes(x: Any) -> frozenset[str]:
   """The mesh axes over which ``x`` (an array, a tracer or an abstract value) may differ per
   device, among those ``shard_map`` makes manual where this runs."""
-  aval = x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)) else jax.typeof(x)
+  aval = jax.typeof(x) if isinstance(x, jax.Array) else x  # tracers are jax.Arrays too
   kind = getattr(aval, 'manual_axis_type', None)
   axes = kind.varying if kind is not None else getattr(aval, 'vma', ())
-  return frozenset(axes or ()) & _manual_axes()
+  return frozenset(axes or ()) & manual_axes()
 
 
 def vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
   """``x``, typed to vary over ``axes`` too (the same values); ``axes`` outside the current
   ``shard_map`` are ignored."""
-  missing = (frozenset(axes) & _manual_axes()) - varying_axes(x)
+  missing = (frozenset(axes) & manual_axes()) - varying_axes(x)
   if not missing:
     return x
   return jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
@@ -63,7 +64,7 @@ def check_unchecked(axis_name: Any, function: str) -> None:
   """
   if axis_name is None:
     return
-  manual = _manual_axes()
+  manual = manual_axes()
   for name in (axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)):
     if name in manual and name in varying_axes(jax.lax.axis_index(name)):
       raise CheckedShardMapError(function, name)
@@ -74,6 +75,6 @@ def typed_like(value: Any, make: Callable[[], Any]) -> Any:
   structure) does: for the other branch of a ``lax.cond``, or a loop's first carry, which
   must have the type of what the loop body makes. Traces ``make`` only inside
   ``shard_map``."""
-  if not _manual_axes():
+  if not manual_axes():
     return value
   return jax.tree.map(vary_like, value, jax.eval_shape(make))

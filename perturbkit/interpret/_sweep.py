@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from perturbkit.core._varying import typed_like, vary_like
+from perturbkit.core._varying import manual_axes, typed_like, vary_like
 from perturbkit.errors import InvalidOptionError
 
 # The most groups of calls a sweep is cut into (see ``sweep``).
@@ -91,7 +91,7 @@ def _first_device_only(count: jax.Array) -> jax.Array:
   the batch, and a callback runs once per device: the bar follows the first
   device's sweep (each reaches every job), not the sum over devices.
   """
-  axes = tuple(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+  axes = sorted(manual_axes())
   if not axes:
     return count
   first = jnp.all(jnp.stack([jax.lax.axis_index(axis) == 0 for axis in axes]))
