@@ -7,7 +7,8 @@ activation gradient, cache, patching and attribution effects must be the
 device's own: each equals the same function run on one device on that shard,
 the reference here (itself checked against independent references in the
 single-device tests). The params' gradient is the sum of the shards' gradients,
-as ``jax.grad`` gives inside ``shard_map``. The families that all-reduce over
+as ``jax.grad`` gives inside ``shard_map``; DP-SGD without ``axis_name`` likewise gives
+the devices' clipped gradients summed, noised once. The families that all-reduce over
 ``axis_name`` themselves (interleaved training, DP-SGD, the K-FAC
 preconditioner) would count the devices twice there, so they refuse it with
 ``CheckedShardMapError``. XLA_FLAGS must be set before jax is imported, so the
@@ -113,6 +114,23 @@ CHILD = textwrap.dedent('''
     norms = perturbkit.per_example_grad_norms(cross_entropy)
     chex.assert_trees_all_close(on_devices(norms, dense_variables, features, labels),
                                 on_shards(norms, dense_variables, features, labels), **TOL)
+
+    # DP-SGD without axis_name: JAX sums the clipped gradients over the devices, as it sums
+    # jax.grad's; the noise is added once and the count is the device's own.
+    def private(noise_multiplier):
+      dp = perturbkit.private_grad(cross_entropy, clip_norm=0.2,
+                                   noise_multiplier=noise_multiplier)
+      return lambda v, x, y: dp(v, jax.random.key(0), x, y)[0]
+    noised = on_devices(private(1.0), dense_variables, features, labels)
+    clipped_means = on_shards(private(0.0), dense_variables, features, labels)
+    first = lambda t: jax.tree.map(lambda a: a[0], t)
+    size = features.shape[0] // SHARDS
+    noise = jax.tree.map(lambda a, b: size * (a - b), first(on_shards(
+        private(1.0), dense_variables, features, labels)), first(clipped_means))
+    want = jax.tree.map(lambda c, n: (size * c.sum(0) + n) / size, clipped_means, noise)
+    for device in range(SHARDS):
+      chex.assert_trees_all_close(jax.tree.map(lambda a: a[device], noised), want,
+                                  rtol=1e-4, atol=1e-6)
 
     # The families that all-reduce over axis_name refuse check_vma=True, by name.
     y = jax.random.normal(jax.random.key(4), (8, 2))

@@ -204,7 +204,14 @@ Data parallel: with ``axis_name``, each device clips its own examples, the
 clipped sums and example counts are ``psum``-ed, and the noise is drawn after the
 psum from ``key``, which must be the same on every device (``in_specs=P()`` for
 it): every device draws the same ξ, so the noise is added once, not once per
-device (``tests/test_per_example.py``, 4 host devices = 1 device).
+device (``tests/test_per_example.py``, 4 host devices = 1 device). Under
+``jax.shard_map`` this needs ``check_vma=False`` (with JAX's default
+``check_vma=True`` it raises ``CheckedShardMapError``). Without ``axis_name``,
+inside ``shard_map(check_vma=True)`` JAX sums the clipped gradients over the
+devices, as it sums ``jax.grad``'s there, while the example count stays the
+device's own: the result is that sum, noised once, divided by the device's
+count (``tests/test_shard_map_checked.py``). Pass ``axis_name`` for the
+privatized mean of the whole batch.
 
 Combinations that are refused:
 
