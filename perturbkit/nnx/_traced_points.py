@@ -8,18 +8,11 @@ from flax import nnx
 from perturbkit.core._iterations import index_entries, per_iteration, stackings_of
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints
-from perturbkit.core._varying import varying_axes
 from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter
 from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
                                UnperturbedCallsWarning)
 from perturbkit.nnx._driver import check_module, discover, perturbed_call
-
-
-def _shape(treedef: Any, leaves: list[jax.ShapeDtypeStruct]) -> PointShape:
-  """A point's :class:`PointShape` from the abstract values discovery found for its leaves."""
-  return PointShape(treedef, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in leaves),
-                    tuple(map(varying_axes, leaves)))
 
 
 def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
@@ -62,9 +55,11 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   if not found.points:
     raise NoPerturbationPointsError(found.seen, nnx=True)
   paths = tuple(p.path + (p.key,) for p in found.points)
-  shapes = {path: _shape(p.structure, [found.shapes[q] for q in p.leaf_paths()])
+  # From the abstract values discovery found (their devices' varying axes too).
+  shapes = {path: PointShape.of(jax.tree.unflatten(p.structure,
+                                                   [found.shapes[q] for q in p.leaf_paths()]))
             for path, p in zip(paths, found.points)}
-  hand_placed = [_shape(jax.tree.structure(0), [found.shapes[p]]) for p in found.hand_placed]
+  hand_placed = [PointShape.of(found.shapes[p]) for p in found.hand_placed]
   stackings = stackings_of({path: p.shapes for path, p in zip(paths, found.points)}, shapes,
                            found.marked)
   indices = index_entries(stackings) if split_iterations else {}
