@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from perturbkit.core._varying import manual_axes, typed_like, vary_like
+from perturbkit.core._varying import manual_axes, typed_like
 from perturbkit.errors import InvalidOptionError
 
 # The most groups of calls a sweep is cut into (see ``sweep``).
@@ -187,9 +187,8 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
   def first_batches(consts, skipped):
     def batch(i, outs):
       out = advance(i * size, True, converted(i * size, *consts))
-      return jax.tree.map(
-          lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, vary_like(b, a), i * size, 0),
-          outs, out)
+      return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, i * size, 0),
+                          outs, out)
 
     outs = jax.tree.map(lambda s: jnp.broadcast_to(s, (batches * size,) + jnp.shape(s)), skipped)
     # Inside shard_map, the results start typed as what a batch makes (varying per device).
