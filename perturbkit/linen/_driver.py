@@ -414,9 +414,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   ``'__call__#1'`` for a second call). The zero perturbations are made inside
   the trace, so under ``jax.jit`` XLA removes them; the function works under
   ``jax.jit``, ``jax.vmap``, ``shard_map`` and an outer ``jax.grad``. Inside
-  ``shard_map`` each device's ``grads['perturbations']`` are its own shard's,
-  with ``check_vma`` on or off (the zeros vary over the devices as the outputs
-  do; ``grads['params']`` is what ``jax.grad`` gives there). It works with a
+  ``shard_map`` each device's ``grads['perturbations']`` are its own shard's
+  (the zeros vary over the devices as the outputs do). With ``check_vma=True``
+  (JAX's default) a call whose output is the same on every device (a position
+  embedding of fixed positions) gets the sum over the devices, as
+  ``grads['params']`` does there; with ``check_vma=False`` it too gets the
+  device's own. It works with a
   ``loss_fn`` that contains its own inner gradient step (the points inside the
   inner step get the derivative of the outer loss through that step). The
   collections an ``apply(..., mutable=...)`` in the loss returns are the ones
