@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import host_devices
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = r'''
@@ -60,7 +62,7 @@ print('PROGRAMS', sorted(programs.items()))
 
 
 def _programs(seed: int) -> str:
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = host_devices.child_environment()
   env['PYTHONHASHSEED'] = str(seed)
   env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(TESTS), env.get('PYTHONPATH', '')])
   proc = subprocess.run([sys.executable, '-c', CHILD, TESTS], capture_output=True, text=True,

@@ -622,7 +622,7 @@ def test_state_of_another_model_is_a_shape_error():
 
 CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import sys
     import chex, jax, jax.numpy as jnp, optax
     from jax.sharding import Mesh, PartitionSpec as P

@@ -178,7 +178,7 @@ def test_amortised_segment_statistics_and_errors():
 
 CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import sys
     import chex, jax, optax
     from jax.sharding import Mesh, PartitionSpec as P

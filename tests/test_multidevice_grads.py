@@ -8,7 +8,7 @@ from host_devices import run_child
 
 CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import sys
     import chex, jax, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -62,7 +62,7 @@ def test_sharded_value_and_grad_equals_single_device():
 
 MODEL_PARALLEL = textwrap.dedent(r'''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import re, sys
     import chex, flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx

@@ -4,7 +4,6 @@ Each process runs ``multiprocess_child.py``: the interleaved step under ``jax.sh
 all 8 devices of both processes, each process feeding its half of the batch. The reference is
 the same problem in this process, on one device, on the whole batch.
 """
-import os
 import pathlib
 import socket
 import subprocess
@@ -15,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import host_devices
 import multiprocess_child as child
 import perturbkit
 
@@ -37,8 +37,9 @@ def _free_port() -> int:
 
 
 def _run_processes(out_dir: pathlib.Path) -> list[pathlib.Path]:
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu')
+  env = host_devices.child_environment()
+  env['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
+  env['JAX_PLATFORMS'] = 'cpu'
   port = _free_port()
   outs = [out_dir / f'process{i}.npz' for i in range(child.PROCESSES)]
   procs = [subprocess.Popen([sys.executable, str(CHILD), str(i), str(port), str(out)],

@@ -344,7 +344,7 @@ def test_nonfinite_segment_is_skipped():
 
 MULTIDEVICE_CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import chex, jax, jax.numpy as jnp, optax
     from flax import nnx
     from jax.sharding import Mesh, PartitionSpec as P

@@ -440,7 +440,7 @@ def test_batchnorm_dropout_model_with_predict_and_has_aux():
 
 MULTIDEVICE_CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import sys
     import chex, jax, jax.numpy as jnp, optax
     from flax import nnx

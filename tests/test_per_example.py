@@ -470,7 +470,7 @@ def test_noise_has_the_right_scale():
 
 SHARD_MAP_CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
     import sys
     import chex, jax, jax.numpy as jnp, optax
     from jax.sharding import Mesh, PartitionSpec as P

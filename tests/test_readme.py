@@ -5,12 +5,13 @@ must be set before jax is imported): there the blocks up to the README's data-pa
 ``step`` (the ones the many devices change), and ``step`` is then also run on a batch whose
 rows differ and compared with one device on the whole batch.
 """
-import os
 import pathlib
 import re
 import subprocess
 import sys
 import textwrap
+
+import host_devices
 
 README = pathlib.Path(__file__).resolve().parent.parent / 'README.md'
 
@@ -47,7 +48,7 @@ def test_readme_runs_on_one_device(capsys):
 
 CHILD = textwrap.dedent('''
     import os, sys
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
     import chex, jax, jax.numpy as jnp, optax
     jax.config.update('jax_numpy_rank_promotion', 'raise')
     sys.path.insert(0, sys.argv[1])
@@ -70,8 +71,8 @@ CHILD = textwrap.dedent('''
 
 
 def test_readme_runs_on_eight_host_devices():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   proc = subprocess.run([sys.executable, '-c', CHILD, str(pathlib.Path(__file__).parent)],
-                        capture_output=True, text=True, env=env, timeout=600)
+                        capture_output=True, text=True, env=host_devices.child_environment(),
+                        timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   assert 'README-8-DEVICES-OK' in proc.stdout

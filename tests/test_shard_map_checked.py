@@ -20,7 +20,7 @@ from host_devices import run_child
 
 CHILD = textwrap.dedent('''
     import os
-    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'
+    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
     import sys
     import chex, jax, jax.numpy as jnp, optax
     from flax import nnx
