@@ -104,6 +104,7 @@ from perturbkit.interpret import (activation_patching, attribution_patching, Cac
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
+from perturbkit.errors import AxisLengthMismatchError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import EditShapeError
@@ -207,6 +208,7 @@ __all__ = [
     # Errors and warnings (also in perturbkit.errors)
     'ActivationsUnavailableError',
     'AmbiguousInputError',
+    'AxisLengthMismatchError',
     'CallStructureMismatchError',
     'CheckedShardMapError',
     'EditShapeError',

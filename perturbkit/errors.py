@@ -39,7 +39,8 @@ K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
 Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
 broadcast to the call's output), ``EditViewError`` (an edit's ``view`` of another size than
-the call's output), ``PositionOutOfRangeError``, ``NonScalarMetricError``
+the call's output), ``PositionOutOfRangeError``, ``AxisLengthMismatchError`` (without
+``positions``, calls of other lengths along the swept axis), ``NonScalarMetricError``
 (a subclass of ``NonScalarLossError``) and ``CallStructureMismatchError`` (clean and
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
@@ -58,6 +59,7 @@ Example:
   >>> issubclass(perturbkit.errors.SharedSegmentError, perturbkit.PerturbkitError)
   True
 """
+import re
 
 
 class PerturbkitError(Exception):
@@ -649,18 +651,52 @@ class EditViewError(PerturbkitError, ValueError):
         '(batch, tokens, heads * head_dim) output, then positions=[head], axis=2).')
 
 
-class PositionOutOfRangeError(PerturbkitError, IndexError):
-  """A position index is outside the call's output along the edited axis."""
+def _leaf(leaf: tuple[int, int] | None) -> str:
+  return '' if leaf is None or leaf[1] == 1 else f' (array {leaf[0]} of the {leaf[1]} it returns)'
 
-  def __init__(self, where, positions, axis, shape):
+
+class PositionOutOfRangeError(PerturbkitError, IndexError):
+  """A position index is outside the call's output along the edited axis.
+
+  ``leaf``: ``(index, count)`` of the output's array that lacks the position,
+  for a call returning several arrays.
+  """
+
+  def __init__(self, where, positions, axis, shape, leaf: tuple[int, int] | None = None):
     size = shape[axis] if -len(shape) <= axis < len(shape) else None
     within = (f'in [-{size}, {size}) along that axis' if size is not None else
               f'along an axis the output has (it has {len(shape)})')
     super().__init__(
-        f'Position(s) {positions} are out of range for axis {axis} of the output of {where}, '
-        f'of shape {tuple(shape)}. Use positions {within}, another axis= (e.g. 1 for the '
-        'tokens of a (batch, length, features) output), or a filter that leaves out the '
-        'calls whose outputs do not have that axis.')
+        f'Position(s) {positions} are out of range for axis {axis} of the output of {where}'
+        f'{_leaf(leaf)}, of shape {tuple(shape)}. Use positions {within}, another axis= (e.g. '
+        '1 for the tokens of a (batch, length, features) output), or a filter that leaves out '
+        'the calls whose outputs do not have that axis.')
+
+
+class AxisLengthMismatchError(PositionOutOfRangeError):
+  """Without ``positions``, the selected calls' outputs differ in length along ``axis``.
+
+  Every call is then swept at every position of the first call's output. A
+  call of another length there has another axis there (a pooler's features on
+  axis 1, where the other calls have tokens; attention weights' heads), whose
+  first entries would be read as those positions.
+
+  ``others``: ``(call, shape, (array index, arrays))`` of every call that differs.
+  """
+
+  def __init__(self, first, size, axis, others):
+    name, shape, leaf = others[0]
+    more = f', and {len(others) - 1} more call(s)' if len(others) > 1 else ''
+    # The module paths, layer numbers as '*': one pattern per kind of call.
+    patterns = dict.fromkeys(re.sub(r'(?<=/)\d+(?=/|$)', '*', call.rsplit('/', 1)[0])
+                             for call, _, _ in others)
+    listed = ', '.join(f"'{p}'" for p in patterns)
+    PerturbkitError.__init__(
+        self, f'Without positions=, every selected call is swept at every position along axis '
+        f'{axis}, so their outputs must have the same length there: {first} has {size}, but '
+        f'{name}{_leaf(leaf)} has {shape[axis]} (shape {tuple(shape)}){more}. Leave them out '
+        f'(filter=filters.negate(filters.by_path({listed}))), pass another axis=, or pass '
+        'positions=[...] to sweep the same indices of every call.')
 
 
 class NonScalarMetricError(NonScalarLossError):

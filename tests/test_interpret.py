@@ -880,6 +880,62 @@ def test_position_out_of_range(mlp):
     perturbkit.attribution_patching(metric, axis=3)(variables, x, corrupted)
 
 
+class _Pooled(nn.Module):
+  """Token outputs ``(batch, 5, 8)``, attention-like ``(output, weights)`` with the weights
+  ``(batch, 2 heads, 5, 5)``, and a pooler ``(batch, 6)``: axis 1 is tokens, heads, features."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, name='tokens')(x)
+    out, weights = _Attention(name='attn')(h)
+    pooled = nn.Dense(6, name='pooler')(out[:, 0])
+    return jnp.sum(jnp.tanh(out)) + jnp.sum(jnp.tanh(pooled)) + jnp.sum(weights[:, :, 0] ** 2)
+
+
+class _Attention(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    weights = jax.nn.softmax(jnp.einsum('btf,bsf->bts', h, h) / 8)
+    weights = jnp.stack([weights, weights ** 2], axis=1)
+    return h + nn.Dense(8)(jnp.einsum('bhts,bsf->btf', weights, h)), weights
+
+
+def test_calls_of_another_length_along_the_swept_axis():
+  """Without ``positions``, every call is swept at all of the first call's positions: a
+  pooler's features (6 on axis 1) or attention weights' heads (2) are not tokens (5), so the
+  sweeps refuse them by name (read as tokens, the pooler's first 5 features would be)."""
+  model = _Pooled()
+  x = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  corrupted = x.at[:, 2].add(1.0)
+  variables = model.init(jax.random.key(1), x)
+  for function in (perturbkit.attribution_patching, perturbkit.activation_patching):
+    with pytest.raises(perturbkit.AxisLengthMismatchError,
+                       match=r"tokens/__call__ has 5, but attn/__call__ \(array 1 of the 2 it "
+                             r"returns\) has 2 \(shape \(3, 2, 5, 5\)\), and 1 more call.*"
+                             r"by_path\('attn', 'pooler'\)"):
+      function(model.apply, axis=1)(variables, x, corrupted)
+    with pytest.raises(perturbkit.AxisLengthMismatchError,
+                       match=r"has 5, but pooler/__call__ has 6.*by_path\('pooler'\)"):
+      function(model.apply, axis=1, filter=filters.by_path('tokens', 'pooler'))(
+          variables, x, corrupted)
+  with pytest.raises(perturbkit.PositionOutOfRangeError):  # the subclass
+    perturbkit.grad_times_activation(model.apply, axis=1)(variables, x)
+  # The fixes the message names: leave the calls out, or give the positions.
+  tokens = perturbkit.attribution_patching(model.apply, axis=1,
+                                           filter=filters.by_path('tokens', 'attn/Dense_0'))
+  left_out = perturbkit.attribution_patching(
+      model.apply, axis=1, filter=filters.negate(filters.by_path('pooler', 'attn')))
+  got, want = left_out(variables, x, corrupted), tokens(variables, x, corrupted)
+  assert got.paths == want.paths == ('tokens/__call__', 'attn/Dense_0/__call__')
+  assert got.positions == tuple(range(5)) and float(jnp.abs(got.effects).max()) > 0
+  np.testing.assert_array_equal(got.effects, want.effects)
+  given = perturbkit.attribution_patching(model.apply, axis=1, positions=[0, 1])(
+      variables, x, corrupted)
+  assert given.paths == ('tokens/__call__', 'attn/__call__', 'attn/Dense_0/__call__',
+                         'pooler/__call__')
+  np.testing.assert_allclose(given.effects[0], want.effects[0, :2], rtol=1e-6)
+
+
 def test_metric_that_is_not_a_scalar(mlp):
   model, variables, x, corrupted, _ = mlp
   with pytest.raises(perturbkit.NonScalarMetricError, match='run_with_cache.*shape'):

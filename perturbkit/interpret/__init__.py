@@ -59,7 +59,13 @@ Conventions
 * A call's output is its floating-point part, as in ``value_and_grad``: a call
   returning a tuple has a tuple of arrays (``None`` for other leaves); an edit's
   ``scale`` and ``shift`` are then arrays applied to every leaf, or pytrees of
-  that structure. Positions index ``axis`` of every leaf.
+  that structure. Positions index ``axis`` of every leaf. Without
+  ``positions`` a sweep covers every position, so every selected call's
+  output (each leaf) must have the same length along ``axis``
+  (``AxisLengthMismatchError`` names the first that does not: a pooler's
+  ``(batch, features)`` output among ``(batch, tokens, features)`` ones, or
+  attention weights ``(batch, heads, tokens, tokens)`` returned beside the
+  attention's output); leave such calls out with the filter.
 * The cache holds each call's own output, before any edit of that call; the
   calls after an edited one see the edited value.
 * Where an edit applies, the result is computed without the old value
@@ -110,7 +116,7 @@ Conventions
   with the filter, or run a copy of the model built without the transform.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
-``PositionOutOfRangeError``, ``NonScalarMetricError``,
+``PositionOutOfRangeError``, ``AxisLengthMismatchError``, ``NonScalarMetricError``,
 ``CallStructureMismatchError``, ``FeatureMapShapeError``,
 ``InterventionParamsError``, ``ActivationsUnavailableError`` (in ``perturbkit.errors``).
 

@@ -154,7 +154,8 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     filter: The calls to patch (default: all).
     axis: Patch one index along this axis of each output at a time (1 for the
       tokens of ``(batch, length, features)`` outputs); ``None``: whole outputs.
-    positions: The indices along ``axis`` (default: all).
+    positions: The indices along ``axis`` (default: all, the same number at every
+      selected call).
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
@@ -177,7 +178,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     CallStructureMismatchError: the clean and corrupted inputs make different
       calls, or outputs of other shapes.
     NonScalarMetricError: ``fn`` returned no real scalar.
-    PositionOutOfRangeError: a position outside some selected call's output.
+    PositionOutOfRangeError: a position outside some selected call's output
+      (``AxisLengthMismatchError``, its subclass: without ``positions``, calls of
+      other lengths along ``axis``).
     EditViewError: ``view`` does not hold some selected call's output.
     InvalidOptionError: ``batch_size`` is not a positive int, or ``progress``
       not a bool.
@@ -219,7 +222,8 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     fn: ``(variables, inputs) -> metric``.
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
-    positions: The indices along ``axis`` (default: all).
+    positions: The indices along ``axis`` (default: all, the same number at every
+      selected call).
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
@@ -230,7 +234,9 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
   Raises:
     CallStructureMismatchError: the clean and corrupted inputs make different calls.
     NonScalarMetricError: ``fn`` returned no real scalar.
-    PositionOutOfRangeError: a position outside some selected call's output.
+    PositionOutOfRangeError: a position outside some selected call's output
+      (``AxisLengthMismatchError``, its subclass: without ``positions``, calls of
+      other lengths along ``axis``).
     EditViewError: ``view`` does not hold some selected call's output.
 
   Example:
@@ -265,7 +271,8 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     fn: ``(variables, inputs) -> metric``.
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
-    positions: The indices along ``axis`` (default: all).
+    positions: The indices along ``axis`` (default: all, the same number at every
+      selected call).
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
@@ -276,7 +283,9 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
 
   Raises:
     NonScalarMetricError: ``fn`` returned no real scalar.
-    PositionOutOfRangeError: a position outside some selected call's output.
+    PositionOutOfRangeError: a position outside some selected call's output
+      (``AxisLengthMismatchError``, its subclass: without ``positions``, calls of
+      other lengths along ``axis``).
     EditViewError: ``view`` does not hold some selected call's output.
 
   Example:
@@ -319,7 +328,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     fn: ``(variables, inputs) -> metric``.
     filter: The calls to attribute (default: all).
     axis: Attribute each index along this axis separately; ``None``: whole outputs.
-    positions: The indices along ``axis`` (default: all).
+    positions: The indices along ``axis`` (default: all, the same number at every
+      selected call).
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
@@ -343,7 +353,9 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
       trapezoid rule), an unknown ``method`` or ``batch_size``.
     CallStructureMismatchError: ``baseline`` makes other calls than ``inputs``.
     NonScalarMetricError: ``fn`` returned no real scalar.
-    PositionOutOfRangeError: a position outside some selected call's output.
+    PositionOutOfRangeError: a position outside some selected call's output
+      (``AxisLengthMismatchError``, its subclass: without ``positions``, calls of
+      other lengths along ``axis``).
     EditViewError: ``view`` does not hold some selected call's output.
 
   Example:

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
-from perturbkit.errors import (CallStructureMismatchError, InvalidOptionError,
-                               PositionOutOfRangeError)
+from perturbkit.errors import (AxisLengthMismatchError, CallStructureMismatchError,
+                               InvalidOptionError, PositionOutOfRangeError)
 from perturbkit.interpret._edits import viewed_shape
 
 
@@ -36,9 +36,11 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
 
 def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
                     view: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
-  """The positions along ``axis`` (default: all of the first call's), checked at every call.
+  """The positions along ``axis`` (default: all of them), checked at every call.
 
-  ``positions`` come from :func:`checked_positions`.
+  ``positions`` come from :func:`checked_positions`. Without them, every
+  selected call's output must have the first call's length along ``axis``
+  (every array of it), and the sweep covers all of that length.
 
   With ``view``, ``axis`` and the positions refer to every output viewed so.
 
@@ -46,22 +48,32 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
     EditViewError: ``view`` does not hold some selected call's output.
     PositionOutOfRangeError: a position outside some selected call's output
       along ``axis``, or an output without that axis.
+    AxisLengthMismatchError: without ``positions``, a call's output of
+      another length along ``axis`` than the first call's.
   """
   calls = [(point_name(p), [viewed_shape(leaf.shape, view, point_name(p))
                             for leaf in traced.shapes[p].leaves]) for p in traced.paths]
   if axis is None:
     return None
-  if positions is None:
-    name, shapes = calls[0]
+  given = positions is not None
+  if not given:
+    first, shapes = calls[0]
     if not -len(shapes[0]) <= axis < len(shapes[0]):
-      raise PositionOutOfRangeError(name, 'all', axis, shapes[0])
+      raise PositionOutOfRangeError(first, 'all', axis, shapes[0], (0, len(shapes)))
     positions = range(shapes[0][axis])
   positions = tuple(int(p) for p in positions)
+  others = []
   for name, shapes in calls:
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
+      leaf = (i, len(shapes))
       inside = -len(shape) <= axis < len(shape)
-      if not inside or any(not -shape[axis] <= p < shape[axis] for p in positions):
-        raise PositionOutOfRangeError(name, list(positions), axis, shape)
+      if inside and not given and shape[axis] != len(positions):
+        others.append((name, shape, leaf))
+      elif not inside or any(not -shape[axis] <= p < shape[axis] for p in positions):
+        raise PositionOutOfRangeError(name, 'all' if not given else list(positions), axis,
+                                      shape, leaf)
+  if others:
+    raise AxisLengthMismatchError(first, len(positions), axis, others)
   return positions
 
 
