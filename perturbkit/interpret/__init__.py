@@ -62,7 +62,7 @@ Conventions
   that structure. Positions index ``axis`` of every leaf. Without
   ``positions`` a sweep covers every position, so every selected call's
   output (each leaf) must have the same length along ``axis``
-  (``AxisLengthMismatchError`` names the first that does not: a pooler's
+  (``AxisLengthMismatchError`` lists those that do not: a pooler's
   ``(batch, features)`` output among ``(batch, tokens, features)`` ones, or
   attention weights ``(batch, heads, tokens, tokens)`` returned beside the
   attention's output); leave such calls out with the filter.
