@@ -588,6 +588,47 @@ def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(
     chex.assert_trees_all_close(gxa.effects[i], per_token(a_corrupted[i] * grads[i]), **TOL)
 
 
+def test_edits_and_patching_of_a_model_with_infinite_outputs_are_exact(mlp):
+  """Replacing an output whose masked entries are ``-inf`` gives the value given there, not
+  ``0 * inf = nan``: every call's cached output patched back in is the unedited run bit for
+  bit, zero-ablating the scores is softmax over zeros, and activation patching equals each
+  patched run written by hand (the clean value put in at one token)."""
+  _, _, clean, corrupted, _ = mlp
+  model = MaskedAttention()
+  variables = model.init(jax.random.key(0), clean)
+  params = variables['params']
+  names = ('Dense_0/__call__', 'MaskedScores_0/__call__', 'Dense_1/__call__')
+
+  def by_hand(x, edit=lambda i, a: a):
+    h = edit(0, nn.Dense(4).apply({'params': params['Dense_0']}, x))
+    scores = edit(1, MaskedScores().apply({}, h))
+    return edit(2, nn.Dense(2).apply({'params': params['Dense_1']},
+                                      jax.nn.softmax(scores, -1) @ h))
+
+  record = []
+  by_hand(clean, lambda i, a: record.append(a) or a)
+  assert not bool(jnp.isfinite(record[1]).all())
+  edited = jax.jit(perturbkit.run_with_edits(model.apply))
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, clean)
+  back = {name: interpret.replace(cache.outputs[name.split('/')[0]]['__call__'])
+          for name in names}
+  np.testing.assert_array_equal(edited(variables, back, clean), model.apply(variables, clean))
+  zeroed = edited(variables, {names[1]: interpret.zero_ablate()}, clean)
+  want = by_hand(clean, lambda i, a: jnp.zeros_like(a) if i == 1 else a)
+  assert bool(jnp.isfinite(zeroed).all())
+  chex.assert_trees_all_close(zeroed, want, **TOL)
+
+  metric = lambda v, x: metric_of(model.apply(v, x))
+  result = jax.jit(perturbkit.activation_patching(metric, axis=1))(variables, clean, corrupted)
+  base = metric_of(by_hand(corrupted))
+  for i in range(3):
+    for t in range(SHAPE[1]):
+      patch = lambda j, a, i=i, t=t: a.at[:, t].set(record[i][:, t]) if j == i else a
+      want = metric_of(by_hand(corrupted, patch)) - base
+      np.testing.assert_allclose(result.effects[i, t], want, **TOL, err_msg=f'{names[i]} {t}')
+  assert bool(jnp.isfinite(result.effects).all())
+
+
 @pytest.mark.parametrize('axis, positions, shape', [
     (None, None, (2, 5, 3)), (1, (0, 1, 2, 3, 4), (2, 5, 3)), (1, (1, 2), (2, 5, 3)),
     (-2, (-1, 0, 3), (2, 5, 3)), (2, (2, 0, 2), (2, 5, 3)), (0, (1,), (2, 5, 3))])

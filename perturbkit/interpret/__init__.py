@@ -70,7 +70,8 @@ Conventions
   calls after an edited one see the edited value.
 * Where an edit applies, the result is computed without the old value
   (``jnp.where``): replacing an output by its cached value is exactly the
-  unedited run, and ``replace`` gives exactly the value given.
+  unedited run, and ``replace`` gives exactly the value given, also where the
+  old value is infinite (a masked ``-inf`` attention score: no ``0 * inf``).
 * The metric is ``fn``'s output and must be a real scalar (reduce the batch,
   e.g. the mean logit difference); patching changes every example of the batch
   at once, and the attributions sum over the batch and every axis but ``axis``.

@@ -230,8 +230,12 @@ def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.
     return _leaf(dataclasses.replace(edit, view=None), viewed(output, edit.view, where),
                  scale_value, shift, where).reshape(shape)
   shape = jnp.shape(output)
-  target = (_broadcast(scale_value, shape, where, 'scale') * output
-            + _broadcast(shift, shape, where, 'shift')).astype(output.dtype)
+  scale_value = _broadcast(scale_value, shape, where, 'scale')
+  # Where the scale is 0 (replace, zero- and mean-ablation), the old value does not enter:
+  # 0 * inf would be nan at a masked -inf attention score.
+  kept = jnp.where((scale_value != 0) | jnp.isfinite(output), output,
+                   jnp.zeros((), jnp.result_type(output)))
+  target = (scale_value * kept + _broadcast(shift, shape, where, 'shift')).astype(output.dtype)
   mask = jnp.asarray(edit.active, bool)
   if edit.positions is not None:
     mask = mask & _position_mask(edit.positions, edit.axis, shape, where)
