@@ -691,12 +691,16 @@ class AxisLengthMismatchError(PositionOutOfRangeError):
     patterns = dict.fromkeys(re.sub(r'(?<=/)\d+(?=/|$)', '*', call.rsplit('/', 1)[0])
                              for call, _, _ in others)
     listed = ', '.join(f"'{p}'" for p in patterns)
+    # An array beside others (attention weights beside the attention's output): leaves=.
+    beside = sorted({i for _, _, (i, count) in others if count > 1})
+    arrays = ('' if not beside else ', pick the arrays swept with leaves=[...]' if 0 in beside
+              else ', sweep only the first array each call returns (leaves=0)')
     PerturbkitError.__init__(
         self, f'Without positions=, every selected call is swept at every position along axis '
         f'{axis}, so their outputs must have the same length there: {first} has {size}, but '
         f'{name}{_leaf(leaf)} has {shape[axis]} (shape {tuple(shape)}){more}. Leave them out '
-        f'(filter=filters.negate(filters.by_path({listed}))), pass another axis=, or pass '
-        'positions=[...] to sweep the same indices of every call.')
+        f'(filter=filters.negate(filters.by_path({listed}))){arrays}, pass another axis=, or '
+        'pass positions=[...] to sweep the same indices of every call.')
 
 
 class NonScalarMetricError(NonScalarLossError):

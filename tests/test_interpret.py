@@ -933,12 +933,56 @@ class _Pooled(nn.Module):
     return jnp.sum(jnp.tanh(out)) + jnp.sum(jnp.tanh(pooled)) + jnp.sum(weights[:, :, 0] ** 2)
 
 
+def _weights(h):
+  weights = jax.nn.softmax(jnp.einsum('btf,bsf->bts', h, h) / 8)
+  return jnp.stack([weights, weights ** 2], axis=1)
+
+
 class _Attention(nn.Module):
   @nn.compact
   def __call__(self, h):
-    weights = jax.nn.softmax(jnp.einsum('btf,bsf->bts', h, h) / 8)
-    weights = jnp.stack([weights, weights ** 2], axis=1)
-    return h + nn.Dense(8)(jnp.einsum('bhts,bsf->btf', weights, h)), weights
+    return h + nn.Dense(8)(jnp.einsum('bhts,bsf->btf', _weights(h), h)), _weights(h)
+
+
+class _PooledTwin(nn.Module):
+  """``_Pooled`` whose attention returns its output alone; the weights, the same numbers, are
+  computed outside any call, where no sweep reaches them."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, name='tokens')(x)
+    out = _AttentionOutput(name='attn')(h)
+    pooled = nn.Dense(6, name='pooler')(out[:, 0])
+    return jnp.sum(jnp.tanh(out)) + jnp.sum(jnp.tanh(pooled)) + jnp.sum(_weights(h)[:, :, 0] ** 2)
+
+
+class _AttentionOutput(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return h + nn.Dense(8)(jnp.einsum('bhts,bsf->btf', _weights(h), h))
+
+
+class _NNXPooled(nnx.Module):
+  """``_Pooled`` in NNX, without the pooler; ``alone``: its twin, as ``_PooledTwin``."""
+
+  def __init__(self, alone: bool):
+    self.tokens = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    self.attn = _NNXAttention(alone)
+
+  def __call__(self, x):
+    h = self.tokens(x)
+    out = self.attn(h) if self.attn.alone else self.attn(h)[0]
+    return jnp.sum(jnp.tanh(out)) + jnp.sum(_weights(h)[:, :, 0] ** 2)
+
+
+class _NNXAttention(nnx.Module):
+  def __init__(self, alone: bool):
+    self.alone = alone
+    self.proj = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+
+  def __call__(self, h):
+    out = h + self.proj(jnp.einsum('bhts,bsf->btf', _weights(h), h))
+    return out if self.alone else (out, _weights(h))
 
 
 def test_calls_of_another_length_along_the_swept_axis():
@@ -953,7 +997,8 @@ def test_calls_of_another_length_along_the_swept_axis():
     with pytest.raises(perturbkit.AxisLengthMismatchError,
                        match=r"tokens/__call__ has 5, but attn/__call__ \(array 1 of the 2 it "
                              r"returns\) has 2 \(shape \(3, 2, 5, 5\)\), and 1 more call.*"
-                             r"by_path\('attn', 'pooler'\)"):
+                             r"by_path\('attn', 'pooler'\)\)\), sweep only the first array "
+                             r"each call returns \(leaves=0\)"):
       function(model.apply, axis=1)(variables, x, corrupted)
     with pytest.raises(perturbkit.AxisLengthMismatchError,
                        match=r"has 5, but pooler/__call__ has 6.*by_path\('pooler'\)"):
@@ -975,6 +1020,52 @@ def test_calls_of_another_length_along_the_swept_axis():
   assert given.paths == ('tokens/__call__', 'attn/__call__', 'attn/Dense_0/__call__',
                          'pooler/__call__')
   np.testing.assert_allclose(given.effects[0], want.effects[0, :2], rtol=1e-6)
+
+
+def test_leaves_sweep_one_array_of_a_call_as_a_call_returning_it_alone():
+  """``leaves=0`` sweeps the attention's output and leaves the weights it also returns as the
+  run makes them: each sweep on ``_Pooled`` equals the same sweep of its twin whose attention
+  returns the output alone (the weights computed outside any call), on both front ends."""
+  model, twin = _Pooled(), _PooledTwin()
+  x = jax.random.normal(jax.random.key(0), (3, 5, 4))
+  corrupted = x.at[:, 2].add(1.0)
+  variables = model.init(jax.random.key(1), x)
+  keep = filters.negate(filters.by_path('pooler'))
+  paired = (('activation_patching', (x, corrupted), {}),
+            ('attribution_patching', (x, corrupted), {}),
+            ('grad_times_activation', (x,), {}),
+            ('layer_integrated_gradients', (x,), {'steps': 4}))
+  for name, inputs, options in paired:
+    got = jax.jit(getattr(perturbkit, name)(model.apply, axis=1, filter=keep, leaves=0,
+                                            **options))(variables, *inputs)
+    want = jax.jit(getattr(perturbkit, name)(twin.apply, axis=1, filter=keep, **options))(
+        variables, *inputs)
+    assert got.paths == want.paths == ('tokens/__call__', 'attn/__call__',
+                                       'attn/Dense_0/__call__'), name
+    chex.assert_trees_all_close(got, want, **TOL)
+    assert float(jnp.abs(got.effects[1]).max()) > 1e-3, name
+  # Every array named is the default; a call returning fewer arrays is named.
+  attn = dict(axis=1, positions=[0, 1], filter=filters.by_path('attn'))
+  named = perturbkit.attribution_patching(model.apply, leaves=[1, 0], **attn)
+  every = perturbkit.attribution_patching(model.apply, **attn)
+  chex.assert_trees_all_close(named(variables, x, corrupted), every(variables, x, corrupted),
+                              **TOL)
+  with pytest.raises(perturbkit.InvalidOptionError, match='tokens/__call__ returns 1'):
+    perturbkit.attribution_patching(model.apply, axis=1, leaves=1)(variables, x, corrupted)
+  for bad in (-1, [], [0, 0], True, 'a', 1.5):
+    with pytest.raises(perturbkit.InvalidOptionError, match='leaves'):
+      perturbkit.activation_patching(model.apply, axis=1, leaves=bad)
+
+  nnx_metric = lambda m, x: m(x)
+  got = perturbkit.nnx.attribution_patching(nnx_metric, axis=1, leaves=0)(
+      _NNXPooled(alone=False), x, corrupted)
+  want = perturbkit.nnx.attribution_patching(nnx_metric, axis=1)(
+      _NNXPooled(alone=True), x, corrupted)
+  assert got.paths == want.paths
+  assert sorted(got.paths) == ['attn/__call__', 'attn/proj/__call__', 'tokens/__call__']
+  chex.assert_trees_all_close(got, want, **TOL)
+  with pytest.raises(perturbkit.AxisLengthMismatchError, match='leaves=0'):
+    perturbkit.nnx.activation_patching(nnx_metric, axis=1)(_NNXPooled(alone=False), x, corrupted)
 
 
 def test_metric_that_is_not_a_scalar(mlp):

@@ -65,7 +65,10 @@ Conventions
   (``AxisLengthMismatchError`` lists those that do not: a pooler's
   ``(batch, features)`` output among ``(batch, tokens, features)`` ones, or
   attention weights ``(batch, heads, tokens, tokens)`` returned beside the
-  attention's output); leave such calls out with the filter.
+  attention's output); leave such calls out with the filter. The sweeps'
+  ``leaves=`` picks arrays of each output by index (``leaves=0``: an
+  attention's output, not the weights it also returns); the others are
+  neither patched nor attributed, and keep what the run makes.
 * The cache holds each call's own output, before any edit of that call; the
   calls after an edited one see the edited value.
 * Where an edit applies, the result is computed without the old value

@@ -10,6 +10,7 @@ from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
 from perturbkit.core._naming import named_after
 from perturbkit.core._varying import vary
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
+from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import (check_same_calls, checked_positions,
                                             spread, sweep_positions)
@@ -67,7 +68,8 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
                         axis: int | None, positions: tuple[int, ...] | None,
                         view: tuple[int, ...] | None, function: str,
                         paths: Sequence[tuple] | None = None,
-                        edit: PointEdit | None = None) -> tuple[jax.Array, jax.Array]:
+                        edit: PointEdit | None = None,
+                        leaves: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
   """``(metric, effects)``: ``direction . d metric / d output`` of every call, per position.
 
   Each call in ``paths`` (default: every selected call), its output ``o``
@@ -79,7 +81,8 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
   all the effects come from one backward pass in which no call's output
   gradient is kept whole: each is summed per position where it is made, and
   ``d`` is made there too. In at least float32 (:func:`widened`); the model
-  sees ``o`` exactly (see :func:`_moved_along`).
+  sees ``o`` exactly (see :func:`_moved_along`). With ``leaves``, only those
+  arrays of each output move (``direction.reference`` gets their tuple).
 
   Returns:
     The metric (checked to be a real scalar) and ``effects`` of shape
@@ -103,8 +106,9 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
       name = point_name(path)
 
       moved = _moved_along(axis, positions, view, name, direction.along)
-      return jax.tree.map(lambda o, r: moved(o, s[path], r), output,
-                          direction.reference(path, output))
+      move = lambda path, out: jax.tree.map(lambda o, r: moved(o, s[path], r), out,
+                                            direction.reference(path, out))
+      return on_leaves(move, leaves)(path, output)
 
     out, _, _ = traced.run({}, (inputs,), {}, moved_along)
     return check_metric(out, function)
@@ -130,24 +134,26 @@ def difference(a: Any, b: Any) -> Any:
 
 def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                          axis: int | None, positions: Sequence[int] | None,
-                         view: tuple[int, ...] | None = None,
+                         view: tuple[int, ...] | None = None, leaves: Any = None,
                          function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.attribution_patching` (``tracer`` picks the API)."""
   view = checked_view(view)
   positions = checked_positions(positions, axis)
+  leaves = checked_leaves(leaves)
 
   @named_after(fn)
   def attribute(model, clean, corrupted) -> PatchingResult:
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
     corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
     check_same_calls(clean_points, corrupted_points)
-    where = sweep_positions(clean_points, axis, positions, view)
+    where = sweep_positions(clean_points, axis, positions, view, leaves)
     clean_metric, clean_outputs, _ = clean_points.run({}, (clean,), {}, None)
     clean_metric = check_metric(clean_metric, function)
     # Along a_clean - a_corrupted, a_corrupted being the output the corrupted run makes.
-    towards_clean = Direction(lambda path, _: clean_outputs[path], lambda o, c: _minus(c, o))
+    towards_clean = Direction(lambda path, _: chosen(clean_outputs[path], leaves),
+                              lambda o, c: _minus(c, o))
     corrupted_metric, effects = first_order_effects(corrupted_points, corrupted, towards_clean,
-                                                    axis, where, view, function)
+                                                    axis, where, view, function, leaves=leaves)
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
                           clean_metric, corrupted_metric)
 
@@ -156,18 +162,20 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
 
 def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                           axis: int | None, positions: Sequence[int] | None,
-                          view: tuple[int, ...] | None = None,
+                          view: tuple[int, ...] | None = None, leaves: Any = None,
                           function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.grad_times_activation` (``tracer`` picks the API)."""
   view = checked_view(view)
   positions = checked_positions(positions, axis)
+  leaves = checked_leaves(leaves)
 
   @functools.wraps(fn)
   def attribute(model, inputs) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
-    where = sweep_positions(traced, axis, positions, view)
+    where = sweep_positions(traced, axis, positions, view, leaves)
     itself = Direction(lambda _, output: output, lambda o, _: widened(o))
-    metric, effects = first_order_effects(traced, inputs, itself, axis, where, view, function)
+    metric, effects = first_order_effects(traced, inputs, itself, axis, where, view, function,
+                                          leaves=leaves)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)
 
   return attribute

@@ -20,6 +20,7 @@ from perturbkit.core._naming import named_after
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import Direction, difference, first_order_effects
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
+from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
 from perturbkit.interpret._result import PatchingResult
@@ -95,36 +96,40 @@ def baseline_outputs(tracer: Tracer, fn: Callable[..., Any], model: Any, traced:
 def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                                axis: int | None, positions: Sequence[int] | None, steps: int,
                                method: str, batch_size: int | None, progress: bool,
-                               view: tuple[int, ...] | None = None,
+                               view: tuple[int, ...] | None = None, leaves: Any = None,
                                function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.layer_integrated_gradients`."""
   alphas, weights = quadrature(method, steps)
   check_batch_size(batch_size)
   view = checked_view(view)
   positions = checked_positions(positions, axis)
+  leaves = checked_leaves(leaves)
   check_progress(progress)
 
   @named_after(fn)
   def attribute(model, inputs, baseline=None) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
-    where = sweep_positions(traced, axis, positions, view)
+    where = sweep_positions(traced, axis, positions, view, leaves)
     metric, outputs, _ = traced.run({}, (inputs,), {}, None)
     metric = check_metric(metric, function)
     baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, outputs, metric,
                                                   baseline, filter, function)
     paths = traced.paths
+    # The swept arrays of each output (with leaves=, a tuple of those).
+    outputs = {p: chosen(outputs[p], leaves) for p in paths}
+    baselines = {p: chosen(baselines[p], leaves) for p in paths}
     deltas = {p: difference(outputs[p], baselines[p]) for p in paths}
 
     along_delta = Direction(lambda path, _: deltas[path], lambda _, delta: delta)
 
     def job(group, call, alpha):
       group_paths = [paths[i] for i in group]
-      edit = edit_function(path_edits(baselines, deltas, group_paths, call - group[0], alpha),
-                           paths)
+      edit = on_leaves(edit_function(path_edits(baselines, deltas, group_paths, call - group[0],
+                                                alpha), paths), leaves)
       # (a - b) . d metric / d (the edited output), per position; only the group's calls and
       # what follows them are differentiated.
       _, effects = first_order_effects(traced, inputs, along_delta, axis, where, view, function,
-                                       group_paths, edit)
+                                       group_paths, edit, leaves)
       return effects[call - group[0]]
 
     per_node = sweep(job, len(paths), jnp.asarray(alphas, jnp.float32), batch_size,

@@ -124,6 +124,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
                         view: tuple[int, ...] | None = None,
+                        leaves: int | Sequence[int] | None = None,
                         batch_size: int | None = 8,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """The effect on a metric of putting each call's clean output into the corrupted run.
@@ -159,6 +160,11 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
+    leaves: Which of the arrays each call returns are swept, by index among its
+      floating-point arrays: ``0`` for an attention's output beside the weights
+      it also returns (Hugging Face's ``(output, weights)``), whose axis 1 is
+      heads, not tokens; the others are left as the run makes them. Default:
+      every array.
     batch_size: Patched runs per step of the sweep; the memory is about that
       many forward passes' (default 8). ``None``: each group's runs as one
       ``jax.vmap``, the fewest steps and the most memory. On a GPU, larger
@@ -199,14 +205,17 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     True
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
-                                       positions=positions, view=view, batch_size=batch_size,
+                                       positions=positions, view=view, leaves=leaves,
+                                       batch_size=batch_size,
                                        progress=progress, function='perturbkit.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                          axis: int | None = None,
                          positions: Sequence[int] | None = None,
-                         view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
+                         view: tuple[int, ...] | None = None,
+                         leaves: int | Sequence[int] | None = None
+                         ) -> Callable[..., PatchingResult]:
   """The first-order estimate of :func:`activation_patching`, from one backward pass.
 
   ``effects[i, j] = (a_clean - a_corrupted) . d metric / d a`` for each call's
@@ -227,6 +236,11 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
+    leaves: Which of the arrays each call returns are swept, by index among its
+      floating-point arrays: ``0`` for an attention's output beside the weights
+      it also returns (Hugging Face's ``(output, weights)``), whose axis 1 is
+      heads, not tokens; the others are left as the run makes them. Default:
+      every array.
 
   Returns:
     A function ``(variables, clean, corrupted) -> PatchingResult``.
@@ -252,14 +266,16 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     True
   """
   return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
-                                           positions=positions, view=view,
+                                           positions=positions, view=view, leaves=leaves,
                                            function='perturbkit.attribution_patching')
 
 
 def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                           axis: int | None = None,
                           positions: Sequence[int] | None = None,
-                          view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
+                          view: tuple[int, ...] | None = None,
+                          leaves: int | Sequence[int] | None = None
+                          ) -> Callable[..., PatchingResult]:
   """Gradient x activation, ``a . d metric / d a``, of every selected call's output.
 
   The first-order effect of zero-ablating each call's output (at each
@@ -276,6 +292,11 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
+    leaves: Which of the arrays each call returns are swept, by index among its
+      floating-point arrays: ``0`` for an attention's output beside the weights
+      it also returns (Hugging Face's ``(output, weights)``), whose axis 1 is
+      heads, not tokens; the others are left as the run makes them. Default:
+      every array.
 
   Returns:
     A function ``(variables, inputs) -> PatchingResult`` (``clean_metric`` and
@@ -300,13 +321,14 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     ((0, 1), (2, 2))
   """
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
-                                            positions=positions, view=view,
+                                            positions=positions, view=view, leaves=leaves,
                                             function='perturbkit.grad_times_activation')
 
 
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                view: tuple[int, ...] | None = None,
+                               leaves: int | Sequence[int] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
                                batch_size: int | None = 8,
                                progress: bool = False) -> Callable[..., PatchingResult]:
@@ -333,6 +355,11 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     view: Read ``axis`` and ``positions`` on every selected output reshaped to
       this shape (``-1`` for one axis), e.g. ``(-1, tokens, heads, head_dim)``
       with ``axis=2`` for one row per attention head (see :class:`interpret.Edit`).
+    leaves: Which of the arrays each call returns are swept, by index among its
+      floating-point arrays: ``0`` for an attention's output beside the weights
+      it also returns (Hugging Face's ``(output, weights)``), whose axis 1 is
+      heads, not tokens; the others are left as the run makes them. Default:
+      every array.
     steps: Quadrature nodes along the path.
     method: ``'gauss_legendre'`` (numpy's nodes and weights; few steps for a
       smooth metric) or ``'riemann_trapezoid'`` (equally spaced, both ends).
@@ -372,8 +399,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     True
   """
   return _integrated.layer_integrated_gradients(
-      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, steps=steps,
-      method=method, batch_size=batch_size, progress=progress,
+      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, leaves=leaves,
+      steps=steps, method=method, batch_size=batch_size, progress=progress,
       function='perturbkit.layer_integrated_gradients')
 
 

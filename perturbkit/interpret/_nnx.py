@@ -75,6 +75,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                         axis: int | None = None, positions: Sequence[int] | None = None,
                         view: tuple[int, ...] | None = None,
+                        leaves: int | Sequence[int] | None = None,
                         batch_size: int | None = 8,
                         progress: bool = False) -> Callable[..., PatchingResult]:
   """Activation patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
@@ -93,14 +94,17 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ('layers/0/__call__', 'layers/2/__call__')
   """
   return _patching.activation_patching(traced_points, fn, filter=filter, axis=axis,
-                                       positions=positions, view=view, batch_size=batch_size,
+                                       positions=positions, view=view, leaves=leaves,
+                                       batch_size=batch_size,
                                        progress=progress, function='perturbkit.nnx.activation_patching')
 
 
 def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                          axis: int | None = None,
                          positions: Sequence[int] | None = None,
-                         view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
+                         view: tuple[int, ...] | None = None,
+                         leaves: int | Sequence[int] | None = None
+                         ) -> Callable[..., PatchingResult]:
   """Attribution patching of an NNX model: ``(model, clean, corrupted) -> PatchingResult``.
 
   As :func:`perturbkit.attribution_patching`, with ``fn(model, inputs) -> metric``.
@@ -118,14 +122,16 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
     True
   """
   return _attribution.attribution_patching(traced_points, fn, filter=filter, axis=axis,
-                                           positions=positions, view=view,
+                                           positions=positions, view=view, leaves=leaves,
                                            function='perturbkit.nnx.attribution_patching')
 
 
 def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                           axis: int | None = None,
                           positions: Sequence[int] | None = None,
-                          view: tuple[int, ...] | None = None) -> Callable[..., PatchingResult]:
+                          view: tuple[int, ...] | None = None,
+                          leaves: int | Sequence[int] | None = None
+                          ) -> Callable[..., PatchingResult]:
   """Gradient x activation of an NNX model's calls: ``(model, inputs) -> PatchingResult``.
 
   As :func:`perturbkit.grad_times_activation`, with ``fn(model, inputs) -> metric``.
@@ -142,13 +148,14 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
     (2, 1)
   """
   return _attribution.grad_times_activation(traced_points, fn, filter=filter, axis=axis,
-                                            positions=positions, view=view,
+                                            positions=positions, view=view, leaves=leaves,
                                             function='perturbkit.nnx.grad_times_activation')
 
 
 def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
                                axis: int | None = None, positions: Sequence[int] | None = None,
                                view: tuple[int, ...] | None = None,
+                               leaves: int | Sequence[int] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
                                batch_size: int | None = 8,
                                progress: bool = False) -> Callable[..., PatchingResult]:
@@ -168,8 +175,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     True
   """
   return _integrated.layer_integrated_gradients(
-      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, steps=steps,
-      method=method, batch_size=batch_size, progress=progress,
+      traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, leaves=leaves,
+      steps=steps, method=method, batch_size=batch_size, progress=progress,
       function='perturbkit.nnx.layer_integrated_gradients')
 
 

@@ -9,6 +9,7 @@ from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import point_name
 from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
+from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
 from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
 from perturbkit.interpret._result import PatchingResult
@@ -60,10 +61,11 @@ def patches_needed(clean: dict[tuple, Any], corrupted: dict[tuple, Any], paths: 
 def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, axis: int | None,
                         positions: Sequence[int] | None, batch_size: int | None,
                         progress: bool, view: tuple[int, ...] | None = None,
-                        function: str) -> Callable[..., PatchingResult]:
+                        leaves: Any = None, function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
   view = checked_view(view)
   positions = checked_positions(positions, axis)
+  leaves = checked_leaves(leaves)
   check_batch_size(batch_size)
   check_progress(progress)
 
@@ -72,9 +74,12 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
     corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
     check_same_calls(clean_points, corrupted_points)
-    where = sweep_positions(clean_points, axis, positions, view)
+    where = sweep_positions(clean_points, axis, positions, view, leaves)
     clean_metric, outputs, _ = clean_points.run({}, (clean,), {}, None)
     corrupted_metric, corrupted_outputs, _ = corrupted_points.run({}, (corrupted,), {}, None)
+    # The swept arrays of each output (with leaves=, a tuple of those).
+    outputs = {p: chosen(o, leaves) for p, o in outputs.items()}
+    corrupted_outputs = {p: chosen(o, leaves) for p, o in corrupted_outputs.items()}
     clean_metric = check_metric(clean_metric, function)
     corrupted_metric = check_metric(corrupted_metric, function)
     paths = corrupted_points.paths
@@ -82,8 +87,8 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     def job(group, call, column):
       at = None if where is None else jnp.asarray(where)[column]
       group_paths = [paths[i] for i in group]
-      edit = edit_function(patching_edits(outputs, group_paths, call - group[0], at, axis,
-                                          view), paths)
+      edit = on_leaves(edit_function(patching_edits(outputs, group_paths, call - group[0], at,
+                                                    axis, view), paths), leaves)
       patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
       # float32 effects, as the attribution functions give: the difference of two
       # bfloat16 metrics is exact in float32 (in bfloat16 only within a factor 2).

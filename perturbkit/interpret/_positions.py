@@ -9,6 +9,7 @@ from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import (AxisLengthMismatchError, CallStructureMismatchError,
                                InvalidOptionError, PositionOutOfRangeError)
 from perturbkit.interpret._edits import viewed_shape
+from perturbkit.interpret._leaves import check_leaves, swept
 
 
 def checked_positions(positions: Sequence[int] | None, axis: int | None
@@ -35,14 +36,17 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
 
 
 def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
-                    view: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+                    view: tuple[int, ...] | None = None,
+                    leaves: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
   """The positions along ``axis`` (default: all of them), checked at every call.
 
   ``positions`` come from :func:`checked_positions`. Without them, every
   selected call's output must have the first call's length along ``axis``
-  (every array of it), and the sweep covers all of that length.
+  (every swept array of it), and the sweep covers all of that length.
 
   With ``view``, ``axis`` and the positions refer to every output viewed so.
+  With ``leaves`` (from ``_leaves.checked_leaves``), only those arrays of each
+  output are swept and checked (every call must return them).
 
   Raises:
     EditViewError: ``view`` does not hold some selected call's output.
@@ -51,21 +55,25 @@ def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[
     AxisLengthMismatchError: without ``positions``, a call's output of
       another length along ``axis`` than the first call's.
   """
-  calls = [(point_name(p), [viewed_shape(leaf.shape, view, point_name(p))
-                            for leaf in traced.shapes[p].leaves]) for p in traced.paths]
+  check_leaves(traced, leaves)
+  # (call, [((array index, arrays the call returns), shape)]): the swept arrays.
+  calls = []
+  for p in traced.paths:
+    arrays = traced.shapes[p].leaves
+    calls.append((point_name(p), [((i, len(arrays)), viewed_shape(a.shape, view, point_name(p)))
+                                  for i, a in enumerate(arrays) if swept(leaves, i)]))
   if axis is None:
     return None
   given = positions is not None
   if not given:
-    first, shapes = calls[0]
-    if not -len(shapes[0]) <= axis < len(shapes[0]):
-      raise PositionOutOfRangeError(first, 'all', axis, shapes[0], (0, len(shapes)))
-    positions = range(shapes[0][axis])
+    first, [(leaf, shape), *_] = calls[0]
+    if not -len(shape) <= axis < len(shape):
+      raise PositionOutOfRangeError(first, 'all', axis, shape, leaf)
+    positions = range(shape[axis])
   positions = tuple(int(p) for p in positions)
   others = []
-  for name, shapes in calls:
-    for i, shape in enumerate(shapes):
-      leaf = (i, len(shapes))
+  for name, arrays in calls:
+    for leaf, shape in arrays:
       inside = -len(shape) <= axis < len(shape)
       if inside and not given and shape[axis] != len(positions):
         others.append((name, shape, leaf))
