@@ -172,10 +172,11 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       reached[path] = None
       if lifted is not None and inside_lifted_transform(call.module):
         lifted.add(path)
+        part = differentiable_part(output)
         if inside is not None:
-          inside[path] = PointShape.of(differentiable_part(output))
+          inside[path] = PointShape.of(part)
         if marked is not None:
-          rank = jnp.ndim(jax.tree.leaves(differentiable_part(output))[0])
+          rank = jnp.ndim(jax.tree.leaves(part)[0])
           call.module.put_variable(COLLECTION, marker_name(call.key), marker(rank))
     elif call.outside_apply and has_differentiable_leaf(output):
       # Outside every method call (a `bind`-bound module): no apply to replay with the
