@@ -41,7 +41,7 @@ def per_example_grads(loss_fn, variables, x, y):
   def one(x, y):
     return jax.grad(lambda p: loss_fn({**variables, 'params': p}, x[None], y[None]))(
         variables['params'])
-  return jax.vmap(one)(x, y)
+  return jax.jit(jax.vmap(one))(x, y)
 
 
 def total_norms(per_example):
@@ -138,7 +138,7 @@ def test_a_nan_example_through_a_replayed_layer_is_dropped():
   """A layer without a fast path (attention: its call is replayed) drops the example too."""
   model = models.TransformerBlock(train=False)
   x = jax.random.normal(jax.random.key(0), (BATCH, 3, 8))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=(1, 2)))
   x = x.at[1, 2, 0].set(jnp.inf)
   dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0))
@@ -148,7 +148,7 @@ def test_a_nan_example_through_a_replayed_layer_is_dropped():
   def one(x):
     return jax.grad(lambda p: loss_fn({**variables, 'params': p}, x[None]))(variables['params'])
 
-  want = jax.tree.map(lambda s: s / BATCH, clipped_sum(jax.vmap(one)(x), keep, 1.0))
+  want = jax.tree.map(lambda s: s / BATCH, clipped_sum(jax.jit(jax.vmap(one))(x), keep, 1.0))
   chex.assert_trees_all_close(grads, want, **TOL)
   assert int(metrics['dropped']) == 1
 

@@ -14,6 +14,7 @@
   state untouched; GPT-2 (tuple outputs) against ``capture_intermediates`` and by-hand
   patching. Every named error, and the fix its message suggests.
 """
+import functools
 import inspect
 import itertools
 
@@ -747,7 +748,7 @@ def test_nnx_effects_per_example_under_nnx_vmap_equal_its_linen_twin(twins):
     nnx_fn = getattr(perturbkit.nnx, name)(nnx_metric, axis=1)
     linen_fn = getattr(perturbkit, name)(linen_metric, axis=1)
     args = (clean, corrupted) if name != 'layer_integrated_gradients' else (clean, 0 * clean)
-    want = jax.vmap(linen_fn, **axes)(variables, *args)
+    want = jax.jit(jax.vmap(linen_fn, **axes))(variables, *args)
     assert want.effects.shape == (SHAPE[0], 4, SHAPE[1])
     for vmap in (nnx.vmap, jax.vmap):
       chex.assert_trees_all_close(nnx.jit(vmap(nnx_fn, **axes))(model, *args), want, **TOL)
@@ -802,26 +803,28 @@ def test_gpt2_blocks_cache_and_patching():
   logits = lambda v, ids: hf.module.apply(v, ids, mask, positions).logits
   metric = lambda v, ids: metric_of_logits(logits(v, ids))
   with jax.numpy_rank_promotion('allow'):
-    out, cache = perturbkit.run_with_cache(logits, filter=blocks)(hf.variables, ids)
-    _, state = hf.module.apply(hf.variables, ids, mask, positions, capture_intermediates=True,
-                               mutable=['intermediates'])
+    out, cache = jax.jit(perturbkit.run_with_cache(logits, filter=blocks))(hf.variables, ids)
+    _, state = jax.jit(functools.partial(hf.module.apply, capture_intermediates=True,
+                                         mutable=['intermediates']))(
+                                             hf.variables, ids, mask, positions)
     for i in ('0', '1'):
       want = state['intermediates']['transformer']['h'][i]['__call__'][0]
       chex.assert_trees_all_close(cache.outputs['transformer']['h'][i]['__call__'], want, **TOL)
     back = {f'transformer/h/{i}/__call__': interpret.replace(
         cache.outputs['transformer']['h'][i]['__call__']) for i in ('0', '1')}
-    edited = perturbkit.run_with_edits(logits, filter=blocks)
+    edited = jax.jit(perturbkit.run_with_edits(logits, filter=blocks))
     np.testing.assert_array_equal(edited(hf.variables, back, ids), out)
 
-    result = perturbkit.activation_patching(metric, filter=blocks, axis=1, batch_size=8)(
+    result = jax.jit(perturbkit.activation_patching(metric, filter=blocks, axis=1, batch_size=8))(
         hf.variables, ids, corrupted)
     assert result.paths == ('transformer/h/0/__call__', 'transformer/h/1/__call__')
     assert result.effects.shape == (2, hf_models.SEQ)
     for i, token in ((0, 2), (1, 5)):
       value = cache.outputs['transformer']['h'][str(i)]['__call__']
       patch = {f'transformer/h/{i}/__call__': interpret.replace(value, positions=[token], axis=1)}
-      by_hand = lambda v, ids: metric_of_logits(edited(v, patch, ids))
-      want = by_hand(hf.variables, corrupted) - metric_of_logits(logits(hf.variables, corrupted))
+      by_hand = jax.jit(lambda v, ids: metric_of_logits(edited(v, patch, ids))
+                        - metric_of_logits(logits(v, ids)))
+      want = by_hand(hf.variables, corrupted)
       chex.assert_trees_all_close(result.effects[i, token], want, rtol=1e-4, atol=1e-6)
     # Before the corrupted token nothing changes; block 1's last token carries it all.
     chex.assert_trees_all_close(result.effects[:, :2], jnp.zeros((2, 2)), atol=1e-6)
@@ -992,7 +995,7 @@ def test_calls_of_another_length_along_the_swept_axis():
   model = _Pooled()
   x = jax.random.normal(jax.random.key(0), (3, 5, 4))
   corrupted = x.at[:, 2].add(1.0)
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   for function in (perturbkit.attribution_patching, perturbkit.activation_patching):
     with pytest.raises(perturbkit.AxisLengthMismatchError,
                        match=r"tokens/__call__ has 5, but attn/__call__ \(array 1 of the 2 it "
@@ -1011,11 +1014,11 @@ def test_calls_of_another_length_along_the_swept_axis():
                                            filter=filters.by_path('tokens', 'attn/Dense_0'))
   left_out = perturbkit.attribution_patching(
       model.apply, axis=1, filter=filters.negate(filters.by_path('pooler', 'attn')))
-  got, want = left_out(variables, x, corrupted), tokens(variables, x, corrupted)
+  got, want = jax.jit(left_out)(variables, x, corrupted), jax.jit(tokens)(variables, x, corrupted)
   assert got.paths == want.paths == ('tokens/__call__', 'attn/Dense_0/__call__')
   assert got.positions == tuple(range(5)) and float(jnp.abs(got.effects).max()) > 0
   np.testing.assert_array_equal(got.effects, want.effects)
-  given = perturbkit.attribution_patching(model.apply, axis=1, positions=[0, 1])(
+  given = jax.jit(perturbkit.attribution_patching(model.apply, axis=1, positions=[0, 1]))(
       variables, x, corrupted)
   assert given.paths == ('tokens/__call__', 'attn/__call__', 'attn/Dense_0/__call__',
                          'pooler/__call__')
@@ -1029,7 +1032,7 @@ def test_leaves_sweep_one_array_of_a_call_as_a_call_returning_it_alone():
   model, twin = _Pooled(), _PooledTwin()
   x = jax.random.normal(jax.random.key(0), (3, 5, 4))
   corrupted = x.at[:, 2].add(1.0)
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   keep = filters.negate(filters.by_path('pooler'))
   paired = (('activation_patching', (x, corrupted), {}),
             ('attribution_patching', (x, corrupted), {}),
@@ -1048,8 +1051,8 @@ def test_leaves_sweep_one_array_of_a_call_as_a_call_returning_it_alone():
   attn = dict(axis=1, positions=[0, 1], filter=filters.by_path('attn'))
   named = perturbkit.attribution_patching(model.apply, leaves=[1, 0], **attn)
   every = perturbkit.attribution_patching(model.apply, **attn)
-  chex.assert_trees_all_close(named(variables, x, corrupted), every(variables, x, corrupted),
-                              **TOL)
+  chex.assert_trees_all_close(jax.jit(named)(variables, x, corrupted),
+                              jax.jit(every)(variables, x, corrupted), **TOL)
   with pytest.raises(perturbkit.InvalidOptionError, match='tokens/__call__ returns 1'):
     perturbkit.attribution_patching(model.apply, axis=1, leaves=1)(variables, x, corrupted)
   for bad in (-1, [], [0, 0], True, 'a', 1.5):
@@ -1057,9 +1060,9 @@ def test_leaves_sweep_one_array_of_a_call_as_a_call_returning_it_alone():
       perturbkit.activation_patching(model.apply, axis=1, leaves=bad)
 
   nnx_metric = lambda m, x: m(x)
-  got = perturbkit.nnx.attribution_patching(nnx_metric, axis=1, leaves=0)(
+  got = nnx.jit(perturbkit.nnx.attribution_patching(nnx_metric, axis=1, leaves=0))(
       _NNXPooled(alone=False), x, corrupted)
-  want = perturbkit.nnx.attribution_patching(nnx_metric, axis=1)(
+  want = nnx.jit(perturbkit.nnx.attribution_patching(nnx_metric, axis=1))(
       _NNXPooled(alone=True), x, corrupted)
   assert got.paths == want.paths
   assert sorted(got.paths) == ['attn/__call__', 'attn/proj/__call__', 'tokens/__call__']
@@ -1125,17 +1128,19 @@ def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transf
   model, twin = models.Lifted(transform=transform), models.Lifted(transform='none')
   x = jax.random.normal(jax.random.key(1), (2, 3))
   corrupted = jax.random.normal(jax.random.key(2), (2, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(m.apply(v, x)))
   inner = ('block', 'Dense_0', '__call__')
 
   got = jax.jit(perturbkit.run_with_cache(metric(model), grads=True, return_inputs=True))(
       variables, x)
-  want = perturbkit.run_with_cache(metric(twin), grads=True, return_inputs=True)(variables, x)
+  want = jax.jit(perturbkit.run_with_cache(metric(twin), grads=True, return_inputs=True))(
+      variables, x)
   assert set(flat(got[1].outputs)) == {'Dense_0/__call__', 'block/Dense_0/__call__',
                                        'block/__call__', 'Dense_1/__call__'}
   chex.assert_trees_all_close(got, want, **TOL)
-  _, state = twin.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  _, state = jax.jit(functools.partial(twin.apply, capture_intermediates=True,
+                                       mutable=['intermediates']))(variables, x)
   chex.assert_trees_all_close(got[1].outputs['block']['Dense_0']['__call__'],
                               state['intermediates']['block']['Dense_0']['__call__'][0], **TOL)
   assert float(jnp.abs(got[1].grads['block']['Dense_0']['__call__']).max()) > 1e-3
@@ -1144,17 +1149,17 @@ def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transf
            'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
   chex.assert_trees_all_close(
       jax.jit(perturbkit.run_with_edits(model.apply))(variables, edits, x),
-      perturbkit.run_with_edits(twin.apply)(variables, edits, x), **TOL)
+      jax.jit(perturbkit.run_with_edits(twin.apply))(variables, edits, x), **TOL)
   for name in ('activation_patching', 'attribution_patching'):
     got = jax.jit(getattr(perturbkit, name)(metric(model), axis=0))(variables, x, corrupted)
-    want = getattr(perturbkit, name)(metric(twin), axis=0)(variables, x, corrupted)
+    want = jax.jit(getattr(perturbkit, name)(metric(twin), axis=0))(variables, x, corrupted)
     assert got.paths == want.paths and '/'.join(inner) in got.paths
     chex.assert_trees_all_close(got, want, **TOL)
   assert float(jnp.abs(want.effects).max()) > 1e-3
   grads = dict(return_activations=True, return_inputs=True)
   chex.assert_trees_all_close(
       jax.jit(perturbkit.value_and_grad(metric(model), **grads))(variables, x),
-      perturbkit.value_and_grad(metric(twin), **grads)(variables, x), **TOL)
+      jax.jit(perturbkit.value_and_grad(metric(twin), **grads))(variables, x), **TOL)
 
 
 def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_transform():
@@ -1194,7 +1199,7 @@ def test_nnx_calls_inside_remat_and_jit_equal_the_model_without_the_transform(tr
   inner = 'block/linear/__call__#1'
 
   got = nnx.jit(perturbkit.nnx.run_with_cache(metric, grads=True, return_inputs=True))(model, x)
-  want = perturbkit.nnx.run_with_cache(metric, grads=True, return_inputs=True)(twin, x)
+  want = nnx.jit(perturbkit.nnx.run_with_cache(metric, grads=True, return_inputs=True))(twin, x)
   assert set(flat(got[1].outputs)) == {
       'inp/__call__', 'block/linear/__call__', 'block/norm/__call__', inner, 'block/__call__',
       'out/__call__'}
@@ -1209,10 +1214,11 @@ def test_nnx_calls_inside_remat_and_jit_equal_the_model_without_the_transform(tr
            'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
   run = lambda m, x: m(x)
   chex.assert_trees_all_close(perturbkit.nnx.run_with_edits(run)(model, edits, x),
-                              perturbkit.nnx.run_with_edits(run)(twin, edits, x), **TOL)
+                              nnx.jit(perturbkit.nnx.run_with_edits(run))(twin, edits, x),
+                              **TOL)
   for name in ('activation_patching', 'attribution_patching'):
     got = nnx.jit(getattr(perturbkit.nnx, name)(metric, axis=0))(model, x, corrupted)
-    want = getattr(perturbkit.nnx, name)(metric, axis=0)(twin, x, corrupted)
+    want = nnx.jit(getattr(perturbkit.nnx, name)(metric, axis=0))(twin, x, corrupted)
     assert got.paths == want.paths and inner in got.paths
     chex.assert_trees_all_close(got, want, **TOL)
   assert float(jnp.abs(want.effects).max()) > 1e-3
@@ -1220,7 +1226,7 @@ def test_nnx_calls_inside_remat_and_jit_equal_the_model_without_the_transform(tr
   options = dict(return_activations=True, return_inputs=True)
   chex.assert_trees_all_close(
       perturbkit.nnx.value_and_grad(metric, **options)(model, x),
-      perturbkit.nnx.value_and_grad(metric, **options)(twin, x), **TOL)
+      nnx.jit(perturbkit.nnx.value_and_grad(metric, **options))(twin, x), **TOL)
   chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat),
                               **TOL)
   assert not np.allclose(model.block.norm.mean[...], 0.0)

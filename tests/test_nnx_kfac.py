@@ -332,7 +332,8 @@ def test_layers_inside_nnx_remat_are_preconditioned_like_the_plain_model():
   assert sorted(layers.layers) == ['block/down', 'block/up', 'head', 'tokens']
   assert 'neither computed from the batch' in layers.skipped['positions']
   for fisher, key in (('empirical', None), ('sampled', jax.random.key(3))):
-    estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher=fisher)
+    estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
+                                                     fisher=fisher))
     got, want = estimate(rematted, ids, labels, key), estimate(plain, ids, labels, key)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(got[2]['block/up'].a).max()) > 0

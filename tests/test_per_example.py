@@ -5,6 +5,7 @@ differentiates it with plain ``jax.grad``: it shares nothing with perturbkit's
 rules (ghost norms, patches, replayed VJPs), so agreement to float tolerance
 checks every rule and the mean-loss scaling.
 """
+import functools
 import textwrap
 
 import chex
@@ -35,14 +36,17 @@ def classification_loss(model, reduction='mean'):
   return loss_fn
 
 
-def reference_grads(loss_fn, variables, *args):
+def per_example_grads(loss_fn, variables, *args):
   """Each example's params gradient: the loss of that example alone, by ``jax.grad``."""
-  def per_example(variables, *args):
-    def one(*example):
-      batch = [a[None] for a in example]
-      return jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch))(variables['params'])
-    return jax.vmap(one)(*args)
-  return jax.jit(per_example)(variables, *args)
+  def one(*example):
+    batch = [a[None] for a in example]
+    return jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch))(variables['params'])
+  return jax.vmap(one)(*args)
+
+
+def reference_grads(loss_fn, variables, *args):
+  """:func:`per_example_grads`, jitted."""
+  return jax.jit(functools.partial(per_example_grads, loss_fn))(variables, *args)
 
 
 def norms_of(per_example):
@@ -67,11 +71,16 @@ def assert_norms_equal(norms, per_example, tol):
 
 
 def assert_norms_match(loss_fn, variables, *args, **options):
-  loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, **options))(variables, *args)
-  by_param, total = norms_of(reference_grads(loss_fn, variables, *args))
+  @jax.jit  # one compile for both sides and the loss
+  def both(variables, *args):
+    loss, norms = perturbkit.per_example_grad_norms(loss_fn, **options)(variables, *args)
+    return loss, norms, norms_of(per_example_grads(loss_fn, variables, *args)), loss_fn(
+        variables, *args)
+
+  loss, norms, (by_param, total), want_loss = both(variables, *args)
   chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
   np.testing.assert_allclose(norms.total, total, **TOL)
-  np.testing.assert_allclose(loss, jax.jit(loss_fn)(variables, *args), rtol=1e-5)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   return norms
 
 
@@ -371,7 +380,7 @@ def test_random_architectures(depth, width, length, bias, norm, conv, method, ba
     shape = (batch, 2, 3)
   x = jax.random.normal(jax.random.key(seed), shape)
   model = Random()
-  variables = model.init(jax.random.key(seed + 1), x)
+  variables = jax.jit(model.init)(jax.random.key(seed + 1), x)
   loss_fn = lambda v, x: jnp.mean(jnp.sum(jnp.sin(model.apply(v, x)), axis=-1))
   assert_norms_match(loss_fn, variables, x, dense_method=method)
 

@@ -30,23 +30,27 @@ def test_random_architecture_equals_hand_twin_and_jvp(arch):
   model, hand = models.RandomNet(**spec), models.RandomNet(**spec, hand=True)
   keys = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(keys[0], (batch, 3))
-  variables = model.init(keys[1], x)
   loss = lambda v, x: models.scalar(model.apply(v, x))
-  value, grads = perturbkit.value_and_grad(loss, filter=filters.top_level)(variables, x)
 
-  zeros = hand.init(keys[1], x)['perturbations']
-  hand_loss = lambda p, eps: models.scalar(hand.apply({'params': p, 'perturbations': eps}, x))
-  want_value, (g_params, g_points) = jax.value_and_grad(hand_loss, argnums=(0, 1))(
-      variables['params'], zeros)
+  @jax.jit  # one compile per example: op-by-op runs compile every op of every new shape
+  def both(x):
+    variables = model.init(keys[1], x)
+    value, grads = perturbkit.value_and_grad(loss, filter=filters.top_level)(variables, x)
+    zeros = hand.init(keys[1], x)['perturbations']
+    hand_loss = lambda p, eps: models.scalar(hand.apply({'params': p, 'perturbations': eps}, x))
+    want = jax.value_and_grad(hand_loss, argnums=(0, 1))(variables['params'], zeros)
+    leaves, treedef = jax.tree.flatten(zeros)
+    noise = jax.random.split(keys[2], len(leaves))
+    direction = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape)
+                                             for k, a in zip(noise, leaves)])
+    _, derivative = jax.jvp(lambda eps: hand_loss(variables['params'], eps), (zeros,),
+                            (direction,))
+    return value, grads, want, derivative, direction
+
+  value, grads, (want_value, (g_params, g_points)), derivative, direction = both(x)
   np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(grads, {'params': g_params, 'perturbations': models.nest(g_points)},
                               rtol=1e-5, atol=1e-6)
-
-  leaves, treedef = jax.tree.flatten(zeros)
-  noise = jax.random.split(keys[2], len(leaves))
-  direction = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape)
-                                           for k, a in zip(noise, leaves)])
-  _, derivative = jax.jvp(lambda eps: hand_loss(variables['params'], eps), (zeros,), (direction,))
   predicted = sum(jnp.vdot(g, v) for g, v in zip(
       jax.tree.leaves(grads['perturbations']), jax.tree.leaves(models.nest(direction))))
   np.testing.assert_allclose(derivative, predicted, rtol=1e-4, atol=1e-5)
