@@ -7,9 +7,11 @@ rotary embeddings in an encoder, ELECTRA an embedding projection, OPT a projecte
 size, XGLM sinusoidal positions, BEiT relative position biases and layer scales. For each:
 ``perturbkit.value_and_grad`` equals explicit deltas added by the tests' own interceptor
 (``tests/explicit_deltas.py``) and ``jax.grad``; every call's cached output, patched back in,
-gives the model's output bit for bit.
+gives the model's output bit for bit. OPT's feed-forward calls, on ``(examples * tokens,
+features)``, are swept per token through a view.
 """
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ import hf_models
 from hf_models import SMALL_CONFIG
 import perturbkit
 from explicit_deltas import at, explicit_deltas, points_of, zeros
-from perturbkit import interpret
+from perturbkit import filters, interpret
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
 
@@ -134,3 +136,75 @@ def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
   np.testing.assert_array_equal(output, plain)
   np.testing.assert_array_equal(patched, plain)
   assert len(back) == len(points)
+
+
+def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
+  """OPT runs each layer's ``final_layer_norm``, ``fc1`` and ``fc2`` on ``(examples * tokens,
+  features)``. Along axis 1 those are features, of two lengths: the sweep refuses them by name.
+  Viewed as ``(examples, tokens, features)`` they are swept per token: attribution patching
+  equals ``vdot(a_clean - a_corrupted, g)`` over each token's rows, with the activations from
+  ``capture_intermediates`` and ``g`` from explicit deltas (``tests/explicit_deltas.py``), and
+  activation patching of one token equals the model with that token's clean rows of ``fc2``
+  written in by an interceptor of this test."""
+  build, make = _families()['opt']
+  token = 3
+  with jax.numpy_rank_promotion('allow'):
+    hf = build()
+    variables = hf_models.filled_variables(hf)
+    run, ids = make(hf.module)
+    corrupted = ids.at[:, token].set(jnp.where(ids[:, token] == 3, 4, 3))
+    metric = lambda v, ids: jnp.sum(jnp.tanh(run(v, ids)) ** 2)
+    flattened = filters.by_path(*(f'model/decoder/layers/*/{name}'
+                                  for name in ('final_layer_norm', 'fc1', 'fc2')))
+    with pytest.raises(perturbkit.AxisLengthMismatchError, match='fc1/__call__ has 32'):
+      perturbkit.attribution_patching(metric, axis=1, filter=flattened)(
+          variables, ids, corrupted)
+    view = dict(axis=1, view=(B, S, -1), filter=flattened)
+    got = jax.jit(perturbkit.attribution_patching(metric, **view))(variables, ids, corrupted)
+
+    points = points_of(metric, variables, corrupted)
+
+    @jax.jit
+    def reference(variables):
+      def loss(deltas):
+        with explicit_deltas(deltas=deltas):
+          return metric(variables, corrupted)
+      capture = lambda x: hf.module.apply(
+          variables, x, jnp.ones_like(x), _positions(), capture_intermediates=True,
+          mutable=['intermediates'])[1]['intermediates']
+      return jax.grad(loss)(zeros(points)), capture(ids), capture(corrupted)
+
+    grads, clean, dirty = reference(variables)
+    fc2 = ('model', 'decoder', 'layers', '0', 'fc2')
+
+    def write_clean_rows(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if tuple(context.module.path) != fc2 or context.method_name != '__call__':
+        return out
+      rows = at(clean, fc2)['__call__'][0].reshape(B, S, -1)
+      return out.reshape(B, S, -1).at[:, token].set(rows[:, token]).reshape(out.shape)
+
+    def patched(variables):
+      with nn.intercept_methods(write_clean_rows):
+        return metric(variables, corrupted)
+
+    want_effect = jax.jit(patched)(variables) - jax.jit(metric)(variables, corrupted)
+    effects = jax.jit(perturbkit.activation_patching(
+        metric, axis=1, view=(B, S, -1), positions=[token],
+        filter=filters.by_path('model/decoder/layers/0/fc2')))(variables, ids, corrupted)
+
+  assert len(got.paths) == 6 and got.positions == tuple(range(S))
+  scale = float(jnp.abs(got.effects).max())  # the filled weights are small: so are the effects
+  for row, path in enumerate(got.paths):
+    point = tuple(path.split('/'))
+    per_token = lambda tree: at(tree, point[:-1])[point[-1]][0].reshape(B, S, -1)
+    g = grads[point][0].reshape(B, S, -1)
+    want = jnp.einsum('bsf,bsf->s', per_token(clean) - per_token(dirty), g)
+    np.testing.assert_allclose(got.effects[row], want, rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=path)
+  # Every call moves the metric at the changed token; before it (causal), none does.
+  assert float(jnp.abs(got.effects[:, token]).min()) > 0.01 * scale > 0
+  np.testing.assert_array_equal(got.effects[:, :token], 0.0)
+  np.testing.assert_allclose(effects.effects[0, 0], want_effect, rtol=1e-3,
+                             atol=1e-5 * abs(float(want_effect)))
+  assert abs(float(want_effect)) > 0.01 * scale
