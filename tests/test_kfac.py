@@ -466,12 +466,12 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
   for i, (xi, key) in enumerate(batches):
     assert bool(state.stats_due) == (i % 3 == 0)
     grads, stats, updates, state = amortised_step(state, xi, key)
-    _, full_grads, full_stats = estimate(variables, xi, y, key)
+    _, full_grads, full_stats = jax.jit(estimate)(variables, xi, y, key)
     chex.assert_trees_all_close(grads, full_grads, rtol=1e-5, atol=1e-6)
     if i % 3 == 0:
       chex.assert_trees_all_close(stats, full_stats, rtol=1e-5, atol=1e-6)
       # The every-step preconditioner refreshes on its counts 0, 2: batches 0 and 6.
-      _, reference = every.update(full_grads, reference, params, kfac_stats=full_stats)
+      _, reference = jax.jit(every.update)(full_grads, reference, params, kfac_stats=full_stats)
       taken += 1
     else:
       # A step without statistics returns NaN stats, which the state does not fold in.

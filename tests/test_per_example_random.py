@@ -68,9 +68,8 @@ def _terms(model, variables, x, y, key):
 
 def _jacobian_rows(model, variables, key):
   """Each example's gradient of its own loss term through the batched forward pass."""
-  jac = jax.jacrev(lambda p: _terms(model, {**variables, 'params': p}, X, Y, key))(
+  return jax.jit(jax.jacrev(lambda p: _terms(model, {**variables, 'params': p}, X, Y, key)))(
       variables['params'])
-  return jac
 
 
 def _norms(tree):
