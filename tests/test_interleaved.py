@@ -65,23 +65,27 @@ def sgd_step(w, g, lr):
 def hand_chain(layers, glues, weights, x, dloss, lr):
   """Layer-wise backward written out with jax.vjp: update, then propagate.
 
-  layers[k](w, a) -> z_k; glues[k](z_k) -> a_{k+1}; dloss(out) -> cotangent.
+  layers[k](w, a) -> z_k; glues[k](z_k) -> a_{k+1}; dloss(out) -> cotangent. Jitted: one
+  compile, not one per op.
   """
-  acts, outs = [x], []
-  for f, glue, w in zip(layers, glues, weights):
-    outs.append(f(w, acts[-1]))
-    acts.append(glue(outs[-1]))
-  g = dloss(acts[-1])
-  new = [None] * len(layers)
-  for k in reversed(range(len(layers))):
-    _, glue_vjp = jax.vjp(glues[k], outs[k])
-    (g,) = glue_vjp(g)
-    _, vjp_old = jax.vjp(layers[k], weights[k], acts[k])
-    dw, _ = vjp_old(g)
-    new[k] = sgd_step(weights[k], dw, lr)
-    _, vjp_new = jax.vjp(lambda a: layers[k](new[k], a), acts[k])
-    (g,) = vjp_new(g)
-  return new
+  @jax.jit
+  def run(weights, x):
+    acts, outs = [x], []
+    for f, glue, w in zip(layers, glues, weights):
+      outs.append(f(w, acts[-1]))
+      acts.append(glue(outs[-1]))
+    g = dloss(acts[-1])
+    new = [None] * len(layers)
+    for k in reversed(range(len(layers))):
+      _, glue_vjp = jax.vjp(glues[k], outs[k])
+      (g,) = glue_vjp(g)
+      _, vjp_old = jax.vjp(layers[k], weights[k], acts[k])
+      dw, _ = vjp_old(g)
+      new[k] = sgd_step(weights[k], dw, lr)
+      _, vjp_new = jax.vjp(lambda a: layers[k](new[k], a), acts[k])
+      (g,) = vjp_new(g)
+    return new
+  return run(weights, x)
 
 
 def test_skip_mlp_matches_hand_coded_backward():

@@ -672,13 +672,13 @@ def test_updated_transformer_matches_hand_coded_backward():
   state = tx.init(model, x, y)
   for _ in range(2):
     state, _ = jax.jit(tx.step)(state, x, y)
-    expected = transformer_updated_step(expected, x, y, lr)
+    expected = jax.jit(transformer_updated_step)(expected, x, y, lr)
   got = nnx_models.pure(nnx.state(state.model(), nnx.Param))
   chex.assert_trees_all_close(got, expected, **TOL)
   # 'updated' differs from 'original' here by more than the tolerance.
   original = perturbkit.nnx.interleaved(mse, optax.sgd(lr), propagate='original')
   other, _ = jax.jit(original.step)(original.init(model, x, y), x, y)
-  first = transformer_updated_step(params_of(model), x, y, lr)
+  first = jax.jit(transformer_updated_step)(params_of(model), x, y, lr)
   assert not np.allclose(nnx_models.pure(nnx.state(other.model(), nnx.Param))['norm_0']['scale'],
                          first['norm_0']['scale'], rtol=1e-4, atol=1e-5)
 
