@@ -22,6 +22,7 @@ conventions differ by known scalars only:
 import os
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,7 +78,7 @@ def test_factors_equal_kfac_jax(name, model, locations, fisher, kfac_jax_mode):
   layers = perturbkit.kfac_layers(predict, variables, x)
   assert sorted(layers.layers) == sorted(locations)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
-  _, _, stats = estimate(variables, x, y)
+  _, _, stats = jax.jit(estimate)(variables, x, y)
   examples = x.shape[0]
   for layer, t in locations.items():
     prefix = f'{name}/{kfac_jax_mode}/{layer}'
@@ -100,7 +101,7 @@ def test_dense_on_sequences_differs_from_kfac_jax_by_the_number_of_positions(fis
   layers = perturbkit.kfac_layers(predict, variables, x)
   assert sorted(layers.layers) == ['head', 'token']
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
-  _, _, stats = estimate(variables, x, y)
+  _, _, stats = jax.jit(estimate)(variables, x, y)
   g_scale = examples if fisher == 'empirical' else 1
   prefix = f'seq/{kfac_jax_mode}'
   assert float(REFERENCE[f'{prefix}/token/fixed_scale']) == 1

@@ -170,11 +170,14 @@ def _lm_loss(model):
 
 def _per_example_reference(loss_fn, variables, ids):
   """Each example's gradient by ``jax.vmap(jax.grad)``, and its norm."""
-  grads = jax.vmap(lambda i: jax.grad(lambda p: loss_fn({'params': p}, i[None]))(
-      variables['params']))(ids)
-  norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(ids), -1) ** 2, axis=1)
-                       for g in jax.tree.leaves(grads)))
-  return grads, norms
+  @jax.jit
+  def reference(variables, ids):
+    grads = jax.vmap(lambda i: jax.grad(lambda p: loss_fn({'params': p}, i[None]))(
+        variables['params']))(ids)
+    norms = jnp.sqrt(sum(jnp.sum(g.reshape(len(ids), -1) ** 2, axis=1)
+                         for g in jax.tree.leaves(grads)))
+    return grads, norms
+  return reference(variables, ids)
 
 
 @pytest.mark.parametrize('dense_method', ['auto', 'ghost', 'direct'])

@@ -81,10 +81,11 @@ def test_the_message_names_the_range(mlp):
 def test_numpy_jax_and_traced_scalars_are_accepted(mlp):
   _, variables, loss_fn, x, y = mlp
   key = jax.random.key(3)
-  want, _ = perturbkit.private_grad(loss_fn, clip_norm=0.5, noise_multiplier=0.0)(
+  want, _ = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=0.5, noise_multiplier=0.0))(
       variables, key, x, y)
   for clip in (np.float32(0.5), jnp.asarray(0.5), np.float64(0.5)):
-    grads, _ = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=np.int32(0))(
+    grads, _ = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=clip,
+                                               noise_multiplier=np.int32(0)))(
         variables, key, x, y)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  grads, want)
