@@ -176,7 +176,7 @@ def test_sampled_factors_differ_from_empirical():
   x = jax.random.normal(jax.random.key(1), (9, 3))
   y = jnp.arange(9) % 4
   variables, predict, layers = setup(MLP(), x)
-  g = {f: perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=f)(
+  g = {f: jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=f))(
       variables, x, y, jax.random.key(2))[2]['Dense_2'].g for f in ('sampled', 'empirical')}
   assert not np.allclose(g['sampled'], g['empirical'], rtol=1e-2)
 
@@ -357,8 +357,9 @@ def test_exact_categorical_g_is_the_expectation_over_labels():
   model = nn.Sequential([nn.Dense(4)])
   x = jax.random.normal(jax.random.key(1), (5, 3))
   variables, predict, layers = setup(model, x)
-  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                          fisher='exact')(variables, x, jnp.zeros(5, jnp.int32))
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                  fisher='exact'))(
+                                                      variables, x, jnp.zeros(5, jnp.int32))
   p = np.asarray(jax.nn.softmax(model.apply(variables, x)), np.float64)
   # E_y[(p - e_y)(p - e_y)ᵀ] = diag(p) - p pᵀ, averaged over the examples.
   expected = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
