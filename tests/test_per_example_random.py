@@ -130,9 +130,9 @@ def test_dropout_inside_a_replayed_call_is_a_named_error(make):
   # Deterministic, the same model has norms (the general path replays the call).
   det = lambda v, x, y: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
       model.apply(v, x, False), y))
-  _, norms = perturbkit.per_example_grad_norms(det)(variables, X, Y)
-  rows = jax.vmap(jax.grad(lambda p, x, y: det({'params': p}, x[None], y[None])),
-                  in_axes=(None, 0, 0))(variables['params'], X, Y)
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(det))(variables, X, Y)
+  rows = jax.jit(jax.vmap(jax.grad(lambda p, x, y: det({'params': p}, x[None], y[None])),
+                          in_axes=(None, 0, 0)))(variables['params'], X, Y)
   np.testing.assert_allclose(norms.total, _norms(rows), rtol=1e-5)
 
 
