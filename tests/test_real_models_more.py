@@ -181,7 +181,7 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
       out = next_fun(*args, **kwargs)
       if tuple(context.module.path) != fc2 or context.method_name != '__call__':
         return out
-      rows = at(clean, fc2)['__call__'][0].reshape(B, S, -1)
+      rows = at(clean, fc2 + ('__call__',))[0].reshape(B, S, -1)
       return out.reshape(B, S, -1).at[:, token].set(rows[:, token]).reshape(out.shape)
 
     def patched(variables):
@@ -189,7 +189,7 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
         return metric(variables, corrupted)
 
     want_effect = jax.jit(patched)(variables) - jax.jit(metric)(variables, corrupted)
-    effects = jax.jit(perturbkit.activation_patching(
+    one_patch = jax.jit(perturbkit.activation_patching(
         metric, axis=1, view=(B, S, -1), positions=[token],
         filter=filters.by_path('model/decoder/layers/0/fc2')))(variables, ids, corrupted)
 
@@ -197,7 +197,7 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
   scale = float(jnp.abs(got.effects).max())  # the filled weights are small: so are the effects
   for row, path in enumerate(got.paths):
     point = tuple(path.split('/'))
-    per_token = lambda tree: at(tree, point[:-1])[point[-1]][0].reshape(B, S, -1)
+    per_token = lambda tree: at(tree, point)[0].reshape(B, S, -1)
     g = grads[point][0].reshape(B, S, -1)
     want = jnp.einsum('bsf,bsf->s', per_token(clean) - per_token(dirty), g)
     np.testing.assert_allclose(got.effects[row], want, rtol=1e-4, atol=1e-5 * scale,
@@ -205,6 +205,6 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
   # Every call moves the metric at the changed token; before it (causal), none does.
   assert float(jnp.abs(got.effects[:, token]).min()) > 0.01 * scale > 0
   np.testing.assert_array_equal(got.effects[:, :token], 0.0)
-  np.testing.assert_allclose(effects.effects[0, 0], want_effect, rtol=1e-3,
+  np.testing.assert_allclose(one_patch.effects[0, 0], want_effect, rtol=1e-3,
                              atol=1e-5 * abs(float(want_effect)))
   assert abs(float(want_effect)) > 0.01 * scale
