@@ -105,6 +105,36 @@ def test_a_masked_mean_over_tokens_is_a_mean(problem):
   assert np.all(np.isfinite(norms.total))
 
 
+def test_how_the_loss_combines_examples_is_judged_from_traces_of_one_or_two(problem):
+  """A mean, a sum, and a loss that doubles with a repeated example but pairs each example
+  with the whole batch (not a sum: left unjudged). Each trace of the loss is counted: the
+  mean is told from one compile of two batches, only a loss that doubles pays for the
+  second (whether the first two examples add up)."""
+  from perturbkit.per_example._check import found_reduction
+  model, variables, x, y = problem
+  traces = []
+
+  def counted(loss_fn):
+    def traced(*args):
+      traces.append(None)
+      return loss_fn(*args)
+    return traced
+
+  def paired(v, x, y):  # each example's row summed over the whole batch's columns
+    out = model.apply(v, x)
+    return jnp.mean(jnp.sum(jnp.tanh(out @ jax.lax.stop_gradient(out).T), axis=1)) + 0 * y[0]
+
+  for loss_fn, want, num_traces in [(mean_loss(model), 'mean', 2), (sum_loss(model), 'sum', 4),
+                                    (paired, None, 4)]:
+    traces.clear()
+    found, ratio = found_reduction(counted(loss_fn), variables, (x, y), {}, 0, BATCH)
+    assert (found, len(traces)) == (want, num_traces), (found, ratio, len(traces))
+    assert want is not None or abs(ratio - 2) < 1e-3  # it does double
+  traces.clear()
+  assert found_reduction(counted(sum_loss(model)), variables, (x[:1], y[:1]), {}, 0, 1)[0] == 'sum'
+  assert len(traces) == 2
+
+
 @pytest.mark.parametrize('where', ['input', 'target'])
 def test_a_nan_example_is_dropped_from_the_clipped_sum(where):
   model = models.MLP(out=1)

@@ -176,16 +176,24 @@ def found_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
   (through ``stop_gradient``) doubles too, but is not additive, and is left
   unjudged (``None``), as is a loss whose values are zero or not finite, or
   a loss that draws random numbers (dropout) and so gives each copy other draws.
+  The two examples' losses are compiled only for a loss that doubles.
   """
-  batches = [(0,), (0, 0)] + ([(1,), (0, 1)] if num_examples > 1 else [])
-  values = batch_losses(loss_fn, variables, args, kwargs, batch_axes, batches)
-  if values is None or not np.all(np.isfinite(values)) or abs(values[0]) < 1e-20:
+  losses = lambda batches: batch_losses(loss_fn, variables, args, kwargs, batch_axes, batches)
+  usable = lambda values: values is not None and np.all(np.isfinite(values))
+  values = losses([(0,), (0, 0)])
+  if not usable(values) or abs(values[0]) < 1e-20:
     return None, float('nan')
-  ratio = values[1] / values[0]
+  alone, twice = values
+  ratio = twice / alone
   if abs(ratio - 1) <= 0.25:
     return 'mean', ratio
-  additive = num_examples == 1 or _close(values[3], values[0] + values[2])
-  if abs(ratio - 2) <= 0.5 and additive:
+  if abs(ratio - 2) > 0.5:
+    return None, ratio
+  if num_examples == 1:
+    return 'sum', ratio
+  # Only a sum-like loss pays for the second compile (the common mean needs one).
+  values = losses([(1,), (0, 1)])
+  if usable(values) and _close(values[1], alone + values[0]):
     return 'sum', ratio
   return None, ratio
 
