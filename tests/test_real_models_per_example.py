@@ -306,6 +306,9 @@ def _whisper():
 
 
 REPLAYED = {'bart': _bart, 'distilbert': _distilbert, 'opt': _opt, 'whisper': _whisper}
+# private_grad's clipped sum of the replays (one weighted VJP of the replayed apply) is the
+# same code whatever made the apply a replay: checked on the two smaller models.
+PRIVATE_GRAD_CHECKED = ('distilbert', 'opt')
 
 
 @pytest.mark.parametrize('name', sorted(REPLAYED))
@@ -315,16 +318,20 @@ def test_owners_no_call_reaches_replay_the_apply(name):
   feed-forward layers on ``(examples * positions, features)``; Whisper's encoder positions
   looked up at ``jnp.arange`` inside the model. Each is read where no call of its module can
   give per-example gradients; a per-example replay of the whole apply does, so the norms equal
-  ``vmap(grad)`` and ``private_grad`` with no clipping nor noise equals ``jax.grad``."""
+  ``vmap(grad)`` and (``PRIVATE_GRAD_CHECKED``) ``private_grad`` with no clipping nor noise
+  equals ``jax.grad``."""
   with jax.numpy_rank_promotion('allow'):
     module, loss_fn, batch = REPLAYED[name]()
     variables = (hf_models.hf_model('whisper').variables if name == 'whisper'
                  else _init(module, batch))
     per_example = reference_grads(loss_fn, variables, *batch)
     _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *batch)
-    dp = perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
-    grads, _ = jax.jit(dp)(variables, jax.random.key(0), *batch)
+    if name in PRIVATE_GRAD_CHECKED:
+      dp = perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
+      grads, _ = jax.jit(dp)(variables, jax.random.key(0), *batch)
   assert_norms_equal(norms, per_example, TOL)
+  if name not in PRIVATE_GRAD_CHECKED:
+    return
   # Each loss is a mean over examples of the same size: its gradient is the examples' mean.
   mean = jax.tree.map(lambda g: g.mean(0), per_example)
   chex.assert_trees_all_close(grads, mean, rtol=2e-4, atol=1e-7)
