@@ -717,6 +717,51 @@ def test_nnx_equals_its_linen_twin(twins):
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
 
 
+class _NestedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name='mlp')(nn.Dense(3, name='attn')(x)) + x
+
+
+class _NestedNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1, name='head')(_NestedBlock(name='block1')(_NestedBlock(name='block0')(x)))
+
+
+class _NNXNestedBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.attn, self.mlp = nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(self.attn(x)) + x
+
+
+class _NNXNestedNet(nnx.Module):
+  def __init__(self, rngs):
+    self.block0, self.block1 = _NNXNestedBlock(rngs), _NNXNestedBlock(rngs)
+    self.head = nnx.Linear(3, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.block1(self.block0(x)))
+
+
+def test_nested_calls_are_listed_in_the_same_order_by_both_apis():
+  """A call comes before the calls made inside it (the order the calls start in), on both
+  front ends: the rows of a result line up between a model and its twin."""
+  x = jax.random.normal(jax.random.key(0), (2, 3))
+  linen = _NestedNet()
+  variables = linen.init(jax.random.key(1), x)
+  model = _NNXNestedNet(nnx.Rngs(1))
+  want = tuple(f'{block}/{call}__call__' for block in ('block0', 'block1')
+               for call in ('', 'attn/', 'mlp/')) + ('head/__call__',)
+  for name in ('activation_patching', 'attribution_patching'):
+    got = getattr(perturbkit.nnx, name)(lambda m, x: jnp.sum(m(x)))(model, x, -x)
+    assert got.paths == want, (name, got.paths)
+    got = getattr(perturbkit, name)(lambda v, x: jnp.sum(linen.apply(v, x)))(variables, x, -x)
+    assert got.paths == want, (name, got.paths)
+
+
 def test_nnx_batched_patching_differentiates_as_its_linen_twin(twins):
   """``jax.grad`` with respect to the clean input of the batched sweep's effects under
   ``nnx.jit``, against the Linen twin's under ``jax.jit`` (the Linen one is checked against

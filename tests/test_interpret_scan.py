@@ -71,7 +71,7 @@ def _nnx() -> Case:
     return at('head/__call__', model.head(h))
 
   return Case(perturbkit.nnx, model, lambda m, x: jnp.sum(m(x) ** 2), loop,
-              filters.by_path('blocks*'), ('blocks/linear/__call__', 'blocks/__call__'), (3,),
+              filters.by_path('blocks*'), ('blocks/__call__', 'blocks/linear/__call__'), (3,),
               nnx_models.random_batch((2, 4), seed=1), nnx_models.random_batch((2, 4), seed=2))
 
 
@@ -167,7 +167,7 @@ def _nnx_nested() -> Case:
     return h
 
   return Case(perturbkit.nnx, model, lambda m, x: jnp.sum(m(x) ** 2), loop,
-              filters.by_path('cells*'), ('cells/d/__call__', 'cells/__call__'), (3, 2),
+              filters.by_path('cells*'), ('cells/__call__', 'cells/d/__call__'), (3, 2),
               nnx_models.random_batch((2, 4), seed=1), nnx_models.random_batch((2, 4), seed=2))
 
 

@@ -180,7 +180,7 @@ def _joined(path: PointPath) -> str:
 @dataclasses.dataclass
 class _Discovery:
   """What the abstract run found."""
-  points: list[_Point]             # perturbkit's points, in call order
+  points: list[_Point]             # perturbkit's points, in the order the calls start
   hand_placed: list[PointPath]     # ``self.perturb`` points written in the model
   shapes: dict[PointPath, jax.ShapeDtypeStruct]
   seen: list[str]
@@ -200,7 +200,7 @@ class _Attempt:
 def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe,
                    skip: Callable[[Call], bool] = lambda call: False,
                    attempt: _Attempt | None = None):
-  found: list[_Point] = []
+  found: list[_Point | None] = []
   seen: list[str] = []
   missed: list[str] = []
   prepare = _selected(points, hooks)
@@ -208,6 +208,10 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     seen.append(call.name)
+    # A call's place is taken when it starts, as Linen lists them: an enclosing call
+    # before the calls inside it.
+    slot = len(found)
+    found.append(None)
     try:
       output, selected = prepare(call, run())
     except Exception:
@@ -234,8 +238,8 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
           'uses the method name and the call count as point names')
     structure = jax.tree.structure(differentiable_part(output))
     shapes = tuple(tuple(leaf.shape) for leaf in jax.tree.leaves(output) if _is_inexact(leaf))
-    found.append(_Point(call.path, call.key, tuple(names), structure, call.copied, call.name,
-                        shapes))
+    found[slot] = _Point(call.path, call.key, tuple(names), structure, call.copied, call.name,
+                         shapes)
     if call.copied:
       call.module.perturb(marker_name(call.key), marker(len(shapes[0])))
     return _perturb(call.module, call.key, output, probe)
@@ -245,7 +249,7 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
       return nnx.capture(loss_fn, nnx.Perturbation)(model, *args, **kwargs)
 
   out, state = nnx.eval_shape(traced, model, *args, **kwargs)
-  return out, flat_state(state), found, seen, missed
+  return out, flat_state(state), [p for p in found if p is not None], seen, missed
 
 
 def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
