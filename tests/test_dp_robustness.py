@@ -135,6 +135,32 @@ def test_how_the_loss_combines_examples_is_judged_from_traces_of_one_or_two(prob
   assert len(traces) == 2
 
 
+def test_the_reduction_is_checked_once_per_loss(problem, monkeypatch):
+  """The functions built from one loss (norms, a private gradient, a DP-SGD step) check it
+  on the first call of the first of them; another loss, reduction or examples axis is
+  checked again, and a check that fails is not remembered."""
+  from perturbkit.per_example import _check
+  model, variables, x, y = problem
+  checked = []
+  check = _check.check_reduction
+  monkeypatch.setattr(_check, 'check_reduction',
+                      lambda *a, **k: (checked.append(k['reduction']), check(*a, **k)))
+  loss_fn = mean_loss(model)
+  key = jax.random.key(0)
+  perturbkit.per_example_grad_norms(loss_fn)(variables, x, y)
+  perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0)(variables, key, x, y)
+  tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=0.0)
+  tx.step(tx.init(variables), key, x, y)
+  assert checked == ['mean']
+  perturbkit.per_example_grad_norms(mean_loss(model))(variables, x, y)
+  assert checked == ['mean'] * 2
+  for _ in range(2):
+    with pytest.raises(perturbkit.ReductionMismatchError):
+      perturbkit.per_example_grad_norms(loss_fn, reduction='sum')(variables, x, y)
+  perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0))(variables, x, y)
+  assert checked == ['mean'] * 2 + ['sum'] * 2 + ['mean']
+
+
 @pytest.mark.parametrize('where', ['input', 'target'])
 def test_a_nan_example_is_dropped_from_the_clipped_sum(where):
   model = models.MLP(out=1)

@@ -6,6 +6,7 @@ per-example functions run on their first trace: it tells a mean from a sum by
 the loss of one example against the loss of that example given twice, and of two
 examples together against their losses alone.
 """
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -213,17 +214,39 @@ def check_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
         f'{ratio:.4g} times the loss of that example alone; a mean gives 1, a sum 2')
 
 
-def reduction_checker(loss_fn: Callable[..., Any], reduction: str,
-                      batch_axes: BatchAxes) -> Callable[..., None]:
-  """``check_reduction`` for ``loss_fn``, run on the first call (or trace) that passes it."""
+# The losses whose check passed, with the (reduction, batch_axes) it passed with: the
+# functions built from one loss (its norms, then a DP-SGD step) check it once.
+_PASSED: 'weakref.WeakKeyDictionary[Any, set[tuple[str, str]]]' = weakref.WeakKeyDictionary()
+
+
+def _passed_settings(loss: Any) -> set[tuple[str, str]]:
+  try:
+    return _PASSED.setdefault(loss, set())
+  except TypeError:  # not weakly referable: checked once per function
+    return set()
+
+
+def reduction_checker(loss_fn: Callable[..., Any], reduction: str, batch_axes: BatchAxes,
+                      loss: Any = None) -> Callable[..., None]:
+  """``check_reduction`` for ``loss_fn``, run on the first call (or trace) that passes it.
+
+  The check runs once per user loss (``loss``, default ``loss_fn``), ``reduction`` and
+  ``batch_axes``: another function built from the same loss skips it.
+  """
   if reduction not in ('mean', 'sum'):
     raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+  setting = (reduction, repr(batch_axes))
+  owner = loss_fn if loss is None else loss
   passed = []
 
   def check(variables: Any, args: tuple, kwargs: dict, num_examples: int) -> None:
-    if not passed:
+    if passed:
+      return
+    done = _passed_settings(owner)
+    if setting not in done:
       check_reduction(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes, num_examples=num_examples)
-      passed.append(True)
+      done.add(setting)
+    passed.append(True)
 
   return check

@@ -46,7 +46,7 @@ def _functional(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _reduction_check(loss_fn: Callable[..., Any], reduction: str,
                      batch_axes: BatchAxes) -> Callable[..., None]:
-  check = reduction_checker(_functional(loss_fn), reduction, batch_axes)
+  check = reduction_checker(_functional(loss_fn), reduction, batch_axes, loss=loss_fn)
 
   def run(model: nnx.Module, args: tuple, kwargs: dict, num_examples: int) -> None:
     check(nnx.split(model), args, kwargs, num_examples)

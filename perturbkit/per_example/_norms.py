@@ -117,9 +117,10 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   term's gradient divided by the number of examples ``B``; it is multiplied by
   ``B``, so the norms are those of each term's gradient, ``‖∇ term_i‖``. A
   ``reduction`` that does not match the loss would make every norm ``B`` times
-  too large or too small, so the first call (or trace) checks it: the loss of
-  one example given twice must be the loss of that example alone for a mean,
-  twice it for a sum. The check is one small compiled call of the loss on one
+  too large or too small, so the first call (or trace) checks it, once per loss
+  function (a DP-SGD step built from the same loss does not check it again): the
+  loss of one example given twice must be the loss of that example alone for a
+  mean, twice it for a sum. The check is one small compiled call of the loss on one
   and on two examples, at trace time (under ``jax.jit`` on stand-in values of
   the traced arrays: the reduction is a property of the loss function), and
   costs nothing in the compiled step. A term ``term_i`` is the loss of example
