@@ -160,6 +160,19 @@ def test_the_reduction_is_checked_once_per_loss(problem, monkeypatch):
   perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0))(variables, x, y)
   assert checked == ['mean'] * 2 + ['sum'] * 2 + ['mean']
 
+  class Unreferable:  # no weak reference to it: each function checks it once, as its own
+    __slots__ = ()
+
+    def __call__(self, v, x, y):
+      return mean_loss(model)(v, x, y)
+
+  checked.clear()
+  norms = perturbkit.per_example_grad_norms(Unreferable())
+  norms(variables, x, y)
+  norms(variables, x, y)
+  perturbkit.per_example_grad_norms(Unreferable())(variables, x, y)
+  assert checked == ['mean'] * 2
+
 
 @pytest.mark.parametrize('where', ['input', 'target'])
 def test_a_nan_example_is_dropped_from_the_clipped_sum(where):

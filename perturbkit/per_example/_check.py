@@ -219,11 +219,13 @@ def check_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
 _PASSED: 'weakref.WeakKeyDictionary[Any, set[tuple[str, str]]]' = weakref.WeakKeyDictionary()
 
 
-def _passed_settings(loss: Any) -> set[tuple[str, str]]:
+def _passed_settings(loss: Any, unshared: set[tuple[str, str]]) -> set[tuple[str, str]]:
+  """The settings ``loss`` passed with; ``unshared`` (one function's own) if ``loss`` cannot be
+  weakly referenced."""
   try:
     return _PASSED.setdefault(loss, set())
-  except TypeError:  # not weakly referable: checked once per function
-    return set()
+  except TypeError:
+    return unshared
 
 
 def reduction_checker(loss_fn: Callable[..., Any], reduction: str, batch_axes: BatchAxes,
@@ -237,16 +239,13 @@ def reduction_checker(loss_fn: Callable[..., Any], reduction: str, batch_axes: B
     raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
   setting = (reduction, repr(batch_axes))
   owner = loss_fn if loss is None else loss
-  passed = []
+  unshared: set[tuple[str, str]] = set()
 
   def check(variables: Any, args: tuple, kwargs: dict, num_examples: int) -> None:
-    if passed:
-      return
-    done = _passed_settings(owner)
+    done = _passed_settings(owner, unshared)
     if setting not in done:
       check_reduction(loss_fn, variables, args, kwargs, reduction=reduction,
                       batch_axes=batch_axes, num_examples=num_examples)
       done.add(setting)
-    passed.append(True)
 
   return check
