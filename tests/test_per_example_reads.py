@@ -221,3 +221,35 @@ def test_tied_head_norms_never_form_per_example_embedding_gradients():
 
   assert temp_bytes('direct') >= per_example_bytes  # formed in full
   assert temp_bytes('auto') < per_example_bytes / 4
+
+
+class UntiedTwin(nn.Module):
+  """``NestedTied`` with a head of its own, called as a submodule: no nested apply."""
+
+  def setup(self):
+    self.embed = nn.Embed(7, 6)
+    self.body = nn.Dense(6)
+    self.head = nn.Dense(7, use_bias=False)
+
+  def __call__(self, ids):
+    return self.head(self.body(self.embed(ids)).mean(axis=1))
+
+
+def test_a_tied_heads_params_cost_no_trace_of_the_loss():
+  """The params a tied head is given (the transposed embedding), and their VJP back to the
+  embedding, are read off the loss's traced computation: the loss is traced as many times
+  as for the same model with an untied head. (One more, a whole forward pass, when they
+  were computed by running the loss again.)"""
+  traces = {}
+  for name, model in (('tied', NestedTied()), ('untied', UntiedTwin())):
+    variables = model.init(jax.random.key(2), IDS)
+    count = [0]
+
+    def loss_fn(variables, ids, model=model, count=count):
+      count[0] += 1
+      return jnp.mean(model.apply(variables, ids) ** 2)
+
+    jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0)).trace(
+        variables, jax.random.key(3), IDS)
+    traces[name] = count[0]
+  assert traces['tied'] == traces['untied'] > 0, traces

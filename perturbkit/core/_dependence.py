@@ -12,8 +12,9 @@ its shape:
   broadcast to the batch, or a table that happens to have that many rows), and
   ``_per_example_pass`` raises :class:`AmbiguousInputError` rather than guess.
 """
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 from jax.extend import core as jex_core
 
 
@@ -75,3 +76,26 @@ def needed_inputs(jaxpr: jex_core.Jaxpr, wanted: Sequence[bool]) -> list[bool]:
     if any(v in needed for v in eqn.outvars):
       needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
   return [v in needed for v in jaxpr.invars]
+
+
+def computation_of(closed: jex_core.ClosedJaxpr,
+                   wanted: Sequence[bool]) -> Callable[..., list[Any]]:
+  """``(*inputs) -> [each output marked in wanted]`` of ``closed``, from only the equations
+  those outputs need.
+
+  The rest of the jaxpr is dropped, not traced again: the transpose of an embedding
+  that a tied head is given, without the forward pass of the whole model around it.
+  Differentiable like any JAX function (``jax.vjp`` of it is the VJP of that part).
+  """
+  jaxpr = closed.jaxpr
+  if len(wanted) != len(jaxpr.outvars):
+    raise ValueError(f'{len(wanted)} marks for {len(jaxpr.outvars)} jaxpr outputs.')
+  outvars = [v for v, w in zip(jaxpr.outvars, wanted) if w]
+  needed = {v for v in outvars if not isinstance(v, jex_core.Literal)}
+  kept = []
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      kept.append(eqn)
+      needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+  pruned = jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+  return lambda *inputs: jax.core.eval_jaxpr(pruned, closed.consts, *inputs)

@@ -22,7 +22,7 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._loss import scalar_loss
 from perturbkit.linen._interceptor import Call, intercept
 from perturbkit.per_example._batch import BatchAxes, count_examples, per_argument
-from perturbkit.core._dependence import needed_inputs, source_kinds
+from perturbkit.core._dependence import computation_of, needed_inputs, source_kinds
 from perturbkit.per_example._mixing import mixing
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay
 from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
@@ -220,8 +220,10 @@ def read_owners(needed: frozenset, where: _Reads, position: int,
 
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
               kwargs: dict, batch_axes: BatchAxes = 0
-              ) -> tuple[dict[Path, list[Use]], list[ReadUse], str | None]:
-  """Every outermost call of each param-owning module, in execution order, the reads, the mixing.
+              ) -> tuple[dict[Path, list[Use]], list[ReadUse], str | None,
+                         Callable[[Any], list[Any]]]:
+  """Every outermost call of each param-owning module, in execution order, the reads, the mixing,
+  and the params each read is given as a function of the model's params.
 
   A call of a module made inside another call of the same module (a method
   calling ``self.other_method``) is part of the outer use and not recorded.
@@ -236,6 +238,10 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   how the loss mixes examples where gradients flow (``_per_example_mixing``) when a
   layer call also sees the examples on an axis other than 0, else ``None``: the
   caller raises it after its examples-axis checks, which name the axis problem.
+  The fourth value maps ``variables['params']`` to the params each returned read is
+  given, in order; it is the part of the traced loss that computes them (a transpose
+  for a tied head), so its VJP pulls the reads' gradients back to the model's params
+  without another trace of the loss.
 
   Raises:
     ExamplesMixedError: a call mixes examples (BatchNorm in training mode), or the loss
@@ -252,7 +258,8 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   use_top: dict[tuple[Path, int], int | None] = {}  # the top-level apply of each use
   inputs: list[tuple[Path, int, list[Any]]] = []  # (path, use index, array inputs) by call
   reads: list[ReadUse] = []
-  read_arrays: list[tuple[list[Any], list[Any]]] = []  # (array inputs, params) by read
+  # (array inputs, params leaves, params tree) by read
+  read_arrays: list[tuple[list[Any], list[Any], Any]] = []
   where = _Reads([], [], set(), set())
   active: list[Path] = []
   tops: list[int] = []  # the position of the running top-level apply, when recorded
@@ -294,7 +301,8 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     reads.append(ReadUse(index, method_name, module.clone(parent=None), static_part((a, kw)),
                          (), tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
                          out_tree, frozenset()))
-    read_arrays.append((_array_leaves((a, kw)), jax.tree.leaves(nested_params(module))))
+    params, params_tree = jax.tree.flatten(nested_params(module))
+    read_arrays.append((_array_leaves((a, kw)), params, params_tree))
     where.inside.append(frozenset(active))
     where.top.append(top)
 
@@ -331,12 +339,13 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     with intercept(_filters.all_calls, handler), nested_applies(on_nested, on_top):
       loss = loss_fn(variables, *args, **kw)
     return ([leaf for _, _, leaves in inputs for leaf in leaves]
-            + [leaf for arrays, _ in read_arrays for leaf in arrays]
-            + [leaf for _, params in read_arrays for leaf in params]
+            + [leaf for arrays, _, _ in read_arrays for leaf in arrays]
+            + [leaf for _, params, _ in read_arrays for leaf in params]
             + [jax.numpy.asarray(scalar_loss(loss, has_aux_option=False))])  # last: for `mixing`
 
   plain = {c: t for c, t in variables.items() if c != PERTURBATIONS}
-  jaxpr = jax.make_jaxpr(traced)(plain, kw_arrays, *args).jaxpr
+  closed = jax.make_jaxpr(traced)(plain, kw_arrays, *args)
+  jaxpr = closed.jaxpr
   example_axes: list[int | None] = [None] * len(jax.tree.leaves((plain, kw_arrays)))
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
     example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and _is_array(leaf)
@@ -355,16 +364,17 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     uses[path][index] = uses[path][index]._replace(
         sources=tuple(next(kinds) for _ in leaves))
   reads = [r._replace(sources=tuple(next(kinds) for _ in arrays))
-           for r, (arrays, _) in zip(reads, read_arrays)]
+           for r, (arrays, _, _) in zip(reads, read_arrays)]
   param_leaves = [('params',) + tuple(k.key for k in path) for path, _ in
                   jax.tree_util.tree_flatten_with_path(plain.get('params', {}))[0]]
   assert set(param_leaves) <= set(variable_leaves)
-  start = len(jaxpr.outvars) - 1 - sum(len(params) for _, params in read_arrays)
-  needed_owners, params_kinds = [], []
-  for _, params in read_arrays:
+  start = len(jaxpr.outvars) - 1 - sum(len(params) for _, params, _ in read_arrays)
+  needed_owners, params_kinds, params_outputs = [], [], []
+  for _, params, _ in read_arrays:
     params_kinds.append([next(kinds) for _ in params])
     wanted = [False] * len(jaxpr.outvars)
     wanted[start:start + len(params)] = [True] * len(params)
+    params_outputs.append(wanted)
     start += len(params)
     needed = needed_inputs(jaxpr, wanted)
     needed_owners.append(owners & frozenset(
@@ -379,7 +389,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
                for path, i, leaves in inputs],
       {by_name[name] for name in read_anywhere} - {by_name[name] for name in read_outside},
       num_examples)
-  replayable = {i for i, (arrays, _) in enumerate(read_arrays) if where.top[i] is None
+  replayable = {i for i, (arrays, _, _) in enumerate(read_arrays) if where.top[i] is None
                 and source_error(reads[i].sources, [jax.numpy.shape(x) for x in arrays],
                                  num_examples, '') is None}
   covers = {i: needed_owners[i] & (owners if i in where.everything else where.lifted
@@ -405,4 +415,13 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
                 if by_name[name] not in covered}, **read_outside}
   if refused:
     raise ParamsReadOutsideError(refused)
-  return uses, [r for r in reads if r.owners], mixed if misplaced else None
+  kept = [i for i, read in enumerate(reads) if read.owners]
+  computed = computation_of(closed, [any(params_outputs[i][o] for i in kept)
+                                     for o in range(len(jaxpr.outvars))])
+
+  def given_params(params: Any) -> list[Any]:
+    flat = iter(computed(*jax.tree.leaves(({**plain, 'params': params}, kw_arrays, *args))))
+    return [jax.tree.unflatten(read_arrays[i][2], [next(flat) for _ in read_arrays[i][1]])
+            for i in kept]
+
+  return uses, [reads[i] for i in kept], mixed if misplaced else None, given_params

@@ -1,4 +1,4 @@
-"""Nested ``apply`` calls inside a loss: found, and their params as a function of the variables.
+"""Nested ``apply`` calls inside a loss: found in execution order, and what they were given.
 
 A nested ``apply`` (``self.lm_head.apply({'params': {'kernel': w.T}}, h)``) is not a
 submodule call, so the interceptor of the model's calls does not see it; this
@@ -95,27 +95,3 @@ def nested_params(module: nn.Module) -> Any:
 def nested_others(module: nn.Module) -> dict:
   """The ``apply``'s collections other than params (and perturbkit's perturbations)."""
   return {c: v for c, v in module.variables.items() if c not in ('params', COLLECTION)}
-
-
-def params_of_reads(loss_fn: Callable[..., Any], variables: dict, args: tuple,
-                    kwargs: dict, indices: list[int]) -> Callable[[Any], list[Any]]:
-  """``params -> [params given to the apply at each of indices]``, by a forward run of the loss.
-
-  The indices count nested and top-level applies together (:func:`nested_applies`).
-  Only its VJP is used; everything but the reads' own computation is dead code
-  under ``jax.jit``.
-  """
-  def run(params):
-    found: dict[int, Any] = {}
-
-    def on_apply(index, module, method_name, a, kw, call):
-      del method_name, a, kw
-      if index in indices:
-        found[index] = nested_params(module)
-      return call()
-
-    with nested_applies(on_apply, on_apply):
-      loss_fn({**variables, 'params': params}, *args, **kwargs)
-    return [found[i] for i in indices]
-
-  return run

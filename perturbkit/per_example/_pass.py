@@ -19,8 +19,7 @@ from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_f
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.per_example._fallback import check_sources
 from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
-from perturbkit.per_example._nested import (nested_applies, nested_others, nested_params,
-                                            params_of_reads)
+from perturbkit.per_example._nested import nested_applies, nested_others, nested_params
 from perturbkit.per_example._reads import READS, Read, read_of
 from perturbkit.per_example._replay import Pair
 from perturbkit.core._points import array_part
@@ -146,15 +145,13 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   """The loss and every param-owning module's uses, from one forward and backward pass."""
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  uses, reads, mixed = find_uses(loss_fn, variables, args, kwargs, batch_axes)
+  uses, reads, mixed, given_params = find_uses(loss_fn, variables, args, kwargs, batch_axes)
   loss, found, grads, inputs = _grads_and_inputs(loss_fn, reads, uses, variables, args,
                                                  kwargs)
   read_grads = grads['params'][READS]
   pulled = []
   if reads:
-    indices = [r.index for r in reads]
-    given, pullback = jax.vjp(params_of_reads(loss_fn, variables, args, kwargs, indices),
-                              variables['params'])
+    given, pullback = jax.vjp(given_params, variables['params'])
 
     def pull(position, cotangent):
       # The VJP of every read's params at once, zero but for the one at ``position``.
