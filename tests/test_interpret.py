@@ -1135,6 +1135,33 @@ def test_clean_and_corrupted_inputs_that_make_different_calls(mlp):
     perturbkit.attribution_patching(metric)(variables, x, x[:, :4])
 
 
+def test_clean_and_corrupted_inputs_of_one_type_share_a_trace_of_the_calls(mlp):
+  """A trace sees only its inputs' types, so a corrupted input of the clean one's shapes and
+  dtypes (a NumPy array too) reuses the clean trace of the calls: attribution patching
+  traces the metric once more than gradient x activation (its clean run), and layer
+  integrated gradients from a baseline once more than from none (the baseline's run). An
+  input of another shape is traced, and refused by name
+  (``test_clean_and_corrupted_inputs_that_make_different_calls``)."""
+  _, variables, clean, corrupted, metric = mlp
+  count = [0]
+
+  def counted(v, x):
+    count[0] += 1
+    return metric(v, x)
+
+  def traces(fn, *inputs):
+    count[0] = 0
+    jax.eval_shape(fn, variables, *inputs)
+    return count[0]
+
+  alone = traces(perturbkit.grad_times_activation(counted), corrupted)
+  assert traces(perturbkit.attribution_patching(counted), clean, corrupted) == alone + 1
+  assert traces(perturbkit.attribution_patching(counted), clean, np.asarray(corrupted)) == (
+      alone + 1)
+  integrated = perturbkit.layer_integrated_gradients(counted, steps=2)
+  assert traces(integrated, clean, corrupted) == traces(integrated, clean) + 1
+
+
 def test_invalid_batch_size_and_positions_without_axis():
   with pytest.raises(perturbkit.InvalidOptionError, match='batch_size'):
     perturbkit.activation_patching(lambda v, x: 0.0, batch_size=0)

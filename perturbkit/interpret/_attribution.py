@@ -12,8 +12,8 @@ from perturbkit.core._varying import vary
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import (check_same_calls, checked_positions,
-                                            spread, sweep_positions)
+from perturbkit.interpret._positions import (checked_positions, spread, sweep_positions,
+                                            traced_alike)
 from perturbkit.interpret._result import PatchingResult
 
 
@@ -144,8 +144,8 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
   @named_after(fn)
   def attribute(model, clean, corrupted) -> PatchingResult:
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
-    corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
-    check_same_calls(clean_points, corrupted_points)
+    corrupted_points = traced_alike(clean_points, clean, corrupted, tracer, fn, model, filter,
+                                    function)
     where = sweep_positions(clean_points, axis, positions, view, leaves)
     clean_metric, clean_outputs, _ = clean_points.run({}, (clean,), {}, None)
     clean_metric = check_metric(clean_metric, function)

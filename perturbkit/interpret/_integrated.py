@@ -22,7 +22,7 @@ from perturbkit.interpret._attribution import Direction, difference, first_order
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
+from perturbkit.interpret._positions import checked_positions, sweep_positions, traced_alike
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
@@ -82,13 +82,12 @@ def path_edits(baselines: dict, deltas: dict, paths: Sequence[tuple], call: jax.
 
 
 def baseline_outputs(tracer: Tracer, fn: Callable[..., Any], model: Any, traced: TracedPoints,
-                     outputs: dict, metric: jax.Array, baseline: Any, filter: Any,
+                     inputs: Any, outputs: dict, metric: jax.Array, baseline: Any, filter: Any,
                      function: str) -> tuple[dict, jax.Array]:
   """Each call's baseline (zeros, or its output on ``baseline``) and the metric there."""
   if baseline is None:
     return {p: jax.tree.map(jnp.zeros_like, outputs[p]) for p in traced.paths}, metric
-  baseline_points = trace(tracer, fn, model, (baseline,), {}, filter, function)
-  check_same_calls(traced, baseline_points)
+  baseline_points = traced_alike(traced, inputs, baseline, tracer, fn, model, filter, function)
   value, baselines, _ = baseline_points.run({}, (baseline,), {}, None)
   return baselines, check_metric(value, function)
 
@@ -112,8 +111,8 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     where = sweep_positions(traced, axis, positions, view, leaves)
     metric, outputs, _ = traced.run({}, (inputs,), {}, None)
     metric = check_metric(metric, function)
-    baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, outputs, metric,
-                                                  baseline, filter, function)
+    baselines, baseline_metric = baseline_outputs(tracer, fn, model, traced, inputs, outputs,
+                                                  metric, baseline, filter, function)
     paths = traced.paths
     # The swept arrays of each output (with leaves=, a tuple of those).
     outputs = {p: chosen(outputs[p], leaves) for p in paths}

@@ -11,7 +11,7 @@ from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_metric, trace
-from perturbkit.interpret._positions import check_same_calls, checked_positions, sweep_positions
+from perturbkit.interpret._positions import checked_positions, sweep_positions, traced_alike
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
 
@@ -72,8 +72,8 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
   @named_after(fn)
   def patch(model, clean, corrupted) -> PatchingResult:
     clean_points = trace(tracer, fn, model, (clean,), {}, filter, function)
-    corrupted_points = trace(tracer, fn, model, (corrupted,), {}, filter, function)
-    check_same_calls(clean_points, corrupted_points)
+    corrupted_points = traced_alike(clean_points, clean, corrupted, tracer, fn, model, filter,
+                                    function)
     where = sweep_positions(clean_points, axis, positions, view, leaves)
     clean_metric, outputs, _ = clean_points.run({}, (clean,), {}, None)
     corrupted_metric, corrupted_outputs, _ = corrupted_points.run({}, (corrupted,), {}, None)

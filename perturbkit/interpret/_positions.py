@@ -1,5 +1,5 @@
 """Which positions a sweep covers, and checks that clean and corrupted runs make the same calls."""
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from perturbkit.errors import (AxisLengthMismatchError, CallStructureMismatchErr
                                InvalidOptionError, PositionOutOfRangeError)
 from perturbkit.interpret._edits import viewed_shape
 from perturbkit.interpret._leaves import check_leaves, swept
+from perturbkit.interpret._points import Tracer, trace
 
 
 def checked_positions(positions: Sequence[int] | None, axis: int | None
@@ -128,3 +129,46 @@ def check_same_calls(clean: TracedPoints, corrupted: TracedPoints):
       raise CallStructureMismatchError(f'call {i} ({point_name(a or b)})',
                                        _described(clean, a), _described(corrupted, b))
 
+
+
+def _type(leaf: Any) -> tuple:
+  """What a trace sees of an input leaf: an array's type (weak type included), else its value."""
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    aval = jax.typeof(leaf)
+    return 'array', aval, aval.weak_type
+  return 'value', type(leaf), leaf
+
+
+def _same_types(a: Any, b: Any) -> bool:
+  """Whether ``a`` and ``b`` are the same pytree of the same types (and the same other values).
+
+  Array leaves compare by type: shape, dtype, weak type and, inside ``shard_map``,
+  the devices they vary over.
+  """
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  if tree_a != tree_b:
+    return False
+  try:
+    return all(bool(_type(x) == _type(y)) for x, y in zip(leaves_a, leaves_b))
+  except Exception:  # a value that does not compare to a bool: trace it
+    return False
+
+
+def traced_alike(traced: TracedPoints, given: Any, other: Any, tracer: Tracer,
+                 fn: Callable[..., Any], model: Any, filter: Any,
+                 function: str) -> TracedPoints:
+  """The points of ``fn(model, other)``, ``traced`` being those of ``fn(model, given)``.
+
+  A trace depends on its inputs' types alone, so for an ``other`` of ``given``'s
+  types (corrupted tokens beside the clean ones) it is ``traced`` itself; else
+  ``other`` is traced too, and both are checked to make the same calls.
+
+  Raises:
+    CallStructureMismatchError: (from :func:`check_same_calls`) they make other calls.
+  """
+  if _same_types(given, other):
+    return traced
+  points = trace(tracer, fn, model, (other,), {}, filter, function)
+  check_same_calls(traced, points)
+  return points
