@@ -21,7 +21,9 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
   found while tracing.
 * More families, norms against the reference: ALBERT (factorized embedding, one layer
   shared by every block), RoBERTa, Mistral and Gemma (grouped-query attention), GPT-Neo
-  (local and global attention), DINOv2, RegNet in eval mode (grouped convolutions).
+  (local and global attention), DINOv2, RegNet in eval mode (grouped convolutions), and ViT
+  and GPT-2 composed for captioning (``VisionEncoderDecoder``: the decoder's cross-attention
+  reads the encoder's output, and its LM head is tied to its embedding).
 """
 import dataclasses
 from typing import Any, Callable
@@ -408,9 +410,36 @@ def _image_loss(module):
   return loss_fn, (_pixels(), jnp.array([0, 2, 1]))
 
 
+def _captioning_loss(module):
+  def loss_fn(variables, pixels, ids, mask, positions):
+    return _token_losses(module.apply(variables, pixels, ids, mask, positions).logits, ids).mean()
+  return loss_fn, (_pixels(), _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
+
+
+def _vision_gpt2():
+  """ViT encoding an image for a GPT-2 decoder that attends to it (image captioning), composed
+  by Hugging Face's ``VisionEncoderDecoder``. That class builds only with its random init,
+  which runs op by op; its module is the same, built directly, with its params' shapes from
+  an abstract ``init``."""
+  import types
+  import transformers as T
+  from transformers.models.vision_encoder_decoder import (
+      modeling_flax_vision_encoder_decoder as composed)
+  config = T.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+      T.ViTConfig(image_size=hf_models.IMAGE, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, intermediate_size=32),
+      T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                   add_cross_attention=True))
+  module = composed.FlaxVisionEncoderDecoderModule(config)
+  _, batch = _captioning_loss(module)
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))
+  return types.SimpleNamespace(module=module, params_shape_tree=shapes)
+
+
 def _more_families():
   import transformers as T
   return {
+      'vision_gpt2': (_vision_gpt2, _captioning_loss),
       'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(embedding_size=8, **{
           **SMALL_CONFIG, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
       'roberta': (lambda: T.FlaxRobertaModel(T.RobertaConfig(**{
@@ -434,7 +463,7 @@ def _more_families():
 
 
 @pytest.mark.parametrize('name', ['albert', 'dinov2', 'gemma', 'gpt_neo', 'mistral', 'regnet',
-                                  'roberta'])
+                                  'roberta', 'vision_gpt2'])
 def test_more_families_norms_equal_vmap_grad(name):
   build, make_loss = _more_families()[name]
   with jax.numpy_rank_promotion('allow'):
