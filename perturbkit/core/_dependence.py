@@ -14,7 +14,6 @@ its shape:
 """
 from typing import Any, Callable, Sequence
 
-import jax
 from jax.extend import core as jex_core
 
 
@@ -98,4 +97,4 @@ def computation_of(closed: jex_core.ClosedJaxpr,
       kept.append(eqn)
       needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
   pruned = jaxpr.replace(eqns=kept[::-1], outvars=outvars)
-  return lambda *inputs: jax.core.eval_jaxpr(pruned, closed.consts, *inputs)
+  return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(pruned, closed.consts))
