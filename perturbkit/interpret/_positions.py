@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from perturbkit.core._input_types import input_types, same_types
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import (AxisLengthMismatchError, CallStructureMismatchError,
                                InvalidOptionError, PositionOutOfRangeError)
@@ -130,44 +131,20 @@ def check_same_calls(clean: TracedPoints, corrupted: TracedPoints):
                                        _described(clean, a), _described(corrupted, b))
 
 
-
-def _type(leaf: Any) -> tuple:
-  """What a trace sees of an input leaf: an array's type (weak type included), else its value."""
-  if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-    aval = jax.typeof(leaf)
-    return 'array', aval, aval.weak_type
-  return 'value', type(leaf), leaf
-
-
-def _same_types(a: Any, b: Any) -> bool:
-  """Whether ``a`` and ``b`` are the same pytree of the same types (and the same other values).
-
-  Array leaves compare by type: shape, dtype, weak type and, inside ``shard_map``,
-  the devices they vary over.
-  """
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  if tree_a != tree_b:
-    return False
-  try:
-    return all(bool(_type(x) == _type(y)) for x, y in zip(leaves_a, leaves_b))
-  except Exception:  # a value that does not compare to a bool: trace it
-    return False
-
-
 def traced_alike(traced: TracedPoints, given: Any, other: Any, tracer: Tracer,
                  fn: Callable[..., Any], model: Any, filter: Any,
                  function: str) -> TracedPoints:
   """The points of ``fn(model, other)``, ``traced`` being those of ``fn(model, given)``.
 
-  A trace depends on its inputs' types alone, so for an ``other`` of ``given``'s
-  types (corrupted tokens beside the clean ones) it is ``traced`` itself; else
+  A trace depends on its inputs' types alone (``core/_input_types``), so for an
+  ``other`` of ``given``'s types (corrupted tokens beside the clean ones) it is
+  ``traced`` itself; else
   ``other`` is traced too, and both are checked to make the same calls.
 
   Raises:
     CallStructureMismatchError: (from :func:`check_same_calls`) they make other calls.
   """
-  if _same_types(given, other):
+  if same_types(input_types(given), input_types(other)):
     return traced
   points = trace(tracer, fn, model, (other,), {}, filter, function)
   check_same_calls(traced, points)
