@@ -429,6 +429,32 @@ def test_step_compiles_once():
     state, _ = step(state, x, jnp.ones((4, 1)))
 
 
+def test_a_step_on_inits_input_types_traces_the_loss_once():
+  """A step's segments are checked on its loss and inputs, unless they passed on inputs of
+  the same types (``init`` chose them there): the first step then traces the loss once, as
+  ``jax.value_and_grad`` does. Another batch size is checked again, then remembered."""
+  model = SkipMLP()
+  x, y = jnp.ones((4, 3)), jnp.ones((4, 1))
+  v = model.init(jax.random.key(0), x)
+  count = [0]
+
+  def loss_fn(v, x, y):
+    count[0] += 1
+    return mse(model)(v, x, y)
+
+  def traces(fn, *args):
+    count[0] = 0
+    jax.jit(lambda *a: fn(*a)).trace(*args)  # a new function: nothing from JAX's trace cache
+    return count[0]
+
+  tx = perturbkit.interleaved(loss_fn, optax.adam(1e-3))
+  state = tx.init(v, x, y)
+  assert traces(tx.step, state, x, y) == traces(jax.value_and_grad(loss_fn), v, x, y) == 1
+  other = (jnp.ones((6, 3)), jnp.ones((6, 1)))
+  assert traces(tx.step, state, *other) > 1
+  assert traces(tx.step, state, *other) == 1
+
+
 @pytest.mark.parametrize('segments', [2, perturbkit.filters.by_type(Block)], ids=['depth', 'filter'])
 def test_segments_by_depth_or_filter(segments):
   model = Blocks(depth=2)

@@ -238,6 +238,35 @@ def test_linen_twin_gives_identical_steps(twin):
     chex.assert_trees_all_close(*both, **TOL)
 
 
+def test_a_step_on_inits_input_types_traces_the_loss_once():
+  """The segments chosen at init are not checked again on inputs of the same types: a step
+  traces the loss once, as ``nnx.value_and_grad`` does, for the functional trainer (under
+  ``jax.jit``) and the optimizer (eagerly, where each step is traced). Another batch size
+  is checked again."""
+  x, y = batch()
+  count = [0]
+
+  def loss_fn(model, x, y):
+    count[0] += 1
+    return mse(model, x, y)
+
+  def traces(fn, *args):
+    count[0] = 0
+    fn(*args)
+    return count[0]
+
+  model = SkipMLP(rngs=nnx.Rngs(0))
+  assert traces(nnx.value_and_grad(loss_fn), model, x, y) == 1
+  tx = perturbkit.nnx.interleaved(loss_fn, optax.sgd(0.1))
+  state = tx.init(model, x, y)
+  assert traces(jax.jit(tx.step).trace, state, x, y) == 1
+  other = batch(n=8)
+  assert traces(jax.jit(tx.step).trace, state, *other) > 1
+  assert traces(jax.jit(lambda *a: tx.step(*a)).trace, state, *other) == 1
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), loss_fn, x, y)
+  assert traces(opt.step, model, x, y) == traces(opt.step, model, x, y) == 1
+
+
 def test_one_trace_and_the_graphdef_is_unchanged():
   x, y = batch()
   model = SkipMLP(rngs=nnx.Rngs(0))

@@ -157,11 +157,15 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     chosen, rest = _user_choice(spec, calls, owners, count, transformed, at_depth, by_name,
                                 in_transform_error), {}
   reads = outside_reads(sorted(chosen, key=lambda p: first[p]))
-  for name, what in reads.items():
-    if spec is not None:
-      raise SharedSegmentError(name, _outside_reason(what))
-    chosen.discard(by_name[name])
-    rest[name] = _outside_reason(what)
+  while reads:
+    for name, what in reads.items():
+      if spec is not None:
+        raise SharedSegmentError(name, _outside_reason(what))
+      chosen.discard(by_name[name])
+      rest[name] = _outside_reason(what)
+    # The segments left are checked again, as a step checks them: reads are judged
+    # among the segments chosen, so the choice passes its own check.
+    reads = outside_reads(sorted(chosen, key=lambda p: first[p])) if chosen else {}
   if not chosen:
     raise SegmentationError(
         'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])

@@ -19,6 +19,7 @@ from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
                                 UninitializedStateError)
 from perturbkit.core._hooks import Hook
+from perturbkit.core._input_types import TypesSeen
 from perturbkit.linen._hooks import with_hooks
 from perturbkit.linen._interceptor import suspended
 from perturbkit.core._points import COLLECTION
@@ -257,6 +258,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     loss_fn = with_hooks(loss_fn, *hooks)
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
+  # (variables, args, segment names) whose segments passed their checks, by type.
+  checked = TypesSeen()
 
   def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
     if not args:
@@ -270,6 +273,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   def init(variables: Variables, *args) -> InterleavedState:
     variables = _plain(variables)
     names = list(segmentation(variables, *args).segments)
+    checked.add((variables, args, tuple(sorted(names))))
     at_init['shapes'] = input_shapes(args)
     return InterleavedState(jnp.zeros((), jnp.int32), variables,
                             init_opt_state(optimizer, variables['params'], names),
@@ -289,18 +293,21 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     params = variables['params']
     check_opt_state(optimizer, params, state.opt_state)
     names = [n for n in state.opt_state if n != REST]
-    # The state's segments must still pass every check on this loss and batch.
-    try:
-      _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
-    except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
-      if isinstance(error, PerturbkitError):
+    # The state's segments must pass every check on this loss and batch: checked unless
+    # they passed on inputs of these types (chosen by `init`, or a step before).
+    if (variables, args, tuple(sorted(names))) not in checked:
+      try:
+        _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+      except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
+        if isinstance(error, PerturbkitError):
+          raise
+        mismatch = input_mismatch(at_init.get('shapes'), args, _INIT_CALL)
+        if mismatch is not None:
+          raise mismatch from error
+        if isinstance(error, flax.errors.ScopeParamShapeError):
+          raise StateMismatchError(str(error).split('(https')[0].strip()) from error
         raise
-      mismatch = input_mismatch(at_init.get('shapes'), args, _INIT_CALL)
-      if mismatch is not None:
-        raise mismatch from error
-      if isinstance(error, flax.errors.ScopeParamShapeError):
-        raise StateMismatchError(str(error).split('(https')[0].strip()) from error
-      raise
+      checked.add((variables, args, tuple(sorted(names))))
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite)
     swept: dict[str, dict] = {}

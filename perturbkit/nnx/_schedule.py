@@ -22,6 +22,7 @@ from perturbkit.nnx import _segmentation as _nnx_segmentation
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook
+from perturbkit.core._input_types import TypesSeen
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
@@ -67,6 +68,12 @@ class _Settings(NamedTuple):
   clip_global_norm: float | None
   skip_nonfinite: bool
   hooks: tuple = ()
+  # (model, args, segment names) whose segments passed their checks, by type.
+  checked: TypesSeen | None = None
+
+
+def _checked_key(settings: _Settings, model: nnx.Module, args: tuple, names) -> tuple:
+  return nnx.split(model, settings.wrt, ...), args, tuple(sorted(names))
 
 
 def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
@@ -87,10 +94,14 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   params = params_tree(template)
   check_opt_state(settings.optimizer, params, opt_state)
   names = [n for n in opt_state if n != REST]
-  # The state's segments must still pass every check on this loss and batch.
-  segmentation = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
-                                          _nnx_segmentation.exactly(names))
-  paths = {name: path for name, path in _segment_paths(model, segmentation.segments)}
+  # The state's segments must pass every check on this loss and batch: checked unless
+  # they passed on inputs of these types (chosen at init, or a step before).
+  key = _checked_key(settings, model, args, names)
+  if key not in settings.checked:
+    _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
+                             _nnx_segmentation.exactly(names))
+    settings.checked.add(key)
+  paths = {name: path for name, path in _segment_paths(model, names)}
   sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
                 settings.propagate, settings.skip_nonfinite)
   swept: dict[str, dict] = {}
@@ -213,7 +224,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
-                       clip_global_norm, skip_nonfinite, tuple(hooks))
+                       clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen())
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
 
@@ -257,6 +268,7 @@ def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> di
   """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
   _check_model(model)
   names = list(_segmentation(settings, model, args, settings.segments).segments)
+  settings.checked.add(_checked_key(settings, model, args, names))
   return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names)
 
 
@@ -327,7 +339,7 @@ class InterleavedOptimizer(nnx.Pytree):
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
-                              clip_global_norm, skip_nonfinite, tuple(hooks))
+                              clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen())
     # Static (hashable) shapes of the example arguments, only to word a failing step's error.
     self.example_shapes = tuple(input_shapes(example_args).items())
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
