@@ -138,8 +138,8 @@ def traced_alike(traced: TracedPoints, given: Any, other: Any, tracer: Tracer,
 
   A trace depends on its inputs' types alone (``core/_input_types``), so for an
   ``other`` of ``given``'s types (corrupted tokens beside the clean ones) it is
-  ``traced`` itself; else
-  ``other`` is traced too, and both are checked to make the same calls.
+  ``traced`` itself; else ``other`` is traced too, and both are checked to make the
+  same calls.
 
   Raises:
     CallStructureMismatchError: (from :func:`check_same_calls`) they make other calls.

@@ -68,7 +68,8 @@ class _Settings(NamedTuple):
   clip_global_norm: float | None
   skip_nonfinite: bool
   hooks: tuple = ()
-  # (model, args, segment names) whose segments passed their checks, by type.
+  # (model, args, segment names) whose segments passed their checks, by type: one record
+  # per trainer, given by its constructor.
   checked: TypesSeen | None = None
 
 
