@@ -67,14 +67,24 @@ def needed_inputs(jaxpr: jex_core.Jaxpr, wanted: Sequence[bool]) -> list[bool]:
   The reverse of :func:`depends_on`, equation by equation from the last; through a
   nested jaxpr every input of the equation is taken to feed every output.
   """
+  _, needed = _backward_slice(jaxpr, wanted)
+  return [v in needed for v in jaxpr.invars]
+
+
+def _backward_slice(jaxpr: jex_core.Jaxpr, wanted: Sequence[bool]
+                    ) -> tuple[list[jex_core.JaxprEqn], set]:
+  """The equations the outputs marked in ``wanted`` are computed by, in order, and the
+  variables they read (inputs included), equation by equation from the last."""
   if len(wanted) != len(jaxpr.outvars):
     raise ValueError(f'{len(wanted)} marks for {len(jaxpr.outvars)} jaxpr outputs.')
   needed = {v for v, w in zip(jaxpr.outvars, wanted)
             if w and not isinstance(v, jex_core.Literal)}
+  kept = []
   for eqn in reversed(jaxpr.eqns):
     if any(v in needed for v in eqn.outvars):
+      kept.append(eqn)
       needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-  return [v in needed for v in jaxpr.invars]
+  return kept[::-1], needed
 
 
 def computation_of(closed: jex_core.ClosedJaxpr,
@@ -87,14 +97,6 @@ def computation_of(closed: jex_core.ClosedJaxpr,
   Differentiable like any JAX function (``jax.vjp`` of it is the VJP of that part).
   """
   jaxpr = closed.jaxpr
-  if len(wanted) != len(jaxpr.outvars):
-    raise ValueError(f'{len(wanted)} marks for {len(jaxpr.outvars)} jaxpr outputs.')
-  outvars = [v for v, w in zip(jaxpr.outvars, wanted) if w]
-  needed = {v for v in outvars if not isinstance(v, jex_core.Literal)}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in needed for v in eqn.outvars):
-      kept.append(eqn)
-      needed.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-  pruned = jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+  kept, _ = _backward_slice(jaxpr, wanted)
+  pruned = jaxpr.replace(eqns=kept, outvars=[v for v, w in zip(jaxpr.outvars, wanted) if w])
   return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(pruned, closed.consts))

@@ -48,9 +48,12 @@ class TypesSeen:
     self._size = size
 
   def __contains__(self, inputs: Any) -> bool:
-    types = input_types(inputs)
-    return any(same_types(types, seen) for seen in self._seen)
+    return self._holds(input_types(inputs))
 
   def add(self, inputs: Any) -> None:
-    if inputs not in self:
-      self._seen = [*self._seen, input_types(inputs)][-self._size:]
+    types = input_types(inputs)
+    if not self._holds(types):
+      self._seen = [*self._seen, types][-self._size:]
+
+  def _holds(self, types: tuple) -> bool:
+    return any(same_types(types, seen) for seen in self._seen)

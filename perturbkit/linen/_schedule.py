@@ -35,6 +35,10 @@ from perturbkit.core._varying import check_unchecked
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
 
+def _checked_key(variables: Variables, args: tuple, names) -> tuple:
+  """What a segment check depends on: the inputs (by type) and the segments, in any order."""
+  return variables, args, tuple(sorted(names))
+
 
 _INIT_CALL = 'trainer.init(variables, *args)'
 
@@ -273,7 +277,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   def init(variables: Variables, *args) -> InterleavedState:
     variables = _plain(variables)
     names = list(segmentation(variables, *args).segments)
-    checked.add((variables, args, tuple(sorted(names))))
+    checked.add(_checked_key(variables, args, names))
     at_init['shapes'] = input_shapes(args)
     return InterleavedState(jnp.zeros((), jnp.int32), variables,
                             init_opt_state(optimizer, variables['params'], names),
@@ -295,7 +299,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     names = [n for n in state.opt_state if n != REST]
     # The state's segments must pass every check on this loss and batch: checked unless
     # they passed on inputs of these types (chosen by `init`, or a step before).
-    if (variables, args, tuple(sorted(names))) not in checked:
+    key = _checked_key(variables, args, names)
+    if key not in checked:
       try:
         _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
       except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
@@ -307,7 +312,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
         if isinstance(error, flax.errors.ScopeParamShapeError):
           raise StateMismatchError(str(error).split('(https')[0].strip()) from error
         raise
-      checked.add((variables, args, tuple(sorted(names))))
+      checked.add(key)
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite)
     swept: dict[str, dict] = {}

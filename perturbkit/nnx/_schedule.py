@@ -74,6 +74,8 @@ class _Settings(NamedTuple):
 
 
 def _checked_key(settings: _Settings, model: nnx.Module, args: tuple, names) -> tuple:
+  """What a segment check depends on: the model and inputs (by type) and the segments, in any
+  order."""
   return nnx.split(model, settings.wrt, ...), args, tuple(sorted(names))
 
 
