@@ -5,13 +5,12 @@ the default dot and convolution functions, and Hugging Face's ``FlaxConv1D`` (GP
 dense layers, kernel stored transposed), have fast rules; any other module is
 replayed per example as its own ``module.apply``.
 """
-import dataclasses
-
 import flax.errors
 import flax.linen as nn
 from flax.linen.linear import canonicalize_padding
 
 from perturbkit.errors import RandomCallError
+from perturbkit.linen._hf_modules import is_hf_conv1d
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
 
 
@@ -24,18 +23,10 @@ def _conv_kind(m: nn.Conv) -> LayerKind:
                    canonicalize_padding(m.padding, len(kernel)))
 
 
-def _is_hf_conv1d(module: nn.Module) -> bool:
-  """Hugging Face's ``FlaxConv1D`` (GPT-2): ``inputs @ kernel.T + bias``, kernel ``(out, in)``."""
-  kind = type(module)
-  fields = {f.name for f in dataclasses.fields(module)} - {'parent', 'name'}
-  return (kind.__name__ == 'FlaxConv1D' and kind.__module__.startswith('transformers.')
-          and fields == {'features', 'use_bias', 'dtype', 'precision'})
-
-
 def linen_kind(module: nn.Module) -> LayerKind:
   """The fast rule ``module``'s plain calls may use (``GENERAL`` if none)."""
   kind = type(module)
-  if _is_hf_conv1d(module):
+  if is_hf_conv1d(module):
     return LayerKind('dense', transposed=True)
   if kind is nn.Dense:
     custom = (getattr(module, 'dot_general', None) is not None
