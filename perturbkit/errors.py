@@ -358,14 +358,16 @@ class PRNGKeyError(PerturbkitError, TypeError):
 
 
 class KFACUnsupportedLayerError(PerturbkitError, TypeError):
-  """A call selected for K-FAC has no Kronecker-factor rule."""
+  """A call selected for K-FAC has no curvature rule."""
 
   def __init__(self, where: str, reason: str, exclude: str | None = None):
     exclude = exclude or '`perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`'
     super().__init__(
         f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
-        '`nn.Dense`, `nn.Conv` (feature_group_count=1) and `nn.Embed` `__call__`s (not run '
-        'once per iteration of nn.scan/nn.vmap) whose params no other code reads. Leave the filter at its '
+        '`nn.Dense`, `nn.Conv` (feature_group_count=1), `nn.Embed`, Hugging Face\'s '
+        '`FlaxConv1D` and `nn.LayerNorm`/`nn.RMSNorm` over the last axis (and their NNX '
+        'twins) `__call__`s (not run once per iteration of nn.scan/nn.vmap) whose params no '
+        'other code reads. Leave the filter at its '
         'default (unsupported layers are then listed in `layers.skipped` and their params '
         f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
 

@@ -303,7 +303,7 @@ def test_batchnorm_in_train_mode_with_has_aux():
   train = lambda v, x: model.apply(v, x, train=True, mutable=['batch_stats'])
   layers = perturbkit.kfac_layers(train, variables, x)
   assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
-  assert layers.skipped == {'BatchNorm_0': 'BatchNorm has no Kronecker-factor rule'}
+  assert layers.skipped == {'BatchNorm_0': 'BatchNorm has no K-FAC rule'}
   with pytest.raises(perturbkit.KFACOutputError, match='has_aux=True'):
     perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers)(variables, x, y,
                                                                       jax.random.key(2))
@@ -375,12 +375,12 @@ def hand_precondition(grad_matrix, a, g, damping):
 
 
 class Mixed(nn.Module):
-  """Embed, Conv, LayerNorm (no rule) and Dense."""
+  """Embed, Conv, GroupNorm (no rule) and Dense."""
   @nn.compact
   def __call__(self, tokens):
     h = nn.Embed(7, 4, name='Embed_0')(tokens)                 # (N, T, 4)
     h = jnp.tanh(nn.Conv(3, (2,), name='Conv_0')(h))            # 1-D conv over T
-    h = nn.LayerNorm(name='LayerNorm_0')(h)
+    h = nn.GroupNorm(num_groups=1, name='GroupNorm_0')(h)
     return nn.Dense(3, name='Dense_0')(h.mean(axis=1))
 
 
@@ -388,7 +388,7 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
   tokens = jax.random.randint(jax.random.key(1), (6, 5), 0, 7)
   y = jnp.arange(6) % 3
   variables, predict, layers = setup(Mixed(), tokens)
-  assert layers.skipped == {'LayerNorm_0': 'LayerNorm has no Kronecker-factor rule'}
+  assert layers.skipped == {'GroupNorm_0': 'GroupNorm has no K-FAC rule'}
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
   _, grads, stats = estimate(variables, tokens, y, jax.random.key(2))
   damping = 0.05
@@ -406,8 +406,8 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
   expected = hand_precondition(grads['Embed_0']['embedding'], stats['Embed_0'].a,
                                stats['Embed_0'].g, damping)
   np.testing.assert_allclose(updates['Embed_0']['embedding'], expected, rtol=1e-4, atol=1e-6)
-  chex.assert_trees_all_close(updates['LayerNorm_0'],
-                              jax.tree.map(lambda g: -3.0 * g, grads['LayerNorm_0']), rtol=1e-6)
+  chex.assert_trees_all_close(updates['GroupNorm_0'],
+                              jax.tree.map(lambda g: -3.0 * g, grads['GroupNorm_0']), rtol=1e-6)
   assert int(state.count) == 1
 
 
@@ -543,11 +543,11 @@ def test_jitted_training_step_traces_once_and_lowers_the_loss():
 
 def test_explicitly_selected_layer_without_rule_is_an_error():
   x = jnp.ones((2, 3))
-  model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2)])
+  model = nn.Sequential([nn.Dense(4), nn.GroupNorm(num_groups=2), nn.Dense(2)])
   variables = model.init(jax.random.key(0), x)
-  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='LayerNorm'):
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='GroupNorm'):
     perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
-                           filter=perturbkit.filters.by_type(nn.Dense, nn.LayerNorm))
+                           filter=perturbkit.filters.by_type(nn.Dense, nn.GroupNorm))
   layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
                                   filter=perturbkit.filters.by_path('layers_0'))
   assert list(layers.layers) == ['layers_0']

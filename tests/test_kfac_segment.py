@@ -33,9 +33,18 @@ class CNN(nn.Module):
     return nn.Dense(4, name='Dense_0')(x.reshape(x.shape[0], -1))
 
 
+class NormMLP(nn.Module):
+  """Dense -> LayerNorm -> tanh -> Dense -> RMSNorm -> Dense."""
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.LayerNorm(name='LayerNorm_0')(nn.Dense(6, name='Dense_0')(x)))
+    x = nn.RMSNorm(name='RMSNorm_0')(nn.Dense(5, name='Dense_1')(x))
+    return nn.Dense(4, name='Dense_2')(x)
+
+
 def problem(steps, model=None):
   model = MLP() if model is None else model
-  shape = (3,) if isinstance(model, MLP) else (7, 7, 2)
+  shape = (7, 7, 2) if isinstance(model, CNN) else (3,)
   xs = jax.random.normal(jax.random.key(1), (steps, 8) + shape)
   ys = jnp.arange(steps * 8).reshape(steps, 8) % 4
   variables = jax.jit(model.init)(jax.random.key(0), xs[0])
@@ -53,14 +62,14 @@ def segment_optimizer(layers, **kfac):
   return optimizer
 
 
-@pytest.mark.parametrize('model', [MLP(), CNN()], ids=['mlp', 'cnn'])
+@pytest.mark.parametrize('model', [MLP(), CNN(), NormMLP()], ids=['mlp', 'cnn', 'norms'])
 def test_original_equals_whole_model_kfac_on_the_same_factors(model):
   predict, loss_fn, variables, xs, ys = problem(3, model)
   layers = perturbkit.kfac_layers(predict, variables, xs[0])
   kfac = dict(damping=DAMPING, decay=0.8, inverse_every=2, stats_every=1)
   tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, **kfac), propagate='original')
   state = tx.init(variables, xs[0], ys[0])
-  assert list(state.opt_state) == sorted(layers.layers) + [perturbkit.REST]
+  assert set(state.opt_state) == {*layers.layers, perturbkit.REST}
   step = jax.jit(tx.step)
 
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
@@ -82,8 +91,9 @@ def test_original_equals_whole_model_kfac_on_the_same_factors(model):
                                   rtol=1e-4, atol=1e-5)
     chex.assert_trees_all_close(state.params, params, rtol=1e-4, atol=1e-6)
   assert int(state.opt_state['Dense_0'][0].count) == 3
-  assert {info.kind for info in layers.layers.values()} == (
-      {'dense'} if isinstance(model, MLP) else {'conv', 'dense'})
+  assert {info.kind for info in layers.layers.values()} == {
+      'mlp': {'dense'}, 'cnn': {'conv', 'dense'}, 'norms': {'dense', 'norm'}}[
+          {MLP: 'mlp', CNN: 'cnn', NormMLP: 'norms'}[type(model)]]
 
 
 def hand_updated_sweep(params, x, y, factors, decay):
@@ -172,7 +182,7 @@ def test_amortised_segment_statistics_and_errors():
   with pytest.raises(TypeError, match='segment_inputs'):
     alone.update(w, alone.init(w), w)
   # A coarser segment than the layer (here: the whole model) is named, not half-handled.
-  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='one Dense or Conv call'):
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='one Dense, Conv or norm call'):
     alone.init(variables['params'])
 
 

@@ -269,16 +269,17 @@ def test_embed_and_sequence_dense_factors_equal_the_linen_twin():
 
 
 def test_layers_without_a_rule_are_listed_or_refused():
-  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)),
+  model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+                         nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0)),
                          nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
   x = jnp.ones((2, 3))
   layers = perturbkit.nnx.kfac_layers(model, x)
   assert sorted(layers.layers) == ['layers/0', 'layers/2']
   assert layers.layers['layers/0'].path == ('layers', 0)
-  assert layers.skipped == {'layers/1': 'LayerNorm has no Kronecker-factor rule'}
-  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='LayerNorm'):
+  assert layers.skipped == {'layers/1': 'GroupNorm has no K-FAC rule'}
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='GroupNorm'):
     perturbkit.nnx.kfac_layers(
-        model, x, filter=perturbkit.nnx.filters.by_type(nnx.Linear, nnx.LayerNorm))
+        model, x, filter=perturbkit.nnx.filters.by_type(nnx.Linear, nnx.GroupNorm))
   only = perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_path('layers/2'))
   assert list(only.layers) == ['layers/2']
   assert only.skipped == {'layers/0': 'not selected by the filter',
@@ -401,7 +402,7 @@ def test_tied_embedding_through_attend_is_skipped_or_refused():
   model = NNXTiedHead(nnx.Rngs(0), attend=True)
   layers = perturbkit.nnx.kfac_layers(model, TOKENS)
   assert list(layers.layers) == ['hidden']
-  assert layers.skipped == {'embed': 'Embed.attend has no Kronecker-factor rule (only __call__)'}
+  assert layers.skipped == {'embed': 'Embed.attend has no K-FAC rule (only __call__)'}
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='attend'):
     perturbkit.nnx.kfac_layers(model, TOKENS, filter=perturbkit.nnx.filters.by_type(nnx.Embed))
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='read outside its calls'):

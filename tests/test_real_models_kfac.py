@@ -1,22 +1,26 @@
 """Whole-model K-FAC on unmodified Hugging Face Flax models (tiny configs built in code).
 
-BERT (Dense + Embed, token-classification logits), ViT (Conv patch embedding + Dense, image
-logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers), Llama (bias-free Dense, RMSNorm, untied
-LM head) and ResNet in train mode (Conv + Dense, BatchNorm through ``has_aux``), each with the
-ordinary softmax cross-entropy:
+BERT (Dense + Embed + LayerNorm, token-classification logits), ViT (Conv patch embedding +
+Dense, image logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers), Llama (bias-free Dense, its
+own RMSNorm module, untied LM head) and ResNet in train mode (Conv + Dense, BatchNorm through
+``has_aux``), each with the ordinary softmax cross-entropy:
 
 * ``kfac_layers`` against the module tree seen by an interceptor written here: every
-  Dense/Conv/Embed owner is a layer of its kind and shape, every other owner is skipped with its
-  type named; GPT-2's tied ``wte`` (also read by the LM head) is skipped with the read named and
-  refused when a filter selects it;
+  Dense/Conv/Embed/LayerNorm owner and every Hugging Face ``FlaxConv1D`` (a Dense layer with a
+  ``(d_out, d_in)`` kernel) is a layer of its kind and shape, every other owner is skipped with
+  its type named; GPT-2's tied ``wte`` (also read by the LM head) is skipped with the read named
+  and refused when a filter selects it;
 * the estimator's A and G of three layers per model (empirical Fisher on the true labels, and
   sampled with a fixed key) against a reference without perturbkit: the layer inputs captured by
   an ``nn.intercept_methods`` interceptor, the per-example output gradients from explicit deltas
   that interceptor adds to the call's output, A and G formed in numpy with the documented
   conventions (A sums over locations and averages over examples; G averages over every row; an
-  Embed's A is the token counts over examples; a Conv's rows are its patches);
+  Embed's A is the token counts over examples; a Conv's rows are its patches; a LayerNorm's
+  factors are the mean square of each example's scale and bias gradients, ``Σ_t g_t ⊙ x̂_t``
+  and ``Σ_t g_t``, with ``x̂`` normalised here in float64);
 * jitted ``kfac_preconditioner`` + optax steps: the first update of a layer is
-  ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` of the returned factors, and two steps lower the loss.
+  ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` of the returned factors (``∇θ / (F + λ)`` for a
+  LayerNorm), and two steps lower the loss.
 """
 import dataclasses
 import functools
@@ -38,6 +42,20 @@ pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATIO
 TOL = dict(rtol=1e-4, atol=1e-6)
 DAMPING, LR = 0.1, 0.05
 RULES = {nn.Dense: 'dense', nn.Conv: 'conv', nn.Embed: 'embed'}
+
+
+def rule_of(module: nn.Module) -> str | None:
+  """The kind of layer K-FAC should make of ``module``: ``'conv1d'`` for Hugging Face's
+  ``FlaxConv1D`` (``x @ kernel.T + bias``), ``'norm'`` for a LayerNorm, else by type."""
+  if type(module).__name__ == 'FlaxConv1D':
+    return 'conv1d'
+  if type(module) is nn.LayerNorm:
+    return 'norm'
+  return next((k for t, k in RULES.items() if isinstance(module, t)), None)
+
+
+def weight_of(kind: str) -> str:
+  return {'embed': 'embedding', 'norm': 'scale'}.get(kind, 'kernel')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +130,15 @@ def _image_batch():
 CASES = {c.name: c for c in [
     KFACCase('bert', _bert_predict, _token_batch,
              ('embeddings/word_embeddings', 'encoder/layer/0/attention/self/query',
-              'encoder/layer/1/output/dense'), 'encoder/layer/0/attention/self/query'),
+              'encoder/layer/1/output/dense', 'encoder/layer/0/output/LayerNorm'),
+             'encoder/layer/0/attention/self/query'),
     KFACCase('vit', _vit_predict, _image_batch,
              ('embeddings/patch_embeddings/projection',
               'encoder/layer/0/attention/attention/value', 'encoder/layer/1/intermediate/dense'),
              'encoder/layer/1/intermediate/dense'),
-    KFACCase('gpt2', _causal_lm_predict, _next_token_batch, ('transformer/wpe',), 'transformer/wpe',
-             tied=('transformer/wte',)),
+    KFACCase('gpt2', _causal_lm_predict, _next_token_batch,
+             ('transformer/wpe', 'transformer/h/0/attn/c_attn', 'transformer/h/1/mlp/c_proj',
+              'transformer/h/1/ln_2'), 'transformer/h/1/mlp/c_fc', tied=('transformer/wte',)),
     KFACCase('llama', _causal_lm_predict, _next_token_batch,
              ('model/embed_tokens', 'model/layers/0/self_attn/q_proj', 'lm_head'),
              'model/layers/1/mlp/down_proj'),
@@ -226,9 +246,11 @@ def reference(s: Setup) -> Reference:
       assert name not in inputs, f'{name} is called twice'
       out = next_fun(*args, **kwargs)
       inputs[name], outputs[name] = (args[0] if args else kwargs['inputs']), out
-      kind = next(k for t, k in RULES.items() if isinstance(module, t))
+      kind = rule_of(module)
       if kind == 'conv':
         modules[name] = (kind, module.kernel_size, module.strides, module.padding)
+      elif kind == 'norm':
+        modules[name] = (kind, module.epsilon)
       else:
         modules[name] = (kind,)
       return out if deltas is None else out + deltas[name]
@@ -277,6 +299,19 @@ def hand_patches(x, kernel_size, strides, padding) -> np.ndarray:
   return np.stack(windows, axis=3).reshape(x.shape[0], oh, ow, -1)
 
 
+def hand_norm_diagonals(ref: Reference, name: str, params: dict, g: np.ndarray):
+  """The diagonal Fisher of a LayerNorm's scale and bias: the mean over examples of the square
+  of each example's gradients, ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``."""
+  x = np.asarray(ref.inputs[name], np.float64)
+  mean = x.mean(axis=-1, keepdims=True)
+  x_hat = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + ref.modules[name][1])
+  # The hand normalisation is the layer: scale and bias on it give the model's own output.
+  np.testing.assert_allclose(x_hat * np.asarray(params['scale']) + np.asarray(params['bias']),
+                             ref.outputs[name], rtol=1e-4, atol=1e-4, err_msg=name)
+  per_example = lambda t: t.reshape(x.shape[0], -1, x.shape[-1]).sum(axis=1)
+  return (np.mean(per_example(g * x_hat) ** 2, axis=0), np.mean(per_example(g) ** 2, axis=0))
+
+
 def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.ndarray, ...]:
   """A and G of one layer from the captured input and per-example output gradients."""
   kind = ref.modules[name][0]
@@ -290,6 +325,8 @@ def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.n
   if kind == 'embed':
     a = np.bincount(x.ravel(), minlength=params['embedding'].shape[0]) / examples
     return a, g.T @ g / g.shape[0]
+  if kind == 'norm':
+    return hand_norm_diagonals(ref, name, params, np.asarray(grads[name], np.float64))
   if kind == 'conv':
     _, size, strides, padding = ref.modules[name]
     rows = hand_patches(x, size, strides, padding)
@@ -323,19 +360,19 @@ def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup):
   expected_layers, expected_skipped = {}, {}
   for owner in owners:
     module, methods = tree[owner]
-    kind = next((k for t, k in RULES.items() if isinstance(module, t)), None)
+    kind = rule_of(module)
     if owner in s.case.tied:
       continue
     if kind is None:
-      expected_skipped[owner] = f'{type(module).__name__} has no Kronecker-factor rule'
+      expected_skipped[owner] = f'{type(module).__name__} has no K-FAC rule'
       continue
     assert methods == {'__call__'}, (owner, methods)
     params = s.variables['params']
     for k in owner.split('/'):
       params = params[k]
-    param = 'embedding' if kind == 'embed' else 'kernel'
-    expected_layers[owner] = (kind, params[param].shape, 'bias' in params)
-  got = {name: (info.kind, info.kernel_shape, info.use_bias)
+    expected_layers[owner] = ('dense' if kind == 'conv1d' else kind,
+                              params[weight_of(kind)].shape, 'bias' in params, kind == 'conv1d')
+  got = {name: (info.kind, info.kernel_shape, info.use_bias, info.transposed)
          for name, info in s.layers.layers.items()}
   assert got == expected_layers
   assert {k: v for k, v in s.layers.skipped.items() if k not in s.case.tied} == expected_skipped
@@ -369,14 +406,19 @@ def test_bert_with_gradient_checkpointing_gets_the_plain_models_layers_and_facto
       chex.assert_trees_all_close(got, want, **TOL)
 
 
-def test_gpt2_tied_embedding_and_conv1d_are_named_not_guessed():
-  """GPT-2's ``FlaxConv1D`` has no rule and is listed as such; its ``wte`` embedding is also the
-  transposed LM-head kernel, so K-FAC factors of its ``__call__`` would miss part of its
-  gradient: skipped by default, and an error when a filter selects it."""
+def test_gpt2_conv1d_layers_are_transposed_dense_and_the_tied_embedding_is_named():
+  """GPT-2's four ``FlaxConv1D`` projections per block are Dense layers with ``(d_out, d_in)``
+  kernels, and its LayerNorms are layers; its ``wte`` embedding is also the transposed LM-head
+  kernel, so K-FAC factors of its ``__call__`` would miss part of its gradient: skipped by
+  default, and an error when a filter selects it."""
   s = build('gpt2')
-  conv1d = [n for n, r in s.layers.skipped.items() if r == 'FlaxConv1D has no Kronecker-factor rule']
-  assert len(conv1d) == 4 * hf_models.LAYERS, s.layers.skipped
-  assert list(s.layers.layers) == ['transformer/wpe']
+  conv1d = {n for n, info in s.layers.layers.items() if info.transposed}
+  assert len(conv1d) == 4 * hf_models.LAYERS and all(
+      s.layers.layers[n].kind == 'dense' for n in conv1d), s.layers.layers
+  norms = {n for n, info in s.layers.layers.items() if info.kind == 'norm'}
+  assert len(norms) == 2 * hf_models.LAYERS + 1
+  assert set(s.layers.layers) == conv1d | norms | {'transformer/wpe'}
+  assert list(s.layers.skipped) == ['transformer/wte']
   filters = perturbkit.filters
   with s.hf.strictness():
     with pytest.raises(perturbkit.KFACUnsupportedLayerError,
@@ -476,7 +518,9 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
   for k in info.path:
     layer_grads, layer_updates = layer_grads[k], layer_updates[k]
   grad = np.asarray(layer_grads[info.param], np.float64)
-  theta = grad.reshape(-1, grad.shape[-1])
+  # A FlaxConv1D kernel is stored (d_out, d_in): the matrix the factors act on is its transpose.
+  matrix = lambda w: w.T if info.transposed else w.reshape(-1, w.shape[-1])
+  theta = matrix(grad)
   if info.use_bias:
     theta = np.concatenate([theta, np.asarray(layer_grads['bias'])[None]], axis=0)
   a, g = np.asarray(factors.a, np.float64), np.asarray(factors.g, np.float64)
@@ -486,12 +530,23 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
     want = (theta / (a + DAMPING)[:, None]) @ g_inv
   else:
     want = np.linalg.solve(a + DAMPING * eye(len(a)), theta) @ g_inv
-  got = np.asarray(layer_updates[info.param], np.float64).reshape(-1, grad.shape[-1])
+  got = matrix(np.asarray(layer_updates[info.param], np.float64))
   if info.use_bias:
     got = np.concatenate([got, np.asarray(layer_updates['bias'])[None]], axis=0)
   assert_close(-got / LR, want, f'{s.case.stepped} preconditioned update')
-  # Everything that is not a K-FAC layer (LayerNorm, FlaxConv1D, a tied embedding) takes the
-  # plain gradient through the fallback.
+  # Each LayerNorm's scale and bias: the gradient over its damped diagonal Fisher.
+  for name, info in s.layers.layers.items():
+    if info.kind != 'norm':
+      continue
+    layer_grads, layer_updates = grads, updates
+    for k in info.path:
+      layer_grads, layer_updates = layer_grads[k], layer_updates[k]
+    diagonals = opt_state[0].factors[name]
+    for leaf, diagonal in (('scale', diagonals.a), ('bias', diagonals.g)):
+      want = np.asarray(layer_grads[leaf], np.float64) / (np.asarray(diagonal) + DAMPING)
+      assert_close(-np.asarray(layer_updates[leaf], np.float64) / LR, want, f'{name}/{leaf}')
+  # Everything that is not a K-FAC layer (Llama's RMSNorm, BatchNorm, a tied embedding) takes
+  # the plain gradient through the fallback.
   owned = {info.path for info in s.layers.layers.values()}
   flat_g = jax.tree_util.tree_flatten_with_path(grads)[0]
   flat_u = jax.tree.leaves(updates)

@@ -2,9 +2,11 @@
 
 K-FAC needs each layer's input ``a`` next to the gradient ``g`` at its output;
 ``value_and_grad(..., return_inputs=True)`` has both, so the Kronecker factors of
-every Dense (any leading axes), Conv (patches, Grosse & Martens 2016) and Embed
-(diagonal ``A``) call of an unmodified model come from one forward pass, with no
-model changes and no loss registration. The names here are also in
+every Dense (any leading axes; Hugging Face's ``FlaxConv1D``, GPT-2's transposed
+kernels, too), Conv (patches, Grosse & Martens 2016) and Embed (diagonal ``A``)
+call of an unmodified model come from one forward pass, with no model changes
+and no loss registration; so does the exact diagonal Fisher of every LayerNorm's
+and RMSNorm's scale and bias (kfac-jax's scale-and-shift blocks). The names here are also in
 ``perturbkit``; ``perturbkit.nnx`` has the NNX ``kfac_layers``,
 ``kfac_estimator`` and ``kfac_preconditioner``.
 
@@ -32,8 +34,10 @@ the learning rate accordingly).
 
 Which layers are skipped
 ------------------------
-Layers without a rule (LayerNorm, a tied ``attend``, calls run once per
-iteration of ``nn.scan``/``nn.vmap`` or ``nnx.scan``/``nnx.vmap``) and layers whose weights are also read outside their calls (GPT-2's
+Layers without a rule (BatchNorm, GroupNorm, a norm over other axes than the
+last, a model's own normalisation module such as Llama's RMSNorm, a tied
+``attend``, calls run once per iteration of ``nn.scan``/``nn.vmap`` or
+``nnx.scan``/``nnx.vmap``) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to
 the fallback transform; selecting one explicitly raises
@@ -137,12 +141,30 @@ layer-wise segments::
   ('__call__',))`` (checked against the Linen twin). There is no
   ``perturbkit.nnx.kfac_segment`` of its own yet.
 
+LayerNorm and RMSNorm
+---------------------
+A norm over the last axis, ``y = x̂ ⊙ scale + bias``, has vector params, so its
+Fisher block is preconditioned by its exact diagonal, as kfac-jax's
+scale-and-shift blocks are by default: ``F = (1/N) Σ_n (∂ℓ_n/∂θ)²`` (summed over
+the Fisher's lanes), with each example's gradient ``Σ_t g_t ⊙ x̂_t`` for the scale
+and ``Σ_t g_t`` for the bias, summed over its locations and over the layer's
+calls, ``x̂`` recomputed from the call's input in float32. The update is
+``∇θ / (F + λ)``: the damping is added once, where a Kronecker block adds it to
+each of its two factors. ``LayerFactors.a`` is the scale's diagonal and ``.g``
+the bias's (the bias's in ``.a`` for a norm without a scale). The rule needs the
+examples on the first axis of the norm's input (a norm on ``(T, N, d)``
+activations is skipped, with the reason) and no ``mask`` (refused by the
+estimator).
+
 How it is tested
 ----------------
 Against hand-written perturbation-argument networks; against the exact Fisher
-where K-FAC is exact (one Dense layer, Gaussian output); the amortised path
+where K-FAC is exact (one Dense layer, Gaussian output); the norms' diagonals
+against ``jax.vmap(jax.grad)`` and per-example Jacobians
+(``tests/test_kfac_norms.py``); the amortised path
 against the every-step path fed the same batches (same factors and inverses on
-the steps taken); on unmodified Hugging Face BERT, ViT, GPT-2, Llama and ResNet
+the steps taken); on unmodified Hugging Face BERT, ViT, GPT-2 (its ``FlaxConv1D``
+layers and LayerNorms), Llama and ResNet
 (BatchNorm, train mode) (``tests/test_real_models_kfac.py``).
 ``notebooks/06_kfac.ipynb`` compares K-FAC, SGD and Adam on digits.
 

@@ -60,3 +60,12 @@ def refuse_outside_reads(reads: dict[str, set[str]], builder: str) -> None:
         name, outside_reason(what),
         exclude=f'by building the layers with `{builder}` on this model and predict '
                 'function, which leaves such a layer to the fallback')
+
+
+def check_norm_call(name: str, kwargs: dict) -> None:
+  """Raises :class:`KFACUnsupportedLayerError` for a LayerNorm/RMSNorm called with a
+  ``mask``: its rule normalises over every feature."""
+  if kwargs.get('mask') is not None:
+    raise KFACUnsupportedLayerError(
+        name, 'it is called with a mask, and its rule normalises over every feature',
+        exclude='by leaving it out of the filter given to kfac_layers')

@@ -25,7 +25,7 @@ from flax import traverse_util
 
 from perturbkit.linen._driver import value_and_grad
 from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
-                                     refuse_outside_reads, signature)
+                                     check_norm_call, refuse_outside_reads, signature)
 from perturbkit.errors import KFACOutputError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss
@@ -59,6 +59,9 @@ def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
   for name, info in layers.layers.items():
     calls = find_in(captured, info.path)
     check_calls(name, info.calls, calls)
+    if info.kind == 'norm':
+      for c in info.calls:
+        check_norm_call(name, calls[c][1])
     point_grads = get_in(output_grads, info.path)
     stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
                                 [point_grads[c] for c in info.calls])

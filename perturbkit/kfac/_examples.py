@@ -13,6 +13,10 @@ abstract run (``_per_example_inputs.depends_on``), never guessed. An input
 that is not, but whose first axis has the batch's size, is taken as built for
 the batch (positions broadcast to ``(batch, length)``, as Hugging Face models
 make them when none are passed).
+
+A LayerNorm's diagonal Fisher squares each example's gradient, summed over its
+locations (``_scale_shift``), so its calls' inputs must have the examples on
+their first axis; one that does not is skipped with that reason.
 """
 from typing import Any
 
@@ -30,7 +34,8 @@ def num_examples(inputs: Any) -> int | None:
 
 
 def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
-                         recorded: list[tuple[str, tuple]]) -> dict[str, str]:
+                         recorded: list[tuple[str, tuple]],
+                         grouped: set[str] = frozenset()) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call that does not see the examples.
 
   Args:
@@ -39,12 +44,21 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
     shared: Its first argument, the same for every example (the model's variables).
     inputs: Its second argument, the batch.
     recorded: ``(layer name, input shape)`` of each output of ``jaxpr``.
+    grouped: The layers whose rule groups the rows by example (the norms): their
+      inputs must have the examples on the first axis.
   """
   examples = num_examples(inputs)
   batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}
   for (name, shape), dependent in zip(recorded, from_batch):
+    if name in grouped and not (examples is not None and len(shape) >= 2
+                                and shape[0] == examples):
+      reasons.setdefault(
+          name, f'its input (shape {tuple(shape)}) does not have the batch\'s {examples} '
+                'examples on its first axis, and the diagonal Fisher of its scale and bias '
+                'squares each example\'s gradient')
+      continue
     if dependent or (examples is not None and len(shape) >= 1 and shape[0] == examples):
       continue
     reasons.setdefault(

@@ -1,9 +1,10 @@
 """Which calls of a model K-FAC preconditions, found by one abstract run.
 
 A K-FAC layer is a module that owns params and whose every call has a
-Kronecker-factor rule (``_kfac_rules``). A module that owns params but has no
-rule (LayerNorm, BatchNorm, a grouped Conv, ``Embed.attend``, a layer inside a
-lifted transform, the root's own ``self.param``) is listed in
+curvature rule (``_rules``: Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``,
+LayerNorm and RMSNorm). A module that owns params but has no rule (BatchNorm, a
+grouped Conv, ``Embed.attend``, a layer inside a lifted transform, the root's
+own ``self.param``) is listed in
 ``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
 So is a Dense/Conv/Embed whose params the model also reads outside its calls
 (a tied LM head on the transposed embedding): its calls' factors would not
@@ -27,7 +28,8 @@ from perturbkit.linen._interceptor import intercept, suspended
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
-from perturbkit.kfac._rules import LayerInfo, call_input, describe, unsupported_reason
+from perturbkit.kfac._rules import (LayerInfo, call_input, describe, unsupported_reason,
+                                    weight_name)
 from perturbkit.core._types import CallFilter, Variables
 
 _LIFTED = ('it runs once per iteration of a lifted transform (nn.scan, nn.vmap), where K-FAC '
@@ -81,7 +83,7 @@ def _float_sum(tree: Any) -> jax.Array:
 
 def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
                 inputs: Any, *, filter: CallFilter | None = None) -> KFACLayers:
-  """The Dense, Conv and Embed calls of an unmodified model, for K-FAC.
+  """The Dense, Conv, Embed and LayerNorm calls of an unmodified model, for K-FAC.
 
   For the conventions (the loss, skipped layers, amortised statistics, per-segment
   K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
@@ -98,8 +100,9 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       ``lambda v, x: model.apply(v, x)``.
     variables: The model variables (``'params'`` and any other collection).
     inputs: An example batch, as ``predict_fn`` takes it.
-    filter: Which calls to precondition (default: every Dense, Conv and Embed
-      call). A call it selects that has no rule is an error.
+    filter: Which calls to precondition (default: every call with a rule:
+      Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``, LayerNorm and RMSNorm
+      over the last axis). A call it selects that has no rule is an error.
 
   Returns:
     A :class:`KFACLayers`.
@@ -116,8 +119,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     >>> x = jnp.ones((3, 5))
     >>> variables = model.init(jax.random.key(0), x)
     >>> layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
-    >>> sorted(layers.layers), layers.skipped
-    (['layers_0', 'layers_2'], {'layers_1': 'LayerNorm has no Kronecker-factor rule'})
+    >>> {name: info.kind for name, info in layers.layers.items()}, layers.skipped
+    ({'layers_0': 'dense', 'layers_1': 'norm', 'layers_2': 'dense'}, {})
   """
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[tuple, nn.Module] = {}
@@ -167,7 +170,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
       skipped[name] = unsupported[owner]
     elif owner in supported:
       module = supported[owner]
-      param = 'embedding' if isinstance(module, nn.Embed) else 'kernel'
+      param = weight_name(module)
       calls = tuple(p[-1] for p in points if p[:-1] == owner and p[-1].startswith('__call__'))
       if not calls:
         if user is not None:
@@ -211,4 +214,5 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
     return captured
 
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
-  return shared_input_reasons(jaxpr, variables, inputs, recorded)
+  return shared_input_reasons(jaxpr, variables, inputs, recorded,
+                              {name for name, info in layers.items() if info.kind == 'norm'})

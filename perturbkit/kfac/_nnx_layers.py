@@ -5,9 +5,10 @@ The NNX counterpart of ``_kfac_layers``: every submodule call of
 ``nnx.eval_shape``: no FLOPs, the model untouched), and every module that owns
 ``nnx.Param``s becomes a :class:`LayerInfo` when all its calls have a rule:
 ``nnx.Linear`` is ``'dense'``, ``nnx.Conv`` ``'conv'``, ``nnx.Embed``
-``'embed'``, with the same param names (``kernel``/``bias``/``embedding``) and
-the same factors as their Linen twins (``_kfac_rules``). Others are listed in
-``KFACLayers.skipped`` with the reason.
+``'embed'``, ``nnx.LayerNorm`` and ``nnx.RMSNorm`` ``'norm'``, with the same
+param names (``kernel``/``bias``/``embedding``/``scale``) and the same factors
+as their Linen twins (``_rules``). Others are listed in ``KFACLayers.skipped``
+with the reason.
 
 So is a layer whose params the model also reads outside its own calls (a tied
 LM head ``h @ self.embed.embedding[...].T``, a kernel reused by hand, a loss
@@ -30,7 +31,9 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
-from perturbkit.kfac._rules import ConvGeometry, LayerInfo, hashable, as_tuple, call_input
+from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input, hashable,
+                                    norm_layer, norm_reason)
+from perturbkit.kfac._scale_shift import NormGeometry
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._driver import check_module, discover, flat_state
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
@@ -55,16 +58,31 @@ def layer_name(path: NNXPath) -> str:
   return '/'.join(map(str, path)) or '<root>'
 
 
+def _is_norm(module: Any) -> bool:
+  return type(module) in (nnx.LayerNorm, nnx.RMSNorm)
+
+
 def unsupported_reason(call: Call) -> str | None:
   """Why an NNX call has no K-FAC rule, or ``None`` when it has one."""
   module, name = call.module, type(call.module).__name__
-  if not isinstance(module, (nnx.Linear, nnx.Conv, nnx.Embed)):
-    return f'{name} has no Kronecker-factor rule'
+  if not isinstance(module, (nnx.Linear, nnx.Conv, nnx.Embed)) and not _is_norm(module):
+    return f'{name} has no K-FAC rule'
   if call.method_name != '__call__':
-    return f'{name}.{call.method_name} has no Kronecker-factor rule (only __call__)'
+    return f'{name}.{call.method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nnx.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  if _is_norm(module):
+    return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None
+
+
+def weight_name(module: nnx.Module) -> str:
+  """The param a supported module's :class:`LayerInfo` is keyed by (``LayerInfo.param``)."""
+  if isinstance(module, nnx.Embed):
+    return 'embedding'
+  if _is_norm(module):
+    return 'scale' if module.use_scale else 'bias'
+  return 'kernel'
 
 
 def per_iteration_layers(model: nnx.Module, inputs: Any,
@@ -93,6 +111,12 @@ def describe(module: nnx.Module, path: NNXPath, kernel_shape: tuple[int, ...],
     return LayerInfo('embed', path, 'embedding', kernel_shape, False, calls)
   if isinstance(module, nnx.Linear):
     return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls)
+  if _is_norm(module):
+    geometry = NormGeometry(float(module.epsilon), isinstance(module, nnx.LayerNorm),
+                            bool(module.use_fast_variance))
+    param = weight_name(module)
+    return norm_layer(path, param, kernel_shape,
+                      param == 'scale' and getattr(module, 'use_bias', False), calls, geometry)
   size = tuple(module.kernel_size)
   geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
                           as_tuple(module.input_dilation, len(size)),
@@ -193,13 +217,14 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
-  return shared_input_reasons(jaxpr, params, inputs, recorded)
+  return shared_input_reasons(jaxpr, params, inputs, recorded,
+                              {name for name, info in layers.items() if info.kind == 'norm'})
 
 
 def kfac_layers(model: nnx.Module, inputs: Any, *,
                 predict: Callable[[nnx.Module, Any], Any] | None = None,
                 filter: CallFilter | None = None) -> KFACLayers:
-  """The Linear, Conv and Embed calls of an unmodified NNX model, for K-FAC.
+  """The Linear, Conv, Embed and LayerNorm calls of an unmodified NNX model, for K-FAC.
 
   Runs ``predict(model, inputs)`` abstractly (``nnx.eval_shape``: no FLOPs, the
   model's state unchanged) and records every submodule call, then traces it
@@ -212,9 +237,9 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     inputs: An example batch, as ``predict`` takes it.
     predict: ``(model, inputs) -> output`` (default ``model(inputs)``), e.g.
       ``lambda m, x: m(x, train=True)``.
-    filter: Which calls to precondition (default: every Linear, Conv and Embed
-      call; see ``perturbkit.nnx.filters``). A call it selects that has no
-      rule is an error.
+    filter: Which calls to precondition (default: every Linear, Conv, Embed,
+      LayerNorm and RMSNorm call; see ``perturbkit.nnx.filters``). A call it
+      selects that has no rule is an error.
 
   Returns:
     A :class:`perturbkit.KFACLayers` keyed by the module path joined with
@@ -233,8 +258,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     >>> model = nnx.Sequential(nnx.Linear(5, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
     >>> layers = perturbkit.nnx.kfac_layers(model, jnp.ones((3, 5)))
-    >>> sorted(layers.layers), layers.skipped
-    (['layers/0', 'layers/2'], {'layers/1': 'LayerNorm has no Kronecker-factor rule'})
+    >>> {name: info.kind for name, info in layers.layers.items()}, layers.skipped
+    ({'layers/0': 'dense', 'layers/1': 'norm', 'layers/2': 'dense'}, {})
   """
   check_module(model, 'perturbkit.nnx.kfac_layers')
   predict = call_model if predict is None else predict
@@ -272,12 +297,13 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     if owner in selected_unsupported:
       raise KFACUnsupportedLayerError(
           name, selected_unsupported[owner],
-          exclude='`perturbkit.nnx.filters.by_type(nnx.Linear, nnx.Conv, nnx.Embed)`')
+          exclude='`perturbkit.nnx.filters.by_type(nnx.Linear, nnx.Conv, nnx.Embed, '
+                  'nnx.LayerNorm, nnx.RMSNorm)`')
     if owner in unsupported:
       skipped[name] = unsupported[owner]
     elif owner in supported:
       module, keys = supported[owner]
-      param = 'embedding' if isinstance(module, nnx.Embed) else 'kernel'
+      param = weight_name(module)
       shape = tuple(jnp.shape(params[owner + (param,)].get_value()))
       layers[name] = describe(module, owner, shape, tuple(keys))
     elif owner in unselected:

@@ -1,4 +1,4 @@
-"""Kronecker-factor rules of the layer kinds K-FAC knows: Dense, Conv and Embed.
+"""Curvature rules of the layer kinds K-FAC knows: Dense, Conv, Embed, and LayerNorm/RMSNorm.
 
 Each selected call gives rows ``a`` (the layer's input, as the weight matrix
 sees it) and rows ``g`` (the gradient at its output, per example). With ``N``
@@ -17,7 +17,13 @@ an example and ``G`` AVERAGES over them, so ``A ⊗ G`` approximates the Fisher
 block ``E[Σ_t Σ_t' (ã_t ã_t'ᵀ) ⊗ (g_t g_t'ᵀ)]`` under their independence
 assumptions. A Conv's rows are its input patches (``perturbkit.core._conv_patches``),
 in the flattened kernel's ``(*kernel_size, in_features)`` order. An Embed's ``ã`` is a one-hot row, so
-``A`` is diagonal: ``A = diag(token counts) / N``.
+``A`` is diagonal: ``A = diag(token counts) / N``. Hugging Face's ``FlaxConv1D``
+(GPT-2) is a Dense layer whose kernel is stored ``(d_out, d_in)``: its factors
+are a Dense layer's, and its gradient is transposed around the preconditioning.
+
+A LayerNorm's or RMSNorm's scale and bias (over the last axis) get the exact
+diagonal of their Fisher block instead, from the same pairs
+(``perturbkit.kfac._scale_shift``), as kfac-jax's scale-and-shift blocks do.
 """
 from typing import Any, NamedTuple
 
@@ -28,8 +34,11 @@ import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from perturbkit.core._conv_patches import conv_patches as patches_of
+from perturbkit.kfac._scale_shift import (NormGeometry, diagonal_factors, diagonal_shapes,
+                                          precondition_diagonal)
+from perturbkit.linen._hf_modules import is_hf_conv1d
 
-KINDS = ('dense', 'conv', 'embed')
+KINDS = ('dense', 'conv', 'embed', 'norm')
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -46,13 +55,17 @@ class LayerInfo(NamedTuple):
   """One K-FAC layer: a module whose calls all have a rule.
 
   Attributes:
-    kind: ``'dense'``, ``'conv'`` or ``'embed'``.
+    kind: ``'dense'``, ``'conv'``, ``'embed'`` or ``'norm'`` (LayerNorm, RMSNorm).
     path: The module's path, as in the params tree.
-    param: The preconditioned weight: ``'kernel'`` or ``'embedding'``.
+    param: The preconditioned weight: ``'kernel'``, ``'embedding'``, or a norm's
+      ``'scale'`` (``'bias'`` for a norm without one).
     kernel_shape: Its shape.
-    use_bias: Whether the ``'bias'`` is preconditioned with it (Dense, Conv).
+    use_bias: Whether the ``'bias'`` is preconditioned with it (Dense, Conv, a
+      norm with a scale).
     calls: The point keys of its calls (``'__call__'``, ``'__call__#1'``, ...).
     conv: The geometry of a Conv, else ``None``.
+    transposed: A Dense kernel stored ``(d_out, d_in)`` (Hugging Face's ``FlaxConv1D``).
+    norm: How a ``'norm'`` layer normalises, else ``None``.
   """
   kind: str
   path: tuple[str, ...]
@@ -61,25 +74,60 @@ class LayerInfo(NamedTuple):
   use_bias: bool
   calls: tuple[str, ...]
   conv: ConvGeometry | None = None
+  transposed: bool = False
+  norm: NormGeometry | None = None
 
 
 class LayerFactors(NamedTuple):
   """The two Kronecker factors of a layer: ``a`` (``(d, d)``, or ``(vocab,)``, the
-  diagonal, for an Embed) and ``g`` (``(d_out, d_out)``)."""
+  diagonal, for an Embed) and ``g`` (``(d_out, d_out)``). For a ``'norm'`` layer, the
+  diagonal Fisher of its first param (``a``) and of its bias (``g``, empty without one)."""
   a: jax.Array
   g: jax.Array
+
+
+def _is_norm(module: Any) -> bool:
+  return type(module) in (nn.LayerNorm, nn.RMSNorm)
+
+
+def last_axis_only(axes: Any) -> bool:
+  """Whether a norm's ``reduction_axes``/``feature_axes`` name the last axis alone."""
+  return axes == -1 or (isinstance(axes, (tuple, list)) and tuple(axes) == (-1,))
+
+
+def norm_reason(name: str, reduction_axes: Any, feature_axes: Any, axis_name: Any) -> str | None:
+  """Why a LayerNorm/RMSNorm has no rule (``None`` when it has one): the rule normalises
+  over the last axis of each device's own input."""
+  if not (last_axis_only(reduction_axes) and last_axis_only(feature_axes)):
+    return (f'a {name} over reduction_axes={reduction_axes!r}, feature_axes={feature_axes!r} '
+            'has no rule (only the last axis)')
+  if axis_name is not None:
+    return f'a {name} averaged over the devices (axis_name={axis_name!r}) has no rule'
+  return None
 
 
 def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
   """Why a call has no K-FAC rule, or ``None`` when it has one."""
   name = type(module).__name__
-  if not isinstance(module, (nn.Dense, nn.Conv, nn.Embed)):
-    return f'{name} has no Kronecker-factor rule'
+  if not (isinstance(module, (nn.Dense, nn.Conv, nn.Embed)) or is_hf_conv1d(module)
+          or _is_norm(module)):
+    return f'{name} has no K-FAC rule'
   if method_name != '__call__':
-    return f'{name}.{method_name} has no Kronecker-factor rule (only __call__)'
+    return f'{name}.{method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nn.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  if _is_norm(module):
+    return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None
+
+
+def weight_name(module: nn.Module) -> str:
+  """The param a supported module's :class:`LayerInfo` is keyed by (``LayerInfo.param``)."""
+  if isinstance(module, nn.Embed):
+    return 'embedding'
+  if _is_norm(module):
+    return 'scale' if module.use_scale else 'bias'
+  return 'kernel'
 
 
 def as_tuple(value: Any, n: int) -> tuple[int, ...]:
@@ -102,6 +150,15 @@ def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str,
     return LayerInfo('embed', path, 'embedding', kernel_shape, False, calls)
   if isinstance(module, nn.Dense):
     return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls)
+  if is_hf_conv1d(module):
+    return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls,
+                     transposed=True)
+  if _is_norm(module):
+    geometry = NormGeometry(float(module.epsilon), isinstance(module, nn.LayerNorm),
+                            bool(module.use_fast_variance))
+    return norm_layer(path, weight_name(module), kernel_shape,
+                      weight_name(module) == 'scale' and getattr(module, 'use_bias', False),
+                      calls, geometry)
   size = (module.kernel_size,) if isinstance(module.kernel_size, int) else tuple(
       module.kernel_size)
   geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
@@ -110,13 +167,31 @@ def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str,
   return LayerInfo('conv', path, 'kernel', kernel_shape, module.use_bias, calls, geometry)
 
 
+def norm_layer(path: tuple, param: str, shape: tuple[int, ...], use_bias: bool,
+               calls: tuple[str, ...], geometry: NormGeometry) -> LayerInfo:
+  """The :class:`LayerInfo` of a LayerNorm/RMSNorm (either front end)."""
+  return LayerInfo('norm', path, param, shape, use_bias, calls, norm=geometry)
+
+
+def matrix_shape(info: LayerInfo) -> tuple[int, int]:
+  """``(d_in, d_out)`` of a Dense/Conv layer's weight as a matrix (a Conv's rows are its
+  flattened kernel's, a ``FlaxConv1D`` kernel is stored transposed)."""
+  if info.transposed:
+    d_out, d_in = info.kernel_shape
+    return d_in, d_out
+  return int(np.prod(info.kernel_shape[:-1])), info.kernel_shape[-1]
+
+
 def factor_shapes(info: LayerInfo) -> LayerFactors:
   """The shapes of the layer's factors (as tuples in a :class:`LayerFactors`)."""
+  if info.kind == 'norm':
+    return LayerFactors(*diagonal_shapes(info.kernel_shape, info.use_bias))
   if info.kind == 'embed':
     vocab, features = info.kernel_shape
     return LayerFactors((vocab,), (features, features))
-  rows = int(np.prod(info.kernel_shape[:-1])) + int(info.use_bias)
-  return LayerFactors((rows, rows), (info.kernel_shape[-1],) * 2)
+  d_in, d_out = matrix_shape(info)
+  rows = d_in + int(info.use_bias)
+  return LayerFactors((rows, rows), (d_out, d_out))
 
 
 def conv_patches(geometry: ConvGeometry, x: jax.Array) -> jax.Array:
@@ -168,8 +243,8 @@ def input_rows(info: LayerInfo, x: jax.Array) -> tuple[jax.Array, int]:
 
 
 def call_input(args: tuple, kwargs: dict) -> jax.Array:
-  """The array a Dense/Conv/Embed call received (positional or ``inputs=``)."""
-  return args[0] if args else kwargs['inputs']
+  """The array a layer's call received (positional, ``inputs=`` or a norm's ``x=``)."""
+  return args[0] if args else kwargs['inputs' if 'inputs' in kwargs else 'x']
 
 
 def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array]
@@ -186,6 +261,9 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
   Returns:
     :class:`LayerFactors` ``A``, ``G`` as in the module docstring.
   """
+  if info.kind == 'norm':
+    return LayerFactors(*diagonal_factors(info.param, info.use_bias, info.norm, inputs,
+                                          output_grads))
   a_sum = g_sum = None
   rows = 0
   examples = None
@@ -205,18 +283,22 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
 
 
 def precondition(info: LayerInfo, grads: dict, inverses: LayerFactors) -> dict:
-  """``A⁻¹ [∇W; ∇b] G⁻¹`` for one layer's gradient subtree (``inverses`` damped)."""
+  """``A⁻¹ [∇W; ∇b] G⁻¹`` for one layer's gradient subtree (``inverses`` damped);
+  ``∇θ / (F + λ)`` for a ``'norm'`` layer."""
+  if info.kind == 'norm':
+    return precondition_diagonal(info.param, info.use_bias, grads, inverses.a, inverses.g)
   kernel = grads[info.param]
   if info.kind == 'embed':
     product = jnp.matmul(inverses.a[:, None] * kernel, inverses.g, precision=_HIGHEST)
     return {**grads, info.param: product.astype(kernel.dtype)}
-  theta = kernel.reshape(-1, kernel.shape[-1])
+  d_in, d_out = matrix_shape(info)
+  theta = kernel.T if info.transposed else kernel.reshape(d_in, d_out)
   if info.use_bias:
     theta = jnp.concatenate([theta, grads['bias'][None, :]], axis=0)
   theta = jnp.matmul(jnp.matmul(inverses.a, theta, precision=_HIGHEST), inverses.g,
                      precision=_HIGHEST)
-  out = {**grads, info.param: theta[:int(np.prod(kernel.shape[:-1]))].reshape(
-      kernel.shape).astype(kernel.dtype)}
+  weight = theta[:d_in].T if info.transposed else theta[:d_in].reshape(kernel.shape)
+  out = {**grads, info.param: weight.astype(kernel.dtype)}
   if info.use_bias:
     out['bias'] = theta[-1].astype(grads['bias'].dtype)
   return out

@@ -2,7 +2,8 @@
 
 A segment that is one Dense or Conv call knows both of its Kronecker factors
 when its backward pass runs: its input ``a`` is the segment's input and ``g``
-is the cotangent at its output. The sweep (``_sweep``) gives both to a segment
+is the cotangent at its output. A LayerNorm's or RMSNorm's diagonal Fisher
+comes from the same two. The sweep (``_sweep``) gives both to a segment
 optimizer as the extra arguments ``segment_inputs`` and ``segment_output_grad``;
 :func:`kfac_segment` forms the factors from them and preconditions the
 segment's gradient with :func:`kfac_preconditioner`'s machinery. With
@@ -53,13 +54,14 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   For the conventions (the loss, skipped layers, amortised statistics, per-segment
   K-FAC, how the factors relate to kfac-jax's) see ``help(perturbkit.kfac)``.
 
-  For a segment that is exactly one Dense or Conv call (the default layer-wise
-  segments), ``update(grads, state, params, *, segment_inputs,
+  For a segment that is exactly one Dense, Conv, LayerNorm or RMSNorm call (the
+  default layer-wise segments), ``update(grads, state, params, *, segment_inputs,
   segment_output_grad)`` forms ``A`` from the call's input and ``G`` from the
   per-example cotangent at its output (the loss is taken to be a mean over
   the batch's first axis), and then acts as :func:`kfac_preconditioner` on
   this one layer: EMA of the factors taken every ``stats_every`` updates,
-  damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``.
+  damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``
+  (``∇θ / (F + λ)`` for a norm's diagonal).
   The sweep passes the two extra arguments; chain it with the step:
   ``optax.chain(kfac_segment(layers.layers[name]), optax.sgd(lr))``.
 
@@ -105,11 +107,12 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     >>> state.opt_state['layers_2'][0].factors['segment'].g.shape
     (3, 3)
   """
-  if layer.kind not in ('dense', 'conv'):
+  if layer.kind not in ('dense', 'conv', 'norm'):
     raise KFACUnsupportedLayerError(
-        '/'.join(layer.path), f'a K-FAC segment needs a Dense or Conv call, not {layer.kind!r} '
-        '(an Embed takes integer inputs, which do not reach the segment optimizer); give '
-        'this segment another optimizer, or precondition it with kfac_preconditioner')
+        '/'.join(layer.path), f'a K-FAC segment needs a Dense, Conv or norm call, not '
+        f'{layer.kind!r} (an Embed takes integer inputs, which do not reach the segment '
+        'optimizer); give this segment another optimizer, or precondition it with '
+        'kfac_preconditioner')
   info = layer._replace(path=())
   leaves = {info.param, 'bias'} if info.use_bias else {info.param}
 
@@ -118,7 +121,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
       got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
       raise KFACUnsupportedLayerError(
           '/'.join(layer.path), f'its segment holds the params {got}, not exactly the layer\'s '
-          f'{sorted(leaves)}; a K-FAC segment is one Dense or Conv call (the default '
+          f'{sorted(leaves)}; a K-FAC segment is one Dense, Conv or norm call (the default '
           'layer-wise segments of interleaved, segments=None)')
 
   inner = kfac_preconditioner(KFACLayers({_NAME: info}, {}), damping=damping, decay=decay,

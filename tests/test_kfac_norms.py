@@ -1,0 +1,246 @@
+"""K-FAC's LayerNorm and RMSNorm layers: the exact diagonal of their Fisher block.
+
+The references use no perturbkit: per-example gradients of the norms' params from
+``jax.vmap(jax.grad)`` of one example's loss (the empirical Fisher: their mean square),
+and per-example Jacobians of the logits with the softmax's Hessian between them (the
+exact Fisher: ``diag(Jᵀ H J)``, averaged over examples). The models normalise over the
+last axis of ``(batch, tokens, features)`` activations, call one RMSNorm twice (its
+per-example gradient is the sum over both calls before squaring) and have a LayerNorm
+with a bias only; the NNX twin, given the same weights, gets the same factors.
+"""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import perturbkit
+
+NORMS = ('ln', 'rms', 'shift')
+TOL = dict(rtol=2e-4, atol=1e-7)
+
+
+class NormNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):                                     # (N, T, 3)
+    h = nn.LayerNorm(name='ln')(nn.Dense(4, name='embed')(x))
+    h = jnp.tanh(nn.Dense(4, name='mix')(h))
+    rms = nn.RMSNorm(name='rms')
+    h = rms(h) + 0.5 * rms(jnp.sin(2.0 * h))                 # one module, two calls
+    h = nn.LayerNorm(use_scale=False, name='shift')(h)       # a bias alone
+    return nn.Dense(3, name='head')(h.mean(axis=1))
+
+
+class NNXNormNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(3, 4, rngs=rngs)
+    self.ln = nnx.LayerNorm(4, rngs=rngs)
+    self.mix = nnx.Linear(4, 4, rngs=rngs)
+    self.rms = nnx.RMSNorm(4, rngs=rngs)
+    self.shift = nnx.LayerNorm(4, use_scale=False, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.ln(self.embed(x))
+    h = jnp.tanh(self.mix(h))
+    h = self.rms(h) + 0.5 * self.rms(jnp.sin(2.0 * h))
+    return self.head(self.shift(h).mean(axis=1))
+
+
+@pytest.fixture(scope='module')
+def problem():
+  x = jax.random.normal(jax.random.key(0), (6, 5, 3))
+  y = jnp.arange(6) % 3
+  variables = NormNet().init(jax.random.key(1), x)
+  # Scales and biases away from their initial 1 and 0, so that both parts of x̂ ⊙ scale + bias
+  # matter.
+  leaves, treedef = jax.tree.flatten(variables)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  variables = jax.tree.unflatten(treedef, [
+      leaf + 0.3 * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys)])
+  predict = lambda v, x: NormNet().apply(v, x)
+  return variables, predict, x, y
+
+
+def per_example_norm_grads(variables, predict, x, y):
+  """``{norm: {param: (N, d)}}``: each example's gradient of its own loss."""
+  def loss(params, xi, yi):
+    logits = predict({'params': params}, xi[None])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, yi[None])[0]
+
+  grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(variables['params'], x, y)
+  return {name: grads[name] for name in NORMS}
+
+
+def exact_fisher_diagonals(variables, predict, x):
+  """``{norm: {param: (d,)}}``: ``mean_n diag(J_nᵀ H_n J_n)`` with ``H = diag(p) - p pᵀ``."""
+  params = variables['params']
+
+  def one(xi):
+    logits_of = lambda p: predict({'params': p}, xi[None])[0]
+    jac = jax.jacrev(logits_of)(params)
+    p = jax.nn.softmax(logits_of(params))
+    hessian = jnp.diag(p) - jnp.outer(p, p)
+    return jax.tree.map(lambda j: jnp.einsum('i...,ij,j...->...', j, hessian, j), jac)
+
+  diagonals = jax.tree.map(lambda d: jnp.mean(d, axis=0), jax.vmap(one)(x))
+  return {name: diagonals[name] for name in NORMS}
+
+
+def expected_factors(diagonals):
+  """The layers' ``(a, g)``: the scale's diagonal and the bias's; the bias alone for 'shift'."""
+  return {'ln': (diagonals['ln']['scale'], diagonals['ln']['bias']),
+          'rms': (diagonals['rms']['scale'], np.zeros((0,))),
+          'shift': (diagonals['shift']['bias'], np.zeros((0,)))}
+
+
+def assert_factors(stats, expected):
+  for name, (a, g) in expected.items():
+    np.testing.assert_allclose(stats[name].a, a, **TOL, err_msg=f'{name}.a')
+    np.testing.assert_allclose(stats[name].g, g, **TOL, err_msg=f'{name}.g')
+
+
+def test_the_norms_are_layers_with_their_params(problem):
+  variables, predict, x, _ = problem
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  assert layers.skipped == {}
+  got = {name: (info.kind, info.param, info.kernel_shape, info.use_bias, info.calls)
+         for name, info in layers.layers.items() if info.kind == 'norm'}
+  assert got == {'ln': ('norm', 'scale', (4,), True, ('__call__',)),
+                 'rms': ('norm', 'scale', (4,), False, ('__call__', '__call__#1')),
+                 'shift': ('norm', 'bias', (4,), False, ('__call__',))}
+  assert layers.layers['ln'].norm.centered and not layers.layers['rms'].norm.centered
+
+
+@pytest.mark.parametrize('fisher', ['empirical', 'exact'])
+def test_factors_are_the_diagonal_fisher(problem, fisher):
+  variables, predict, x, y = problem
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                               fisher=fisher))
+  _, _, stats = estimate(variables, x, y)
+  if fisher == 'empirical':
+    grads = per_example_norm_grads(variables, predict, x, y)
+    diagonals = jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)
+  else:
+    diagonals = exact_fisher_diagonals(variables, predict, x)
+  assert_factors(stats, expected_factors(diagonals))
+
+
+def test_nnx_twin_gets_the_same_factors(problem):
+  variables, predict, x, y = problem
+  model = NNXNormNet(nnx.Rngs(0))
+  params = variables['params']
+  for name in ('embed', 'mix', 'head', *NORMS):
+    layer = getattr(model, name)
+    for leaf, value in params[name].items():
+      getattr(layer, leaf).set_value(value)
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert {n: i.kind for n, i in layers.layers.items()} == {
+      'embed': 'dense', 'ln': 'norm', 'mix': 'dense', 'rms': 'norm', 'shift': 'norm',
+      'head': 'dense'}
+  linen_layers = perturbkit.kfac_layers(predict, variables, x)
+  for name in NORMS:
+    assert layers.layers[name]._replace(path=()) == linen_layers.layers[name]._replace(path=())
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='empirical')
+  _, _, stats = nnx.jit(estimate)(model, x, y)
+  grads = per_example_norm_grads(variables, predict, x, y)
+  assert_factors(stats, expected_factors(jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)))
+
+
+def test_preconditioned_update_is_the_gradient_over_the_damped_diagonal(problem):
+  variables, predict, x, y = problem
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                               fisher='empirical'))
+  _, grads, stats = estimate(variables, x, y)
+  damping = 0.05
+  tx = perturbkit.kfac_preconditioner(layers, damping=damping)
+  params = variables['params']
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params, kfac_stats=stats)
+  for name, leaf, diagonal in (('ln', 'scale', stats['ln'].a), ('ln', 'bias', stats['ln'].g),
+                               ('rms', 'scale', stats['rms'].a),
+                               ('shift', 'bias', stats['shift'].a)):
+    want = np.asarray(grads[name][leaf], np.float64) / (np.asarray(diagonal) + damping)
+    np.testing.assert_allclose(updates[name][leaf], want, rtol=1e-5, err_msg=f'{name}/{leaf}')
+
+
+# ---------------------------------------------------------------- what has no rule
+
+class Masked(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    mask = jnp.broadcast_to(jnp.arange(4) < 2, h.shape)
+    return nn.Dense(2)(nn.LayerNorm(name='ln')(h, mask=mask))
+
+
+class OtherAxes(nn.Module):
+  @nn.compact
+  def __call__(self, x):                                     # (N, T, d)
+    h = nn.LayerNorm(reduction_axes=(1, 2), feature_axes=-1, name='ln')(nn.Dense(4)(x))
+    return nn.Dense(2)(h.mean(axis=1))
+
+
+class TokensFirst(nn.Module):
+  @nn.compact
+  def __call__(self, x):                                     # (N, T, d)
+    h = nn.LayerNorm(name='ln')(jnp.swapaxes(nn.Dense(4)(x), 0, 1))   # (T, N, d)
+    return nn.Dense(2)(h.mean(axis=0))
+
+
+def _layers(model, x):
+  variables = model.init(jax.random.key(0), x)
+  return variables, perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+
+
+def test_norms_the_rule_does_not_cover_are_skipped_with_the_reason():
+  x = jnp.ones((4, 3, 5))
+  _, layers = _layers(OtherAxes(), x)
+  assert 'ln' not in layers.layers
+  assert 'only the last axis' in layers.skipped['ln']
+  # Tokens first: each example's gradient cannot be told apart on the first axis.
+  _, layers = _layers(TokensFirst(), x)
+  assert 'ln' not in layers.layers
+  assert "does not have the batch's 4 examples on its first axis" in layers.skipped['ln']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='first axis'):
+    model = TokensFirst()
+    perturbkit.kfac_layers(lambda v, x: model.apply(v, x), model.init(jax.random.key(0), x), x,
+                           filter=perturbkit.filters.by_type(nn.LayerNorm))
+
+
+def test_a_norm_called_with_a_mask_is_refused_by_the_estimator():
+  x = jnp.ones((4, 5))
+  variables, layers = _layers(Masked(), x)
+  assert layers.layers['ln'].kind == 'norm'
+  estimate = perturbkit.kfac_estimator(lambda v, x: Masked().apply(v, x),
+                                       'softmax_cross_entropy', layers, fisher='empirical')
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='ln.*called with a mask'):
+    estimate(variables, x, jnp.zeros((4,), jnp.int32))
+
+
+def test_kfac_of_a_layer_normed_mlp_lowers_the_loss(problem):
+  """Three steps of whole-model K-FAC with every layer preconditioned, the norms included."""
+  variables, predict, x, y = problem
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                       fisher='empirical')
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.1, inverse_every=1),
+                   optax.sgd(0.1))
+
+  @jax.jit
+  def step(params, state):
+    loss, grads, stats = estimate({'params': params}, x, y)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  params, state = variables['params'], tx.init(variables['params'])
+  losses = []
+  for _ in range(4):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0], losses
+  chex.assert_tree_all_finite(params)
