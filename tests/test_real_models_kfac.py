@@ -2,13 +2,13 @@
 
 BERT (Dense + Embed + LayerNorm, token-classification logits), ViT (Conv patch embedding +
 Dense, image logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers), Llama (bias-free Dense, its
-own RMSNorm module, untied LM head) and ResNet in train mode (Conv + Dense, BatchNorm through
+own RMSNorm module with a ``weight``, untied LM head) and ResNet in train mode (Conv + Dense, BatchNorm through
 ``has_aux``), each with the ordinary softmax cross-entropy:
 
 * ``kfac_layers`` against the module tree seen by an interceptor written here: every
-  Dense/Conv/Embed/LayerNorm owner and every Hugging Face ``FlaxConv1D`` (a Dense layer with a
-  ``(d_out, d_in)`` kernel) is a layer of its kind and shape, every other owner is skipped with
-  its type named; GPT-2's tied ``wte`` (also read by the LM head) is skipped with the read named
+  Dense/Conv/Embed/LayerNorm owner, every Hugging Face ``FlaxConv1D`` (a Dense layer with a
+  ``(d_out, d_in)`` kernel) and ``FlaxLlamaRMSNorm`` is a layer of its kind and shape, every
+  other owner is skipped with its type named; GPT-2's tied ``wte`` (also read by the LM head) is skipped with the read named
   and refused when a filter selects it;
 * the estimator's A and G of three layers per model (empirical Fisher on the true labels, and
   sampled with a fixed key) against a reference without perturbkit: the layer inputs captured by
@@ -16,8 +16,8 @@ own RMSNorm module, untied LM head) and ResNet in train mode (Conv + Dense, Batc
   that interceptor adds to the call's output, A and G formed in numpy with the documented
   conventions (A sums over locations and averages over examples; G averages over every row; an
   Embed's A is the token counts over examples; a Conv's rows are its patches; a LayerNorm's
-  factors are the mean square of each example's scale and bias gradients, ``Σ_t g_t ⊙ x̂_t``
-  and ``Σ_t g_t``, with ``x̂`` normalised here in float64);
+  (RMSNorm's) factors are the mean square of each example's scale and bias gradients,
+  ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``, with ``x̂`` normalised here in float64);
 * jitted ``kfac_preconditioner`` + optax steps: the first update of a layer is
   ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` of the returned factors (``∇θ / (F + λ)`` for a
   LayerNorm), and two steps lower the loss.
@@ -46,16 +46,19 @@ RULES = {nn.Dense: 'dense', nn.Conv: 'conv', nn.Embed: 'embed'}
 
 def rule_of(module: nn.Module) -> str | None:
   """The kind of layer K-FAC should make of ``module``: ``'conv1d'`` for Hugging Face's
-  ``FlaxConv1D`` (``x @ kernel.T + bias``), ``'norm'`` for a LayerNorm, else by type."""
+  ``FlaxConv1D`` (``x @ kernel.T + bias``), ``'norm'`` for a LayerNorm, ``'rms'`` for
+  Llama's RMSNorm (``weight * x / sqrt(mean(x²) + eps)``), else by type."""
   if type(module).__name__ == 'FlaxConv1D':
     return 'conv1d'
+  if type(module).__name__ == 'FlaxLlamaRMSNorm':
+    return 'rms'
   if type(module) is nn.LayerNorm:
     return 'norm'
   return next((k for t, k in RULES.items() if isinstance(module, t)), None)
 
 
 def weight_of(kind: str) -> str:
-  return {'embed': 'embedding', 'norm': 'scale'}.get(kind, 'kernel')
+  return {'embed': 'embedding', 'norm': 'scale', 'rms': 'weight'}.get(kind, 'kernel')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,8 @@ CASES = {c.name: c for c in [
              ('transformer/wpe', 'transformer/h/0/attn/c_attn', 'transformer/h/1/mlp/c_proj',
               'transformer/h/1/ln_2'), 'transformer/h/1/mlp/c_fc', tied=('transformer/wte',)),
     KFACCase('llama', _causal_lm_predict, _next_token_batch,
-             ('model/embed_tokens', 'model/layers/0/self_attn/q_proj', 'lm_head'),
+             ('model/embed_tokens', 'model/layers/0/self_attn/q_proj', 'lm_head',
+              'model/layers/1/post_attention_layernorm'),
              'model/layers/1/mlp/down_proj'),
     KFACCase('resnet_train', _resnet_predict, _image_batch,
              ('resnet/embedder/embedder/convolution',
@@ -251,6 +255,8 @@ def reference(s: Setup) -> Reference:
         modules[name] = (kind, module.kernel_size, module.strides, module.padding)
       elif kind == 'norm':
         modules[name] = (kind, module.epsilon)
+      elif kind == 'rms':
+        modules[name] = (kind, module.config.rms_norm_eps)
       else:
         modules[name] = (kind,)
       return out if deltas is None else out + deltas[name]
@@ -300,16 +306,20 @@ def hand_patches(x, kernel_size, strides, padding) -> np.ndarray:
 
 
 def hand_norm_diagonals(ref: Reference, name: str, params: dict, g: np.ndarray):
-  """The diagonal Fisher of a LayerNorm's scale and bias: the mean over examples of the square
-  of each example's gradients, ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``."""
+  """The diagonal Fisher of a LayerNorm's scale and bias (an RMSNorm's weight): the mean over
+  examples of the square of each example's gradients, ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``."""
+  kind, eps = ref.modules[name]
   x = np.asarray(ref.inputs[name], np.float64)
-  mean = x.mean(axis=-1, keepdims=True)
-  x_hat = (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + ref.modules[name][1])
+  centered = x - x.mean(axis=-1, keepdims=True) if kind == 'norm' else x
+  x_hat = centered / np.sqrt((centered ** 2).mean(axis=-1, keepdims=True) + eps)
+  scale = np.asarray(params['scale' if kind == 'norm' else 'weight'])
+  bias = np.asarray(params['bias']) if kind == 'norm' else 0.0
   # The hand normalisation is the layer: scale and bias on it give the model's own output.
-  np.testing.assert_allclose(x_hat * np.asarray(params['scale']) + np.asarray(params['bias']),
-                             ref.outputs[name], rtol=1e-4, atol=1e-4, err_msg=name)
+  np.testing.assert_allclose(x_hat * scale + bias, ref.outputs[name], rtol=1e-4, atol=1e-4,
+                             err_msg=name)
   per_example = lambda t: t.reshape(x.shape[0], -1, x.shape[-1]).sum(axis=1)
-  return (np.mean(per_example(g * x_hat) ** 2, axis=0), np.mean(per_example(g) ** 2, axis=0))
+  scale_diagonal = np.mean(per_example(g * x_hat) ** 2, axis=0)
+  return scale_diagonal, (np.mean(per_example(g) ** 2, axis=0) if kind == 'norm' else np.zeros(0))
 
 
 def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.ndarray, ...]:
@@ -325,7 +335,7 @@ def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.n
   if kind == 'embed':
     a = np.bincount(x.ravel(), minlength=params['embedding'].shape[0]) / examples
     return a, g.T @ g / g.shape[0]
-  if kind == 'norm':
+  if kind in ('norm', 'rms'):
     return hand_norm_diagonals(ref, name, params, np.asarray(grads[name], np.float64))
   if kind == 'conv':
     _, size, strides, padding = ref.modules[name]
@@ -345,6 +355,9 @@ def hand_factors(s: Setup, ref: Reference, name: str, grads: dict) -> tuple[np.n
 
 def assert_close(got, want, what):
   want = np.asarray(want, np.float64)
+  if want.size == 0:      # a norm without a bias: its bias diagonal is empty
+    assert np.shape(got) == want.shape, what
+    return
   scale = float(np.max(np.abs(want)))
   assert scale > 0, f'{what}: the reference is all zeros'
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5 * scale,
@@ -370,7 +383,7 @@ def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup):
     params = s.variables['params']
     for k in owner.split('/'):
       params = params[k]
-    expected_layers[owner] = ('dense' if kind == 'conv1d' else kind,
+    expected_layers[owner] = ({'conv1d': 'dense', 'rms': 'norm'}.get(kind, kind),
                               params[weight_of(kind)].shape, 'bias' in params, kind == 'conv1d')
   got = {name: (info.kind, info.kernel_shape, info.use_bias, info.transposed)
          for name, info in s.layers.layers.items()}
@@ -534,7 +547,7 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
   if info.use_bias:
     got = np.concatenate([got, np.asarray(layer_updates['bias'])[None]], axis=0)
   assert_close(-got / LR, want, f'{s.case.stepped} preconditioned update')
-  # Each LayerNorm's scale and bias: the gradient over its damped diagonal Fisher.
+  # Each norm's scale and bias: the gradient over its damped diagonal Fisher.
   for name, info in s.layers.layers.items():
     if info.kind != 'norm':
       continue
@@ -542,11 +555,12 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
     for k in info.path:
       layer_grads, layer_updates = layer_grads[k], layer_updates[k]
     diagonals = opt_state[0].factors[name]
-    for leaf, diagonal in (('scale', diagonals.a), ('bias', diagonals.g)):
+    leaves = ((info.param, diagonals.a),) + ((('bias', diagonals.g),) if info.use_bias else ())
+    for leaf, diagonal in leaves:
       want = np.asarray(layer_grads[leaf], np.float64) / (np.asarray(diagonal) + DAMPING)
       assert_close(-np.asarray(layer_updates[leaf], np.float64) / LR, want, f'{name}/{leaf}')
-  # Everything that is not a K-FAC layer (Llama's RMSNorm, BatchNorm, a tied embedding) takes
-  # the plain gradient through the fallback.
+  # Everything that is not a K-FAC layer (BatchNorm, a tied embedding) takes the plain
+  # gradient through the fallback.
   owned = {info.path for info in s.layers.layers.values()}
   flat_g = jax.tree_util.tree_flatten_with_path(grads)[0]
   flat_u = jax.tree.leaves(updates)

@@ -6,7 +6,8 @@ every Dense (any leading axes; Hugging Face's ``FlaxConv1D``, GPT-2's transposed
 kernels, too), Conv (patches, Grosse & Martens 2016) and Embed (diagonal ``A``)
 call of an unmodified model come from one forward pass, with no model changes
 and no loss registration; so does the exact diagonal Fisher of every LayerNorm's
-and RMSNorm's scale and bias (kfac-jax's scale-and-shift blocks). The names here are also in
+and RMSNorm's scale and bias (kfac-jax's scale-and-shift blocks; Hugging Face's
+Llama, Mistral and Gemma RMSNorms included). The names here are also in
 ``perturbkit``; ``perturbkit.nnx`` has the NNX ``kfac_layers``,
 ``kfac_estimator`` and ``kfac_preconditioner``.
 
@@ -35,8 +36,8 @@ the learning rate accordingly).
 Which layers are skipped
 ------------------------
 Layers without a rule (BatchNorm, GroupNorm, a norm over other axes than the
-last, a model's own normalisation module such as Llama's RMSNorm, a tied
-``attend``, calls run once per iteration of ``nn.scan``/``nn.vmap`` or
+last, a normalisation module a model defines itself, other than Hugging Face's
+Llama, Mistral and Gemma RMSNorms, a tied ``attend``, calls run once per iteration of ``nn.scan``/``nn.vmap`` or
 ``nnx.scan``/``nnx.vmap``) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to

@@ -21,9 +21,10 @@ in the flattened kernel's ``(*kernel_size, in_features)`` order. An Embed's ``ã
 (GPT-2) is a Dense layer whose kernel is stored ``(d_out, d_in)``: its factors
 are a Dense layer's, and its gradient is transposed around the preconditioning.
 
-A LayerNorm's or RMSNorm's scale and bias (over the last axis) get the exact
-diagonal of their Fisher block instead, from the same pairs
-(``perturbkit.kfac._scale_shift``), as kfac-jax's scale-and-shift blocks do.
+A LayerNorm's or RMSNorm's scale and bias (over the last axis; Hugging Face's
+Llama, Mistral and Gemma RMSNorms too) get the exact diagonal of their Fisher
+block instead, from the same pairs (``perturbkit.kfac._scale_shift``), as
+kfac-jax's scale-and-shift blocks do.
 """
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ from flax.linen.linear import canonicalize_padding
 from perturbkit.core._conv_patches import conv_patches as patches_of
 from perturbkit.kfac._scale_shift import (NormGeometry, diagonal_factors, diagonal_shapes,
                                           precondition_diagonal)
-from perturbkit.linen._hf_modules import is_hf_conv1d
+from perturbkit.linen._hf_modules import hf_rms_norm_epsilon, is_hf_conv1d
 
 KINDS = ('dense', 'conv', 'embed', 'norm')
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -58,7 +59,8 @@ class LayerInfo(NamedTuple):
     kind: ``'dense'``, ``'conv'``, ``'embed'`` or ``'norm'`` (LayerNorm, RMSNorm).
     path: The module's path, as in the params tree.
     param: The preconditioned weight: ``'kernel'``, ``'embedding'``, or a norm's
-      ``'scale'`` (``'bias'`` for a norm without one).
+      scale (``'scale'``; ``'weight'`` in Hugging Face's RMSNorms; ``'bias'`` for a
+      norm without one).
     kernel_shape: Its shape.
     use_bias: Whether the ``'bias'`` is preconditioned with it (Dense, Conv, a
       norm with a scale).
@@ -86,8 +88,12 @@ class LayerFactors(NamedTuple):
   g: jax.Array
 
 
-def _is_norm(module: Any) -> bool:
+def _is_flax_norm(module: Any) -> bool:
   return type(module) in (nn.LayerNorm, nn.RMSNorm)
+
+
+def _is_norm(module: Any) -> bool:
+  return _is_flax_norm(module) or hf_rms_norm_epsilon(module) is not None
 
 
 def last_axis_only(axes: Any) -> bool:
@@ -116,7 +122,7 @@ def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
     return f'{name}.{method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nn.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
-  if _is_norm(module):
+  if _is_flax_norm(module):
     return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None
 
@@ -125,7 +131,9 @@ def weight_name(module: nn.Module) -> str:
   """The param a supported module's :class:`LayerInfo` is keyed by (``LayerInfo.param``)."""
   if isinstance(module, nn.Embed):
     return 'embedding'
-  if _is_norm(module):
+  if hf_rms_norm_epsilon(module) is not None:
+    return 'weight'
+  if _is_flax_norm(module):
     return 'scale' if module.use_scale else 'bias'
   return 'kernel'
 
@@ -153,7 +161,10 @@ def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str,
   if is_hf_conv1d(module):
     return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls,
                      transposed=True)
-  if _is_norm(module):
+  if hf_rms_norm_epsilon(module) is not None:
+    return norm_layer(path, 'weight', kernel_shape, False, calls,
+                      NormGeometry(hf_rms_norm_epsilon(module), centered=False))
+  if _is_flax_norm(module):
     geometry = NormGeometry(float(module.epsilon), isinstance(module, nn.LayerNorm),
                             bool(module.use_fast_variance))
     return norm_layer(path, weight_name(module), kernel_shape,

@@ -61,7 +61,8 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry,
   """``(a, g)``: the diagonal Fisher of the first param and of the bias (module docstring).
 
   Args:
-    param: ``'scale'``, or ``'bias'`` for a layer with a bias only.
+    param: The scale's name (``'scale'``, Hugging Face's ``'weight'``), or
+      ``'bias'`` for a layer with a bias only.
     use_bias: Whether a bias comes with the scale.
     geometry: How the layer normalises.
     inputs: The input of each call, ``(N, ..., d)``.
@@ -74,13 +75,13 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry,
     n = examples_of(x)
     g = g.reshape(g.shape[0], n, -1, g.shape[-1]).astype(jnp.float32)
     parts = {'bias': jnp.sum(g, axis=2)}
-    if param == 'scale':
+    if param != 'bias':
       x_hat = normalized(geometry, x).reshape(1, n, -1, x.shape[-1])
-      parts['scale'] = jnp.sum(g * x_hat, axis=2)
+      parts[param] = jnp.sum(g * x_hat, axis=2)
     for k, v in parts.items():
       sums[k] = sums[k] + v if k in sums else v
   diagonal = lambda k: jnp.sum(sums[k] * sums[k], axis=(0, 1)) / examples
-  bias = diagonal('bias') if param == 'scale' and use_bias else jnp.zeros((0,), jnp.float32)
+  bias = diagonal('bias') if use_bias else jnp.zeros((0,), jnp.float32)
   return diagonal(param), bias
 
 
