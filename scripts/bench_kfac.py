@@ -1,6 +1,8 @@
 """Cost of a K-FAC step next to an adam step, and the memory of the factors.
 
-For an MLP and a CNN, each variant's step is jitted once and a timed sample runs
+For an MLP, a CNN and an unmodified Hugging Face GPT-2 (next-token loss at every
+position; its FlaxConv1D projections get Kronecker factors, its LayerNorms their
+diagonal, its tied ``wte`` the fallback), each variant's step is jitted once and a timed sample runs
 ``--steps`` steps in a row, the state threaded through (so an inverse refreshed
 every ``k`` steps is paid once per ``k`` steps, as in training). The steps are
 not fused into one ``lax.scan``: XLA:CPU runs convolutions inside control flow
@@ -34,7 +36,8 @@ step), the cost of one refresh of all damped inverses (Cholesky), the bytes of
 the factors and inverses next to those of the params and adam's state, and the
 compiled memory of each variant's step (``memory_analysis()``: temp bytes).
 
-  python scripts/bench_kfac.py --out scripts/results/bench_kfac.json
+  python scripts/bench_kfac.py --models mlp cnn --out scripts/results/bench_kfac.json
+  python scripts/bench_kfac.py --models gpt2 --out scripts/results/bench_kfac_gpt2.json
   python scripts/bench_kfac.py --sizes small --repeats 2      # smoke test; no JSON
 
 On CPU, jax's Cholesky runs in the OpenBLAS that scipy ships; its threads spin
@@ -42,11 +45,14 @@ against XLA's own thread pool and made one refresh 50-400x slower on a loaded
 2-core machine. The script sets ``OPENBLAS_NUM_THREADS=1`` unless it is set.
 """
 import argparse
+import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -72,16 +78,43 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     'small': {
         'mlp': dict(batch=32, features=64, widths=(64, 64), classes=10),
         'cnn': dict(batch=8, image=8, channels=(8, 16), convs_per_stage=1, classes=10),
+        'gpt2': dict(batch=2, seq=8, layers=2, width=32, heads=2, vocab=64),
     },
     'default': {
         'mlp': dict(batch=256, features=784, widths=(512, 512), classes=10),
         'cnn': dict(batch=32, image=16, channels=(16, 32), convs_per_stage=1, classes=10),
+        'gpt2': dict(batch=8, seq=64, layers=4, width=128, heads=4, vocab=1024),
     },
 }
 
 
+class GPT2Logits(nn.Module):
+  """Hugging Face's Flax GPT-2 with its LM head, unmodified: token ids to next-token logits."""
+  config: Any
+
+  @nn.compact
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2LMHeadModule
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return FlaxGPT2LMHeadModule(self.config, name='gpt2')(
+        ids, jnp.ones_like(ids), positions, deterministic=True).logits
+
+
+def gpt2_problem(size: dict[str, Any], key: jax.Array) -> models.Problem:
+  """GPT-2 on random token ids; the labels are the ids shifted by one."""
+  logging.getLogger('transformers').setLevel(logging.ERROR)
+  warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+  import transformers as T
+  config = T.GPT2Config(vocab_size=size['vocab'], n_positions=size['seq'], n_embd=size['width'],
+                        n_layer=size['layers'], n_head=size['heads'])
+  ids = jax.random.randint(key, (size['batch'], size['seq'] + 1), 0, size['vocab'])
+  return models.Problem(GPT2Logits(config), ids[:, :-1], ids[:, 1:])
+
+
 def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> models.Problem:
   """The named model at ``size`` with a random batch."""
+  if name == 'gpt2':
+    return gpt2_problem(size, key)
   if name == 'mlp':
     model = models.MLP(size['widths'], size['classes'])
     shape = (size['batch'], size['features'])
@@ -138,7 +171,8 @@ def interleaved_run(problem: models.Problem, layers: perturbkit.KFACLayers | Non
   """``(init(params) -> state, run)`` of the interleaved sweep: adam in every segment, or
   kfac_segment + sgd in the K-FAC layers' segments when ``layers`` is given."""
   def optimizer(name):
-    if layers is None or name not in layers.layers:
+    # An Embed's integer input does not reach the segment optimizer: adam there.
+    if layers is None or name not in layers.layers or layers.layers[name].kind == 'embed':
       return optax.adam(1e-3)
     return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=SEGMENT_DAMPING,
                                                inverse_every=k),
