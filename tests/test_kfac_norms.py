@@ -244,3 +244,13 @@ def test_kfac_of_a_layer_normed_mlp_lowers_the_loss(problem):
     losses.append(float(loss))
   assert losses[-1] < losses[0], losses
   chex.assert_tree_all_finite(params)
+
+
+def test_a_norm_layer_built_by_hand_without_its_geometry_is_refused(problem):
+  variables, predict, x, y = problem
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  by_hand = layers._replace(layers={**layers.layers, 'ln': layers.layers['ln']._replace(norm=None)})
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', by_hand,
+                                       fisher='empirical')
+  with pytest.raises(ValueError, match='LayerInfo.norm'):
+    jax.eval_shape(estimate, variables, x, y)

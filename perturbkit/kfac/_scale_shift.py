@@ -55,7 +55,7 @@ def examples_of(x: jax.Array) -> int:
   return x.shape[0] if x.ndim > 1 else 1
 
 
-def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry,
+def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
                      inputs: list[jax.Array], output_grads: list[jax.Array]
                      ) -> tuple[jax.Array, jax.Array]:
   """``(a, g)``: the diagonal Fisher of the first param and of the bias (module docstring).
@@ -64,11 +64,18 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry,
     param: The scale's name (``'scale'``, Hugging Face's ``'weight'``), or
       ``'bias'`` for a layer with a bias only.
     use_bias: Whether a bias comes with the scale.
-    geometry: How the layer normalises.
+    geometry: How the layer normalises (unused for a bias alone).
     inputs: The input of each call, ``(N, ..., d)``.
     output_grads: For each call, per-example gradients at its output, stacked over
       ``L`` lanes: ``(L, N, ..., d)``.
+
+  Raises:
+    ValueError: a layer with a scale and no ``geometry`` (a ``LayerInfo`` built by hand).
   """
+  if param != 'bias' and geometry is None:
+    raise ValueError("A 'norm' LayerInfo with a scale needs LayerInfo.norm, how the layer "
+                     'normalises: build the layers with perturbkit.kfac_layers (or '
+                     'perturbkit.nnx.kfac_layers), which records it.')
   examples = examples_of(inputs[0])
   sums: dict[str, jax.Array] = {}
   for x, g in zip(inputs, output_grads):
