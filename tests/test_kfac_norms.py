@@ -254,3 +254,57 @@ def test_a_norm_layer_built_by_hand_without_its_geometry_is_refused(problem):
                                        fisher='empirical')
   with pytest.raises(ValueError, match='LayerInfo.norm'):
     jax.eval_shape(estimate, variables, x, y)
+
+
+class NNXNormMLP(nnx.Module):
+  """test_kfac_segment's NormMLP in NNX: Dense -> LayerNorm -> tanh -> Dense -> RMSNorm -> Dense."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.Dense_0 = nnx.Linear(3, 6, rngs=rngs)
+    self.LayerNorm_0 = nnx.LayerNorm(6, rngs=rngs)
+    self.Dense_1 = nnx.Linear(6, 5, rngs=rngs)
+    self.RMSNorm_0 = nnx.RMSNorm(5, rngs=rngs)
+    self.Dense_2 = nnx.Linear(5, 4, rngs=rngs)
+
+  def __call__(self, x):
+    x = jnp.tanh(self.LayerNorm_0(self.Dense_0(x)))
+    return self.Dense_2(self.RMSNorm_0(self.Dense_1(x)))
+
+
+@pytest.mark.parametrize('propagate', ['updated', 'original'])
+def test_nnx_norm_segments_equal_the_linen_twin(propagate):
+  """K-FAC segments of an NNX model with a LayerNorm and an RMSNorm (their diagonals formed in
+  the sweep) step as the Linen twin's do, from the same weights."""
+  import nnx_models
+  import test_kfac_segment as seg
+
+  model = NNXNormMLP(nnx.Rngs(0))
+  # Scales and biases away from 1 and 0, the same in both twins.
+  for norm in (model.LayerNorm_0, model.RMSNorm_0):
+    norm.scale.set_value(1.0 + 0.3 * jax.random.normal(jax.random.key(5), norm.scale.shape))
+  variables = nnx_models.linen_variables(model)
+  predict, loss_fn, _, xs, ys = seg.problem(2, seg.NormMLP())
+  layers = perturbkit.nnx.kfac_layers(model, xs[0])
+  linen_layers = perturbkit.kfac_layers(predict, variables, xs[0])
+  assert layers.layers == linen_layers.layers
+  assert {n: i.kind for n, i in layers.layers.items()} == {
+      'Dense_0': 'dense', 'LayerNorm_0': 'norm', 'Dense_1': 'dense', 'RMSNorm_0': 'norm',
+      'Dense_2': 'dense'}
+  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+  kfac = dict(damping=seg.DAMPING, decay=0.5, inverse_every=1)
+  nnx_tx = perturbkit.nnx.interleaved(nnx_loss, seg.segment_optimizer(layers, **kfac),
+                                      propagate=propagate)
+  linen_tx = perturbkit.interleaved(loss_fn, seg.segment_optimizer(linen_layers, **kfac),
+                                    propagate=propagate)
+  s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
+  for x, y in zip(xs, ys):
+    s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
+    s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
+    np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
+  for name in ('LayerNorm_0', 'RMSNorm_0'):
+    factors = s_linen.opt_state[name][0].factors['segment']
+    assert float(jnp.min(factors.a)) > 0, name      # the diagonal was taken
+    chex.assert_trees_all_close(s_nnx.opt_state[name][0].factors, s_linen.opt_state[name][0].factors,
+                                rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
+                              s_linen.params, rtol=1e-5, atol=1e-6)
