@@ -308,3 +308,30 @@ def test_nnx_norm_segments_equal_the_linen_twin(propagate):
                                 rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
                               s_linen.params, rtol=1e-5, atol=1e-6)
+
+
+class Keywords(nn.Module):
+  """Dense and LayerNorm given their inputs by name (``inputs=``, ``x=``), or not."""
+  by_name: bool
+
+  @nn.compact
+  def __call__(self, x):
+    call = (lambda f, v, name: f(**{name: v})) if self.by_name else (lambda f, v, _: f(v))
+    h = call(nn.Dense(4, name='dense'), x, 'inputs')
+    return nn.Dense(3, name='head')(call(nn.LayerNorm(name='ln'), h, 'x'))
+
+
+def test_inputs_given_by_name_give_the_same_factors():
+  x = jax.random.normal(jax.random.key(0), (4, 5))
+  y = jnp.arange(4) % 3
+  stats = []
+  for by_name in (False, True):
+    model = Keywords(by_name)
+    variables = model.init(jax.random.key(1), x)
+    predict = lambda v, x, model=model: model.apply(v, x)
+    layers = perturbkit.kfac_layers(predict, variables, x)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='empirical')
+    stats.append(jax.jit(estimate)(variables, x, y)[2])
+  assert set(stats[1]) == {'dense', 'ln', 'head'}
+  chex.assert_trees_all_close(stats[1], stats[0], rtol=1e-6)

@@ -253,9 +253,19 @@ def input_rows(info: LayerInfo, x: jax.Array) -> tuple[jax.Array, int]:
   return rows, examples
 
 
+_INPUT_NAMES = ('inputs', 'x', 'hidden_states')
+
+
 def call_input(args: tuple, kwargs: dict) -> jax.Array:
-  """The array a layer's call received (positional, ``inputs=`` or a norm's ``x=``)."""
-  return args[0] if args else kwargs['inputs' if 'inputs' in kwargs else 'x']
+  """The array a layer's call received: positional, or by its name (``inputs=`` for
+  Dense/Conv/Embed, ``x=`` for Flax's norms, ``hidden_states=`` for Hugging Face's)."""
+  if args:
+    return args[0]
+  for name in _INPUT_NAMES:
+    if name in kwargs:
+      return kwargs[name]
+  raise TypeError(f'A layer call with its input under none of the names {_INPUT_NAMES}: '
+                  f'keywords {sorted(kwargs)}.')
 
 
 def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array]
