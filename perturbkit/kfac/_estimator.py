@@ -160,7 +160,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   The factors are the ones in ``perturbkit.kfac._rules``: per layer
   ``A = E[ã ãᵀ]`` (summed over locations; diagonal token counts for an Embed)
   and ``G = E[g gᵀ]`` (averaged over locations), with ``g`` the gradient of the
-  per-example loss at the layer's output.
+  per-example loss at the layer's output; for a LayerNorm or RMSNorm, the
+  diagonal Fisher of its scale (``a``) and bias (``g``).
 
   Args:
     predict_fn: ``(variables, inputs) -> output`` of the unmodified model.

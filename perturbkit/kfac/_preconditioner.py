@@ -4,7 +4,8 @@ The factors of a batch come from :func:`kfac_estimator` and enter ``update``
 as the extra argument ``kfac_stats``; the transformation keeps their running
 average (EMA) of the batches taken every ``stats_every`` steps, refreshes the
 damped inverses every ``inverse_every`` steps and maps each layer's gradient
-``Θ = [∇W; ∇b]`` to ``(A + λI)⁻¹ Θ (G + λI)⁻¹``. The learning rate and momentum
+``Θ = [∇W; ∇b]`` to ``(A + λI)⁻¹ Θ (G + λI)⁻¹`` (a norm's scale and bias
+``∇θ`` to ``∇θ / (F + λ)``, its diagonal Fisher). The learning rate and momentum
 come after it in an ``optax.chain``.
 
 Taking the statistics less often than every step costs little accuracy where
@@ -36,7 +37,8 @@ class KFACState(NamedTuple):
     count: Updates done so far.
     factors: ``{layer: LayerFactors}``, the running averages of ``A`` and ``G``.
     inverses: ``{layer: LayerFactors}``, ``(A + λI)⁻¹`` and ``(G + λI)⁻¹`` as of
-      the last refresh (the diagonal of the first for an Embed).
+      the last refresh (the diagonal of the first for an Embed; both diagonals,
+      ``1 / (F + λ)``, for a norm).
     fallback: The state of the transformation of the other params.
     stats_due: Whether the next ``update`` folds ``kfac_stats`` into the
       factors (a boolean scalar). Pass it to the estimator,
@@ -131,7 +133,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   ``shard_map``/``pmap``), keeps their EMA (``decay·old + (1 - decay)·new``
   per batch taken; the first batch is taken as it is), recomputes the damped
   inverses on the first update and then every ``inverse_every`` updates, and returns ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹`` for
-  each layer (``diag(A + λ)⁻¹ ∇E (G + λI)⁻¹`` for an Embed). Every other param's
+  each layer (``diag(A + λ)⁻¹ ∇E (G + λI)⁻¹`` for an Embed, ``∇θ / (F + λ)`` for
+  a LayerNorm's or RMSNorm's scale and bias). Every other param's
   gradient goes through ``fallback`` (default: unchanged). Chain it with the
   step: ``optax.chain(kfac_preconditioner(layers), optax.sgd(lr, momentum=0.9))``.
 
