@@ -9,6 +9,7 @@ per-example gradient is the sum over both calls before squaring) and have a Laye
 with a bias only; the NNX twin, given the same weights, gets the same factors.
 """
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -335,3 +336,61 @@ def test_inputs_given_by_name_give_the_same_factors():
     stats.append(jax.jit(estimate)(variables, x, y)[2])
   assert set(stats[1]) == {'dense', 'ln', 'head'}
   chex.assert_trees_all_close(stats[1], stats[0], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- Hugging Face's RMSNorms
+
+def _hf_causal_lm(family):
+  """A tiny unmodified Hugging Face Llama, Mistral or Gemma (built in code), its variables
+  with the norms' weights moved away from their initial value, and token ids."""
+  import transformers as T
+  import hf_models
+  config = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+  hf = {'llama': lambda: T.FlaxLlamaForCausalLM(T.LlamaConfig(**config), _do_init=False),
+        'mistral': lambda: T.FlaxMistralForCausalLM(T.MistralConfig(**config), _do_init=False),
+        'gemma': lambda: T.FlaxGemmaForCausalLM(T.GemmaConfig(**config, head_dim=8),
+                                                _do_init=False)}[family]()
+  variables = hf_models.filled_variables(hf)
+  flat = flax.traverse_util.flatten_dict(variables['params'])
+  keys = iter(jax.random.split(jax.random.key(3), len(flat)))
+  flat = {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
+          for k, v in flat.items()}
+  ids = jax.random.randint(jax.random.key(4), (3, 6), 0, 64)
+  return hf.module, {'params': flax.traverse_util.unflatten_dict(flat)}, ids
+
+
+@pytest.mark.parametrize('family', ['llama', 'mistral', 'gemma'])
+def test_hf_rms_norms_get_the_diagonal_of_their_weight(family):
+  """Llama's, Mistral's and Gemma's own RMSNorm modules (a scale named ``weight``; Gemma
+  multiplies by ``1 + weight``) are norm layers whose factor is the mean square of each
+  example's ``weight`` gradient (``jax.vmap(jax.grad)`` of its next-token loss, summed over
+  positions: the estimator's convention)."""
+  def predict(v, ids):
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return module.apply(v, ids, jnp.ones_like(ids), positions).logits[:, :-1]
+
+  # These models broadcast their norm's weight against its input's rank.
+  with jax.numpy_rank_promotion('allow'):
+    module, variables, ids = _hf_causal_lm(family)
+    layers = perturbkit.kfac_layers(predict, variables, ids)
+    norms = {n: i for n, i in layers.layers.items() if i.kind == 'norm'}
+    assert set(norms) == {'model/norm'} | {f'model/layers/{i}/{n}' for i in range(2)
+                                           for n in ('input_layernorm', 'post_attention_layernorm')}
+    assert all(i.param == 'weight' and not i.use_bias for i in norms.values())
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='empirical')
+    _, _, stats = jax.jit(estimate)(variables, ids, ids[:, 1:])
+
+    def loss(params, one):
+      logits = predict({'params': params}, one[None])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, one[None, 1:]).sum()
+
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(variables['params'], ids)
+  for name in ('model/layers/1/input_layernorm', 'model/norm'):
+    g = grads
+    for k in name.split('/'):
+      g = g[k]
+    np.testing.assert_allclose(stats[name].a, jnp.mean(g['weight'] ** 2, axis=0), rtol=2e-4,
+                               atol=1e-9, err_msg=name)
+    assert stats[name].g.shape == (0,)
