@@ -411,6 +411,39 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
   assert int(state.count) == 1
 
 
+class TokenMLP(nn.Module):
+  """A Dense layer on every token of ``(N, T, d)`` inputs, run on them as they are or on
+  their ``(N * T, d)`` rows (as OPT runs its feed-forward layers), then a pooled head."""
+  flatten: bool
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.Dense(5, name='Dense_0')
+    if self.flatten:
+      n, t, d = x.shape
+      h = dense(x.reshape(n * t, d)).reshape(n, t, -1)
+    else:
+      h = dense(x)
+    return nn.Dense(3, name='Dense_1')(jnp.tanh(h).mean(axis=1))
+
+
+@pytest.mark.parametrize('fisher', ['empirical', 'exact'])
+def test_a_layer_on_flattened_rows_has_the_batchs_examples(fisher):
+  """The same maths written two ways gives the same factors: A averages over the batch's N
+  examples, not over the N * T rows a flattened call has."""
+  x = jax.random.normal(jax.random.key(1), (4, 6, 3))
+  y = jnp.arange(4) % 3
+  stats = []
+  for flatten in (False, True):
+    variables, predict, layers = setup(TokenMLP(flatten), x)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=fisher)
+    stats.append(jax.jit(estimate)(variables, x, y)[2])
+  chex.assert_trees_all_close(stats[1], stats[0], rtol=1e-5, atol=1e-7)
+  # And A is the documented sum over the tokens, averaged over the 4 examples.
+  rows = np.concatenate([np.asarray(x, np.float64).reshape(-1, 3), np.ones((24, 1))], axis=1)
+  np.testing.assert_allclose(stats[1]['Dense_0'].a, rows.T @ rows / 4, rtol=1e-5)
+
+
 def test_running_average_and_inverse_refresh():
   x = jax.random.normal(jax.random.key(1), (8, 3))
   y = jnp.arange(8) % 4

@@ -604,3 +604,43 @@ def test_position_tables_the_model_looks_up_itself_are_skipped(name, predict, sh
   per_example = {'clip': 'text_model/embeddings/position_embedding',
                  'whisper': 'model/decoder/embed_positions'}[name]
   assert layers.layers[per_example].kind == 'embed'
+
+
+def test_opt_feed_forward_layers_on_token_rows_average_over_the_batch():
+  """OPT runs each layer's ``fc1``/``fc2`` and ``final_layer_norm`` on ``(examples * tokens,
+  features)`` rows. Its Dense layers' A sums over those rows and averages over the batch's
+  examples (captured by an interceptor written here); its ``final_layer_norm``, whose rows
+  cannot be told apart by example, is skipped with the reason."""
+  import test_real_models_more as more
+  build, make = more._families()['opt']
+  with jax.numpy_rank_promotion('allow'):
+    hf = build()
+    variables = hf_models.filled_variables(hf)
+    ids = jax.random.randint(jax.random.key(0), (hf_models.BATCH, hf_models.SEQ), 3,
+                             hf_models.VOCAB)
+
+    def predict(v, ids):
+      positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+      return hf.module.apply(v, ids, jnp.ones_like(ids), positions).logits[:, :-1]
+
+    layers = perturbkit.kfac_layers(predict, variables, ids)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='empirical')
+    _, _, stats = jax.jit(estimate)(variables, ids, ids[:, 1:])
+    seen = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      if context.method_name == '__call__' and context.module.scope is not None:
+        seen.setdefault('/'.join(context.module.path), args[0] if args else None)
+      return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+      predict(variables, ids)
+  for i in range(2):
+    assert "does not have the batch's 2 examples" in layers.skipped[
+        f'model/decoder/layers/{i}/final_layer_norm']
+  x = np.asarray(seen['model/decoder/layers/0/fc1'], np.float64)
+  assert x.shape == (hf_models.BATCH * hf_models.SEQ, x.shape[-1])
+  rows = np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+  assert_close(stats['model/decoder/layers/0/fc1'].a, rows.T @ rows / hf_models.BATCH,
+               'fc1.a')

@@ -31,7 +31,10 @@ The estimator's loss is per example and summed over any axes between the batch
 and the classes, then averaged over examples, as kfac-jax registers it: for a
 language model's ``(batch, length, vocab)`` logits that is the sequence's loss,
 ``length`` times the token-mean cross-entropy (and so are its gradients; scale
-the learning rate accordingly).
+the learning rate accordingly). The examples are the batch's, the output's
+first axis: a layer that runs on ``(examples * tokens, d)`` rows, as OPT's
+feed-forward layers do, averages its factors over the batch's examples, not
+over its rows.
 
 Which layers are skipped
 ------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from perturbkit.errors import KFACShapeError, KFACUnsupportedLayerError
+from perturbkit.kfac._examples import grouping_reason
 from perturbkit.kfac._layers import KFACLayers, outside_reason
 
 
@@ -62,10 +63,15 @@ def refuse_outside_reads(reads: dict[str, set[str]], builder: str) -> None:
                 'function, which leaves such a layer to the fallback')
 
 
-def check_norm_call(name: str, kwargs: dict) -> None:
-  """Raises :class:`KFACUnsupportedLayerError` for a LayerNorm/RMSNorm called with a
-  ``mask``: its rule normalises over every feature."""
+def check_norm_call(name: str, kwargs: dict, shape: tuple[int, ...], examples: int) -> None:
+  """Raises :class:`KFACUnsupportedLayerError` for a LayerNorm/RMSNorm call its rule does not
+  cover: called with a ``mask`` (the rule normalises over every feature), or on an input of
+  ``shape`` without the batch's ``examples`` on its first axis (``kfac_layers`` skips such a
+  layer; layers built by hand or for another model may not)."""
+  exclude = 'by leaving it out of the filter given to kfac_layers'
   if kwargs.get('mask') is not None:
     raise KFACUnsupportedLayerError(
-        name, 'it is called with a mask, and its rule normalises over every feature',
-        exclude='by leaving it out of the filter given to kfac_layers')
+        name, 'it is called with a mask, and its rule normalises over every feature', exclude)
+  reason = grouping_reason(shape, examples)
+  if reason is not None:
+    raise KFACUnsupportedLayerError(name, reason, exclude)

@@ -47,24 +47,25 @@ def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
           for name, info in layers.layers.items()}
 
 
-def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any
+def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any, examples: int
                 ) -> dict[str, LayerFactors]:
   """Each layer's batch factors from its calls' captured inputs and output gradients.
 
   ``captured`` is ``return_inputs``' tree of each call's ``(args, kwargs)`` and
   ``output_grads`` the activation gradients with the lanes leading, both keyed
-  by module path and per-call key.
+  by module path and per-call key; ``examples`` is the batch's (the output's
+  first axis).
   """
   stats = {}
   for name, info in layers.layers.items():
     calls = find_in(captured, info.path)
     check_calls(name, info.calls, calls)
+    inputs = [call_input(*calls[c]) for c in info.calls]
     if info.kind == 'norm':
-      for c in info.calls:
-        check_norm_call(name, calls[c][1])
+      for c, x in zip(info.calls, inputs):
+        check_norm_call(name, calls[c][1], jnp.shape(x), examples)
     point_grads = get_in(output_grads, info.path)
-    stats[name] = batch_factors(info, [call_input(*calls[c]) for c in info.calls],
-                                [point_grads[c] for c in info.calls])
+    stats[name] = batch_factors(info, inputs, [point_grads[c] for c in info.calls], examples)
   return stats
 
 
@@ -139,7 +140,8 @@ def lane_stats(run_lane: Callable[[jax.Array], tuple], layers: KFACLayers, fishe
         run_lane, out_axes=((None, None), 0, None, None))(lanes)
     param_grads = jax.tree.map(lambda g: g[0], grads['params'])
     output_grads = jax.tree.map(lambda g: g[1 - int(fisher_only):], grads['perturbations'])
-  return value, param_grads, layer_stats(layers, captured, output_grads), aux, extra
+  return (value, param_grads, layer_stats(layers, captured, output_grads, output_shape[0]), aux,
+          extra)
 
 
 def require_key(fisher: str, key: jax.Array | None, first: str):

@@ -33,6 +33,16 @@ def num_examples(inputs: Any) -> int | None:
   return None
 
 
+def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:
+  """Why a norm's call on an input of ``shape`` has no diagonal rule, or ``None``: its
+  rule needs the batch's ``examples`` on the input's first axis."""
+  if examples is not None and len(shape) >= 2 and shape[0] == examples:
+    return None
+  return (f'its input (shape {tuple(shape)}) does not have the batch\'s {examples} examples '
+          'on its first axis, and the diagonal Fisher of its scale and bias squares each '
+          'example\'s gradient')
+
+
 def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
                          recorded: list[tuple[str, tuple]],
                          grouped: set[str] = frozenset()) -> dict[str, str]:
@@ -52,12 +62,8 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}
   for (name, shape), dependent in zip(recorded, from_batch):
-    if name in grouped and not (examples is not None and len(shape) >= 2
-                                and shape[0] == examples):
-      reasons.setdefault(
-          name, f'its input (shape {tuple(shape)}) does not have the batch\'s {examples} '
-                'examples on its first axis, and the diagonal Fisher of its scale and bias '
-                'squares each example\'s gradient')
+    if name in grouped and grouping_reason(shape, examples) is not None:
+      reasons.setdefault(name, grouping_reason(shape, examples))
       continue
     if dependent or (examples is not None and len(shape) >= 1 and shape[0] == examples):
       continue

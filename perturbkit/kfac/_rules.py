@@ -2,7 +2,9 @@
 
 Each selected call gives rows ``a`` (the layer's input, as the weight matrix
 sees it) and rows ``g`` (the gradient at its output, per example). With ``N``
-examples (the size of the input's first axis) and ``M`` rows in all:
+examples (the batch's, from the model's output: a layer that runs on
+``(examples * tokens, d)`` rows, as OPT's feed-forward layers do, has ``N``
+examples, not one per row) and ``M`` rows in all:
 
 * ``A = (1/N) Σ_rows ã ãᵀ`` where ``ã = [a, 1]`` when the layer has a bias, so
   that the kernel and the bias form one matrix ``Θ = [W; b]`` of shape
@@ -268,8 +270,8 @@ def call_input(args: tuple, kwargs: dict) -> jax.Array:
                   f'keywords {sorted(kwargs)}.')
 
 
-def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array]
-                  ) -> LayerFactors:
+def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array],
+                  examples: int | None = None) -> LayerFactors:
   """The layer's factors on one batch, from every call's input and output gradients.
 
   Args:
@@ -278,6 +280,8 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
     output_grads: For each call, per-example gradients at its output, stacked
       over ``L`` lanes: ``(L, *output_shape)``. ``G`` sums over the lanes (one
       sampled label, or the columns of an exact Fisher root).
+    examples: The batch's number of examples ``N`` (default: the first call's
+      input's first axis).
 
   Returns:
     :class:`LayerFactors` ``A``, ``G`` as in the module docstring.
@@ -287,7 +291,6 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
                                           output_grads))
   a_sum = g_sum = None
   rows = 0
-  examples = None
   for x, g in zip(inputs, output_grads):
     a, n = input_rows(info, x)
     examples = n if examples is None else examples
