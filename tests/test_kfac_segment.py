@@ -96,6 +96,33 @@ def test_original_equals_whole_model_kfac_on_the_same_factors(model):
           {MLP: 'mlp', CNN: 'cnn', NormMLP: 'norms'}[type(model)]]
 
 
+def test_a_segment_on_flattened_rows_takes_the_batchs_examples():
+  """A Dense segment run on ``(N * T, d)`` rows gets the same factors and steps as its twin on
+  ``(N, T, d)``: the sweep gives the batch's examples (``segment_examples``), and the
+  cotangent of the mean loss is scaled by them, not by the rows."""
+  from test_kfac import TokenMLP
+  xs = jax.random.normal(jax.random.key(1), (2, 4, 6, 3))
+  ys = jnp.arange(8).reshape(2, 4) % 3
+  states = []
+  for flatten in (False, True):
+    model = TokenMLP(flatten)
+    variables = model.init(jax.random.key(0), xs[0])
+    predict = lambda v, x, model=model: model.apply(v, x)
+    loss_fn = lambda v, x, y, predict=predict: optax.softmax_cross_entropy_with_integer_labels(
+        predict(v, x), y).mean()
+    layers = perturbkit.kfac_layers(predict, variables, xs[0])
+    tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, damping=DAMPING,
+                                                           inverse_every=1),
+                                propagate='original')
+    state = tx.init(variables, xs[0], ys[0])
+    for x, y in zip(xs, ys):
+      state, _ = jax.jit(tx.step)(state, x, y)
+    states.append(state)
+  chex.assert_trees_all_close(states[1].opt_state['Dense_0'][0].factors,
+                              states[0].opt_state['Dense_0'][0].factors, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(states[1].params, states[0].params, rtol=1e-5, atol=1e-7)
+
+
 def hand_updated_sweep(params, x, y, factors, decay):
   """One update-then-propagate K-FAC step, by hand. ``factors[i]`` is the running
   ``(A, G)`` of layer ``i`` or ``None``; inverses are refreshed every step."""

@@ -271,12 +271,17 @@ def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
 
 
 class Sweep(NamedTuple):
-  """What one step's sweep needs: its settings and the state it starts from."""
+  """What one step's sweep needs: its settings and the state it starts from.
+
+  ``examples`` is the batch's number of examples (the first axis of the step's
+  first array argument), given to the segment optimizers as ``segment_examples``.
+  """
   optimizer: Optimizer
   opt_state: dict
   scale: jax.Array
   propagate: str
   skip_nonfinite: bool
+  examples: int | None = None
 
 
 def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
@@ -293,6 +298,7 @@ def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
     carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
     swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
+    extra_args['segment_examples'] = sweep.examples
     new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
                                      sweep.skip_nonfinite, extra_args, after)
     carried['step'] = (new_w, split_floats(new_opt)[0])
@@ -332,6 +338,7 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
     if name in swept:
       new_w, floats = carried[name]['step']
       extra_args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), swept[name])
+      extra_args['segment_examples'] = sweep.examples
       _, fresh = _update(tx, scaled(g, sweep.scale), opt, w, extra_args)
       if sweep.skip_nonfinite:
         fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)

@@ -23,14 +23,7 @@ from typing import Any
 import jax
 
 from perturbkit.core._dependence import depends_on
-
-
-def num_examples(inputs: Any) -> int | None:
-  """The batch size: the first axis of the first array of ``inputs`` that has one."""
-  for leaf in jax.tree.leaves(inputs):
-    if jax.numpy.ndim(leaf) >= 1:
-      return int(jax.numpy.shape(leaf)[0])
-  return None
+from perturbkit.core._examples import num_examples
 
 
 def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:

@@ -288,7 +288,7 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
   """
   if info.kind == 'norm':
     return LayerFactors(*diagonal_factors(info.param, info.use_bias, info.norm, inputs,
-                                          output_grads))
+                                          output_grads, examples))
   a_sum = g_sum = None
   rows = 0
   for x, g in zip(inputs, output_grads):

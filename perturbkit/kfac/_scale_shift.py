@@ -56,8 +56,8 @@ def examples_of(x: jax.Array) -> int:
 
 
 def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
-                     inputs: list[jax.Array], output_grads: list[jax.Array]
-                     ) -> tuple[jax.Array, jax.Array]:
+                     inputs: list[jax.Array], output_grads: list[jax.Array],
+                     examples: int | None = None) -> tuple[jax.Array, jax.Array]:
   """``(a, g)``: the diagonal Fisher of the first param and of the bias (module docstring).
 
   Args:
@@ -68,18 +68,24 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
     inputs: The input of each call, ``(N, ..., d)``.
     output_grads: For each call, per-example gradients at its output, stacked over
       ``L`` lanes: ``(L, N, ..., d)``.
+    examples: The batch's ``N`` (default: the first call's input's first axis).
 
   Raises:
-    ValueError: a layer with a scale and no ``geometry`` (a ``LayerInfo`` built by hand).
+    ValueError: a layer with a scale and no ``geometry`` (a ``LayerInfo`` built by
+      hand), or a call whose input does not have the ``examples`` on its first axis.
   """
   if param != 'bias' and geometry is None:
     raise ValueError("A 'norm' LayerInfo with a scale needs LayerInfo.norm, how the layer "
                      'normalises: build the layers with perturbkit.kfac_layers (or '
                      'perturbkit.nnx.kfac_layers), which records it.')
-  examples = examples_of(inputs[0])
+  examples = examples_of(inputs[0]) if examples is None else examples
   sums: dict[str, jax.Array] = {}
   for x, g in zip(inputs, output_grads):
     n = examples_of(x)
+    if n != examples:
+      raise ValueError(f'A norm\'s input of shape {x.shape} does not have the batch\'s '
+                       f'{examples} examples on its first axis: its diagonal Fisher squares '
+                       'each example\'s gradient, so this layer cannot have one.')
     g = g.reshape(g.shape[0], n, -1, g.shape[-1]).astype(jnp.float32)
     parts = {'bias': jnp.sum(g, axis=2)}
     if param != 'bias':

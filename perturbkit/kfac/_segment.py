@@ -26,13 +26,15 @@ from perturbkit.kfac._rules import LayerFactors, LayerInfo, batch_factors, facto
 _NAME = 'segment'
 
 
-def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: jax.Array
-                    ) -> LayerFactors:
+def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: jax.Array,
+                    examples: int | None = None) -> LayerFactors:
   """The layer's factors from its call's input and the cotangent at its output.
 
-  The cotangent is that of the MEAN loss over the first axis, so it is scaled
-  by the number of examples to give per-example gradients (as the estimator's
-  ``fisher='empirical'`` does).
+  The cotangent is that of the MEAN loss over the batch's ``examples``, so it is
+  scaled by their number to give per-example gradients (as the estimator's
+  ``fisher='empirical'`` does). The sweep gives ``examples``; without it, the
+  input's first axis is taken (wrong for a call on ``(examples * tokens, d)``
+  rows).
   """
   leaves = jax.tree.leaves(segment_inputs)
   if len(leaves) != 1 or not isinstance(segment_output_grad, jax.Array):
@@ -42,8 +44,9 @@ def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: j
         f'{type(segment_output_grad).__name__}; a K-FAC segment is one call with one input '
         'array and one output array')
   x = leaves[0]
-  examples = x.shape[0] if x.ndim > 1 else 1
-  return batch_factors(info, [x], [segment_output_grad[None] * examples])
+  if examples is None:
+    examples = x.shape[0] if x.ndim > 1 else 1
+  return batch_factors(info, [x], [segment_output_grad[None] * examples], examples)
 
 
 def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95,
@@ -56,9 +59,10 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
 
   For a segment that is exactly one Dense, Conv, LayerNorm or RMSNorm call (the
   default layer-wise segments), ``update(grads, state, params, *, segment_inputs,
-  segment_output_grad)`` forms ``A`` from the call's input and ``G`` from the
-  per-example cotangent at its output (the loss is taken to be a mean over
-  the batch's first axis), and then acts as :func:`kfac_preconditioner` on
+  segment_output_grad, segment_examples)`` forms ``A`` from the call's input and
+  ``G`` from the per-example cotangent at its output (the loss is taken to be a
+  mean over the batch's ``segment_examples`` examples, the first axis of the
+  step's first array argument), and then acts as :func:`kfac_preconditioner` on
   this one layer: EMA of the factors taken every ``stats_every`` updates,
   damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``
   (``∇θ / (F + λ)`` for a norm's diagonal).
@@ -129,7 +133,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
                               axis_name=axis_name)
 
   def update(updates: Any, state: Any, params: Any = None, *, segment_inputs: Any = None,
-             segment_output_grad: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+             segment_output_grad: Any = None, segment_examples: int | None = None,
+             **extra_args: Any) -> tuple[Any, Any]:
     del extra_args
     if segment_inputs is None or segment_output_grad is None:
       raise TypeError('kfac_segment is the optimizer of a segment of perturbkit.interleaved, '
@@ -138,7 +143,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     check_segment(updates)
     zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
     stats = jax.lax.cond(state.stats_due,
-                         lambda: segment_factors(info, segment_inputs, segment_output_grad),
+                         lambda: segment_factors(info, segment_inputs, segment_output_grad,
+                                                 segment_examples),
                          lambda: zeros)
     return inner.update(updates, state, params, kfac_stats={_NAME: stats})
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from perturbkit.linen import _segmentation
 from perturbkit.linen._driver import check_variables
+from perturbkit.core._examples import num_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
                                 UninitializedStateError)
@@ -92,9 +93,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       rates; the unsegmented params are named ``perturbkit.REST``). A
       segment's ``GradientTransformationExtraArgs`` also gets, as extra
       arguments, ``segment_inputs`` (the floating-point leaves of the call's
-      inputs) and ``segment_output_grad`` (the cotangent at its output), e.g.
-      for :func:`kfac_segment`; with either ``propagate`` the segments' steps
-      are taken in the sweep, where these are known.
+      inputs), ``segment_output_grad`` (the cotangent at its output) and
+      ``segment_examples`` (the first axis of the step's first array argument),
+      e.g. for :func:`kfac_segment`; with either ``propagate`` the segments'
+      steps are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
       module that owns params directly (Dense, Conv, Embed, LayerNorm, ...); a
       module inside ``nn.scan``/``nn.vmap`` (stacked params) is covered by its
@@ -314,7 +316,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
         raise
       checked.add(key)
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
-                  propagate, skip_nonfinite)
+                  propagate, skip_nonfinite, num_examples(args))
     swept: dict[str, dict] = {}
     groups = group(params, names)
     carriers = {name: carrier(sweep, name, groups[name]) for name in names}
