@@ -291,17 +291,8 @@ def test_nnx_norm_segments_equal_the_linen_twin(propagate):
   assert {n: i.kind for n, i in layers.layers.items()} == {
       'Dense_0': 'dense', 'LayerNorm_0': 'norm', 'Dense_1': 'dense', 'RMSNorm_0': 'norm',
       'Dense_2': 'dense'}
-  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-  kfac = dict(damping=seg.DAMPING, decay=0.5, inverse_every=1)
-  nnx_tx = perturbkit.nnx.interleaved(nnx_loss, seg.segment_optimizer(layers, **kfac),
-                                      propagate=propagate)
-  linen_tx = perturbkit.interleaved(loss_fn, seg.segment_optimizer(linen_layers, **kfac),
-                                    propagate=propagate)
-  s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
-  for x, y in zip(xs, ys):
-    s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
-    s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
-    np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
+  s_nnx, s_linen = seg.stepped_twins(model, layers, variables, loss_fn, linen_layers, xs, ys,
+                                     propagate, damping=seg.DAMPING, decay=0.5, inverse_every=1)
   for name in ('LayerNorm_0', 'RMSNorm_0'):
     factors = s_linen.opt_state[name][0].factors['segment']
     assert float(jnp.min(factors.a)) > 0, name      # the diagonal was taken

@@ -251,6 +251,23 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
   run_child(CHILD, 'KFAC-SEGMENT-MULTIDEVICE-OK')
 
 
+def stepped_twins(model, nnx_layers, variables, loss_fn, linen_layers, xs, ys, propagate,
+                  **kfac):
+  """An NNX model and its Linen twin stepped on ``xs, ys`` by K-FAC segments (and SGD), their
+  losses equal at every step: ``(NNX state, Linen state)``."""
+  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+  nnx_tx = perturbkit.nnx.interleaved(nnx_loss, segment_optimizer(nnx_layers, **kfac),
+                                      propagate=propagate)
+  linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
+                                    propagate=propagate)
+  s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
+  for x, y in zip(xs, ys):
+    s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
+    s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
+    np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
+  return s_nnx, s_linen
+
+
 def test_nnx_segments_equal_the_linen_twin():
   """The NNX front end runs the same sweep: K-FAC segments on an NNX MLP, built from
   hand-written ``LayerInfo``s (equal to those ``perturbkit.nnx.kfac_layers`` finds), equal the
@@ -272,18 +289,9 @@ def test_nnx_segments_equal_the_linen_twin():
   # The NNX front end finds the same layers, and its kfac_segment is the same rule.
   assert perturbkit.nnx.kfac_layers(model, xs[0]).layers == hand_layers.layers
   assert perturbkit.nnx.kfac_segment is perturbkit.kfac_segment
-  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-  kfac = dict(damping=DAMPING, decay=0.5, inverse_every=1)
   for propagate in ('updated', 'original'):
-    nnx_tx = perturbkit.nnx.interleaved(nnx_loss, segment_optimizer(hand_layers, **kfac),
-                                        propagate=propagate)
-    linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
-                                      propagate=propagate)
-    s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
-    for x, y in zip(xs, ys):
-      s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
-      s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
-      np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
+    s_nnx, s_linen = stepped_twins(model, hand_layers, variables, loss_fn, linen_layers, xs, ys,
+                                   propagate, damping=DAMPING, decay=0.5, inverse_every=1)
     chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
                                 s_linen.params, rtol=1e-5, atol=1e-6)
     for name in hand_layers.layers:
