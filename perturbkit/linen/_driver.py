@@ -190,8 +190,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     unbound, own = module.unbind()
     own = {c: t for c, t in own.items() if c != COLLECTION}
     reached.clear()
-    _, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
-                           mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
+    out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
+                             mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
     created = new.get(COLLECTION, {})
     calls.update(reached)
     markers = {path[:-1] + (marker_name(path[-1]),): path for path in reached}
@@ -203,6 +203,10 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
           marked[markers[path]] = tuple(jnp.shape(value))
       elif not any(path[:len(p)] == p for p in reached):
         found[path] = PointShape.of(value)
+    if module.scope.mutable is False:
+      # The replay's output is the call's (abstract: only its shapes count here), and the
+      # call would change nothing in the user's scope: no second trace of the model.
+      return out
     with suspended():
       return run()
 
