@@ -55,8 +55,9 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}
   for (name, shape), dependent in zip(recorded, from_batch):
-    if name in grouped and grouping_reason(shape, examples) is not None:
-      reasons.setdefault(name, grouping_reason(shape, examples))
+    reason = grouping_reason(shape, examples) if name in grouped else None
+    if reason is not None:
+      reasons.setdefault(name, reason)
       continue
     if dependent or (examples is not None and len(shape) >= 1 and shape[0] == examples):
       continue

@@ -31,9 +31,8 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
-from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input, hashable,
-                                    norm_layer, norm_reason)
-from perturbkit.kfac._scale_shift import NormGeometry
+from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
+                                    flax_norm_layer, flax_norm_weight, hashable, norm_reason)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._driver import check_module, discover, flat_state
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
@@ -81,7 +80,7 @@ def weight_name(module: nnx.Module) -> str:
   if isinstance(module, nnx.Embed):
     return 'embedding'
   if _is_norm(module):
-    return 'scale' if module.use_scale else 'bias'
+    return flax_norm_weight(module)
   return 'kernel'
 
 
@@ -112,11 +111,8 @@ def describe(module: nnx.Module, path: NNXPath, kernel_shape: tuple[int, ...],
   if isinstance(module, nnx.Linear):
     return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls)
   if _is_norm(module):
-    geometry = NormGeometry(float(module.epsilon), isinstance(module, nnx.LayerNorm),
-                            bool(module.use_fast_variance))
-    param = weight_name(module)
-    return norm_layer(path, param, kernel_shape,
-                      param == 'scale' and getattr(module, 'use_bias', False), calls, geometry)
+    return flax_norm_layer(module, path, kernel_shape, calls,
+                           centered=isinstance(module, nnx.LayerNorm))
   size = tuple(module.kernel_size)
   geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
                           as_tuple(module.input_dilation, len(size)),

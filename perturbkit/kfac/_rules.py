@@ -136,7 +136,7 @@ def weight_name(module: nn.Module) -> str:
   if hf_rms_norm_epsilon(module) is not None:
     return 'weight'
   if _is_flax_norm(module):
-    return 'scale' if module.use_scale else 'bias'
+    return flax_norm_weight(module)
   return 'kernel'
 
 
@@ -163,15 +163,13 @@ def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str,
   if is_hf_conv1d(module):
     return LayerInfo('dense', path, 'kernel', kernel_shape, module.use_bias, calls,
                      transposed=True)
-  if hf_rms_norm_epsilon(module) is not None:
-    return norm_layer(path, 'weight', kernel_shape, False, calls,
-                      NormGeometry(hf_rms_norm_epsilon(module), centered=False))
+  epsilon = hf_rms_norm_epsilon(module)
+  if epsilon is not None:
+    return LayerInfo('norm', path, 'weight', kernel_shape, False, calls,
+                     norm=NormGeometry(epsilon, centered=False))
   if _is_flax_norm(module):
-    geometry = NormGeometry(float(module.epsilon), isinstance(module, nn.LayerNorm),
-                            bool(module.use_fast_variance))
-    return norm_layer(path, weight_name(module), kernel_shape,
-                      weight_name(module) == 'scale' and getattr(module, 'use_bias', False),
-                      calls, geometry)
+    return flax_norm_layer(module, path, kernel_shape, calls,
+                           centered=isinstance(module, nn.LayerNorm))
   size = (module.kernel_size,) if isinstance(module.kernel_size, int) else tuple(
       module.kernel_size)
   geometry = ConvGeometry(size, as_tuple(module.strides, len(size)), hashable(module.padding),
@@ -180,9 +178,18 @@ def describe(module: nn.Module, kernel_shape: tuple[int, ...], calls: tuple[str,
   return LayerInfo('conv', path, 'kernel', kernel_shape, module.use_bias, calls, geometry)
 
 
-def norm_layer(path: tuple, param: str, shape: tuple[int, ...], use_bias: bool,
-               calls: tuple[str, ...], geometry: NormGeometry) -> LayerInfo:
-  """The :class:`LayerInfo` of a LayerNorm/RMSNorm (either front end)."""
+def flax_norm_weight(module: Any) -> str:
+  """The param a Flax LayerNorm/RMSNorm (Linen or NNX) is keyed by: its scale, else its bias."""
+  return 'scale' if module.use_scale else 'bias'
+
+
+def flax_norm_layer(module: Any, path: tuple, shape: tuple[int, ...], calls: tuple[str, ...],
+                    centered: bool) -> LayerInfo:
+  """The :class:`LayerInfo` of a Flax LayerNorm (``centered``) or RMSNorm, Linen or NNX: both
+  APIs name the attributes that decide it alike."""
+  param = flax_norm_weight(module)
+  use_bias = param == 'scale' and getattr(module, 'use_bias', False)  # RMSNorm has none
+  geometry = NormGeometry(float(module.epsilon), centered, bool(module.use_fast_variance))
   return LayerInfo('norm', path, param, shape, use_bias, calls, norm=geometry)
 
 
