@@ -118,6 +118,7 @@ from perturbkit.errors import InterleavedClippingError
 from perturbkit.errors import InterventionParamsError
 from perturbkit.errors import InvalidOptionError
 from perturbkit.errors import KFACLossError
+from perturbkit.errors import KFACLossShapeError
 from perturbkit.errors import KFACOutputError
 from perturbkit.errors import KFACShapeError
 from perturbkit.errors import KFACTargetsError
@@ -222,6 +223,7 @@ __all__ = [
     'InterventionParamsError',
     'InvalidOptionError',
     'KFACLossError',
+    'KFACLossShapeError',
     'KFACOutputError',
     'KFACShapeError',
     'KFACTargetsError',

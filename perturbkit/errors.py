@@ -34,7 +34,8 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 a plain integer random seed).
 
 K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
-``KFACLossError``, ``KFACTargetsError`` (targets that do not fit the output loss).
+``KFACLossError``, ``KFACLossShapeError`` (a loss function that does not return one
+loss per example), ``KFACTargetsError`` (targets that do not fit the output loss).
 
 Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
@@ -384,6 +385,20 @@ class KFACLossError(PerturbkitError, ValueError):
         "`perturbkit.gaussian_output(variance)` (or 'squared_error', `optax.l2_loss`) for "
         "regression, or use `fisher='empirical'` with a per-example loss "
         '`(output, targets) -> losses of shape (batch,)`.')
+
+
+class KFACLossShapeError(PerturbkitError, ValueError):
+  """A K-FAC loss function that does not return one loss per example."""
+
+  def __init__(self, loss: str, shape: tuple, output_shape: tuple):
+    super().__init__(
+        f'The K-FAC loss {loss} returned losses of shape {shape} for an output of shape '
+        f'{output_shape}; it must return one loss per example, of shape '
+        f'({output_shape[0]},). Sum it over the other axes, as the named losses do (a '
+        "sequence's loss is the sum over its tokens), e.g. `lambda out, y: "
+        'my_loss(out, y).reshape(out.shape[0], -1).sum(axis=1)`; taking their mean '
+        'instead is the same loss divided by their number, which also divides the '
+        'gradient and the Fisher.')
 
 
 class KFACShapeError(PerturbkitError, ValueError):

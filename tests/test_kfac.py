@@ -634,6 +634,24 @@ def test_loss_without_distribution_names_what_to_pass():
   assert stats['Dense_2'].g.shape == (4, 4)
 
 
+def test_a_loss_function_without_one_loss_per_example_is_refused():
+  """Per-token losses would be averaged over the tokens too, where the named losses sum a
+  sequence's tokens: a loss of another scale, and so of another gradient and Fisher."""
+  x = jnp.ones((2, 5, 3))
+  variables, predict, layers = setup(MLP(), x)
+  per_token = lambda out, t: optax.softmax_cross_entropy_with_integer_labels(out, t)
+  for estimate in (perturbkit.kfac_estimator(predict, per_token, layers, fisher='empirical'),
+                   lambda *a: perturbkit.kfac_estimator(predict, per_token, layers,
+                                                        fisher='empirical')(*a, with_stats=False)):
+    with pytest.raises(perturbkit.KFACLossShapeError, match=r'shape \(2, 5\).*\(2,\)'):
+      estimate(variables, x, jnp.zeros((2, 5), jnp.int32))
+  summed = lambda out, t: per_token(out, t).sum(axis=1)
+  named = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='empirical')
+  own = perturbkit.kfac_estimator(predict, summed, layers, fisher='empirical')
+  y = jnp.zeros((2, 5), jnp.int32)
+  jax.tree.map(np.testing.assert_allclose, own(variables, x, y), named(variables, x, y))
+
+
 def test_state_of_another_model_is_a_shape_error():
   x = jnp.ones((2, 3))
   variables, predict, layers = setup(MLP(), x)

@@ -28,7 +28,7 @@ from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
                                      check_norm_call, refuse_outside_reads, signature)
 from perturbkit.errors import KFACOutputError
 from perturbkit.kfac._layers import KFACLayers
-from perturbkit.kfac._losses import OutputLoss, as_output_loss
+from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import LayerFactors, batch_factors, call_input, factor_shapes
 from perturbkit.core._trees import find_in, get_in
@@ -87,7 +87,7 @@ def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
                 key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """``(mean loss, (1 + L, *output.shape) cotangents)``: the training lane, then the
   Fisher lanes."""
-  value, true_grad = jax.value_and_grad(lambda z: jnp.mean(loss.nll(z, targets)))(output)
+  value, true_grad = jax.value_and_grad(lambda z: mean_loss(loss, z, targets))(output)
   if fisher == 'empirical':
     return value, true_grad[None]
   if fisher == 'sampled':
@@ -251,12 +251,12 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   grad_fn = value_and_grad(lane_loss_fn(predict_fn, output_loss, fisher, has_aux),
                            filter=select, has_aux=True, return_inputs=True)
 
-  def mean_loss(params, variables, inputs, targets):
+  def loss_of_params(params, variables, inputs, targets):
     output, aux = split_output(predict_fn({**variables, 'params': params}, inputs), has_aux)
-    return jnp.mean(output_loss.nll(output, targets)), aux
+    return mean_loss(output_loss, output, targets), aux
 
   def without_stats(variables, inputs, targets):
-    (value, aux), param_grads = jax.value_and_grad(mean_loss, has_aux=True)(
+    (value, aux), param_grads = jax.value_and_grad(loss_of_params, has_aux=True)(
         variables['params'], variables, inputs, targets)
     return value, param_grads, absent_stats(layers), aux
 

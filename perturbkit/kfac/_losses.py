@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from perturbkit.core._validate import positive
-from perturbkit.errors import KFACLossError, KFACTargetsError
+from perturbkit.errors import KFACLossError, KFACLossShapeError, KFACTargetsError
 
 FISHER_KINDS = ('sampled', 'empirical', 'exact')
 
@@ -36,6 +36,18 @@ class OutputLoss(NamedTuple):
   nll: Callable[[jax.Array, Any], jax.Array]
   sample: Callable[[jax.Array, jax.Array], Any] | None = None
   fisher_sqrt: Callable[[jax.Array], jax.Array] | None = None
+
+
+def mean_loss(loss: OutputLoss, output: jax.Array, targets: Any) -> jax.Array:
+  """The mean over the examples of ``loss.nll``'s per-example losses.
+
+  Raises:
+    KFACLossShapeError: ``loss.nll`` does not return one loss per example.
+  """
+  losses = loss.nll(output, targets)
+  if jnp.shape(losses) != tuple(output.shape[:1]):
+    raise KFACLossShapeError(loss.name, tuple(jnp.shape(losses)), tuple(output.shape))
+  return jnp.mean(losses)
 
 
 def _per_example(losses: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from perturbkit.kfac._checks import check_kernel_shapes, refuse_outside_reads, s
 from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
                                         split_output)
 from perturbkit.kfac._layers import KFACLayers
-from perturbkit.kfac._losses import as_output_loss
+from perturbkit.kfac._losses import as_output_loss, mean_loss
 from perturbkit.nnx._calls import path_of, submodules
 from perturbkit.nnx._driver import value_and_grad
 from perturbkit.kfac._nnx_layers import call_model, outside_reads
@@ -110,12 +110,12 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   grad_fn = value_and_grad(lane_loss_fn(predict, output_loss, fisher, has_aux),
                            filter=select, has_aux=True, return_inputs=True)
 
-  def mean_loss(model, inputs, targets):
+  def loss_of_model(model, inputs, targets):
     out, aux = output(model, inputs)
-    return jnp.mean(output_loss.nll(out, targets)), aux
+    return mean_loss(output_loss, out, targets), aux
 
   def without_stats(model, inputs, targets):
-    (value, aux), param_grads = nnx.value_and_grad(mean_loss, has_aux=True)(
+    (value, aux), param_grads = nnx.value_and_grad(loss_of_model, has_aux=True)(
         model, inputs, targets)
     return value, param_grads, absent_stats(layers), aux
 
