@@ -367,8 +367,8 @@ class KFACUnsupportedLayerError(PerturbkitError, TypeError):
         f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
         '`nn.Dense`, `nn.Conv` (feature_group_count=1), `nn.Embed`, Hugging Face\'s '
         '`FlaxConv1D` and `nn.LayerNorm`/`nn.RMSNorm` over the last axis (and their NNX '
-        'twins) `__call__`s (not run once per iteration of nn.scan/nn.vmap) whose params no '
-        'other code reads. Leave the filter at its '
+        'twins) `__call__`s whose params no other code reads (inside nn.scan/nn.vmap, '
+        'with the params and the perturbations stacked along axis 0). Leave the filter at its '
         'default (unsupported layers are then listed in `layers.skipped` and their params '
         f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
 

@@ -588,23 +588,27 @@ def test_explicitly_selected_layer_without_rule_is_an_error():
                             'layers_2': 'not selected by the filter'}
 
 
-def test_layers_run_once_per_iteration_are_skipped_or_refused_with_the_reason():
-  """A Dense inside nn.scan has stacked params and one point per iteration: skipped (refused
-  when a filter selects it); inside a scan that does not map the perturbations its gradient
-  cannot be read at all: skipped with that reason. The layers around the scan are layers."""
+def test_layers_in_a_scan_are_stacked_layers_or_skipped_with_the_reason():
+  """A Dense inside nn.scan has stacked params and one point per iteration: one layer with
+  factors per iteration (``test_kfac_scan.py``). Inside a scan that does not map the
+  perturbations its gradient cannot be read at all: skipped with that reason, refused when
+  a filter selects it. The layers around the scan are layers."""
   x = jax.random.normal(jax.random.key(1), (3, 3))
-  for mapped, reason in ((True, 'once per iteration'), (False, 'does not map')):
-    model = models.Scanned(map_perturbations=mapped)
-    variables = model.init(jax.random.key(0), x)
-    predict = lambda v, x, model=model: model.apply(v, x)
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore', perturbkit.UnperturbedCallsWarning)
-      layers = perturbkit.kfac_layers(predict, variables, x)
-      assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
-      assert reason in layers.skipped['scan/Dense_0']
-      with pytest.raises(perturbkit.KFACUnsupportedLayerError, match=f'scan/Dense_0.*{reason}'):
-        perturbkit.kfac_layers(predict, variables, x,
-                               filter=perturbkit.filters.by_type(nn.Dense))
+  model = models.Scanned(map_perturbations=True)
+  variables = model.init(jax.random.key(0), x)
+  layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
+  assert sorted(layers.layers) == ['Dense_0', 'Dense_1', 'scan/Dense_0']
+  assert layers.layers['scan/Dense_0'].iterations == model.length
+  model = models.Scanned(map_perturbations=False)
+  variables = model.init(jax.random.key(0), x)
+  predict = lambda v, x: model.apply(v, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', perturbkit.UnperturbedCallsWarning)
+    layers = perturbkit.kfac_layers(predict, variables, x)
+    assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
+    assert 'does not map' in layers.skipped['scan/Dense_0']
+    with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='scan/Dense_0.*does not map'):
+      perturbkit.kfac_layers(predict, variables, x, filter=perturbkit.filters.by_type(nn.Dense))
 
 
 def test_tied_embedding_attend_is_skipped_not_half_preconditioned():

@@ -40,8 +40,8 @@ Which layers are skipped
 ------------------------
 Layers without a rule (BatchNorm, GroupNorm, a norm over other axes than the
 last, a normalisation module a model defines itself, other than Hugging Face's
-Llama, Mistral and Gemma RMSNorms, a tied ``attend``, calls run once per iteration of ``nn.scan``/``nn.vmap`` or
-``nnx.scan``/``nnx.vmap``) and layers whose weights are also read outside their calls (GPT-2's
+Llama, Mistral and Gemma RMSNorms, a tied ``attend``, a layer run by ``nn.scan``
+whose params every iteration shares, see below) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to
 the fallback transform; selecting one explicitly raises
@@ -52,7 +52,20 @@ gradient at it is summed over the examples, and factors from it would be
 ``(Σg)(Σg)ᵀ`` instead of ``Σ g gᵀ``. Layers inside ``nn.remat`` and ``nn.jit``
 (a Hugging Face model with gradient checkpointing) or ``nnx.remat`` and
 ``nnx.jit`` are preconditioned like any other: their calls' inputs and gradients
-come out of the transform as they are. Whether a call's input is computed from the
+come out of the transform as they are.
+
+Blocks stacked in a scan (``nn.scan`` with ``variable_axes={'params': 0,
+'perturbations': 0}``; ``nnx.scan`` over modules made with ``nnx.vmap``) are
+preconditioned per layer and per iteration: a layer whose params are stacked
+``(L, ...)`` along axis 0 gets factors stacked the same way, ``A`` of shape
+``(L, d_in + 1, d_in + 1)``, each iteration's from its own inputs and output
+gradients, inverted and applied to its own slice of the gradient, as if the
+blocks were unrolled (``LayerInfo.iterations`` is ``L``;
+``tests/test_kfac_scan.py``). A scan that does not map the perturbations,
+params shared by every iteration (``variable_broadcast='params'``), scans
+nested in scans, and a call inside the scan whose input does not have the
+batch's examples on its first axis (checked by shape, since the scan's values
+do not leave it) are skipped with the reason. Whether a call's input is computed from the
 batch is read off the jaxpr; positions broadcast to ``(batch, length)`` are
 per-example rows and keep the layer (``tests/test_kfac_shared_inputs.py``,
 ``tests/test_real_models_kfac.py``). A read that reaches the loss only through

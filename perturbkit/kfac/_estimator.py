@@ -63,7 +63,8 @@ def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any, examples: 
     inputs = [call_input(*calls[c]) for c in info.calls]
     if info.kind == 'norm':
       for c, x in zip(info.calls, inputs):
-        check_norm_call(name, calls[c][1], jnp.shape(x), examples)
+        # a stacked layer's calls are checked per iteration
+        check_norm_call(name, calls[c][1], jnp.shape(x)[bool(info.iterations):], examples)
     point_grads = get_in(output_grads, info.path)
     stats[name] = batch_factors(info, inputs, [point_grads[c] for c in info.calls], examples)
   return stats

@@ -14,6 +14,11 @@ that is not, but whose first axis has the batch's size, is taken as built for
 the batch (positions broadcast to ``(batch, length)``, as Hugging Face models
 make them when none are passed).
 
+A layer run once per iteration of ``nn.scan`` (its params stacked per iteration)
+is called inside the transform, whose values do not leave it in that run: its
+input is checked by its shape alone, the batch's examples on the first axis of
+each iteration's input.
+
 A LayerNorm's diagonal Fisher squares each example's gradient, summed over its
 locations (``_scale_shift``), so its calls' inputs must have the examples on
 their first axis; one that does not is skipped with that reason.
@@ -66,4 +71,23 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
               f'the batch\'s {examples} examples on its first axis (e.g. positions built '
               'inside the model): the gradient at its output is summed over the examples, '
               'and K-FAC needs each example\'s')
+  return reasons
+
+
+def iteration_input_reasons(inputs: Any, recorded: list[tuple[str, tuple]],
+                            grouped: set[str] = frozenset()) -> dict[str, str]:
+  """``{layer: reason}`` for the stacked layers with a call whose input (``recorded``:
+  ``(layer name, shape of one iteration's input)``) does not have the examples of the
+  batch ``inputs`` on its first axis; ``grouped`` as for :func:`shared_input_reasons`."""
+  examples = num_examples(inputs)
+  reasons: dict[str, str] = {}
+  for name, shape in recorded:
+    reason = grouping_reason(shape, examples) if name in grouped else None
+    if reason is None and not (examples is not None and len(shape) >= 1
+                               and shape[0] == examples):
+      reason = (f'each iteration\'s input (shape {tuple(shape)}) does not have the batch\'s '
+                f'{examples} examples on its first axis, and inside its transform K-FAC '
+                'cannot tell whether it carries them')
+    if reason is not None:
+      reasons.setdefault(name, reason)
   return reasons

@@ -3,9 +3,11 @@
 A K-FAC layer is a module that owns params and whose every call has a
 curvature rule (``_rules``: Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``,
 LayerNorm and RMSNorm). A module that owns params but has no rule (BatchNorm, a
-grouped Conv, ``Embed.attend``, a layer inside a lifted transform, the root's
-own ``self.param``) is listed in
-``KFACLayers.skipped`` with the reason; its params go to the fallback transform.
+grouped Conv, ``Embed.attend``, a layer inside a lifted transform that does not
+stack its params and its calls per iteration, the root's own ``self.param``) is
+listed in ``KFACLayers.skipped`` with the reason; its params go to the fallback
+transform. A layer of blocks stacked in ``nn.scan`` (params and points stacked
+along axis 0) is one layer with ``iterations`` set: factors per iteration.
 So is a Dense/Conv/Embed whose params the model also reads outside its calls
 (a tied LM head on the transposed embedding): its calls' factors would not
 cover that part of the gradient (``_kfac_reads``); and one with a call whose
@@ -23,17 +25,19 @@ from flax import traverse_util
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
+from perturbkit.core._points import stacked_axis, with_stacked_axis
 from perturbkit.linen._driver import discover
 from perturbkit.linen._interceptor import intercept, suspended
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import shared_input_reasons
+from perturbkit.kfac._examples import iteration_input_reasons, shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import (LayerInfo, call_input, describe, unsupported_reason,
                                     weight_name)
 from perturbkit.core._types import CallFilter, Variables
 
 _LIFTED = ('it runs once per iteration of a lifted transform (nn.scan, nn.vmap), where K-FAC '
-           'would need factors per iteration')
+           'needs its params and its calls stacked per iteration along axis 0 (variable_axes '
+           '{"params": 0, "perturbations": 0}, one transform deep), and they are not')
 _UNREACHED = ('its calls run inside a lifted transform that does not map the "perturbations" '
               'collection (nn.scan, nn.vmap without it in variable_axes), so their gradients '
               'cannot be read')
@@ -43,6 +47,23 @@ def outside_reason(what: set[str]) -> str:
   return ('its params are also read outside its calls (by ' + ', '.join(sorted(what)) +
           '), e.g. tied weights such as an LM head on the transposed embedding: K-FAC '
           'has no factors for that part of their gradient')
+
+
+def stacked_iterations(inside: list[tuple], outside: list[tuple], weight_inside: tuple,
+                       weight: tuple | None) -> int | None:
+  """``L`` where a call's point leaves (shapes ``inside`` its transform, ``outside`` it)
+  and the layer's weight (as its call sees it, as the params hold it) are all stacked
+  along one leading axis of ``L`` iterations (``nn.scan`` over layers with
+  ``variable_axes={'params': 0, 'perturbations': 0}``); else ``None`` (params
+  broadcast to every iteration, another axis, scans nested)."""
+  if not inside or weight is None:
+    return None
+  stacking = stacked_axis(inside[0], outside[0])
+  if stacking is None or stacking[0] != 0 or len(stacking[1]) != 1:
+    return None
+  if with_stacked_axis(inside, stacking) != outside or tuple(weight) != stacking[1] + weight_inside:
+    return None
+  return stacking[1][0]
 
 
 def skip_layers(layers: dict, skipped: dict, reasons: dict[str, str], user_filter: bool,
@@ -127,6 +148,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   unsupported: dict[tuple, str] = {}
   selected_unsupported: dict[tuple, str] = {}
   unselected: set[tuple] = set()
+  weights_inside: dict[tuple, tuple] = {}  # a supported module's weight shape as it sees it
 
   def recorder(module: nn.Module, method_name: str) -> bool:
     path = tuple(module.path)
@@ -140,6 +162,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
         selected_unsupported.setdefault(path, f'{reason} ({method_name})')
       return False
     supported[path] = module
+    weights_inside[path] = tuple(jnp.shape(module.get_variable('params', weight_name(module))))
     return True
 
   loss_fn = lambda v, x: _float_sum(predict_fn(v, x))
@@ -148,18 +171,26 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   with suspended():
     points, _ = discover(loss_fn, variables, (inputs,), {}, filter=recorder, strict=False,
                          unreachable=[], lifted=lifted, inside=inside)
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
+  owners = sorted({key[:-1] for key in flat})
+  iterations: dict[tuple, int] = {}
   for path in lifted:
     # Inside nn.remat and nn.jit (a Hugging Face model with gradient checkpointing) a call
     # is the call it would be outside, and its inputs and gradient come out; nn.scan and
     # nn.vmap run it once per iteration, with a point stacked per iteration.
-    if leaf_shapes_of(inside[path]) != leaf_shapes_of(points[path]):
-      unsupported.setdefault(path[:-1], _LIFTED)
+    if leaf_shapes_of(inside[path]) == leaf_shapes_of(points[path]):
+      continue
+    owner = path[:-1]
+    module = supported.get(owner)
+    count = None if module is None else stacked_iterations(
+        leaf_shapes_of(inside[path]), leaf_shapes_of(points[path]), weights_inside[owner],
+        getattr(flat.get(owner + (weight_name(module),)), 'shape', None))
+    if count is None or iterations.setdefault(owner, count) != count:
+      unsupported.setdefault(owner, _LIFTED)
       if user is not None:
-        selected_unsupported.setdefault(path[:-1], f'{_LIFTED} ({path[-1]})')
-      supported.pop(path[:-1], None)
+        selected_unsupported.setdefault(owner, f'{_LIFTED} ({path[-1]})')
+      supported.pop(owner, None)
 
-  flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
-  owners = sorted({key[:-1] for key in flat})
   layers: dict[str, LayerInfo] = {}
   skipped: dict[str, str] = {}
   for owner in owners:
@@ -177,7 +208,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
           raise KFACUnsupportedLayerError(name, _UNREACHED)
         skipped[name] = _UNREACHED
         continue
-      layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)
+      layers[name] = describe(module, tuple(flat[owner + (param,)].shape), calls)._replace(
+          iterations=iterations.get(owner, 0))
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
     else:
@@ -194,9 +226,16 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
 def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
                    inputs: Any, layers: dict[str, LayerInfo]) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call whose input does not carry the
-  examples (``_kfac_examples``), from one abstract trace."""
+  examples (``_kfac_examples``), from one abstract trace.
+
+  A stacked layer's calls run inside their transform, whose values cannot leave it
+  through this trace: each iteration's input is checked by its shape alone (the
+  batch's examples on its first axis).
+  """
   names = {info.path: name for name, info in layers.items()}
+  stacked = {info.path for info in layers.values() if info.iterations}
   recorded: list[tuple[str, tuple]] = []
+  per_iteration: list[tuple[str, tuple]] = []
   select = lambda module, method_name: (method_name == '__call__'
                                         and tuple(module.path) in names)
 
@@ -205,8 +244,12 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
 
     def on_call(call, run):
       x = call_input(call.args, call.kwargs)
-      recorded.append((names[tuple(call.path)], tuple(jnp.shape(x))))
-      captured.append(x)
+      path = tuple(call.path)
+      if path in stacked:
+        per_iteration.append((names[path], tuple(jnp.shape(x))))
+      else:
+        recorded.append((names[path], tuple(jnp.shape(x))))
+        captured.append(x)
       return run()
 
     with intercept(select, on_call):
@@ -214,5 +257,8 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
     return captured
 
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
-  return shared_input_reasons(jaxpr, variables, inputs, recorded,
-                              {name for name, info in layers.items() if info.kind == 'norm'})
+  norms = {name for name, info in layers.items() if info.kind == 'norm'}
+  reasons = shared_input_reasons(jaxpr, variables, inputs, recorded, norms)
+  for name, reason in iteration_input_reasons(inputs, per_iteration, norms).items():
+    reasons.setdefault(name, reason)
+  return reasons

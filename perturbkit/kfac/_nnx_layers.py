@@ -29,18 +29,19 @@ from flax import nnx
 from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import shared_input_reasons
-from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers
+from perturbkit.kfac._examples import iteration_input_reasons, shared_input_reasons
+from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers, stacked_iterations
 from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
                                     flax_norm_layer, flax_norm_weight, hashable, norm_reason)
-from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
+from perturbkit.nnx._calls import Call, NNXPath, instrument, own_class, submodules
 from perturbkit.nnx._driver import check_module, discover, flat_state
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
 from perturbkit.core._segment_choice import flat_leaf_owners
 from perturbkit.core._types import CallFilter
 
-_IN_TRANSFORM = ('it runs once per iteration of an NNX transform (nnx.scan, nnx.vmap), or '
-                 'where its gradient cannot be read, and K-FAC would need factors per iteration')
+_IN_TRANSFORM = ('it runs inside an NNX transform (nnx.scan, nnx.vmap) where its gradient '
+                 'cannot be read, or without its params and its calls stacked per iteration '
+                 'along axis 0 (one transform deep), as K-FAC needs for factors per iteration')
 
 
 class _Input(nnx.Variable):
@@ -58,7 +59,7 @@ def layer_name(path: NNXPath) -> str:
 
 
 def _is_norm(module: Any) -> bool:
-  return type(module) in (nnx.LayerNorm, nnx.RMSNorm)
+  return own_class(module) in (nnx.LayerNorm, nnx.RMSNorm)
 
 
 def unsupported_reason(call: Call) -> str | None:
@@ -84,23 +85,41 @@ def weight_name(module: nnx.Module) -> str:
   return 'kernel'
 
 
-def per_iteration_layers(model: nnx.Module, inputs: Any,
-                         predict: Callable[[nnx.Module, Any], Any],
-                         paths: set[NNXPath]) -> set[NNXPath]:
-  """The layers among ``paths`` (called inside NNX transforms) whose calls have no point
-  or one stacked per iteration (``nnx.scan``, ``nnx.vmap``): K-FAC would need factors per
-  iteration. Inside ``nnx.remat`` and ``nnx.jit`` a call's point has the call's shape, and
-  its inputs and gradient come out of the transform."""
-  if not paths:
-    return set()
+def transformed_layers(model: nnx.Module, inputs: Any,
+                       predict: Callable[[nnx.Module, Any], Any],
+                       weights_inside: Mapping[NNXPath, tuple],
+                       weights: Mapping[NNXPath, tuple]) -> tuple[dict[NNXPath, int], set[NNXPath]]:
+  """``({layer: iterations}, {layers refused})`` for the layers in ``weights_inside``
+  (called inside NNX transforms; their weight's shape as their calls see it, and as the
+  model holds it in ``weights``).
+
+  Inside ``nnx.remat`` and ``nnx.jit`` a call's point has the call's shape, and its
+  inputs and gradient come out of the transform: such a layer is in neither result.
+  Under ``nnx.scan`` (``nnx.vmap``) over stacked modules every call's point, and the
+  weight, are stacked along axis 0 per iteration: the layer gets factors per iteration.
+  Any other layer (no point, params broadcast to every iteration, scans nested) is
+  refused."""
+  if not weights_inside:
+    return {}, set()
   found = discover(predict, model, (inputs,), {}, strict=False, scalar=False,
-                   points=_filters.any_of(*(_filters.by_path(layer_name(p)) for p in paths)))
-  as_called: dict[NNXPath, list[bool]] = {}
+                   points=_filters.any_of(*(_filters.by_path(layer_name(p))
+                                            for p in weights_inside)))
+  counts: dict[NNXPath, set] = {path: set() for path in weights_inside}
   for point in found.points:
+    if point.path not in counts:
+      continue
     outside = [found.shapes.get(leaf) for leaf in point.leaf_paths()]
-    as_called.setdefault(point.path, []).append(
-        all(o is not None and tuple(o.shape) == tuple(i) for o, i in zip(outside, point.shapes)))
-  return {path for path in paths if not as_called.get(path) or not all(as_called[path])}
+    if any(o is None for o in outside):
+      counts[point.path].add(None)
+      continue
+    outside = [tuple(o.shape) for o in outside]
+    inside = [tuple(i) for i in point.shapes]
+    counts[point.path].add(0 if outside == inside else stacked_iterations(
+        inside, outside, weights_inside[point.path], weights[point.path]))
+  stacked = {path: found_counts.pop() for path, found_counts in counts.items()
+             if len(found_counts) == 1 and None not in found_counts}
+  refused = {path for path, found_counts in counts.items() if path not in stacked}
+  return {path: count for path, count in stacked.items() if count}, refused
 
 
 def describe(module: nnx.Module, path: NNXPath, kernel_shape: tuple[int, ...],
@@ -187,15 +206,21 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
   """``{layer: reason}`` for the layers with a call whose input does not carry the
   examples (``_kfac_examples``), from one abstract trace of a copy of the model."""
   names = {info.path: name for name, info in layers.items()}
+  stacked = {info.path for info in layers.values() if info.iterations}
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
   recorded: list[tuple[str, tuple]] = []
+  per_iteration: list[tuple[str, tuple]] = []
 
   def traced(params, inputs):
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     captured = []
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
-      if call.method_name == '__call__' and call.path in names:
+      if call.method_name == '__call__' and call.path in stacked:
+        # Checked by its shape alone (_kfac_examples).
+        per_iteration.append((names[call.path], tuple(jnp.shape(call_input(call.args,
+                                                                           call.kwargs)))))
+      elif call.method_name == '__call__' and call.path in names:
         x = call_input(call.args, call.kwargs)
         recorded.append((names[call.path], tuple(jnp.shape(x))))
         if call.copied:
@@ -213,8 +238,11 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
-  return shared_input_reasons(jaxpr, params, inputs, recorded,
-                              {name for name, info in layers.items() if info.kind == 'norm'})
+  norms = {name for name, info in layers.items() if info.kind == 'norm'}
+  reasons = shared_input_reasons(jaxpr, params, inputs, recorded, norms)
+  for name, reason in iteration_input_reasons(inputs, per_iteration, norms).items():
+    reasons.setdefault(name, reason)
+  return reasons
 
 
 def kfac_layers(model: nnx.Module, inputs: Any, *,
@@ -278,13 +306,21 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     supported.setdefault(call.path, (call.module, []))[1].append(call.key)
     if call.copied:
       in_transform.add(call.path)
-  for path in per_iteration_layers(model, inputs, predict, in_transform):
+  params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  weight_shape = lambda module, path: tuple(jnp.shape(params[path + (weight_name(module),)]
+                                                      .get_value()))
+  inside = {path: tuple(jnp.shape(getattr(supported[path][0], weight_name(supported[path][0]))
+                                  .get_value()))
+            for path in in_transform}
+  iterations, refused = transformed_layers(
+      model, inputs, predict, inside,
+      {path: weight_shape(supported[path][0], path) for path in in_transform})
+  for path in refused:
     del supported[path]
     unsupported.setdefault(path, _IN_TRANSFORM)
     if user is not None:
       selected_unsupported.setdefault(path, f'{_IN_TRANSFORM} (__call__)')
 
-  params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   owners = sorted({path[:-1] for path in params}, key=lambda p: tuple(map(str, p)))
   layers: dict[str, LayerInfo] = {}
   skipped: dict[str, str] = {}
@@ -301,7 +337,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
       module, keys = supported[owner]
       param = weight_name(module)
       shape = tuple(jnp.shape(params[owner + (param,)].get_value()))
-      layers[name] = describe(module, owner, shape, tuple(keys))
+      layers[name] = describe(module, owner, shape, tuple(keys))._replace(
+          iterations=iterations.get(owner, 0))
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
     else:

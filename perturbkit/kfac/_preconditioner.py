@@ -24,7 +24,7 @@ from flax import traverse_util
 
 from perturbkit.errors import KFACShapeError
 from perturbkit.kfac._layers import KFACLayers
-from perturbkit.kfac._rules import LayerFactors, factor_shapes, precondition
+from perturbkit.kfac._rules import LayerFactors, LayerInfo, factor_shapes, precondition
 from perturbkit.core._validate import fraction, positive, positive_int
 from perturbkit.core._varying import check_unchecked
 
@@ -75,6 +75,15 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   cholesky = jax.scipy.linalg.cho_factor(factor + damping * eye, lower=True)
   inverse = jax.scipy.linalg.cho_solve(cholesky, eye)
   return 0.5 * (inverse + inverse.T)
+
+
+def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.Array
+                   ) -> LayerFactors:
+  """The damped inverses of one layer's factors (each iteration's for a stacked layer)."""
+  invert = lambda f: damped_inverse(f, damping)
+  if info.iterations:
+    invert = jax.vmap(invert)
+  return LayerFactors(*(invert(f) for f in factors))
 
 
 def _split(tree: Any, layers: KFACLayers) -> tuple[dict, dict]:
@@ -212,7 +221,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
                            lambda: state.factors)
     inverses = jax.lax.cond(
         state.count % inverse_every == 0,
-        lambda: jax.tree.map(lambda f: damped_inverse(f, damping), factors),
+        lambda: {name: layer_inverses(info, factors[name], damping)
+                 for name, info in layers.layers.items()},
         lambda: state.inverses)
     out = {}
     for name, info in layers.layers.items():

@@ -70,6 +70,11 @@ class LayerInfo(NamedTuple):
     conv: The geometry of a Conv, else ``None``.
     transposed: A Dense kernel stored ``(d_out, d_in)`` (Hugging Face's ``FlaxConv1D``).
     norm: How a ``'norm'`` layer normalises, else ``None``.
+    iterations: ``0``, or ``L`` for a layer run once per iteration of ``nn.scan``
+      (``nn.vmap``, ``nnx.scan``) with its params stacked along axis 0
+      (``kernel_shape`` is then ``(L, *one iteration's shape)``): each iteration
+      has its own factors, stacked along axis 0 like the params (see
+      :func:`one_iteration`).
   """
   kind: str
   path: tuple[str, ...]
@@ -80,6 +85,14 @@ class LayerInfo(NamedTuple):
   conv: ConvGeometry | None = None
   transposed: bool = False
   norm: NormGeometry | None = None
+  iterations: int = 0
+
+
+def one_iteration(info: LayerInfo) -> LayerInfo:
+  """The layer of one iteration of a stacked layer (``info.iterations > 0``): its
+  per-iteration weight shape, to which the rules apply under ``jax.vmap`` over the
+  iterations."""
+  return info._replace(kernel_shape=info.kernel_shape[1:], iterations=0)
 
 
 class LayerFactors(NamedTuple):
@@ -203,7 +216,11 @@ def matrix_shape(info: LayerInfo) -> tuple[int, int]:
 
 
 def factor_shapes(info: LayerInfo) -> LayerFactors:
-  """The shapes of the layer's factors (as tuples in a :class:`LayerFactors`)."""
+  """The shapes of the layer's factors (as tuples in a :class:`LayerFactors`); a stacked
+  layer's have its iterations in front."""
+  if info.iterations:
+    return LayerFactors(*((info.iterations,) + shape
+                          for shape in factor_shapes(one_iteration(info))))
   if info.kind == 'norm':
     return LayerFactors(*diagonal_shapes(info.kernel_shape, info.use_bias))
   if info.kind == 'embed':
@@ -290,9 +307,19 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
     examples: The batch's number of examples ``N`` (default: the first call's
       input's first axis).
 
+  For a stacked layer (``info.iterations``) each input is ``(iterations, *one
+  iteration's input)`` and each gradient ``(L, iterations, ...)``, and the
+  factors are each iteration's, stacked along axis 0.
+
   Returns:
     :class:`LayerFactors` ``A``, ``G`` as in the module docstring.
   """
+  if info.iterations:
+    one = one_iteration(info)
+    if examples is None:
+      raise ValueError(f'The stacked layer {"/".join(info.path)!r} needs the batch\'s examples.')
+    return jax.vmap(lambda xs, gs: batch_factors(one, xs, gs, examples),
+                    in_axes=(0, 1))(list(inputs), list(output_grads))
   if info.kind == 'norm':
     return LayerFactors(*diagonal_factors(info.param, info.use_bias, info.norm, inputs,
                                           output_grads, examples))
@@ -315,7 +342,11 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
 
 def precondition(info: LayerInfo, grads: dict, inverses: LayerFactors) -> dict:
   """``A⁻¹ [∇W; ∇b] G⁻¹`` for one layer's gradient subtree (``inverses`` damped);
-  ``∇θ / (F + λ)`` for a ``'norm'`` layer."""
+  ``∇θ / (F + λ)`` for a ``'norm'`` layer; each iteration's with its own inverses for a
+  stacked layer."""
+  if info.iterations:
+    one = one_iteration(info)
+    return jax.vmap(lambda g, inv: precondition(one, g, inv))(grads, inverses)
   if info.kind == 'norm':
     return precondition_diagonal(info.param, info.use_bias, grads, inverses.a, inverses.g)
   kernel = grads[info.param]

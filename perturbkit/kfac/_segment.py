@@ -87,7 +87,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
       ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
-      one of the segment's floating-point inputs), or the segment is not one
+      one of the segment's floating-point inputs) or runs inside ``nn.scan``, or the segment is not one
       call with one input and one output array holding exactly the layer's
       params.
 
@@ -117,6 +117,11 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
         f'{layer.kind!r} (an Embed takes integer inputs, which do not reach the segment '
         'optimizer); give this segment another optimizer, or precondition it with '
         'kfac_preconditioner')
+  if layer.iterations:
+    raise KFACUnsupportedLayerError(
+        '/'.join(layer.path), f'it runs once per iteration of a scan ({layer.iterations} '
+        'iterations), inside the scan\'s segment: it is not a segment of its own; give that '
+        'segment another optimizer')
   info = layer._replace(path=())
   leaves = {info.param, 'bias'} if info.use_bias else {info.param}
 

@@ -286,6 +286,13 @@ def instrumented_class(cls: type) -> type:
     return sub
 
 
+def own_class(module: nnx.Module) -> type:
+  """The module's class as the model defines it: the class an instrumented module's
+  subclass extends (a copy made inside an NNX transform keeps the subclass)."""
+  cls = type(module)
+  return cls.__bases__[0] if vars(cls).get(_MARKER, False) else cls
+
+
 def submodules(model: nnx.Module) -> list[tuple[NNXPath, nnx.Module]]:
   """Every submodule of ``model`` (not ``model`` itself) with its path, once each."""
   return [(tuple(path), m) for path, m in nnx.iter_modules(model) if path]

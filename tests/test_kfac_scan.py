@@ -1,0 +1,336 @@
+"""K-FAC on layers run once per iteration of ``nn.scan``/``nnx.scan`` (stacked params).
+
+A transformer whose blocks run in a scan has each block's params stacked along axis 0,
+and with ``'perturbations'`` mapped along the same axis each call's input and output
+gradient come out stacked the same way. Each iteration gets its own factors, stacked like
+the params. The reference is the same model unrolled into a Python loop of blocks given
+each iteration's slice of the params, whose K-FAC layers are ordinary ones (checked
+against hand-written formulas in ``test_kfac.py``); one factor is also formed here by hand
+from the unrolled model's intermediates. Layers a scan runs that K-FAC cannot split per
+iteration (params shared by every iteration, scans nested, inputs without the examples
+on their first axis) are skipped with the reason, or refused when a filter selects them.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import perturbkit
+
+DEPTH, WIDTH = 3, 6
+TOL = dict(rtol=2e-4, atol=1e-6)
+BLOCK_LAYERS = ('Dense_0', 'LayerNorm_0', 'Conv_0')
+
+
+class Block(nn.Module):
+  """Dense -> LayerNorm -> relu -> causal Conv over the tokens, with a residual."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = nn.relu(nn.LayerNorm()(nn.Dense(2 * WIDTH)(x)))
+    return x + nn.Conv(WIDTH, (3,), padding='CAUSAL')(h), None
+
+
+def scanned_blocks(**options):
+  options = {'variable_axes': {'params': 0, 'perturbations': 0},
+             'split_rngs': {'params': True}, 'length': DEPTH, **options}
+  return nn.scan(Block, **options)
+
+
+class Scanned(nn.Module):
+  """Embed -> DEPTH blocks in ``nn.scan`` -> Dense logits over the tokens."""
+  body: type = Block
+  scan: dict | None = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Embed(11, WIDTH)(tokens)
+    h, _ = nn.scan(self.body, **(self.scan or {'variable_axes': {'params': 0, 'perturbations': 0},
+                                               'split_rngs': {'params': True},
+                                               'length': DEPTH}))(name='blocks')(h, None)
+    return nn.Dense(5)(h)
+
+
+class Unrolled(nn.Module):
+  """``Scanned`` with its blocks in a Python loop, ``blocks_0`` .. ``blocks_2``."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Embed(11, WIDTH)(tokens)
+    for i in range(DEPTH):
+      h, _ = Block(name=f'blocks_{i}')(h)
+    return nn.Dense(5)(h)
+
+
+def unrolled_params(params):
+  blocks = params['blocks']
+  return {**{k: v for k, v in params.items() if k != 'blocks'},
+          **{f'blocks_{i}': jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(DEPTH)}}
+
+
+@pytest.fixture(scope='module')
+def setup():
+  tokens = jax.random.randint(jax.random.key(1), (4, 7), 0, 11)
+  targets = jax.random.randint(jax.random.key(2), (4, 7), 0, 5)
+  scanned, unrolled = Scanned(), Unrolled()
+  variables = scanned.init(jax.random.key(0), tokens)
+  twin = {'params': unrolled_params(variables['params'])}
+  predict = lambda v, x: scanned.apply(v, x)
+  predict_twin = lambda v, x: unrolled.apply(v, x)
+  np.testing.assert_allclose(predict(variables, tokens), predict_twin(twin, tokens), **TOL)
+  return dict(tokens=tokens, targets=targets, variables=variables, twin=twin, predict=predict,
+              predict_twin=predict_twin, unrolled=unrolled,
+              layers=perturbkit.kfac_layers(predict, variables, tokens),
+              twin_layers=perturbkit.kfac_layers(predict_twin, twin, tokens))
+
+
+def test_each_scanned_layer_is_one_layer_with_its_iterations(setup):
+  layers = setup['layers']
+  assert layers.skipped == {}
+  assert sorted(layers.layers) == ['Dense_0', 'Embed_0'] + [f'blocks/{n}' for n in
+                                                            sorted(BLOCK_LAYERS)]
+  twin = setup['twin_layers'].layers
+  for name in BLOCK_LAYERS:
+    info, one = layers.layers[f'blocks/{name}'], twin[f'blocks_0/{name}']
+    assert info.iterations == DEPTH
+    assert info.kernel_shape == (DEPTH,) + one.kernel_shape
+    assert info._replace(path=(), kernel_shape=(), iterations=0) == one._replace(
+        path=(), kernel_shape=())
+  assert layers.layers['Dense_0'].iterations == 0
+
+
+@pytest.mark.parametrize('fisher', ['empirical', 'sampled'])
+def test_factors_and_step_are_each_iterations_of_the_unrolled_model(setup, fisher):
+  s = setup
+  estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'], fisher=fisher)
+  estimate_twin = perturbkit.kfac_estimator(s['predict_twin'], 'softmax_cross_entropy', s['twin_layers'],
+                                            fisher=fisher)
+  key = jax.random.key(3)
+  loss, grads, stats = jax.jit(estimate)(s['variables'], s['tokens'], s['targets'], key)
+  loss_twin, grads_twin, stats_twin = jax.jit(estimate_twin)(s['twin'], s['tokens'],
+                                                             s['targets'], key)
+  np.testing.assert_allclose(loss, loss_twin, **TOL)
+  for name in BLOCK_LAYERS:
+    for i in range(DEPTH):
+      for stacked, one in zip(stats[f'blocks/{name}'], stats_twin[f'blocks_{i}/{name}']):
+        assert float(jnp.abs(one).max()) > 0
+        np.testing.assert_allclose(stacked[i], one, **TOL)
+
+  def step(layers, params, grads, stats):
+    tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.05), optax.sgd(1.0))
+    return tx.update(grads, tx.init(params), params, kfac_stats=stats)[0]
+
+  updates = step(s['layers'], s['variables']['params'], grads, stats)
+  updates_twin = unrolled_params(updates)
+  expected = step(s['twin_layers'], s['twin']['params'], grads_twin, stats_twin)
+  # the preconditioned step is no plain gradient step
+  assert not np.allclose(updates['blocks']['Dense_0']['kernel'],
+                         -grads['blocks']['Dense_0']['kernel'], rtol=1e-2)
+  # float32 products through damped inverses: each entry to 1e-4 of updates of order 1
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+               updates_twin, expected)
+
+
+def test_a_scanned_dense_layers_input_factor_is_formed_from_each_iterations_input(setup):
+  """``A`` of ``blocks/Dense_0`` at iteration ``i``, by hand: its input is the carry, the
+  embedding (i = 0) or the previous block's output in the unrolled model."""
+  s = setup
+  estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'],
+                                       fisher='empirical')
+  stats = estimate(s['variables'], s['tokens'], s['targets'])[2]['blocks/Dense_0']
+  _, inter = s['unrolled'].apply(s['twin'], s['tokens'], capture_intermediates=True,
+                                 mutable=['intermediates'])
+  carries = [inter['intermediates']['Embed_0']['__call__'][0]] + [
+      inter['intermediates'][f'blocks_{i}']['__call__'][0][0] for i in range(DEPTH - 1)]
+  examples = s['tokens'].shape[0]
+  for i, carry in enumerate(carries):
+    rows = np.asarray(carry, np.float64).reshape(-1, WIDTH)
+    rows = np.concatenate([rows, np.ones((len(rows), 1))], axis=1)
+    np.testing.assert_allclose(stats.a[i], rows.T @ rows / examples, **TOL)
+
+
+def test_a_scanned_model_trains_with_amortised_statistics_as_its_unrolled_twin(setup):
+  """Three jitted steps with ``with_stats=state.stats_due`` (statistics under ``lax.cond``)
+  and the inverses refreshed every other step: the same params as the unrolled twin."""
+  s = setup
+
+  def train(predict, layers, params):
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+    tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.5, inverse_every=2,
+                                                    stats_every=1), optax.sgd(0.05))
+
+    @jax.jit
+    def step(params, opt_state, key):
+      _, grads, stats = estimate({'params': params}, s['tokens'], s['targets'], key,
+                                 with_stats=opt_state[0].stats_due)
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for i in range(3):
+      params, opt_state = step(params, opt_state, jax.random.key(10 + i))
+    return params
+
+  params = train(s['predict'], s['layers'], s['variables']['params'])
+  expected = train(s['predict_twin'], s['twin_layers'], s['twin']['params'])
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), expected, s['twin']['params'])
+  assert min(jax.tree.leaves(moved)) > 5e-3, moved
+  # float32 through three damped inverses: to 1e-4 of params that each moved by more than 5e-3
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+               unrolled_params(params), expected)
+
+
+class FlatBlock(nn.Module):
+  """A block whose Dense runs on ``(examples * tokens, features)`` rows."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    rows = nn.Dense(WIDTH)(x.reshape(-1, WIDTH))
+    return x + rows.reshape(x.shape), None
+
+
+class Nested(nn.Module):
+  @nn.compact
+  def __call__(self, x, _=None):
+    inner = nn.scan(Block, variable_axes={'params': 0, 'perturbations': 0},
+                    split_rngs={'params': True}, length=2)
+    return inner()(x, None)
+
+
+@pytest.mark.parametrize('case, reason', [
+    ('shared params', 'stacked per iteration along axis 0'),
+    ('nested scans', 'stacked per iteration along axis 0'),
+    ('flattened rows', "does not have the batch's 4 examples on its first axis"),
+])
+def test_scanned_layers_without_per_iteration_factors_are_skipped_or_refused(case, reason):
+  tokens = jnp.zeros((4, 7), jnp.int32)
+  scan = {'variable_axes': {'params': 0, 'perturbations': 0}, 'split_rngs': {'params': True},
+          'length': DEPTH}
+  body, layer = Block, 'blocks/Dense_0'
+  if case == 'shared params':
+    scan = {'variable_axes': {'perturbations': 0}, 'variable_broadcast': 'params',
+            'split_rngs': {'params': False}, 'length': DEPTH}
+  elif case == 'nested scans':
+    body, layer = Nested, 'blocks/ScanBlock_0/Dense_0'
+  else:
+    body = FlatBlock
+  model = Scanned(body=body, scan=scan)
+  variables = model.init(jax.random.key(0), tokens)
+  predict = lambda v, x: model.apply(v, x)
+  layers = perturbkit.kfac_layers(predict, variables, tokens)
+  assert reason in layers.skipped[layer]
+  assert sorted(n for n in layers.layers if not n.startswith('blocks')) == ['Dense_0', 'Embed_0']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match=reason):
+    perturbkit.kfac_layers(predict, variables, tokens,
+                           filter=perturbkit.filters.by_path(layer))
+
+
+def test_kfac_segment_refuses_a_stacked_layer(setup):
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='once per iteration'):
+    perturbkit.kfac_segment(setup['layers'].layers['blocks/Dense_0'])
+
+
+# ----------------------------------------------------------------------- NNX
+
+
+class NNXBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+
+  def __call__(self, x):
+    return x + jnp.tanh(self.norm(self.dense(x)))
+
+
+class NNXScanned(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=DEPTH)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return NNXBlock(rngs)
+
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(WIDTH, 5, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.blocks))
+
+
+class NNXUnrolled(nnx.Module):
+  def __init__(self, scanned: NNXScanned):
+    self.blocks = nnx.List([NNXBlock(nnx.Rngs(i)) for i in range(DEPTH)])
+    self.head = nnx.Linear(WIDTH, 5, rngs=nnx.Rngs(0))
+    for i, block in enumerate(self.blocks):
+      nnx.update(block, jax.tree.map(lambda a, i=i: a[i], nnx.state(scanned.blocks, nnx.Param)))
+    nnx.update(self.head, nnx.state(scanned.head))
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def test_nnx_scanned_layers_get_the_unrolled_twins_factors_and_steps():
+  model = NNXScanned(nnx.Rngs(0))
+  twin = NNXUnrolled(model)
+  x = jax.random.normal(jax.random.key(1), (4, 7, WIDTH))
+  y = jax.random.randint(jax.random.key(2), (4, 7), 0, 5)
+  np.testing.assert_allclose(model(x), twin(x), **TOL)
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  twin_layers = perturbkit.nnx.kfac_layers(twin, x)
+  assert layers.skipped == {} and sorted(layers.layers) == ['blocks/dense', 'blocks/norm', 'head']
+  assert layers.layers['blocks/dense'].iterations == DEPTH
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
+  estimate_twin = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', twin_layers)
+  _, _, stats = estimate(model, x, y, jax.random.key(3))
+  _, _, stats_twin = estimate_twin(twin, x, y, jax.random.key(3))
+  for name in ('dense', 'norm'):
+    for i in range(DEPTH):
+      for stacked, one in zip(stats[f'blocks/{name}'], stats_twin[f'blocks/{i}/{name}']):
+        np.testing.assert_allclose(stacked[i], one, **TOL)
+
+  def train(model, estimate, layers):
+    tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, damping=0.5), optax.sgd(0.05))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for i in range(2):
+      _, grads, stats = estimate(model, x, y, jax.random.key(10 + i))
+      optimizer.update(model, grads, kfac_stats=stats)
+
+  train(model, estimate, layers)
+  train(twin, estimate_twin, twin_layers)
+  stacked = nnx.state(model.blocks, nnx.Param)
+  for i, block in enumerate(twin.blocks):
+    jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-3, atol=1e-4),
+                 stacked, nnx.state(block, nnx.Param))
+
+
+class NNXShared(nnx.Module):
+  """One block run ``DEPTH`` times by ``nnx.scan``, its params shared by every iteration."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.block = NNXBlock(rngs)
+    self.head = nnx.Linear(WIDTH, 5, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, None), out_axes=nnx.Carry, length=DEPTH)
+    def body(x, block):
+      return block(x)
+
+    return self.head(body(x, self.block))
+
+
+def test_nnx_layers_whose_params_every_iteration_shares_are_skipped_or_refused():
+  model, x = NNXShared(nnx.Rngs(0)), jnp.ones((4, 7, WIDTH))
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert sorted(layers.layers) == ['head']
+  for name in ('block/dense', 'block/norm'):
+    assert 'stacked per iteration along axis 0' in layers.skipped[name]
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='block/dense.*stacked'):
+    perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_type(nnx.Linear))
