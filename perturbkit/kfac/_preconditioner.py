@@ -59,6 +59,8 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   Raises:
     InvalidOptionError: a concrete ``damping`` that is not a finite number > 0 (the
       damped factor would not be positive definite).
+    ValueError: ``factor`` is neither a vector nor a square matrix (stacked factors:
+      ``jax.lax.map`` it).
 
   Example:
     >>> import jax.numpy as jnp
@@ -69,6 +71,12 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   positive('damping', damping)
   if factor.ndim == 1:
     return 1.0 / (jnp.maximum(factor, 0.0) + damping)
+  if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
+    raise ValueError(
+        f'damped_inverse takes one square factor or a diagonal, got shape {factor.shape}. '
+        'The factors of a layer stacked per iteration (LayerInfo.iterations, a layer in '
+        'nn.scan) have the iterations in front: invert each, '
+        '`jax.lax.map(lambda f: damped_inverse(f, damping), factor)`.')
   # F is PSD, so F + damping·I is positive definite: Cholesky is enough, and several
   # times cheaper than an eigendecomposition.
   eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
@@ -79,10 +87,16 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
 
 def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.Array
                    ) -> LayerFactors:
-  """The damped inverses of one layer's factors (each iteration's for a stacked layer)."""
+  """The damped inverses of one layer's factors (each iteration's for a stacked layer).
+
+  A stacked layer's are inverted one iteration after the other (``lax.map``), not as one
+  batched Cholesky: jaxlib's CPU kernels for batched Cholesky and triangular solves
+  wait for their batch on the thread pool that runs them, and several of them at once
+  (a model's layers are independent) hung a 2-core CPU for good.
+  """
   invert = lambda f: damped_inverse(f, damping)
   if info.iterations:
-    invert = jax.vmap(invert)
+    return LayerFactors(*(jax.lax.map(invert, f) for f in factors))
   return LayerFactors(*(invert(f) for f in factors))
 
 
