@@ -291,10 +291,11 @@ def test_layers_without_a_rule_are_listed_or_refused():
 class _RematBlock(nnx.Module):
   def __init__(self, rngs):
     self.up = nnx.Linear(6, 8, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
     self.down = nnx.Linear(8, 6, rngs=rngs)
 
   def __call__(self, x):
-    return x + self.down(nnx.tanh(self.up(x)))
+    return x + self.down(nnx.tanh(self.norm(self.up(x))))
 
 
 class _Rematted(nnx.Module):
@@ -327,7 +328,8 @@ def test_layers_inside_nnx_remat_are_preconditioned_like_the_plain_model():
   plain, rematted = _Rematted(False, nnx.Rngs(0)), _Rematted(True, nnx.Rngs(0))
   layers = perturbkit.nnx.kfac_layers(rematted, ids)
   assert layers == perturbkit.nnx.kfac_layers(plain, ids)
-  assert sorted(layers.layers) == ['block/down', 'block/up', 'head', 'tokens']
+  # a norm's copy inside the transform is a norm too
+  assert sorted(layers.layers) == ['block/down', 'block/norm', 'block/up', 'head', 'tokens']
   assert 'neither computed from the batch' in layers.skipped['positions']
   for fisher, key in (('empirical', None), ('sampled', jax.random.key(3))):
     estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
