@@ -96,19 +96,35 @@ class Block(nn.Module):
     return x + tapped(self, nn.Dense(dim, name='Dense_1'), h)
 
 
+class ScanBlock(Block):
+  """:class:`Block` as the body of ``nn.scan``: ``(carry, _) -> (carry, None)``."""
+
+  def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    return super().__call__(x), None
+
+
 class Transformer(nn.Module):
-  """Embedding Dense, ``depth`` blocks, final LayerNorm, mean pooling, classifier."""
+  """Embedding Dense, ``depth`` blocks, final LayerNorm, mean pooling, classifier.
+
+  With ``scan`` the blocks run in ``nn.scan``, their params stacked along axis 0
+  (``'Blocks'``), with the perturbations mapped along the same axis.
+  """
   dim: int
   depth: int
   heads: int
   classes: int
   mlp_ratio: int = 4
   tap: bool = False
+  scan: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     x = tapped(self, nn.Dense(self.dim, name='Embed'), x)
-    for i in range(self.depth):
+    if self.scan:
+      blocks = nn.scan(ScanBlock, variable_axes={'params': 0, 'perturbations': 0},
+                       split_rngs={'params': True}, length=self.depth)
+      x, _ = blocks(self.heads, self.mlp_ratio, name='Blocks')(x, None)
+    for i in range(0 if self.scan else self.depth):
       x = tapped(self, Block(self.heads, self.mlp_ratio, self.tap, name=f'Block_{i}'), x)
     x = tapped(self, nn.LayerNorm(name='LayerNorm_final'), x)
     return tapped(self, nn.Dense(self.classes, name='Head'), x.mean(axis=1))

@@ -1,8 +1,11 @@
 """Cost of a K-FAC step next to an adam step, and the memory of the factors.
 
-For an MLP, a CNN and an unmodified Hugging Face GPT-2 (next-token loss at every
+For an MLP, a CNN, an unmodified Hugging Face GPT-2 (next-token loss at every
 position; its FlaxConv1D projections get Kronecker factors, its LayerNorms their
-diagonal, its tied ``wte`` the fallback), each variant's step is jitted once and a timed sample runs
+diagonal, its tied ``wte`` the fallback) and a pre-norm Transformer classifier with
+its blocks unrolled (``transformer``) or stacked in ``nn.scan`` (``transformer_scan``:
+the same layers, with factors stacked per iteration), each variant's step is jitted
+once and a timed sample runs
 ``--steps`` steps in a row, the state threaded through (so an inverse refreshed
 every ``k`` steps is paid once per ``k`` steps, as in training). The steps are
 not fused into one ``lax.scan``: XLA:CPU runs convolutions inside control flow
@@ -38,6 +41,8 @@ compiled memory of each variant's step (``memory_analysis()``: temp bytes).
 
   python scripts/bench_kfac.py --models mlp cnn --out scripts/results/bench_kfac.json
   python scripts/bench_kfac.py --models gpt2 --out scripts/results/bench_kfac_gpt2.json
+  python scripts/bench_kfac.py --models transformer transformer_scan --repeats 10 \
+      --out scripts/results/bench_kfac_scan.json
   python scripts/bench_kfac.py --sizes small --repeats 2      # smoke test; no JSON
 
 On CPU, jax's Cholesky runs in the OpenBLAS that scipy ships; its threads spin
@@ -63,6 +68,7 @@ sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
 import perturbkit  # noqa: E402
 import _bench_common as common  # noqa: E402
 import _bench_models as models  # noqa: E402
+from perturbkit.kfac._preconditioner import layer_inverses  # noqa: E402
 
 VARIANTS = ('adam', 'kfac_sampled', 'kfac_empirical', 'kfac_sampled_every', 'kfac_precondition',
             'interleaved_adam', 'kfac_segments', 'kfac_host_switch')
@@ -79,11 +85,18 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         'mlp': dict(batch=32, features=64, widths=(64, 64), classes=10),
         'cnn': dict(batch=8, image=8, channels=(8, 16), convs_per_stage=1, classes=10),
         'gpt2': dict(batch=2, seq=8, layers=2, width=32, heads=2, vocab=64),
+        'transformer': dict(batch=4, seq=8, features=8, dim=16, depth=2, heads=2, classes=10),
+        'transformer_scan': dict(batch=4, seq=8, features=8, dim=16, depth=2, heads=2,
+                                 classes=10),
     },
     'default': {
         'mlp': dict(batch=256, features=784, widths=(512, 512), classes=10),
         'cnn': dict(batch=32, image=16, channels=(16, 32), convs_per_stage=1, classes=10),
         'gpt2': dict(batch=8, seq=64, layers=4, width=128, heads=4, vocab=1024),
+        'transformer': dict(batch=8, seq=32, features=32, dim=128, depth=4, heads=4,
+                            classes=10),
+        'transformer_scan': dict(batch=8, seq=32, features=32, dim=128, depth=4, heads=4,
+                                 classes=10),
     },
 }
 
@@ -118,6 +131,10 @@ def make_problem(name: str, size: dict[str, Any], key: jax.Array) -> models.Prob
   if name == 'mlp':
     model = models.MLP(size['widths'], size['classes'])
     shape = (size['batch'], size['features'])
+  elif name.startswith('transformer'):
+    model = models.Transformer(size['dim'], size['depth'], size['heads'], size['classes'],
+                               scan=name == 'transformer_scan')
+    shape = (size['batch'], size['seq'], size['features'])
   else:
     model = models.CNN(size['channels'], size['convs_per_stage'], size['classes'])
     shape = (size['batch'], size['image'], size['image'], 3)
@@ -243,7 +260,7 @@ def measure_model(name: str, size: dict[str, Any], k: int, steps: int, repeats: 
   finite = {v: bool(jnp.all(jnp.isfinite(losses[v]))) for v in VARIANTS}
 
   kfac_state = states['kfac_sampled'][0]
-  refresh = jax.jit(lambda f: jax.tree.map(lambda m: perturbkit.damped_inverse(m, 1e-2), f))
+  refresh = jax.jit(lambda f: {n: layer_inverses(layers.layers[n], f[n], 1e-2) for n in f})
   inverse = common.compile_timed(refresh, kfac_state.factors)
   samples = common.time_round_robin(
       {**{v: (lambda v=v: run_steps(compiled[v], *args[v], steps)) for v in VARIANTS},
