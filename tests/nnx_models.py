@@ -10,7 +10,7 @@ makes the twin an independent reference (:func:`hand_value_and_grad`).
 Each NNX model's attributes carry the names of the Linen twin's submodules, so
 ``linen_variables`` copies the weights across unchanged.
 """
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -222,17 +222,21 @@ class Block(nnx.Module):
 
 
 class ScanMLP(nnx.Module):
-  """``depth`` stacked blocks applied with ``nnx.scan`` (or unrolled, ``unrolled=True``)."""
+  """``depth`` stacked blocks applied with ``nnx.scan``, then a Linear head to ``classes``;
+  ``block(rngs)`` makes one block (default: :class:`Block` of ``width``)."""
 
-  def __init__(self, width: int = 4, depth: int = 3, *, rngs: nnx.Rngs):
+  def __init__(self, width: int = 4, depth: int = 3, *, classes: int = 2,
+               block: Callable[[nnx.Rngs], nnx.Module] | None = None, rngs: nnx.Rngs):
+    block = block or (lambda rngs: Block(width, rngs=rngs))
+
     @nnx.split_rngs(splits=depth)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-      return Block(width, rngs=rngs)
+      return block(rngs)
 
     self.depth = depth
     self.blocks = create(rngs)
-    self.head = nnx.Linear(width, 2, rngs=rngs)
+    self.head = nnx.Linear(width, classes, rngs=rngs)
 
   def __call__(self, x):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)

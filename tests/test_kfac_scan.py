@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
+import nnx_models
 import perturbkit
 
 DEPTH, WIDTH = 3, 6
@@ -253,26 +254,13 @@ class NNXBlock(nnx.Module):
     return x + jnp.tanh(self.norm(self.dense(x)))
 
 
-class NNXScanned(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs):
-    @nnx.split_rngs(splits=DEPTH)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-      return NNXBlock(rngs)
-
-    self.blocks = create(rngs)
-    self.head = nnx.Linear(WIDTH, 5, rngs=rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def body(x, block):
-      return block(x)
-
-    return self.head(body(x, self.blocks))
+def nnx_scanned(rngs: nnx.Rngs) -> nnx_models.ScanMLP:
+  """``DEPTH`` :class:`NNXBlock` s stacked and run by ``nnx.scan``, then a head to 5 classes."""
+  return nnx_models.ScanMLP(WIDTH, DEPTH, classes=5, block=NNXBlock, rngs=rngs)
 
 
 class NNXUnrolled(nnx.Module):
-  def __init__(self, scanned: NNXScanned):
+  def __init__(self, scanned: nnx_models.ScanMLP):
     self.blocks = nnx.List([NNXBlock(nnx.Rngs(i)) for i in range(DEPTH)])
     self.head = nnx.Linear(WIDTH, 5, rngs=nnx.Rngs(0))
     for i, block in enumerate(self.blocks):
@@ -286,7 +274,7 @@ class NNXUnrolled(nnx.Module):
 
 
 def test_nnx_scanned_layers_get_the_unrolled_twins_factors_and_steps():
-  model = NNXScanned(nnx.Rngs(0))
+  model = nnx_scanned(nnx.Rngs(0))
   twin = NNXUnrolled(model)
   x = jax.random.normal(jax.random.key(1), (4, 7, WIDTH))
   y = jax.random.randint(jax.random.key(2), (4, 7), 0, 5)
