@@ -41,9 +41,32 @@ def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:
           'example\'s gradient')
 
 
+def input_reason(shape: tuple[int, ...], examples: int | None, grouped: bool,
+                 from_batch: bool | None) -> str | None:
+  """Why a call on an input of ``shape`` does not see the batch's ``examples`` one by one,
+  or ``None``. ``grouped``: the layer's rule groups the rows by example (a norm);
+  ``from_batch``: whether the input is computed from the batch (``None``: not known, for
+  a call inside a transform)."""
+  if grouped:
+    reason = grouping_reason(shape, examples)
+    if reason is not None:
+      return reason
+  if from_batch or (examples is not None and len(shape) >= 1 and shape[0] == examples):
+    return None
+  if from_batch is None:
+    return (f'each iteration\'s input (shape {tuple(shape)}) does not have the batch\'s '
+            f'{examples} examples on its first axis, and inside its transform K-FAC '
+            'cannot tell whether it carries them')
+  return (f'its input (shape {tuple(shape)}) is neither computed from the batch nor has '
+          f'the batch\'s {examples} examples on its first axis (e.g. positions built '
+          'inside the model): the gradient at its output is summed over the examples, '
+          'and K-FAC needs each example\'s')
+
+
 def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
                          recorded: list[tuple[str, tuple]],
-                         grouped: set[str] = frozenset()) -> dict[str, str]:
+                         grouped: set[str] = frozenset(),
+                         per_iteration: list[tuple[str, tuple]] = ()) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call that does not see the examples.
 
   Args:
@@ -54,40 +77,17 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
     recorded: ``(layer name, input shape)`` of each output of ``jaxpr``.
     grouped: The layers whose rule groups the rows by example (the norms): their
       inputs must have the examples on the first axis.
+    per_iteration: ``(layer name, shape of one iteration's input)`` of the calls of
+      stacked layers, inside their transform (not outputs of ``jaxpr``): checked by
+      their shape alone.
   """
   examples = num_examples(inputs)
   batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}
-  for (name, shape), dependent in zip(recorded, from_batch):
-    reason = grouping_reason(shape, examples) if name in grouped else None
-    if reason is not None:
-      reasons.setdefault(name, reason)
-      continue
-    if dependent or (examples is not None and len(shape) >= 1 and shape[0] == examples):
-      continue
-    reasons.setdefault(
-        name, f'its input (shape {tuple(shape)}) is neither computed from the batch nor has '
-              f'the batch\'s {examples} examples on its first axis (e.g. positions built '
-              'inside the model): the gradient at its output is summed over the examples, '
-              'and K-FAC needs each example\'s')
-  return reasons
-
-
-def iteration_input_reasons(inputs: Any, recorded: list[tuple[str, tuple]],
-                            grouped: set[str] = frozenset()) -> dict[str, str]:
-  """``{layer: reason}`` for the stacked layers with a call whose input (``recorded``:
-  ``(layer name, shape of one iteration's input)``) does not have the examples of the
-  batch ``inputs`` on its first axis; ``grouped`` as for :func:`shared_input_reasons`."""
-  examples = num_examples(inputs)
-  reasons: dict[str, str] = {}
-  for name, shape in recorded:
-    reason = grouping_reason(shape, examples) if name in grouped else None
-    if reason is None and not (examples is not None and len(shape) >= 1
-                               and shape[0] == examples):
-      reason = (f'each iteration\'s input (shape {tuple(shape)}) does not have the batch\'s '
-                f'{examples} examples on its first axis, and inside its transform K-FAC '
-                'cannot tell whether it carries them')
+  calls = [*zip(recorded, from_batch), *((call, None) for call in per_iteration)]
+  for (name, shape), dependent in calls:
+    reason = input_reason(shape, examples, name in grouped, dependent)
     if reason is not None:
       reasons.setdefault(name, reason)
   return reasons

@@ -29,7 +29,7 @@ from perturbkit.core._points import stacked_axis, with_stacked_axis
 from perturbkit.linen._driver import discover
 from perturbkit.linen._interceptor import intercept, suspended
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import iteration_input_reasons, shared_input_reasons
+from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import (LayerInfo, call_input, describe, unsupported_reason,
                                     weight_name)
@@ -257,8 +257,6 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
     return captured
 
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
-  norms = {name for name, info in layers.items() if info.kind == 'norm'}
-  reasons = shared_input_reasons(jaxpr, variables, inputs, recorded, norms)
-  for name, reason in iteration_input_reasons(inputs, per_iteration, norms).items():
-    reasons.setdefault(name, reason)
-  return reasons
+  return shared_input_reasons(jaxpr, variables, inputs, recorded,
+                              {name for name, info in layers.items() if info.kind == 'norm'},
+                              per_iteration)

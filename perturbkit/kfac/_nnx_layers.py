@@ -29,7 +29,7 @@ from flax import nnx
 from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import iteration_input_reasons, shared_input_reasons
+from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers, stacked_iterations
 from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
                                     flax_norm_layer, flax_norm_weight, hashable, norm_reason)
@@ -87,11 +87,11 @@ def weight_name(module: nnx.Module) -> str:
 
 def transformed_layers(model: nnx.Module, inputs: Any,
                        predict: Callable[[nnx.Module, Any], Any],
-                       weights_inside: Mapping[NNXPath, tuple],
-                       weights: Mapping[NNXPath, tuple]) -> tuple[dict[NNXPath, int], set[NNXPath]]:
-  """``({layer: iterations}, {layers refused})`` for the layers in ``weights_inside``
-  (called inside NNX transforms; their weight's shape as their calls see it, and as the
-  model holds it in ``weights``).
+                       weights: Mapping[NNXPath, tuple[tuple, tuple]]
+                       ) -> tuple[dict[NNXPath, int], set[NNXPath]]:
+  """``({layer: iterations}, {layers refused})`` for the layers in ``weights`` (called
+  inside NNX transforms; ``(shape as their calls see it, shape as the model holds it)``
+  of their weight).
 
   Inside ``nnx.remat`` and ``nnx.jit`` a call's point has the call's shape, and its
   inputs and gradient come out of the transform: such a layer is in neither result.
@@ -99,12 +99,12 @@ def transformed_layers(model: nnx.Module, inputs: Any,
   weight, are stacked along axis 0 per iteration: the layer gets factors per iteration.
   Any other layer (no point, params broadcast to every iteration, scans nested) is
   refused."""
-  if not weights_inside:
+  if not weights:
     return {}, set()
   found = discover(predict, model, (inputs,), {}, strict=False, scalar=False,
                    points=_filters.any_of(*(_filters.by_path(layer_name(p))
-                                            for p in weights_inside)))
-  counts: dict[NNXPath, set] = {path: set() for path in weights_inside}
+                                            for p in weights)))
+  counts: dict[NNXPath, set] = {path: set() for path in weights}
   for point in found.points:
     if point.path not in counts:
       continue
@@ -115,7 +115,7 @@ def transformed_layers(model: nnx.Module, inputs: Any,
     outside = [tuple(o.shape) for o in outside]
     inside = [tuple(i) for i in point.shapes]
     counts[point.path].add(0 if outside == inside else stacked_iterations(
-        inside, outside, weights_inside[point.path], weights[point.path]))
+        inside, outside, *weights[point.path]))
   stacked = {path: found_counts.pop() for path, found_counts in counts.items()
              if len(found_counts) == 1 and None not in found_counts}
   refused = {path for path, found_counts in counts.items() if path not in stacked}
@@ -238,11 +238,9 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
-  norms = {name for name, info in layers.items() if info.kind == 'norm'}
-  reasons = shared_input_reasons(jaxpr, params, inputs, recorded, norms)
-  for name, reason in iteration_input_reasons(inputs, per_iteration, norms).items():
-    reasons.setdefault(name, reason)
-  return reasons
+  return shared_input_reasons(jaxpr, params, inputs, recorded,
+                              {name for name, info in layers.items() if info.kind == 'norm'},
+                              per_iteration)
 
 
 def kfac_layers(model: nnx.Module, inputs: Any, *,
@@ -307,14 +305,16 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     if call.copied:
       in_transform.add(call.path)
   params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  weight_shape = lambda module, path: tuple(jnp.shape(params[path + (weight_name(module),)]
-                                                      .get_value()))
-  inside = {path: tuple(jnp.shape(getattr(supported[path][0], weight_name(supported[path][0]))
-                                  .get_value()))
-            for path in in_transform}
+
+  def weight_shapes(path: NNXPath) -> tuple[tuple, tuple]:
+    # as the call inside its transform saw the weight, and as the model holds it
+    module = supported[path][0]
+    param = weight_name(module)
+    return (tuple(jnp.shape(getattr(module, param).get_value())),
+            tuple(jnp.shape(params[path + (param,)].get_value())))
+
   iterations, refused = transformed_layers(
-      model, inputs, predict, inside,
-      {path: weight_shape(supported[path][0], path) for path in in_transform})
+      model, inputs, predict, {path: weight_shapes(path) for path in in_transform})
   for path in refused:
     del supported[path]
     unsupported.setdefault(path, _IN_TRANSFORM)

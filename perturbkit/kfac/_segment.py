@@ -87,9 +87,9 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
       ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
-      one of the segment's floating-point inputs) or runs inside ``nn.scan``, or the segment is not one
-      call with one input and one output array holding exactly the layer's
-      params.
+      one of the segment's floating-point inputs) or runs inside ``nn.scan``, or
+      the segment is not one call with one input and one output array holding
+      exactly the layer's params.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
