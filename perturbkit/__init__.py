@@ -123,6 +123,7 @@ from perturbkit.errors import KFACOutputError
 from perturbkit.errors import KFACShapeError
 from perturbkit.errors import KFACTargetsError
 from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.errors import MetricGapError
 from perturbkit.errors import LossNotCallableError
 from perturbkit.errors import MissingHasAuxError
 from perturbkit.errors import NonDifferentiableOutputError
@@ -143,6 +144,7 @@ from perturbkit.errors import PositionOutOfRangeError
 from perturbkit.errors import PRNGKeyError
 from perturbkit.errors import RandomCallError
 from perturbkit.errors import ReductionMismatchError
+from perturbkit.errors import ResultValuesError
 from perturbkit.errors import SegmentationError
 from perturbkit.errors import SharedCallError
 from perturbkit.errors import SharedSegmentError
@@ -228,6 +230,7 @@ __all__ = [
     'KFACShapeError',
     'KFACTargetsError',
     'KFACUnsupportedLayerError',
+    'MetricGapError',
     'LossNotCallableError',
     'MissingHasAuxError',
     'NonDifferentiableOutputError',
@@ -248,6 +251,7 @@ __all__ = [
     'PRNGKeyError',
     'RandomCallError',
     'ReductionMismatchError',
+    'ResultValuesError',
     'SegmentationError',
     'SharedCallError',
     'SharedSegmentError',

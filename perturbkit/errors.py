@@ -46,7 +46,9 @@ the call's output), ``PositionOutOfRangeError``, ``AxisLengthMismatchError`` (wi
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
 ``InterventionParamsError`` (learnable interventions given params of another
-structure).
+structure), ``MetricGapError`` (``PatchingResult.normalized()`` with equal clean and
+corrupted metrics) and ``ResultValuesError`` (``PatchingResult.top()``/``plot()`` on
+traced or batched values).
 
 NNX (``perturbkit.nnx``): the same ``NoPerturbationPointsError``,
 ``PerturbationsNotAppliedError`` and ``UnperturbedCallsWarning`` as Linen, with
@@ -763,6 +765,28 @@ class InterventionParamsError(PerturbkitError, ValueError):
         f'interventions are named {sorted(map(str, names))}. Build the params with '
         'perturbkit.interpret.init_interventions(interventions) and train them with their '
         'structure unchanged (optax keeps it).')
+
+
+class MetricGapError(PerturbkitError, ValueError):
+  """``PatchingResult.normalized()`` of a result whose two metrics are equal."""
+
+  def __init__(self, clean, corrupted):
+    super().__init__(
+        f'normalized() divides each effect by clean_metric - corrupted_metric, and both are '
+        f'{clean!r} vs {corrupted!r}: there is no gap to recover (gradient x activation has '
+        'one metric for both). Use the effects as they are, or choose clean and corrupted '
+        'inputs on which the metric differs.')
+
+
+class ResultValuesError(PerturbkitError, TypeError):
+  """``PatchingResult.top()``/``plot()`` called on a result whose values are traced, or batched."""
+
+  def __init__(self, method, reason):
+    super().__init__(
+        f'PatchingResult.{method}() reads the effects on the host, but {reason}. Call it on '
+        'the result the jitted function returns (outside jax.jit and jax.vmap), and for a '
+        'result with a leading batch axis pick one first: '
+        '`jax.tree.map(lambda x: x[i], result)`.')
 
 
 class CheckedShardMapError(PerturbkitError, ValueError):

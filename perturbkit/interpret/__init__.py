@@ -53,6 +53,9 @@ it. The functions here are written once over those points; the Linen ones take
 Both patching functions return a :class:`PatchingResult`: ``paths`` (rows),
 ``positions`` (columns), ``effects`` of shape ``(calls, positions)``, and the
 clean and corrupted metrics; the labels are static, so everything is jittable.
+``result.normalized()`` divides the effects by the clean - corrupted gap (1: the
+whole gap recovered), ``result.top(k)`` lists the largest as ``(path, position,
+effect)`` and ``result.plot(ax)`` draws the heat map with matplotlib.
 
 Conventions
 -----------
