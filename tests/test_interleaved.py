@@ -368,7 +368,9 @@ def test_shared_segment_is_rejected():
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
-def test_scan_segment_is_rejected():
+def test_scan_segment_with_params_stacked_along_another_axis_is_rejected():
+  """A scan stacking the params along axis 1 hands each iteration a slice that no segment can
+  update in place (along axis 0, each iteration is a segment: tests/test_interleaved_scan.py)."""
   class Body(nn.Module):
     @nn.compact
     def __call__(self, c, _):
@@ -377,7 +379,7 @@ def test_scan_segment_is_rejected():
   class Scanned(nn.Module):
     @nn.compact
     def __call__(self, x):
-      x, _ = nn.scan(Body, variable_axes={'params': 0}, split_rngs={'params': True},
+      x, _ = nn.scan(Body, variable_axes={'params': 1}, split_rngs={'params': True},
                      length=2)()(x, None)
       return x
 

@@ -44,6 +44,37 @@ CHILD = textwrap.dedent('''
       results[propagate] = float(jnp.abs(jax.tree.leaves(s8.params)[0]).sum())
     # The two schedules really differ, so the comparison above is not vacuous.
     assert results['updated'] != results['original'], results
+
+    # Blocks in nn.scan: each iteration's step inside the scan's backward pass, its
+    # gradient averaged over the devices there.
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, h, _):
+        return h + jnp.tanh(nn.Dense(16)(h)), None
+
+    class Scanned(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = nn.Dense(16)(x)
+        h, _ = nn.scan(Block, variable_axes={'params': 0}, split_rngs={'params': True},
+                       length=3)(name='blocks')(h, None)
+        return nn.Dense(2)(h)
+
+    scanned = Scanned()
+    variables = scanned.init(jax.random.key(0), x)
+    loss_fn = lambda v, x, y: jnp.mean((scanned.apply(v, x) - y) ** 2)
+    single = perturbkit.interleaved(loss_fn, optax.adam(1e-2))
+    parallel = perturbkit.interleaved(loss_fn, optax.adam(1e-2), axis_name='data')
+    assert dict(single.segments(variables, x, y).iterations) == {'blocks/Dense_0': 3}
+    step = jax.jit(jax.shard_map(parallel.step, mesh=mesh, in_specs=(P(), P('data'), P('data')),
+                                 out_specs=(P(), P()), check_vma=False))
+    s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
+    for _ in range(2):
+      s1, m1 = jax.jit(single.step)(s1, x, y)
+      s8, m8 = step(s8, x, y)
+    chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(m8['loss'], m1['loss'], rtol=1e-5, atol=1e-6)
+    assert m8['activation_grad_norm']['blocks/Dense_0'].shape == (3,)
     print('MULTIDEVICE-OK')
 ''')
 

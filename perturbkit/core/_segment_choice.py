@@ -46,9 +46,18 @@ class Segmentation(NamedTuple):
     segments: Segment names (module paths ``'a/b'``) in execution order.
     rest: ``{module path: why its params are not in a segment}``; these params
       get their ordinary gradient and are updated at the end of the step.
+    iterations: ``{segment name: L}`` for each segment whose params are
+      stacked along their first axis and sliced by a scan (``nn.scan`` with
+      ``variable_axes={'params': 0}``): each iteration is updated on its own
+      slice, in the order the backward pass meets them.
   """
   segments: tuple[str, ...]
   rest: dict[str, str]
+  iterations: Mapping[str, int] = {}
+
+  def __repr__(self) -> str:
+    scanned = f', iterations={dict(self.iterations)}' if self.iterations else ''
+    return f'Segmentation(segments={self.segments!r}, rest={self.rest!r}{scanned})'
 
 
 class CallRecord(NamedTuple):
@@ -57,12 +66,19 @@ class CallRecord(NamedTuple):
   Attributes:
     path: The module's path.
     transformed: The call runs inside a transform that copies or slices the
-      module, so its params cannot be updated there.
+      module, so its params cannot be updated there (unless ``iterations``).
     selected: The user's segment filter selects the call.
+    key: The call's point key (``'__call__'``, ``'__call__#1'``): a body that a
+      scan traces twice makes the same call twice under one key.
+    iterations: ``L`` where the call sees its params sliced from params stacked
+      ``(L, ...)`` along their first axis (a scan's iteration), which a
+      segment can update slice by slice; 0 otherwise.
   """
   path: Path
   transformed: bool
   selected: bool
+  key: str = '__call__'
+  iterations: int = 0
 
 
 def name_of(path: Path) -> str:
@@ -146,10 +162,17 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     Exception: ``in_transform_error(name)`` for a chosen segment in a transform.
   """
   count = collections.Counter(c.path for c in calls if not c.transformed)
+  stacked_keys: dict[Path, set[str]] = {}
+  for c in calls:
+    if c.transformed and c.iterations:
+      stacked_keys.setdefault(c.path, set()).add(c.key)
+  count.update({path: len(keys) for path, keys in stacked_keys.items()})
   first: dict[Path, int] = {}
   for i, c in enumerate(calls):
     first.setdefault(c.path, i)
-  transformed = {c.path for c in calls if c.transformed}
+  # Sliced by a scan along the params' first axis: a segment updating each iteration's slice.
+  iterations = {c.path: c.iterations for c in calls if c.transformed and c.iterations}
+  transformed = {c.path for c in calls if c.transformed and not c.iterations}
   by_name = {name_of(p): p for p in {c.path for c in calls} | set(owners)}
   if spec is None:
     chosen, rest = _layerwise(owners, count, transformed, transforms)
@@ -170,7 +193,8 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     raise SegmentationError(
         'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])
   ordered = sorted(chosen, key=lambda p: first[p])
-  return Segmentation(tuple(name_of(p) for p in ordered), rest)
+  return Segmentation(tuple(name_of(p) for p in ordered), rest,
+                      {name_of(p): iterations[p] for p in ordered if p in iterations})
 
 
 def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],

@@ -34,18 +34,27 @@ class Backward(NamedTuple):
   """What a segment does in the backward pass, once it has its gradient.
 
   Attributes:
-    step: ``(g, dw, w, dyn, after) -> (new_w, carried)``, called with the
-      output cotangent ``g``, the (averaged) gradient ``dw`` at the old weights
-      ``w`` and the segment's floating-point inputs ``dyn`` (this device's);
-      ``carried`` leaves the backward pass as the cotangent of the carrier.
-      ``after`` is ``None``, or values the step should depend on (the old
-      weights' input cotangent), so that XLA can order the step after the
-      old weights' last read.
+    step: ``(g, dw, w, dyn, after, state) -> (new_w, carried)``, called with
+      the output cotangent ``g``, the (averaged) gradient ``dw`` at the old
+      weights ``w``, the segment's floating-point inputs ``dyn`` (this
+      device's) and ``state``; ``carried`` leaves the backward pass as the
+      cotangent of the carrier. ``after`` is ``None``, or values the step
+      should depend on (the old weights' input cotangent), so that XLA can
+      order the step after the old weights' last read.
     propagate_updated: Whether the input cotangent is computed at ``new_w``
       (the call is replayed) or at ``w``.
+    state: The arrays ``step`` needs besides those (the optimizer state, the
+      clipping scale). They enter the segment as an input and reach ``step``
+      through the residuals, never as a closure: a segment inside a scan
+      runs its backward pass in another trace than its forward pass.
   """
-  step: Callable[[Any, Any, Any, Any, Any], tuple[Any, Any]]
+  step: Callable[[Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
   propagate_updated: bool
+  state: Any = ()
+
+
+FORWARD_ONLY = Backward(lambda *_: (None, ()), propagate_updated=False)
+"""The backward step of a segment whose forward pass alone is traced (the reads checks)."""
 
 
 def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -78,16 +87,16 @@ def _instantiated(tree: Any) -> Any:
   return jax.tree.map(zeros, tree, is_leaf=lambda x: isinstance(x, SymbolicZero))
 
 
-def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any, dyn: Any,
-                 carrier: Any, backward: Backward, axis_name: str | None = None
-                 ) -> tuple[Any, Any]:
-  """Runs ``pure(w, dyn)`` as a segment with the interleaved custom VJP.
+def segment_call(name: str, pure: Callable[[Any, Any, Any], tuple[Any, Any]], w: Any, dyn: Any,
+                 carrier: Any, backward: Backward, axis_name: str | None = None,
+                 context: Any = ()) -> tuple[Any, Any]:
+  """Runs ``pure(w, dyn, context)`` as a segment with the interleaved custom VJP.
 
   Args:
     name: The segment's name; the ``custom_vjp_call`` equation carries it, so
       that reads of ``w`` outside the segment can be found in the jaxpr.
-    pure: ``(w, dyn) -> (output, aux)``; ``aux`` (updated mutable collections)
-      is not differentiated.
+    pure: ``(w, dyn, context) -> (output, aux)``; ``aux`` (updated mutable
+      collections) is not differentiated.
     w: The segment's params.
     dyn: The floating-point inputs.
     carrier: Zeros shaped like what ``backward`` carries out.
@@ -95,30 +104,34 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
       its input cotangent is computed.
     axis_name: If given, ``dw`` is averaged over this mapped axis first (data
       parallelism under ``shard_map``/``pmap``).
+    context: Arrays ``pure`` reads besides ``w`` and ``dyn`` (other
+      collections, rng keys). Like ``backward.state``, they are inputs of the
+      segment, not differentiated, and reach the backward pass's replay through
+      the residuals.
 
   Returns:
-    ``pure(w, dyn)``.
+    ``pure(w, dyn, context)``.
   """
-  def segment(w, dyn, carrier):
+  def segment(w, dyn, carrier, inputs):
     del carrier
-    return pure(w, dyn)
+    return pure(w, dyn, inputs[0])
 
   segment.__name__ = segment_function_name(name)
   segment = jax.custom_vjp(segment)
 
-  def fwd(w, dyn, carrier):
+  def fwd(w, dyn, carrier, inputs):
     del carrier
     # An input that is not differentiated (the data into the first layer) needs no
     # cotangent: none is computed, and the step waits for none. Whether one is
     # needed travels to ``bwd`` in the residuals' structure (static).
     needed = {'input_grad': ()} if any(
         leaf.perturbed for leaf in jax.tree.leaves(dyn, is_leaf=_is_primal)) else {}
-    w, dyn = custom_vjp_primal_tree_values((w, dyn))
-    out, vjp_old, aux = jax.vjp(pure, w, dyn, has_aux=True)
-    return (out, aux), (w, dyn, vjp_old, needed)
+    w, dyn, (context, state) = custom_vjp_primal_tree_values((w, dyn, inputs))
+    out, vjp_old, aux = jax.vjp(lambda w, dyn: pure(w, dyn, context), w, dyn, has_aux=True)
+    return (out, aux), (w, dyn, vjp_old, needed, context, state)
 
   def bwd(residuals, cotangents):
-    w, dyn, vjp_old, needed = residuals
+    w, dyn, vjp_old, needed, context, state = residuals
     g = _instantiated(cotangents[0])
     dw, d_dyn = vjp_old(g)
     if axis_name is not None:
@@ -127,13 +140,13 @@ def segment_call(name: str, pure: Callable[[Any, Any], tuple[Any, Any]], w: Any,
     # waits for it can write the new weights over the old ones (a donated state);
     # otherwise XLA copies every weight first, as in a plain optax step.
     waits_for = d_dyn if needed and not backward.propagate_updated else None
-    new_w, carried = backward.step(g, dw, w, dyn, waits_for)
+    new_w, carried = backward.step(g, dw, w, dyn, waits_for, state)
     if not needed:
-      return dw, None, carried
+      return dw, None, carried, None
     if backward.propagate_updated:
-      _, vjp_new = jax.vjp(lambda d: pure(new_w, d)[0], dyn)
+      _, vjp_new = jax.vjp(lambda d: pure(new_w, d, context)[0], dyn)
       (d_dyn,) = vjp_new(g)
-    return dw, d_dyn, carried
+    return dw, d_dyn, carried, None
 
   segment.defvjp(fwd, bwd, symbolic_zeros=True)
-  return segment(w, dyn, carrier)
+  return segment(w, dyn, carrier, (context, backward.state))

@@ -106,29 +106,39 @@ def ungroup(groups: Mapping[str, PyTree]) -> dict:
   return traverse_util.unflatten_dict(flat)
 
 
-def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str]) -> dict:
-  """One optimizer state per group.
+def _init(tx: optax.GradientTransformation, w: PyTree, iterations: int) -> PyTree:
+  """``tx``'s state for ``w``; for a scanned segment, one per iteration, stacked."""
+  return jax.vmap(tx.init)(w) if iterations else tx.init(w)
+
+
+def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str],
+                   iterations: Mapping[str, int] | None = None) -> dict:
+  """One optimizer state per group (per iteration of a scanned segment, stacked).
 
   Raises:
     OptaxPrivacyError: a group's optimizer contains optax's per-example DP
       transformation, which the sweep would hand batch gradients.
   """
-  states = {name: optimizer_for(optimizer, name).init(w)
+  iterations = iterations or {}
+  states = {name: _init(optimizer_for(optimizer, name), w, iterations.get(name, 0))
             for name, w in group(params, names).items()}
   refuse_optax_privacy(states, 'The interleaved schedule',
                        "each segment's batch gradient (summed over the examples)")
   return states
 
 
-def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping):
+def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping,
+                    iterations: Mapping[str, int] | None = None):
   """Raises :class:`OptimizerStateError` naming the first leaf that does not fit."""
+  iterations = iterations or {}
   names = [n for n in opt_state if n != REST]
   for name, w in group(params, names).items():
     if name != REST and not jax.tree.leaves(w):
       raise OptimizerStateError(
           f'The optimizer state has a segment {name!r} that the params do not have; '
           'build the state with `init` on these variables.')
-    want = jax.eval_shape(optimizer_for(optimizer, name).init, w)
+    want = jax.eval_shape(lambda w: _init(optimizer_for(optimizer, name), w,
+                                          iterations.get(name, 0)), w)
     got = opt_state.get(name)
     want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0] if got is not None else []
@@ -275,6 +285,8 @@ class Sweep(NamedTuple):
 
   ``examples`` is the batch's number of examples (the first axis of the step's
   first array argument), given to the segment optimizers as ``segment_examples``.
+  ``iterations`` names the segments inside a scan, with their number of
+  iterations: their optimizer states are stacked, one per iteration.
   """
   optimizer: Optimizer
   opt_state: dict
@@ -282,35 +294,41 @@ class Sweep(NamedTuple):
   propagate: str
   skip_nonfinite: bool
   examples: int | None = None
+  iterations: Mapping[str, int] = {}
 
 
-def backward_for(sweep: Sweep, name: str, swept: dict) -> Backward:
+def backward_for(sweep: Sweep, name: str, swept: dict, opt_state: PyTree = None) -> Backward:
   """The backward step of segment ``name``: its optimizer step, inside the sweep.
 
   The step is taken here with either ``propagate`` (the old weights' input
   cotangent for ``'original'``), so that the segment's inputs and output
   cotangent reach its optimizer as extra arguments. ``swept`` records the
-  segment with those arguments' shapes, for ``finish``.
+  segment with those arguments' shapes, for ``finish``. ``opt_state`` is the
+  state of one iteration of a scanned segment (default: the segment's state).
   """
   tx = optimizer_for(sweep.optimizer, name)
 
-  def step(g, dw, w, dyn, after):
+  def step(g, dw, w, dyn, after, state):
+    opt_state, scale = state
     carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
     swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
     extra_args['segment_examples'] = sweep.examples
-    new_w, new_opt, _ = guarded_step(tx, dw, sweep.opt_state[name], w, sweep.scale,
-                                     sweep.skip_nonfinite, extra_args, after)
+    new_w, new_opt, _ = guarded_step(tx, dw, opt_state, w, scale, sweep.skip_nonfinite,
+                                     extra_args, after)
     carried['step'] = (new_w, split_floats(new_opt)[0])
     return new_w, carried
 
-  return Backward(step, propagate_updated=sweep.propagate == 'updated')
+  return Backward(step, propagate_updated=sweep.propagate == 'updated',
+                  state=(sweep.opt_state[name] if opt_state is None else opt_state, sweep.scale))
 
 
 def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
-  """Zeros shaped like what segment ``name``'s backward step carries out."""
+  """Zeros shaped like what segment ``name``'s backward step carries out (stacked per
+  iteration for a scanned segment, as its ``w`` and optimizer state are)."""
   floats = split_floats(sweep.opt_state[name])[0]
-  return {'activation_grad_norm': jnp.zeros((), jnp.float32),
+  norm_shape = (sweep.iterations[name],) if name in sweep.iterations else ()
+  return {'activation_grad_norm': jnp.zeros(norm_shape, jnp.float32),
           'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
 
 
@@ -333,19 +351,27 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
   for name, g in grad_groups.items():
     tx, w, opt = optimizer_for(sweep.optimizer, name), param_groups[name], sweep.opt_state[name]
     grad_norms[name] = optax.tree.norm(g)
-    finite = jnp.isfinite(grad_norms[name])
-    skipped[name] = jnp.logical_not(finite) if sweep.skip_nonfinite else jnp.zeros((), bool)
+    # A scanned segment steps each iteration on its own: its update is mapped over them.
+    mapped = jax.vmap if name in sweep.iterations else lambda f: f
+    finite = mapped(lambda g: jnp.isfinite(optax.tree.norm(g)))(g)
+    skipped[name] = (jnp.logical_not(jnp.all(finite)) if sweep.skip_nonfinite
+                     else jnp.zeros((), bool))
     if name in swept:
       new_w, floats = carried[name]['step']
       extra_args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), swept[name])
       extra_args['segment_examples'] = sweep.examples
-      _, fresh = _update(tx, scaled(g, sweep.scale), opt, w, extra_args)
-      if sweep.skip_nonfinite:
-        fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
-      new_opt_state[name] = split_floats(fresh)[1](floats)
+
+      def fresh_state(g, opt, w, finite, extra_args=extra_args, tx=tx):
+        _, fresh = _update(tx, scaled(g, sweep.scale), opt, w, extra_args)
+        if sweep.skip_nonfinite:
+          fresh = jax.tree.map(lambda a, b: jnp.where(finite, a, b), fresh, opt)
+        return fresh
+
+      new_opt_state[name] = split_floats(mapped(fresh_state)(g, opt, w, finite))[1](floats)
     else:
-      new_w, new_opt_state[name], _ = guarded_step(tx, g, opt, w, sweep.scale,
-                                                   sweep.skip_nonfinite)
+      new_w, new_opt_state[name], _ = mapped(
+          lambda g, opt, w, tx=tx: guarded_step(tx, g, opt, w, sweep.scale,
+                                                sweep.skip_nonfinite))(g, opt, w)
     new_groups[name] = new_w
   act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
   if axis_name is not None:

@@ -28,6 +28,7 @@ from flax import nnx
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
+from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers, stacked_iterations
@@ -177,8 +178,6 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
   if not paths:
     return {}
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
-  # Only traced forward: the backward steps are never called.
-  no_backward = lambda *_: (None, ())
 
   def traced(params):
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
@@ -188,7 +187,7 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
       if call.method_name != '__call__' or call.path not in plain:
         return run()
-      return run_segment(call, plain[call.path], nnx.Param, no_backward, ())
+      return run_segment(call, plain[call.path], nnx.Param, FORWARD_ONLY, ())
 
     with instrument([copy], on_call):
       return predict(copy, inputs)

@@ -24,7 +24,7 @@ from perturbkit.core._input_types import TypesSeen
 from perturbkit.linen._hooks import with_hooks
 from perturbkit.linen._interceptor import suspended
 from perturbkit.core._points import COLLECTION
-from perturbkit.linen._segments import segmented_loss
+from perturbkit.linen._segments import segmented_loss, with_iteration_state
 from perturbkit.core._sweep import Interleaved
 from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
                                check_opt_state, check_optimizer, clip_scale, finish, group,
@@ -98,14 +98,14 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       e.g. for :func:`kfac_segment`; with either ``propagate`` the segments'
       steps are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
-      module that owns params directly (Dense, Conv, Embed, LayerNorm, ...); a
-      module inside ``nn.scan``/``nn.vmap`` (stacked params) is covered by its
-      nearest enclosing call, and params that cannot be updated inside the
-      sweep (a module called twice, tied weights read outside their call) go
-      to ``REST`` with the reason listed by ``segments(...)``. An ``int``
-      depth or a call filter (e.g. ``filters.by_type(Block)``) chooses coarser
-      segments; for those a shared or outside-read segment raises
-      :class:`SharedSegmentError`.
+      module that owns params directly (Dense, Conv, Embed, LayerNorm, ...),
+      also inside ``nn.scan`` (see "Blocks in ``nn.scan``"); params that
+      cannot be updated inside the sweep (a module called twice, tied weights
+      read outside their call, params stacked other than along their first
+      axis) go to ``REST`` or to the nearest enclosing call, with the reason
+      listed by ``segments(...)``. An ``int`` depth or a call filter (e.g.
+      ``filters.by_type(Block)``) chooses coarser segments; for those a shared
+      or outside-read segment raises :class:`SharedSegmentError`.
     propagate: ``'updated'`` (propagate with the new weights) or ``'original'``
       (old weights: the result equals ``jax.grad`` + ``optimizer.update``).
     axis_name: Mapped axis to average gradients over (``shard_map``/``pmap``).
@@ -190,6 +190,25 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     * Params owned by no segment (``perturbkit.REST``) get their ordinary
       gradient and are updated at the end of the sweep.
 
+  Blocks in ``nn.scan``:
+    A scan with ``variable_axes={'params': 0}`` hands each iteration a slice of
+    params stacked ``(L, ...)``. Each of its segments (every layer by default;
+    the whole block with ``segments=1`` or a filter selecting the scanned
+    module) is a segment per iteration: walking backward through the scan,
+    iteration ``i``'s slice takes its step before the gradient goes on to
+    iteration ``i - 1``, computed with the updated slice, exactly as for the
+    same blocks unrolled (``tests/test_interleaved_scan.py``, with dropout,
+    BatchNorm and ``nn.remat`` inside the scan, and ``kfac_segment``). Its
+    optimizer state is one per iteration, stacked along the first axis
+    (``jax.vmap`` of ``init``), as the unrolled blocks would each have their
+    own, and ``listing.iterations`` (from ``segments(...)``) gives ``L``;
+    ``metrics['activation_grad_norm'][name]`` has shape ``(L,)``. The carrier
+    of each iteration's step rides in the params, so the scan needs nothing
+    more than its usual ``variable_axes``. ``nn.vmap`` over params stacked
+    the same way (an ensemble) makes a segment per member. ``perturbkit.nnx``
+    does not split ``nnx.scan`` yet: there the scan goes to an enclosing call
+    or ``REST``.
+
   Optimizers, clipping, BatchNorm, dropout, metrics:
     * ``optimizer`` as a function ``segment_name -> GradientTransformation``
       (names as in ``tx.segments(...)``, and ``perturbkit.REST``) gives
@@ -266,6 +285,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   at_init: dict = {}
   # (variables, args, segment names) whose segments passed their checks, by type.
   checked = TypesSeen()
+  # Segment names -> those that run inside a scan and their number of iterations.
+  scanned: dict[tuple[str, ...], Mapping[str, int]] = {}
 
   def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
     if not args:
@@ -278,11 +299,14 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
 
   def init(variables: Variables, *args) -> InterleavedState:
     variables = _plain(variables)
-    names = list(segmentation(variables, *args).segments)
+    chosen = segmentation(variables, *args)
+    names = list(chosen.segments)
     checked.add(_checked_key(variables, args, names))
+    scanned[tuple(sorted(names))] = chosen.iterations
     at_init['shapes'] = input_shapes(args)
     return InterleavedState(jnp.zeros((), jnp.int32), variables,
-                            init_opt_state(optimizer, variables['params'], names),
+                            init_opt_state(optimizer, variables['params'], names,
+                                           chosen.iterations),
                             jnp.zeros((), jnp.float32))
 
   def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
@@ -297,14 +321,14 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     check_unchecked(axis_name, 'perturbkit.interleaved')
     variables = _plain(state.variables)
     params = variables['params']
-    check_opt_state(optimizer, params, state.opt_state)
     names = [n for n in state.opt_state if n != REST]
     # The state's segments must pass every check on this loss and batch: checked unless
     # they passed on inputs of these types (chosen by `init`, or a step before).
     key = _checked_key(variables, args, names)
-    if key not in checked:
+    if key not in checked or tuple(sorted(names)) not in scanned:
       try:
-        _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+        chosen = _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
+        scanned[tuple(sorted(names))] = chosen.iterations
       except (flax.errors.ScopeParamShapeError, TypeError, ValueError) as error:
         if isinstance(error, PerturbkitError):
           raise
@@ -315,16 +339,23 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
           raise StateMismatchError(str(error).split('(https')[0].strip()) from error
         raise
       checked.add(key)
+    iterations = scanned[tuple(sorted(names))]
+    check_opt_state(optimizer, params, state.opt_state, iterations)
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
-                  propagate, skip_nonfinite, num_examples(args))
+                  propagate, skip_nonfinite, num_examples(args), iterations)
     swept: dict[str, dict] = {}
     groups = group(params, names)
     carriers = {name: carrier(sweep, name, groups[name]) for name in names}
     forward = segmented_loss(loss_fn, variables, args,
                              {_segmentation.path_of(n): n for n in names},
-                             lambda name: backward_for(sweep, name, swept), axis_name)
+                             lambda name, opt: backward_for(sweep, name, swept, opt), axis_name,
+                             iterations)
 
     def differentiable(params, carriers):
+      # Each scanned segment's carrier and optimizer state ride beside its params,
+      # stacked, so that the scan hands each iteration its own.
+      params = with_iteration_state(params, {
+          _segmentation.path_of(n): (carriers[n], state.opt_state[n]) for n in iterations})
       out, mutated = forward(params, carriers)
       return check_loss(out, has_aux), (out[1] if has_aux else None, mutated)
 

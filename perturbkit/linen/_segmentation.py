@@ -3,8 +3,9 @@
 The rules (a segment's params used by its call only; the layer-wise default;
 the checks of a chosen set) are framework-neutral and live in
 ``_segment_choice``. Linen finds the calls with ``nn.intercept_methods``; a
-call inside ``nn.scan``/``nn.vmap`` sees params sliced from the stacked ones,
-and ``segments=int`` counts scope levels of the params tree.
+call inside ``nn.scan``/``nn.vmap`` sees params sliced from the stacked ones
+(along their first axis: a segment per iteration), and ``segments=int`` counts
+scope levels of the params tree.
 """
 from typing import Any, Callable, Mapping
 
@@ -13,11 +14,12 @@ from flax import traverse_util
 
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
+from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
 from perturbkit.linen._interceptor import intercept
 from perturbkit.core._segment_choice import (CallRecord, Exactly, SegmentSpec,  # noqa: F401
                                         Segmentation, exactly, flat_leaf_owners)
-from perturbkit.linen._segments import params_sliced, segmented_loss
+from perturbkit.linen._segments import params_sliced, segmented_loss, stacked_iterations
 from perturbkit.core._types import CallFilter, Path, Variables
 
 
@@ -47,8 +49,9 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   params = variables['params']
 
   def on_call(call, run):
-    calls.append(CallRecord(call.path, params_sliced(call, params),
-                            bool(filter(call.module, call.method_name))))
+    sliced = params_sliced(call, params)
+    calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
+                            call.key, stacked_iterations(call, params) if sliced else 0))
     return run()
 
   def traced(variables, *args):
@@ -60,11 +63,12 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
 
 
 def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-                  paths: list[Path]) -> dict[str, set[str]]:
+                  paths: list[Path], iterations: Mapping[str, int]) -> dict[str, set[str]]:
   """For each segment, the primitives that read its params outside its own call."""
   names = {p: name_of(p) for p in paths}
   # Only traced forward: the backward steps are never called.
-  fn = segmented_loss(loss_fn, variables, args, names, lambda name: lambda *_: (None, ()))
+  fn = segmented_loss(loss_fn, variables, args, names, lambda *_: FORWARD_ONLY,
+                      iterations={n: k for n, k in iterations.items() if n in names.values()})
   carriers = {n: () for n in names.values()}
   params = variables['params']
   jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)
@@ -74,8 +78,10 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
 def _in_lifted_transform(name: str) -> SegmentationError:
   return SegmentationError(
       f'The segment {name!r} runs inside a lifted transform (nn.scan, nn.vmap) whose params '
-      'are sliced; make the whole transformed module one segment (its parent), or choose '
-      'other segments.')
+      'are sliced other than along their first axis (or from a scan inside a scan), so its '
+      "step cannot be taken on its slice; stack them along axis 0 (variable_axes={'params': "
+      "0}), make the whole transformed module one segment (its parent), or choose other "
+      'segments.')
 
 
 def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
@@ -90,8 +96,9 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   params = variables['params']
   by_filter = callable(spec) and not isinstance(spec, Exactly)
   calls = record_calls(loss_fn, variables, args, spec if by_filter else _filters.all_calls)
+  iterations = {name_of(c.path): c.iterations for c in calls if c.iterations}
   return _segment_choice.choose(
       spec, calls, param_owners(params),
       at_depth=lambda depth: module_paths(params, depth),
-      outside_reads=lambda paths: outside_reads(loss_fn, variables, args, paths),
+      outside_reads=lambda paths: outside_reads(loss_fn, variables, args, paths, iterations),
       transforms='nn.scan/nn.vmap (params stacked)', in_transform_error=_in_lifted_transform)

@@ -51,19 +51,65 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
   # Taken now: the backward pass may replay the call after the hook blocks closed.
   hooks = open_hooks()
 
-  def pure(w, dyn):
+  def pure(w, dyn, context):
+    others, rngs = context
     args, kwargs = rebuild(dyn)
     with replaying(call.path, hooks):
       out, state = unbound.apply({'params': w, **others}, *args, rngs=rngs, mutable=mutable,
                                  method=call.method_name, **kwargs)
     return out, dict(state)
 
-  params = variables.get('params', {})
-  out, state = segment_call('/'.join(call.path), pure, flax.core.unfreeze(params), dynamic,
-                            carrier, backward, axis_name)
+  params = {k: v for k, v in flax.core.unfreeze(variables.get('params', {})).items()
+            if k != ITERATION_STATE}
+  out, state = segment_call('/'.join(call.path), pure, params, dynamic, carrier, backward,
+                            axis_name, (others, rngs))
   for collection, tree in state.items():
     _write_back(module.scope, collection, tree)
   return out
+
+
+ITERATION_STATE = '__perturbkit_iteration_state__'
+"""The params entry that brings a scanned segment its iteration's carrier and optimizer state.
+
+Stacked ``(L, ...)`` beside the segment's own params, it is sliced by the scan as
+they are, so the call inside the scan body sees its iteration's.
+"""
+
+
+def with_iteration_state(params: Mapping, states: Mapping[tuple, Any]) -> dict:
+  """``params`` with ``states[path]`` (stacked along the first axis) at each scanned segment."""
+  params = dict(params)
+  for path, state in states.items():
+    node = params
+    for k in path[:-1]:
+      node[k] = dict(node[k])
+      node = node[k]
+    node[path[-1]] = {**node[path[-1]], ITERATION_STATE: state}
+  return params
+
+
+def stacked_iterations(call: Call, params: Mapping) -> int:
+  """``L`` if the call sees each of its params leaves sliced from ``(L, ...)`` stacked ones, else 0.
+
+  That is what a scan (``nn.scan`` with ``variable_axes={'params': 0}``) hands
+  each iteration's call; params stacked along another axis, nested scans and
+  params shared by the iterations give 0.
+  """
+  try:
+    full = _subtree(params, call.path)
+  except (KeyError, TypeError):
+    return 0
+  own = lambda tree: {k: v for k, v in flax.core.unfreeze(tree).items() if k != ITERATION_STATE}
+  full_leaves, full_def = jax.tree.flatten(own(full))
+  leaves, treedef = jax.tree.flatten(own(call.module.variables.get('params', {})))
+  if not leaves or treedef != full_def:
+    return 0
+  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
+  if len(lengths) != 1 or None in lengths:
+    return 0
+  if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
+    return 0
+  return lengths.pop()
 
 
 def _subtree(tree: Mapping, path: tuple) -> Any:
@@ -73,8 +119,11 @@ def _subtree(tree: Mapping, path: tuple) -> Any:
 
 
 def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
-                   names: Mapping[tuple, str], backward_for: Callable[[str], Backward],
-                   axis_name: str | None = None) -> Callable[[Any, Any], tuple[Any, dict]]:
+                   names: Mapping[tuple, str],
+                   backward_for: Callable[[str, Any], Backward],
+                   axis_name: str | None = None,
+                   iterations: Mapping[str, int] | None = None
+                   ) -> Callable[[Any, Any], tuple[Any, dict]]:
   """``loss_fn`` as a function of ``(params, carriers)`` with each segment call replayed.
 
   Args:
@@ -82,8 +131,13 @@ def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
     variables: All collections; ``'params'`` is replaced by the argument.
     args: The loss's other arguments.
     names: Segment module path -> segment name.
-    backward_for: Segment name -> its ``Backward``.
+    backward_for: ``(segment name, its optimizer state or None) -> Backward``;
+      a scanned segment's step gets its iteration's state.
     axis_name: Mapped axis to average each ``dw`` over, if any.
+    iterations: ``{segment name: L}`` for the segments inside a scan
+      (:func:`stacked_iterations`). The params given to ``fn`` then hold,
+      beside each one's params, its stacked carrier and optimizer state
+      (:func:`with_iteration_state`), and each iteration's call takes its own.
 
   Returns:
     ``fn(params, carriers) -> (out, mutated)``, ``mutated`` holding the mutable
@@ -94,25 +148,40 @@ def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
     SegmentationError: a segment runs inside ``nn.scan``/``nn.vmap`` with sliced params.
   """
   is_segment = lambda module, method_name: tuple(module.path) in names
+  iterations = iterations or {}
 
   def fn(params, carriers):
     mutated: dict = {}
-    called: set = set()
+    called: dict = {}
 
     def on_call(call, run):
+      name = names[call.path]
       # Calls made inside a segment are not intercepted, so any second call on
       # a segment's module (a second `__call__`, or another method such as a
-      # tied embedding's `attend`) is a genuine second use of its weights.
-      if call.path in called:
-        raise SharedSegmentError(names[call.path], 'it is called more than once in one step')
-      called.add(call.path)
+      # tied embedding's `attend`) is a genuine second use of its weights; a
+      # scan that traces its body twice makes the same call (the same key) again.
+      if call.path in called and (name not in iterations or called[call.path] != call.key):
+        raise SharedSegmentError(name, 'it is called more than once in one step')
+      called[call.path] = call.key
+      if name in iterations:
+        return _run_scanned(call, name)
       if params_sliced(call, params):
         raise SegmentationError(
             f'The segment {call.name!r} runs inside a lifted transform (nn.scan, nn.vmap) '
             'whose params are sliced; make the whole transformed module one segment '
             '(its parent), or choose other segments.')
-      name = names[call.path]
-      return run_segment(call, backward_for(name), carriers[name], axis_name)
+      return run_segment(call, backward_for(name, None), carriers[name], axis_name)
+
+    def _run_scanned(call, name):
+      if stacked_iterations(call, params) != iterations[name]:
+        raise SegmentationError(
+            f'The segment {call.name!r} was chosen as {iterations[name]} iterations of a '
+            'scan over its stacked params, but its call does not see them sliced so; '
+            'choose the segments again with `init`.')
+      # Absent when only the forward pass is traced (the reads check).
+      state = call.module.variables['params'].get(ITERATION_STATE, ((), None))
+      carrier, opt_state = state
+      return run_segment(call, backward_for(name, opt_state), carrier, axis_name)
 
     def on_root(module, method, run, a, kw):
       out = run()

@@ -166,7 +166,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   segment; a module called twice, one whose variables are read outside its call
   (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
-  ``REST``, listed with the reason by ``segments(model, *args)``.
+  ``REST``, listed with the reason by ``segments(model, *args)``. (Linen's
+  ``interleaved`` makes each iteration of ``nn.scan`` a segment of its own;
+  this one does not split ``nnx.scan`` yet.)
 
   Backward hooks, from ``hooks=`` or from ``perturbkit.nnx.with_hooks`` inside
   the loss, act as in ``jax.grad`` of the hooked loss: a hook on a segment call

@@ -14,6 +14,7 @@ from flax import nnx
 
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
+from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.nnx._segments import params_tree, segment_name, segmented_loss
@@ -98,7 +99,7 @@ def outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, w
   graphdef, template, others = nnx.split(model, wrt, ...)
   # Only traced forward: the backward steps are never called.
   fn = segmented_loss(loss_fn, graphdef, template, others, args, wrt, names,
-                      lambda name: lambda *_: (None, ()))
+                      lambda name: FORWARD_ONLY)
   carriers = {n: () for n in names.values()}
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)

@@ -69,7 +69,7 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
   others = jax.tree.map(lambda leaf: leaf, others)
   dynamic, rebuild = split_floats((call.args, call.kwargs))
 
-  def pure(w, dyn):
+  def pure(w, dyn, others):
     args, kwargs = rebuild(dyn)
     # copy=True: the call must not write into the running model's variables.
     replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
@@ -80,7 +80,7 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     return out, nnx.state(replica, nnx.Not(wrt))
 
   out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
-                                 carrier, backward, axis_name)
+                                 carrier, backward, axis_name, others)
   nnx.update(module, new_others)
   return out
 

@@ -1,0 +1,260 @@
+"""Interleaved training through blocks stacked in ``nn.scan``: each iteration is a segment.
+
+A scan with ``variable_axes={'params': 0}`` hands each iteration a slice of params stacked
+``(L, ...)``. Walking backward through the scan, each iteration's layers take their step on their
+slice before the gradient goes on to the iteration below, exactly as for the same blocks
+unrolled: the reference is the unrolled twin (each block its own module, given its slice of the
+params), trained by the same schedule, whose steps are checked against a hand-coded backward in
+``tests/test_interleaved.py``. ``propagate='original'`` is also checked against ``jax.grad`` and
+optax on the scanned model itself.
+"""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import perturbkit
+
+L = 3
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+class Block(nn.Module):
+  """Pre-norm residual block; a scan body when ``scanned`` (carry, nothing per iteration)."""
+  dropout: float = 0.0
+  batch_norm: bool = False
+
+  @nn.compact
+  def __call__(self, h, _=None, train: bool = False):
+    if self.batch_norm:
+      u = nn.BatchNorm(use_running_average=not train, name='norm')(h)
+    else:
+      u = nn.LayerNorm(name='norm')(h)
+    u = jnp.tanh(nn.Dense(8, name='up')(u))
+    u = nn.Dropout(self.dropout, deterministic=not train)(u)
+    return h + nn.Dense(6, name='down')(u), None
+
+
+class Net(nn.Module):
+  """Embedding Dense, L blocks (in ``nn.scan``, or unrolled as ``block0``...), head Dense."""
+  scan: bool = True
+  remat: bool = False
+  dropout: float = 0.0
+  batch_norm: bool = False
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    h = nn.Dense(6, name='embed')(x)
+    block = nn.remat(Block, static_argnums=(3,)) if self.remat else Block
+    if self.scan:
+      stack = nn.scan(block, variable_axes={'params': 0, 'batch_stats': 0, 'perturbations': 0},
+                      split_rngs={'params': True, 'dropout': True}, length=L,
+                      in_axes=(nn.broadcast, nn.broadcast))
+      h, _ = stack(self.dropout, self.batch_norm, name='blocks')(h, None, train)
+    else:
+      for i in range(L):
+        h, _ = block(self.dropout, self.batch_norm, name=f'block{i}')(h, None, train)
+    return nn.Dense(2, name='head')(h)
+
+
+X = jax.random.normal(jax.random.key(0), (8, 5))
+Y = jax.random.normal(jax.random.key(1), (8, 2))
+
+
+def unrolled(tree):
+  """The scanned model's params (or any tree shaped like them) for the unrolled twin."""
+  tree = dict(tree)
+  blocks = tree.pop('blocks')
+  return {**tree, **{f'block{i}': jax.tree.map(lambda a: a[i], blocks) for i in range(L)}}
+
+
+def mse(model, **kwargs):
+  return lambda v, x, y: jnp.mean((model.apply(v, x, **kwargs) - y) ** 2)
+
+
+@pytest.fixture(scope='module', name='variables')
+def _variables():
+  return Net().init(jax.random.key(2), X)
+
+
+def _train(tx, variables, steps=3):
+  state = tx.init(variables, X, Y)
+  step = jax.jit(tx.step)
+  for _ in range(steps):
+    state, metrics = step(state, X, Y)
+  return state, metrics
+
+
+OPTIMIZERS = {
+    'sgd': lambda: optax.sgd(0.02),
+    'adam': lambda: optax.adam(1e-2),
+    'clip_adamw': lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2)),
+}
+
+
+@pytest.mark.parametrize('propagate, optimizer', [
+    ('updated', 'sgd'), ('updated', 'adam'), ('updated', 'clip_adamw'), ('original', 'adam')])
+def test_each_iteration_steps_as_its_unrolled_block(variables, propagate, optimizer):
+  scanned = perturbkit.interleaved(mse(Net()), OPTIMIZERS[optimizer](), propagate=propagate)
+  twin = perturbkit.interleaved(mse(Net(scan=False)), OPTIMIZERS[optimizer](),
+                                propagate=propagate)
+  listing = scanned.segments(variables, X, Y)
+  assert listing.segments == ('embed', 'blocks/norm', 'blocks/up', 'blocks/down', 'head')
+  assert dict(listing.iterations) == {'blocks/norm': L, 'blocks/up': L, 'blocks/down': L}
+  assert listing.rest == {}
+  state, metrics = _train(scanned, variables)
+  twin_state, twin_metrics = _train(twin, {'params': unrolled(variables['params'])})
+  chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), state.params, variables['params'])):
+    assert leaf > 1e-3, jax.tree_util.keystr(path)  # every leaf moved
+  for layer in ('norm', 'up', 'down'):
+    # One optimizer state per iteration, equal to each unrolled block's own.
+    for i in range(L):
+      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], state.opt_state[f'blocks/{layer}']),
+                                  twin_state.opt_state[f'block{i}/{layer}'], **TOL)
+    np.testing.assert_allclose(
+        metrics['activation_grad_norm'][f'blocks/{layer}'],
+        [twin_metrics['activation_grad_norm'][f'block{i}/{layer}'] for i in range(L)], rtol=1e-4)
+  np.testing.assert_allclose(metrics['loss'], twin_metrics['loss'], rtol=1e-5)
+
+
+def test_original_equals_jax_grad_and_optax_on_the_scanned_model(variables):
+  tx = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), propagate='original')
+  state = tx.init(variables, X, Y)
+  params, opt = variables['params'], optax.adam(1e-2).init(variables['params'])
+
+  @jax.jit
+  def standard_step(params, opt):
+    grads = jax.grad(lambda p: mse(Net())({'params': p}, X, Y))(params)
+    updates, opt = optax.adam(1e-2).update(grads, opt, params)
+    return optax.apply_updates(params, updates), opt
+
+  for _ in range(3):
+    state, _ = jax.jit(tx.step)(state, X, Y)
+    params, opt = standard_step(params, opt)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+  updated, _ = _train(perturbkit.interleaved(mse(Net()), optax.adam(1e-2)), variables)
+  # The updated weights' propagation changes the steps of the layers below the last block.
+  assert not np.allclose(updated.params['embed']['kernel'], params['embed']['kernel'],
+                         atol=1e-5)
+
+
+def test_whole_blocks_as_segments_step_iteration_by_iteration(variables):
+  """``segments=1``: the scan module's call is each iteration's whole block."""
+  scanned = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=1)
+  twin = perturbkit.interleaved(mse(Net(scan=False)), optax.adam(1e-2), segments=1)
+  listing = scanned.segments(variables, X, Y)
+  assert listing.segments == ('embed', 'blocks', 'head')
+  assert dict(listing.iterations) == {'blocks': L}
+  state, metrics = _train(scanned, variables)
+  twin_state, twin_metrics = _train(twin, {'params': unrolled(variables['params'])})
+  chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
+  np.testing.assert_allclose(metrics['activation_grad_norm']['blocks'],
+                             [twin_metrics['activation_grad_norm'][f'block{i}']
+                              for i in range(L)], rtol=1e-4)
+
+
+@pytest.mark.parametrize('remat', [False, True], ids=['plain', 'remat'])
+def test_dropout_and_batch_norm_inside_the_scan_step_as_the_model_runs(remat):
+  """Dropout masks split per iteration and BatchNorm statistics stacked per iteration: with
+  ``propagate='original'`` the step is ``jax.grad`` and optax of the model as it runs (the
+  replays draw the same masks and see the same statistics), and the statistics are the ones
+  the model's own ``apply(..., mutable=['batch_stats'])`` returns."""
+  model = Net(remat=remat, dropout=0.3, batch_norm=True)
+  variables = model.init(jax.random.key(2), X)
+  key = jax.random.key(7)
+
+  def loss_fn(v, x, y):
+    out, mutated = model.apply(v, x, True, rngs={'dropout': key}, mutable=['batch_stats'])
+    return jnp.mean((out - y) ** 2), mutated
+
+  tx = perturbkit.interleaved(lambda v, x, y: loss_fn(v, x, y)[0], optax.sgd(0.1),
+                              propagate='original')
+  assert dict(tx.segments(variables, X, Y).iterations) == {
+      'blocks/norm': L, 'blocks/up': L, 'blocks/down': L}
+  state, _ = jax.jit(tx.step)(tx.init(variables, X, Y), X, Y)
+  grads, mutated = jax.grad(lambda p: loss_fn({**variables, 'params': p}, X, Y),
+                            has_aux=True)(variables['params'])
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
+  chex.assert_trees_all_close(state.params, want, **TOL)
+  chex.assert_trees_all_close(state.variables['batch_stats'], mutated['batch_stats'], **TOL)
+  assert not np.allclose(mutated['batch_stats']['blocks']['norm']['mean'],
+                         variables['batch_stats']['blocks']['norm']['mean'])
+  # The masks matter: without dropout the gradient is another.
+  plain = jax.grad(lambda p: jnp.mean((Net(remat=remat, batch_norm=True).apply(
+      {**variables, 'params': p}, X, True, mutable=['batch_stats'])[0] - Y) ** 2))(
+          variables['params'])
+  assert not np.allclose(plain['blocks']['up']['kernel'], grads['blocks']['up']['kernel'])
+  # 'updated' runs too, and moves every iteration's params.
+  updated = perturbkit.interleaved(lambda v, x, y: loss_fn(v, x, y)[0], optax.sgd(0.1))
+  state, metrics = jax.jit(updated.step)(updated.init(variables, X, Y), X, Y)
+  assert metrics['activation_grad_norm']['blocks/up'].shape == (L,)
+  assert np.all(np.abs(state.params['blocks']['up']['kernel']
+                       - variables['params']['blocks']['up']['kernel']).max(axis=(1, 2)) > 0)
+
+
+def test_an_optimizer_state_not_made_per_iteration_is_refused(variables):
+  tx = perturbkit.interleaved(mse(Net()), optax.adam(1e-2))
+  state = tx.init(variables, X, Y)
+  assert state.opt_state['blocks/up'][0].mu['kernel'].shape == (L, 6, 8)
+  assert state.opt_state['blocks/up'][0].count.shape == (L,)
+  one = optax.adam(1e-2).init(variables['params']['blocks']['up'])  # the stacked params' state
+  broken = state._replace(opt_state={**state.opt_state, 'blocks/up': one})
+  with pytest.raises(perturbkit.OptimizerStateError, match="'blocks/up' does not match"):
+    tx.step(broken, X, Y)
+
+
+@pytest.mark.parametrize('segments', [None, 1], ids=['layers', 'blocks'])
+def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables, segments):
+  """A hook on every ``up`` Dense halves the gradient it passes down, in the forward replay of
+  each segment and in the replay at the updated weights (inside the scan's backward pass)."""
+  hook = perturbkit.backward_hook(lambda g: 0.5 * g,
+                                  lambda module, method: module.name == 'up')
+  scanned = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=segments,
+                                   hooks=[hook])
+  twin = perturbkit.interleaved(mse(Net(scan=False)), optax.adam(1e-2), segments=segments,
+                                hooks=[hook])
+  state, _ = _train(scanned, variables, steps=2)
+  twin_state, _ = _train(twin, {'params': unrolled(variables['params'])}, steps=2)
+  chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
+  unhooked, _ = _train(perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=segments),
+                       variables, steps=2)
+  assert not np.allclose(unhooked.params['blocks']['norm']['scale'],
+                         state.params['blocks']['norm']['scale'], atol=1e-6)
+
+
+def test_an_ensemble_in_nn_vmap_steps_each_member_as_its_own_model():
+  """``nn.vmap`` over params stacked along axis 0 (an ensemble): a segment per member."""
+  class Member(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2, name='out')(jnp.tanh(nn.Dense(6, name='hidden')(x)))
+
+  class Ensemble(nn.Module):
+    mapped: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+      if self.mapped:
+        ys = nn.vmap(Member, variable_axes={'params': 0}, split_rngs={'params': True},
+                     in_axes=None, out_axes=0, axis_size=L)(name='members')(x)
+      else:
+        ys = jnp.stack([Member(name=f'member{i}')(x) for i in range(L)])
+      return ys.mean(0)
+
+  variables = Ensemble().init(jax.random.key(2), X)
+  members = {f'member{i}': jax.tree.map(lambda a, i=i: a[i], variables['params']['members'])
+             for i in range(L)}
+  mapped = perturbkit.interleaved(mse(Ensemble()), optax.adam(1e-2))
+  assert dict(mapped.segments(variables, X, Y).iterations) == {
+      'members/hidden': L, 'members/out': L}
+  state, _ = _train(mapped, variables)
+  twin_state, _ = _train(perturbkit.interleaved(mse(Ensemble(mapped=False)), optax.adam(1e-2)),
+                         {'params': members})
+  got = {f'member{i}': jax.tree.map(lambda a, i=i: a[i], state.params['members'])
+         for i in range(L)}
+  chex.assert_trees_all_close(got, twin_state.params, **TOL)
