@@ -208,6 +208,33 @@ def test_an_optimizer_state_not_made_per_iteration_is_refused(variables):
     tx.step(broken, X, Y)
 
 
+def test_kfac_segments_precondition_each_iteration_as_its_unrolled_block(variables):
+  """``kfac_segment`` of a layer stacked in the scan: one K-FAC state per iteration, each
+  formed from its iteration's inputs and output gradients, as for the unrolled blocks' layers
+  (whose K-FAC segments are checked against the whole-model preconditioner in
+  ``tests/test_kfac_segment.py``)."""
+  def train(model, variables):
+    layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, X)
+    assert not layers.skipped
+
+    def optimizer(name):
+      if name not in layers.layers:
+        return optax.sgd(0.05)
+      return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1,
+                                                 inverse_every=2), optax.sgd(0.05))
+    return _train(perturbkit.interleaved(mse(model), optimizer), variables)[0]
+
+  state = train(Net(), variables)
+  twin_state = train(Net(scan=False), {'params': unrolled(variables['params'])})
+  chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
+  factors = state.opt_state['blocks/up'][0].factors['segment']
+  assert factors.a.shape == (L, 7, 7) and factors.g.shape == (L, 8, 8)
+  for i in range(L):
+    np.testing.assert_allclose(factors.a[i],
+                               twin_state.opt_state[f'block{i}/up'][0].factors['segment'].a,
+                               rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize('segments', [None, 1], ids=['layers', 'blocks'])
 def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables, segments):
   """A hook on every ``up`` Dense halves the gradient it passes down, in the forward replay of

@@ -237,11 +237,6 @@ def test_damped_inverse_of_stacked_factors_says_to_map_it_over_the_iterations(se
   np.testing.assert_allclose(inverses[1], jnp.eye(3) / 3.0, rtol=1e-6)
 
 
-def test_kfac_segment_refuses_a_stacked_layer(setup):
-  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='once per iteration'):
-    perturbkit.kfac_segment(setup['layers'].layers['blocks/Dense_0'])
-
-
 # ----------------------------------------------------------------------- NNX
 
 

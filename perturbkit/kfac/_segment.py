@@ -21,7 +21,8 @@ import optax
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner
-from perturbkit.kfac._rules import LayerFactors, LayerInfo, batch_factors, factor_shapes
+from perturbkit.kfac._rules import (LayerFactors, LayerInfo, batch_factors, factor_shapes,
+                                    one_iteration)
 
 _NAME = 'segment'
 
@@ -87,9 +88,10 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
       ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
-      one of the segment's floating-point inputs) or runs inside ``nn.scan``, or
-      the segment is not one call with one input and one output array holding
-      exactly the layer's params.
+      one of the segment's floating-point inputs), or the segment is not one
+      call with one input and one output array holding exactly the layer's
+      params. A layer stacked in ``nn.scan`` (``layer.iterations``) is a segment
+      per iteration, each with its own state.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -117,12 +119,9 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
         f'{layer.kind!r} (an Embed takes integer inputs, which do not reach the segment '
         'optimizer); give this segment another optimizer, or precondition it with '
         'kfac_preconditioner')
-  if layer.iterations:
-    raise KFACUnsupportedLayerError(
-        '/'.join(layer.path), f'it runs once per iteration of a scan ({layer.iterations} '
-        'iterations), inside the scan\'s segment: it is not a segment of its own; give that '
-        'segment another optimizer')
-  info = layer._replace(path=())
+  # A layer stacked in a scan is a segment per iteration: interleaved makes one state per
+  # iteration and hands each its iteration's params, inputs and output cotangent.
+  info = (one_iteration(layer) if layer.iterations else layer)._replace(path=())
   leaves = {info.param, 'bias'} if info.use_bias else {info.param}
 
   def check_segment(params: Any) -> None:
