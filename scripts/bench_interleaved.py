@@ -1,8 +1,9 @@
 """Cost of interleaved training: ``perturbkit.interleaved`` against a standard jitted step.
 
 For an MLP (Dense-layer segments), a CNN (conv-layer segments) and a Transformer
-(block segments), each at several depths, three jitted training steps are
-measured side by side in one run, round-robin:
+(every layer a segment; ``transformer_scan``: the same blocks in ``nn.scan``, each
+iteration's layers segments of their own), each at several depths, three jitted
+training steps are measured side by side in one run, round-robin:
 
   standard   ``jax.value_and_grad`` + ``optimizer.update`` + ``optax.apply_updates``.
   updated    ``perturbkit.interleaved(..., propagate='updated')``.
@@ -45,7 +46,8 @@ DEFAULT_OUT = os.path.join(SCRIPTS, 'results', 'bench_interleaved.json')
 LEARNING_RATE = 1e-4
 # 'original' vs standard, one SGD(0.1) step on the same batch (see original_mismatch).
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-TIME_TARGETS = {'mlp': 1.10, 'cnn': 1.10, 'transformer': 1.5}  # updated / standard
+TIME_TARGETS = {'mlp': 1.10, 'cnn': 1.10, 'transformer': 1.5,  # updated / standard
+                'transformer_scan': 1.5}
 # Compile time per segment at the deepest model may exceed the shallowest's by
 # this factor (timing noise) and still count as growing at most linearly.
 LINEAR_SLACK = 1.25
@@ -56,18 +58,24 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         'cnn': dict(batch=2, image=8, channels=(4, 4), classes=10, depths=(1, 2)),
         'transformer': dict(batch=2, seq=4, features=8, dim=16, heads=2, classes=10,
                             depths=(1, 2)),
+        'transformer_scan': dict(batch=2, seq=4, features=8, dim=16, heads=2, classes=10,
+                                 depths=(1, 2)),
     },
     'small': {
         'mlp': dict(batch=16, features=32, width=32, classes=10, depths=(2, 4)),
         'cnn': dict(batch=4, image=8, channels=(8, 8), classes=10, depths=(2, 4)),
         'transformer': dict(batch=2, seq=8, features=8, dim=16, heads=2, classes=10,
                             depths=(2, 4)),
+        'transformer_scan': dict(batch=2, seq=8, features=8, dim=16, heads=2, classes=10,
+                                 depths=(2, 4)),
     },
     'default': {
         'mlp': dict(batch=256, features=512, width=512, classes=10, depths=(2, 4, 8)),
         'cnn': dict(batch=32, image=32, channels=(32, 64), classes=10, depths=(2, 4, 8)),
         'transformer': dict(batch=16, seq=64, features=32, dim=128, heads=4, classes=10,
                             depths=(2, 4, 8)),
+        'transformer_scan': dict(batch=16, seq=64, features=32, dim=128, heads=4, classes=10,
+                                 depths=(2, 4, 8)),
     },
 }
 
@@ -94,8 +102,9 @@ def make_model(name: str, size: dict[str, Any], depth: int) -> tuple[nn.Module, 
       raise ValueError(f'CNN depth {depth} is not a multiple of its {stages} stages.')
     return (models.CNN(size['channels'], depth // stages, size['classes']),
             (size['batch'], size['image'], size['image'], 3))
-  if name == 'transformer':
-    return (models.Transformer(size['dim'], depth, size['heads'], size['classes']),
+  if name in ('transformer', 'transformer_scan'):
+    return (models.Transformer(size['dim'], depth, size['heads'], size['classes'],
+                               scan=name == 'transformer_scan'),
             (size['batch'], size['seq'], size['features']))
   raise ValueError(f'Unknown model {name!r}.')
 
@@ -306,7 +315,7 @@ plus XLA compilation. dots, convs: dot_general / convolution ops in the lowered 
 in the compiled HLO (what survived XLA's optimizations). check: 'original' gives the
 standard step's new params (rtol={TOLERANCE['rtol']}, atol={TOLERANCE['atol']}).
 Targets: 'updated' time <= {TIME_TARGETS['mlp']}x standard for Dense/Conv segments,
-<= {TIME_TARGETS['transformer']}x for Transformer blocks; arg+out+temp bytes <= standard;
+<= {TIME_TARGETS['transformer']}x for Transformer layers (also in nn.scan); arg+out+temp bytes <= standard;
 compile s per segment at the deepest model <= {LINEAR_SLACK}x that at the shallowest."""
 
 
