@@ -42,7 +42,8 @@ LONGEST_FIRST = (
     'test_per_example.py', 'test_benchmarks.py', 'test_kfac.py', 'test_nnx_kfac.py',
     'test_value_and_grad.py', 'test_dp_robustness.py', 'test_per_example_lifted.py',
     'test_interpret.py', 'test_interpret_scan.py', 'test_nnx_per_example.py',
-    'test_threads_and_nesting.py', 'test_nnx_interleaved.py', 'test_readme.py',
+    'test_threads_and_nesting.py', 'test_nnx_interleaved.py', 'test_interleaved_scan.py',
+    'test_readme.py',
     'test_multidevice_grads.py', 'test_shard_map_checked.py', 'test_real_models_kfac.py',
     'test_interpret_attribution.py',
 )
