@@ -1,7 +1,8 @@
-"""Interleaved training through blocks stacked in ``nn.scan``: each iteration is a segment.
+"""Interleaved training through blocks stacked in ``nn.scan`` / ``nnx.scan``: each iteration
+is a segment.
 
-A scan with ``variable_axes={'params': 0}`` hands each iteration a slice of params stacked
-``(L, ...)``. Walking backward through the scan, each iteration's layers take their step on their
+A scan with ``variable_axes={'params': 0}`` (NNX: ``nnx.scan`` over modules made with
+``nnx.vmap``) hands each iteration a slice of params stacked ``(L, ...)``. Walking backward through the scan, each iteration's layers take their step on their
 slice before the gradient goes on to the iteration below, exactly as for the same blocks
 unrolled: the reference is the unrolled twin (each block its own module, given its slice of the
 params), trained by the same schedule, whose steps are checked against a hand-coded backward in
@@ -10,6 +11,7 @@ optax on the scanned model itself.
 """
 import chex
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,3 +287,132 @@ def test_an_ensemble_in_nn_vmap_steps_each_member_as_its_own_model():
   got = {f'member{i}': jax.tree.map(lambda a, i=i: a[i], state.params['members'])
          for i in range(L)}
   chex.assert_trees_all_close(got, twin_state.params, **TOL)
+
+
+# ----------------------------------------------------------------------- NNX
+
+
+class NNXBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(6, rngs=rngs)
+    self.up = nnx.Linear(6, 8, rngs=rngs)
+    self.down = nnx.Linear(8, 6, rngs=rngs)
+
+  def __call__(self, h):
+    return h + self.down(jnp.tanh(self.up(self.norm(h))))
+
+
+class NNXNet(nnx.Module):
+  """Embedding Linear, L blocks made with ``nnx.vmap`` and run by ``nnx.scan``, head Linear."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(5, 6, rngs=rngs)
+
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return NNXBlock(rngs)
+
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(6, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(h, block):
+      return block(h)
+
+    return self.head(body(self.embed(x), self.blocks))
+
+
+class NNXUnrolled(nnx.Module):
+  """The same blocks as a list, each given its slice of the stacked state."""
+
+  def __init__(self, scanned: NNXNet):
+    self.embed, self.head = scanned.embed, scanned.head
+    graphdef, state = nnx.split(scanned.blocks)
+    self.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                            for i in range(L)])
+
+  def __call__(self, x):
+    h = self.embed(x)
+    for block in self.blocks:
+      h = block(h)
+    return self.head(h)
+
+
+def nnx_mse(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def nnx_unrolled(state):
+  """The scanned model's ``nnx.Param`` state as the unrolled twin's."""
+  pure = nnx.to_pure_dict(state)
+  blocks = pure.pop('blocks')
+  return {**pure, 'blocks': {i: jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(L)}}
+
+
+@pytest.mark.parametrize('propagate, optimizer', [('updated', 'clip_adamw'), ('original', 'adam')])
+def test_nnx_each_iteration_steps_as_its_unrolled_block(propagate, optimizer):
+  model = NNXNet(nnx.Rngs(0))
+  twin = NNXUnrolled(nnx.clone(model))
+  scanned = perturbkit.nnx.interleaved(nnx_mse, OPTIMIZERS[optimizer](), propagate=propagate)
+  unrolled = perturbkit.nnx.interleaved(nnx_mse, OPTIMIZERS[optimizer](), propagate=propagate)
+  listing = scanned.segments(model, X, Y)
+  assert listing.segments == ('embed', 'blocks/norm', 'blocks/up', 'blocks/down', 'head')
+  assert dict(listing.iterations) == {'blocks/norm': L, 'blocks/up': L, 'blocks/down': L}
+  state, twin_state = scanned.init(model, X, Y), unrolled.init(twin, X, Y)
+  for _ in range(3):
+    state, metrics = jax.jit(scanned.step)(state, X, Y)
+    twin_state, twin_metrics = jax.jit(unrolled.step)(twin_state, X, Y)
+  got = nnx_unrolled(nnx.state(state.model(), nnx.Param))
+  chex.assert_trees_all_close(got, nnx.to_pure_dict(nnx.state(twin_state.model(), nnx.Param)),
+                              **TOL)
+  moved = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), nnx.state(state.model(), nnx.Param),
+                       nnx.state(model, nnx.Param))
+  assert min(jax.tree.leaves(moved)) > 1e-3
+  np.testing.assert_allclose(metrics['activation_grad_norm']['blocks/up'],
+                             [twin_metrics['activation_grad_norm'][f'blocks/{i}/up']
+                              for i in range(L)], rtol=1e-4)
+
+
+def test_nnx_interleaved_optimizer_steps_each_iteration_in_place():
+  """``InterleavedOptimizer`` (state in the object, ``nnx.jit``) on the scanned model gives the
+  pure trainer's params, and those of the unrolled twin."""
+  model = NNXNet(nnx.Rngs(0))
+  twin = NNXUnrolled(nnx.clone(model))
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), nnx_mse, X, Y)
+  twin_opt = perturbkit.nnx.InterleavedOptimizer(twin, optax.adam(1e-2), nnx_mse, X, Y)
+
+  @nnx.jit
+  def train_step(model, opt, x, y):
+    return opt.step(model, x, y)
+
+  for _ in range(2):
+    metrics = train_step(model, opt, X, Y)
+    train_step(twin, twin_opt, X, Y)
+  assert metrics['activation_grad_norm']['blocks/down'].shape == (L,)
+  chex.assert_trees_all_close(nnx_unrolled(nnx.state(model, nnx.Param)),
+                              nnx.to_pure_dict(nnx.state(twin, nnx.Param)), **TOL)
+
+
+def test_nnx_kfac_segments_precondition_each_iteration_as_its_unrolled_block():
+  def train(model):
+    layers = perturbkit.nnx.kfac_layers(model, X)
+    assert not layers.skipped
+
+    def optimizer(name):
+      if name not in layers.layers:
+        return optax.sgd(0.05)
+      return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1,
+                                                 inverse_every=2), optax.sgd(0.05))
+    tx = perturbkit.nnx.interleaved(nnx_mse, optimizer)
+    state = tx.init(model, X, Y)
+    for _ in range(3):
+      state, _ = jax.jit(tx.step)(state, X, Y)
+    return state
+
+  model = NNXNet(nnx.Rngs(0))
+  state, twin_state = train(model), train(NNXUnrolled(nnx.clone(model)))
+  chex.assert_trees_all_close(nnx_unrolled(nnx.state(state.model(), nnx.Param)),
+                              nnx.to_pure_dict(nnx.state(twin_state.model(), nnx.Param)), **TOL)
+  assert state.opt_state['blocks/up'][0].factors['segment'].a.shape == (L, 7, 7)

@@ -335,17 +335,18 @@ def test_segments_shared_tied_and_scanned_go_to_rest_or_raise():
   with pytest.raises(perturbkit.SharedSegmentError, match='embed'):
     perturbkit.nnx.interleaved(tied_loss, optax.sgd(0.1), segments=1).init(tied, tokens)
 
-  scan = nnx_models.ScanMLP(rngs=nnx.Rngs(0))
+  # Inside nnx.remat the call is a copy with the params whole: REST, or refused when chosen.
+  remat = nnx_models.RematMLP(rngs=nnx.Rngs(0))
   xs = jax.random.normal(jax.random.key(3), (4, 4))
-  seg = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1)).segments(scan, xs)
-  assert seg.segments == ('head',) and 'NNX transform' in seg.rest['blocks/linear'], seg
-  with pytest.raises(perturbkit.nnx.SegmentInTransformError, match='blocks'):
+  seg = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1)).segments(remat, xs)
+  assert seg.segments == ('head',) and 'NNX transform' in seg.rest['block/linear'], seg
+  with pytest.raises(perturbkit.nnx.SegmentInTransformError, match='block'):
     perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1),
-                               segments=perturbkit.nnx.filters.by_path('blocks')).init(scan, xs)
-  # REST params (the scanned blocks) still get their ordinary step.
+                               segments=perturbkit.nnx.filters.by_path('block')).init(remat, xs)
+  # REST params (the blocks inside remat) still get their ordinary step.
   tx = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1), propagate='original')
-  state, _ = jax.jit(tx.step)(tx.init(scan, xs), xs)
-  reference = nnx_models.ScanMLP(rngs=nnx.Rngs(0))
+  state, _ = jax.jit(tx.step)(tx.init(remat, xs), xs)
+  reference = nnx_models.RematMLP(rngs=nnx.Rngs(0))
   standard_steps(reference, optax.sgd(0.1), nnx_models.mse, [(xs,)])
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(state.model(), nnx.Param)),
                               params_of(reference), **TOL)
@@ -438,7 +439,7 @@ def test_shard_map_on_8_devices_equals_one_device():
 
 
 class Outer(nnx.Module):
-  """ScanMLP as a submodule: its call is the nearest enclosing call of the scanned blocks."""
+  """ScanMLP as a submodule: with ``segments=1`` its call takes the scanned blocks whole."""
 
   def __init__(self, rngs):
     self.first = nnx.Linear(4, 4, rngs=rngs)
@@ -448,11 +449,19 @@ class Outer(nnx.Module):
     return self.inner(jnp.tanh(self.first(x)))
 
 
-def test_scanned_blocks_are_covered_by_their_enclosing_call():
+@pytest.mark.parametrize('segments, chosen, iterations', [
+    (None, ('first', 'inner/blocks/linear', 'inner/head'), {'inner/blocks/linear': 3}),
+    (1, ('first', 'inner'), {})], ids=['layers', 'depth_1'])
+def test_scanned_blocks_inside_a_submodule_original_equals_standard_steps(segments, chosen,
+                                                                           iterations):
+  """Layer-wise, each iteration of the scanned Linear is a segment; at depth 1 the call of the
+  module that runs the scan takes the blocks whole."""
   xs = jax.random.normal(jax.random.key(3), (4, 4))
   model, reference = Outer(nnx.Rngs(0)), Outer(nnx.Rngs(0))
-  tx = perturbkit.nnx.interleaved(nnx_models.mse, optax.adam(1e-2), propagate='original')
-  assert tx.segments(model, xs).segments == ('first', 'inner')
+  tx = perturbkit.nnx.interleaved(nnx_models.mse, optax.adam(1e-2), propagate='original',
+                                  segments=segments)
+  listing = tx.segments(model, xs)
+  assert listing.segments == chosen and dict(listing.iterations) == iterations
   state = tx.init(model, xs)
   for _ in range(2):
     state, _ = jax.jit(tx.step)(state, xs)

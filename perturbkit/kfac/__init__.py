@@ -61,9 +61,9 @@ preconditioned per layer and per iteration: a layer whose params are stacked
 ``(L, d_in + 1, d_in + 1)``, each iteration's from its own inputs and output
 gradients, inverted and applied to its own slice of the gradient, as if the
 blocks were unrolled (``LayerInfo.iterations`` is ``L``;
-``tests/test_kfac_scan.py``). In Linen's interleaved training such a layer is a
-segment per iteration, and ``kfac_segment`` preconditions each iteration with its own
-factors (``tests/test_interleaved_scan.py``). A scan that does not map the perturbations,
+``tests/test_kfac_scan.py``). In interleaved training such a layer is a segment
+per iteration, and ``kfac_segment`` preconditions each iteration with its own factors
+(``tests/test_interleaved_scan.py``). A scan that does not map the perturbations,
 params shared by every iteration (``variable_broadcast='params'``), scans
 nested in scans, and a call inside the scan whose input does not have the
 batch's examples on its first axis (checked by shape, since the scan's values

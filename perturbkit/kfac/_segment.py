@@ -90,8 +90,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
       one of the segment's floating-point inputs), or the segment is not one
       call with one input and one output array holding exactly the layer's
-      params. A layer stacked in ``nn.scan`` (``layer.iterations``) is a segment
-      per iteration, each with its own state.
+      params. A layer stacked in ``nn.scan``/``nnx.scan`` (``layer.iterations``)
+      is a segment per iteration, each with its own state.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax

@@ -205,9 +205,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     ``metrics['activation_grad_norm'][name]`` has shape ``(L,)``. The carrier
     of each iteration's step rides in the params, so the scan needs nothing
     more than its usual ``variable_axes``. ``nn.vmap`` over params stacked
-    the same way (an ensemble) makes a segment per member. ``perturbkit.nnx``
-    does not split ``nnx.scan`` yet: there the scan goes to an enclosing call
-    or ``REST``.
+    the same way (an ensemble) makes a segment per member.
+    ``perturbkit.nnx.interleaved`` does the same for ``nnx.scan`` over modules
+    made with ``nnx.vmap``.
 
   Optimizers, clipping, BatchNorm, dropout, metrics:
     * ``optimizer`` as a function ``segment_name -> GradientTransformation``

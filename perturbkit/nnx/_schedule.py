@@ -72,6 +72,8 @@ class _Settings(NamedTuple):
   # (model, args, segment names) whose segments passed their checks, by type: one record
   # per trainer, given by its constructor.
   checked: TypesSeen | None = None
+  # Segment names -> those that run inside nnx.scan and their number of iterations.
+  scanned: dict | None = None
 
 
 def _checked_key(settings: _Settings, model: nnx.Module, args: tuple, names) -> tuple:
@@ -96,25 +98,28 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   check_unchecked(settings.axis_name, 'perturbkit.nnx.interleaved')
   graphdef, template, others = nnx.split(model, settings.wrt, ...)
   params = params_tree(template)
-  check_opt_state(settings.optimizer, params, opt_state)
   names = [n for n in opt_state if n != REST]
   # The state's segments must pass every check on this loss and batch: checked unless
   # they passed on inputs of these types (chosen at init, or a step before).
   key = _checked_key(settings, model, args, names)
-  if key not in settings.checked:
-    _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
-                             _nnx_segmentation.exactly(names))
+  if key not in settings.checked or tuple(sorted(names)) not in settings.scanned:
+    chosen = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
+                                      _nnx_segmentation.exactly(names))
+    settings.scanned[tuple(sorted(names))] = chosen.iterations
     settings.checked.add(key)
+  iterations = settings.scanned[tuple(sorted(names))]
+  check_opt_state(settings.optimizer, params, opt_state, iterations)
   paths = {name: path for name, path in _segment_paths(model, names)}
   sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
-                settings.propagate, settings.skip_nonfinite, num_examples(args))
+                settings.propagate, settings.skip_nonfinite, num_examples(args), iterations)
   swept: dict[str, dict] = {}
   groups = group(params, names)
   carriers = {name: carrier(sweep, name, groups[name]) for name in names}
   forward = segmented_loss(settings.loss_fn, graphdef, template, others, args, settings.wrt,
                            {paths[n]: n for n in names},
-                           lambda name: backward_for(sweep, name, swept), settings.axis_name,
-                           settings.hooks)
+                           lambda name, opt: backward_for(sweep, name, swept, opt),
+                           settings.axis_name, settings.hooks, iterations,
+                           {n: opt_state[n] for n in iterations})
 
   def differentiable(params, carriers):
     out, new_others = forward(params, carriers)
@@ -166,9 +171,18 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   segment; a module called twice, one whose variables are read outside its call
   (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
-  ``REST``, listed with the reason by ``segments(model, *args)``. (Linen's
-  ``interleaved`` makes each iteration of ``nn.scan`` a segment of its own;
-  this one does not split ``nnx.scan`` yet.)
+  ``REST``, listed with the reason by ``segments(model, *args)``.
+
+  Blocks run by ``nnx.scan`` over modules made with ``nnx.vmap`` (params stacked
+  ``(L, ...)``, sliced per iteration by the scan's ``in_axes=0``) are segments
+  per iteration, as in Linen (see "Blocks in ``nn.scan``" in
+  ``help(perturbkit.interleaved)``): each iteration's slice takes its step before
+  the gradient goes on to the iteration below, with one optimizer state per
+  iteration; ``segments(...).iterations`` gives their number. The scan must slice
+  the module's whole state (``in_axes=0``, not a ``StateAxes`` that broadcasts
+  other variables), since each iteration's step state rides on the module;
+  otherwise the scanned module goes to its enclosing call or ``REST``
+  (``tests/test_interleaved_scan.py``).
 
   Backward hooks, from ``hooks=`` or from ``perturbkit.nnx.with_hooks`` inside
   the loss, act as in ``jax.grad`` of the hooked loss: a hook on a segment call
@@ -230,7 +244,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
-                       clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen())
+                       clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen(), {})
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
 
@@ -273,9 +287,12 @@ def _check_model(model: Any):
 def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
   """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
   _check_model(model)
-  names = list(_segmentation(settings, model, args, settings.segments).segments)
+  chosen = _segmentation(settings, model, args, settings.segments)
+  names = list(chosen.segments)
   settings.checked.add(_checked_key(settings, model, args, names))
-  return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names)
+  settings.scanned[tuple(sorted(names))] = chosen.iterations
+  return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names,
+                        chosen.iterations)
 
 
 def _as_variables(tree: Any) -> Any:
@@ -345,7 +362,7 @@ class InterleavedOptimizer(nnx.Pytree):
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
-                              clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen())
+                              clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen(), {})
     # Static (hashable) shapes of the example arguments, only to word a failing step's error.
     self.example_shapes = tuple(input_shapes(example_args).items())
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))

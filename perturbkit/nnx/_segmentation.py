@@ -4,20 +4,23 @@ The rules (a segment's params used by its call only; the layer-wise default;
 the checks of a chosen set) are framework-neutral and live in
 ``_segment_choice``, shared with Linen. NNX finds the calls with
 ``_nnx_calls``; a call inside an NNX transform (``nnx.scan``, ``nnx.vmap``,
-``nnx.remat``) runs a copy of the module (with stacked params under
-``nnx.scan``), and ``segments=int`` counts module levels, not containers.
+``nnx.remat``) runs a copy of the module (under ``nnx.scan``, with each
+iteration's slice of the stacked params: a segment per iteration), and
+``segments=int`` counts module levels, not containers.
 """
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
-from perturbkit.nnx._calls import Call, NNXPath, instrument
-from perturbkit.nnx._segments import params_tree, segment_name, segmented_loss
+from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
+from perturbkit.nnx._segments import (iteration_state, params_tree, segment_name, segmented_loss,
+                                      stacked_iterations, with_iteration_states)
 from perturbkit.core._segment_choice import (CallRecord, Exactly, Segmentation, exactly,
                                         flat_leaf_owners)
 from perturbkit.core._types import CallFilter
@@ -30,25 +33,50 @@ class SegmentInTransformError(SegmentationError):
 
   def __init__(self, name: str):
     super().__init__(
-        f'The segment {name!r} runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat), '
-        'which calls a copy of the module (with stacked params under nnx.scan), so its '
-        'weights cannot be updated inside the backward pass there. Make the module that '
-        'applies the transform one segment (its parent), or choose other segments.')
+        f'The segment {name!r} runs inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat) '
+        'that calls a copy of the module whose params are not its slice along their first '
+        'axis (nnx.remat, a scan inside a scan, or a StateAxes that does not slice the whole '
+        "module), so its weights cannot be updated inside the backward pass there. Slice the "
+        'module whole along axis 0 (nnx.scan(..., in_axes=0) over modules made with '
+        'nnx.vmap), make the module that applies the transform one segment (its parent), or '
+        'choose other segments.')
 
 
-def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
+def _leading_length(module: nnx.Module, wrt: Any) -> int | None:
+  """The first axis shared by every ``wrt`` leaf under ``module``, if there is one."""
+  lengths = {jnp.shape(v)[0] if jnp.ndim(v) else None
+             for v in jax.tree.leaves(params_tree(nnx.state(module, wrt)))}
+  return lengths.pop() if len(lengths) == 1 and None not in lengths else None
+
+
+def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
                  filter: CallFilter = _filters.all_calls) -> list[CallRecord]:
-  """Every submodule call of ``loss_fn``, in execution order, from an abstract run."""
+  """Every submodule call of ``loss_fn``, in execution order, from an abstract run.
+
+  A call of a copy whose ``wrt`` params are the model's sliced along their first
+  axis, and that also sees a probe on the module sliced so (``nnx.scan`` slices
+  the module's whole state), is recorded with its number of iterations.
+  """
   calls: list[CallRecord] = []
+  modules: dict = {}
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
-    calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name))))
+    iterations = 0
+    if call.copied and call.path in modules:
+      probe = iteration_state(call.module)
+      if probe is not None and jnp.shape(probe) == ():
+        iterations = stacked_iterations(call.module, modules[call.path], wrt)
+    calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name)),
+                            call.key, iterations))
     return run()
 
   graphdef, state = nnx.split(model)
 
   def traced(state, args):
     copy = nnx.merge(graphdef, state, copy=True)
+    modules.update(submodules(copy))
+    lengths = {path: _leading_length(m, wrt) for path, m in modules.items() if path}
+    with_iteration_states(modules, {path: jnp.zeros((n,)) for path, n in lengths.items() if n})
     with instrument([copy], on_call):
       return loss_fn(copy, *args)
 
@@ -93,13 +121,14 @@ def modules_at_depth(model: nnx.Module, owners: list[NNXPath], depth: int) -> li
 
 
 def outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
-                  paths: list[NNXPath]) -> dict[str, set[str]]:
+                  paths: list[NNXPath], iterations: Mapping[str, int]) -> dict[str, set[str]]:
   """For each segment, the primitives that read its params outside its own call."""
   names = {p: segment_name(p) for p in paths}
   graphdef, template, others = nnx.split(model, wrt, ...)
   # Only traced forward: the backward steps are never called.
   fn = segmented_loss(loss_fn, graphdef, template, others, args, wrt, names,
-                      lambda name: FORWARD_ONLY)
+                      lambda *_: FORWARD_ONLY,
+                      iterations={n: k for n, k in iterations.items() if n in names.values()})
   carriers = {n: () for n in names.values()}
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)
@@ -116,11 +145,12 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
     SharedSegmentError: a chosen segment's params are used by more than its call.
   """
   by_filter = callable(spec) and not isinstance(spec, Exactly)
-  calls = record_calls(loss_fn, model, args, spec if by_filter else _filters.all_calls)
+  calls = record_calls(loss_fn, model, args, wrt, spec if by_filter else _filters.all_calls)
+  iterations = {segment_name(c.path): c.iterations for c in calls if c.iterations}
   owners = param_owners(model, wrt)
   return _segment_choice.choose(
       spec, calls, owners,
       at_depth=lambda depth: modules_at_depth(model, owners, depth),
-      outside_reads=lambda paths: outside_reads(loss_fn, model, args, wrt, paths),
+      outside_reads=lambda paths: outside_reads(loss_fn, model, args, wrt, paths, iterations),
       transforms='an NNX transform (nnx.scan, nnx.vmap, nnx.remat)',
       in_transform_error=SegmentInTransformError)

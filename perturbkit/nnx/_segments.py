@@ -14,9 +14,10 @@ string keys; ``params_tree`` / ``with_values`` convert an ``nnx.State`` (whose
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from perturbkit.errors import SharedSegmentError
+from perturbkit.errors import SegmentationError, SharedSegmentError
 from perturbkit.core.filters import all_calls
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
@@ -40,6 +41,49 @@ def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
   flat = traverse_util.flatten_dict(tree) if tree else {}
   return nnx.from_flat_state(
       [(path, var.replace(flat[tuple(map(str, path))])) for path, var in nnx.to_flat_state(state)])
+
+
+ITERATION_STATE = '_perturbkit_iteration_state'
+
+
+class IterationState(nnx.Variable):
+  """A scanned segment's carrier and optimizer state, stacked ``(L, ...)`` on its module.
+
+  Set as an attribute of the module whose params ``nnx.scan`` slices, it is
+  sliced with them, so each iteration's call of the module's copy finds its own.
+  """
+
+
+def with_iteration_states(modules: Mapping[NNXPath, nnx.Module], states: Mapping[NNXPath, Any]):
+  """Sets ``states[path]`` as the :class:`IterationState` of the module at each path."""
+  for path, state in states.items():
+    setattr(modules[path], ITERATION_STATE, IterationState(state))
+
+
+def iteration_state(module: nnx.Module) -> Any:
+  """The value of the module's :class:`IterationState`, or ``None``."""
+  variable = vars(module).get(ITERATION_STATE)
+  return None if variable is None else variable.get_value()
+
+
+def stacked_iterations(copy: nnx.Module, full: nnx.Module, wrt: Any) -> int:
+  """``L`` if ``copy`` holds each ``wrt`` leaf of ``full`` sliced from ``(L, ...)``, else 0.
+
+  That is what ``nnx.scan`` over modules made with ``nnx.vmap`` hands each
+  iteration; params stacked along another axis, nested scans and modules given
+  whole to every iteration give 0.
+  """
+  full_state, state = nnx.state(full, wrt), nnx.state(copy, wrt)
+  full_leaves, full_def = jax.tree.flatten(params_tree(full_state))
+  leaves, treedef = jax.tree.flatten(params_tree(state))
+  if not leaves or treedef != full_def:
+    return 0
+  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
+  if len(lengths) != 1 or None in lengths:
+    return 0
+  if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
+    return 0
+  return lengths.pop()
 
 
 def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
@@ -87,8 +131,10 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
 
 def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.State,
                    others: nnx.State, args: tuple, wrt: Any, names: Mapping[NNXPath, str],
-                   backward_for: Callable[[str], Backward], axis_name: str | None = None,
-                   hooks: tuple[Hook, ...] = ()) -> Callable[[Any, Any], tuple[Any, nnx.State]]:
+                   backward_for: Callable[[str, Any], Backward], axis_name: str | None = None,
+                   hooks: tuple[Hook, ...] = (), iterations: Mapping[str, int] | None = None,
+                   opt_states: Mapping[str, Any] | None = None
+                   ) -> Callable[[Any, Any], tuple[Any, nnx.State]]:
   """``loss_fn`` as a function of ``(params, carriers)`` with each segment call replayed.
 
   Args:
@@ -99,9 +145,16 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
     args: The loss's other arguments.
     wrt: The filter of the trained variables.
     names: Segment module path -> segment name.
-    backward_for: Segment name -> its ``Backward``.
+    backward_for: ``(segment name, its optimizer state or None) -> Backward``;
+      a scanned segment's step gets its iteration's state.
     axis_name: Mapped axis to average each ``dw`` over, if any.
     hooks: Backward hooks (``perturbkit.backward_hook``) for the calls they select.
+    iterations: ``{segment name: L}`` for the segments inside ``nnx.scan``
+      (:func:`stacked_iterations`): each iteration's call of the module's copy
+      is a segment, with its carrier and optimizer state taken from the
+      module's :class:`IterationState`.
+    opt_states: Those segments' optimizer states, stacked (absent when only
+      the forward pass is traced).
 
   Returns:
     ``fn(params, carriers) -> (out, new_others)`` with ``params`` a
@@ -111,26 +164,43 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
   Raises:
     SharedSegmentError: a segment module is called more than once.
   """
+  iterations = iterations or {}
+  paths = {name: path for path, name in names.items()}
+
   def fn(params, carriers):
     model = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     modules = dict(submodules(model))
+    if opt_states is not None:
+      # Each scanned segment's carrier and optimizer state ride on its module, stacked,
+      # so that the scan hands each iteration its own.
+      with_iteration_states(modules, {paths[n]: (carriers[n], opt_states[n])
+                                      for n in iterations})
     plain = {path: nnx.graphdef(modules[path]) for path in names if path in modules}
-    called: set = set()
+    called: dict = {}
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
       selected = tuple(h for h in hooks if h.filter(call.module, call.method_name))
-      if call.copied or call.path not in names:
+      name = names.get(call.path)
+      if name is None or (call.copied and name not in iterations):
         return apply_hooks(selected, call.module, call.method_name, run()) if selected else run()
       # Calls inside a segment replay are not instrumented, so a second call
       # here (or another method of the module) is a second use of its weights.
-      if call.path in called:
-        raise SharedSegmentError(names[call.path], 'it is called more than once in one step')
-      called.add(call.path)
-      name = names[call.path]
+      if call.path in called and (name not in iterations or called[call.path] != call.key):
+        raise SharedSegmentError(name, 'it is called more than once in one step')
+      called[call.path] = call.key
+      carrier, opt_state = carriers[name], None
+      if name in iterations:
+        if not call.copied or stacked_iterations(call.module, modules[call.path],
+                                                 wrt) != iterations[name]:
+          raise SegmentationError(
+              f'The segment {name!r} was chosen as {iterations[name]} iterations of an '
+              'nnx.scan over its stacked params, but its call does not see them sliced so; '
+              'choose the segments again with `init`.')
+        carrier, opt_state = iteration_state(call.module) or ((), None)
       inner_hooks = replay_hooks()
       if hooks:
         inner_hooks += ((_hooks_handler(hooks), call.path),)
-      return run_segment(call, plain[call.path], wrt, backward_for(name), carriers[name],
+      return run_segment(call, plain[call.path], wrt, backward_for(name, opt_state), carrier,
                          axis_name, selected, inner_hooks)
 
     with instrument([model], on_call):
