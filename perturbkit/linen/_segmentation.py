@@ -101,4 +101,5 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
       spec, calls, param_owners(params),
       at_depth=lambda depth: module_paths(params, depth),
       outside_reads=lambda paths: outside_reads(loss_fn, variables, args, paths, iterations),
-      transforms='nn.scan/nn.vmap (params stacked)', in_transform_error=_in_lifted_transform)
+      transforms='nn.scan/nn.vmap with its params stacked other than along their first axis',
+      in_transform_error=_in_lifted_transform)

@@ -152,5 +152,7 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
       spec, calls, owners,
       at_depth=lambda depth: modules_at_depth(model, owners, depth),
       outside_reads=lambda paths: outside_reads(loss_fn, model, args, wrt, paths, iterations),
-      transforms='an NNX transform (nnx.scan, nnx.vmap, nnx.remat)',
+      transforms=('an NNX transform that does not hand it its slice of the whole module '
+                  'along axis 0 (nnx.remat; nnx.scan with a StateAxes that broadcasts some '
+                  'of its state, or inside a scan)'),
       in_transform_error=SegmentInTransformError)
