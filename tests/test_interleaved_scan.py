@@ -92,13 +92,12 @@ def _train(tx, variables, steps=3):
 
 OPTIMIZERS = {
     'sgd': lambda: optax.sgd(0.02),
-    'adam': lambda: optax.adam(1e-2),
     'clip_adamw': lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2)),
 }
 
 
-@pytest.mark.parametrize('propagate, optimizer', [
-    ('updated', 'sgd'), ('updated', 'adam'), ('updated', 'clip_adamw'), ('original', 'adam')])
+# 'original' is checked against jax.grad and optax below; adam is the second half of clip_adamw.
+@pytest.mark.parametrize('propagate, optimizer', [('updated', 'sgd'), ('updated', 'clip_adamw')])
 def test_each_iteration_steps_as_its_unrolled_block(variables, propagate, optimizer):
   scanned = perturbkit.interleaved(mse(Net()), OPTIMIZERS[optimizer](), propagate=propagate)
   twin = perturbkit.interleaved(mse(Net(scan=False)), OPTIMIZERS[optimizer](),
@@ -351,7 +350,9 @@ def nnx_unrolled(state):
   return {**pure, 'blocks': {i: jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(L)}}
 
 
-@pytest.mark.parametrize('propagate, optimizer', [('updated', 'clip_adamw'), ('original', 'adam')])
+# 'original' on a scanned NNX model is checked against nnx.grad and optax in
+# tests/test_nnx_interleaved.py (scanned blocks inside a submodule).
+@pytest.mark.parametrize('propagate, optimizer', [('updated', 'clip_adamw')])
 def test_nnx_each_iteration_steps_as_its_unrolled_block(propagate, optimizer):
   model = NNXNet(nnx.Rngs(0))
   twin = NNXUnrolled(nnx.clone(model))
