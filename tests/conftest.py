@@ -12,7 +12,9 @@ The test processes (the pytest-xdist workers, and the notebooks' kernels, benchm
 scripts and multi-device children they start, which inherit the environment) share one
 JAX compilation cache, made empty for this run and removed at its end: a computation
 compiled in one process (the same model's step, or one eager op on the same shapes) is
-read from it in the others. Nothing is kept from one run to the next.
+read from it in the others. Nothing is kept from one run to the next. A process that
+reads an entry another one is still writing gets a truncated entry; JAX then warns
+(``setup.cfg`` does not turn that warning into an error) and compiles it itself.
 """
 import os
 import shutil
