@@ -159,12 +159,13 @@ def test_whole_blocks_as_segments_step_iteration_by_iteration(variables):
                               for i in range(L)], rtol=1e-4)
 
 
-@pytest.mark.parametrize('remat', [False, True], ids=['plain', 'remat'])
-def test_dropout_and_batch_norm_inside_the_scan_step_as_the_model_runs(remat):
+def test_dropout_and_batch_norm_inside_a_scan_over_remat_step_as_the_model_runs():
   """Dropout masks split per iteration and BatchNorm statistics stacked per iteration: with
   ``propagate='original'`` the step is ``jax.grad`` and optax of the model as it runs (the
   replays draw the same masks and see the same statistics), and the statistics are the ones
-  the model's own ``apply(..., mutable=['batch_stats'])`` returns."""
+  the model's own ``apply(..., mutable=['batch_stats'])`` returns. The blocks run in
+  ``nn.remat`` inside the scan, so each replay also runs inside the rematerialized body."""
+  remat = True
   model = Net(remat=remat, dropout=0.3, batch_norm=True)
   variables = model.init(jax.random.key(2), X)
   key = jax.random.key(7)
@@ -236,10 +237,11 @@ def test_kfac_segments_precondition_each_iteration_as_its_unrolled_block(variabl
                                rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize('segments', [None, 1], ids=['layers', 'blocks'])
-def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables, segments):
+def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables):
   """A hook on every ``up`` Dense halves the gradient it passes down, in the forward replay of
-  each segment and in the replay at the updated weights (inside the scan's backward pass)."""
+  each block segment and in the replay at the updated weights (inside the scan's backward
+  pass). (Hooks on layer segments outside a scan: ``tests/test_interleaved.py``.)"""
+  segments = 1
   hook = perturbkit.backward_hook(lambda g: 0.5 * g,
                                   lambda module, method: module.name == 'up')
   scanned = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=segments,

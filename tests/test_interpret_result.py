@@ -59,7 +59,7 @@ def test_normalized_is_the_division_by_hand_also_jitted_and_per_example(chain):
   model, variables, clean, corrupted = chain
   metric = lambda v, x: jnp.mean(model.apply(v, x))
   attribute = perturbkit.attribution_patching(metric, axis=1)
-  result = attribute(variables, clean, corrupted)
+  result = jax.jit(attribute)(variables, clean, corrupted)
   by_hand = np.asarray(result.effects) / (float(result.clean_metric)
                                           - float(result.corrupted_metric))
   np.testing.assert_allclose(result.normalized().effects, by_hand, rtol=1e-6)
