@@ -82,6 +82,16 @@ def _variables():
   return Net().init(jax.random.key(2), X)
 
 
+def kfac_optimizer(layers):
+  """Per segment: K-FAC then SGD for a K-FAC layer's segment, SGD for the others."""
+  def optimizer(name):
+    if name not in layers.layers:
+      return optax.sgd(0.05)
+    return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1,
+                                               inverse_every=2), optax.sgd(0.05))
+  return optimizer
+
+
 def _train(tx, variables, steps=3):
   state = tx.init(variables, X, Y)
   step = jax.jit(tx.step)
@@ -218,13 +228,7 @@ def test_kfac_segments_precondition_each_iteration_as_its_unrolled_block(variabl
   def train(model, variables):
     layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, X)
     assert not layers.skipped
-
-    def optimizer(name):
-      if name not in layers.layers:
-        return optax.sgd(0.05)
-      return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1,
-                                                 inverse_every=2), optax.sgd(0.05))
-    return _train(perturbkit.interleaved(mse(model), optimizer), variables)[0]
+    return _train(perturbkit.interleaved(mse(model), kfac_optimizer(layers)), variables)[0]
 
   state = train(Net(), variables)
   twin_state = train(Net(scan=False), {'params': unrolled(variables['params'])})
@@ -402,13 +406,7 @@ def test_nnx_kfac_segments_precondition_each_iteration_as_its_unrolled_block():
   def train(model):
     layers = perturbkit.nnx.kfac_layers(model, X)
     assert not layers.skipped
-
-    def optimizer(name):
-      if name not in layers.layers:
-        return optax.sgd(0.05)
-      return optax.chain(perturbkit.kfac_segment(layers.layers[name], damping=0.1,
-                                                 inverse_every=2), optax.sgd(0.05))
-    tx = perturbkit.nnx.interleaved(nnx_mse, optimizer)
+    tx = perturbkit.nnx.interleaved(nnx_mse, kfac_optimizer(layers))
     state = tx.init(model, X, Y)
     for _ in range(3):
       state, _ = jax.jit(tx.step)(state, X, Y)

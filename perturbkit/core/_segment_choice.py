@@ -20,6 +20,7 @@ import collections
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from perturbkit.errors import SegmentationError, SharedSegmentError
 from perturbkit.core._types import CallFilter
@@ -79,6 +80,26 @@ class CallRecord(NamedTuple):
   selected: bool
   key: str = '__call__'
   iterations: int = 0
+
+
+def sliced_iterations(full: Any, part: Any) -> int:
+  """``L`` if every leaf of ``part`` is the same leaf of ``full`` sliced from ``(L, ...)``, else 0.
+
+  That is what a scan over params stacked along their first axis hands each
+  iteration's call (``nn.scan`` with ``variable_axes={'params': 0}``; ``nnx.scan``
+  over modules made with ``nnx.vmap``); params stacked along another axis,
+  nested scans and params shared by the iterations give 0.
+  """
+  full_leaves, full_def = jax.tree.flatten(full)
+  leaves, treedef = jax.tree.flatten(part)
+  if not leaves or treedef != full_def:
+    return 0
+  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
+  if len(lengths) != 1 or None in lengths:
+    return 0
+  if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
+    return 0
+  return lengths.pop()
 
 
 def name_of(path: Path) -> str:

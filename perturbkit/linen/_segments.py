@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from perturbkit.errors import SegmentationError, SharedSegmentError
 from perturbkit.linen._interceptor import Call, intercept, open_hooks, replaying
 from perturbkit.core._points import COLLECTION
+from perturbkit.core._segment_choice import sliced_iterations
 from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
 
 
@@ -89,27 +90,13 @@ def with_iteration_state(params: Mapping, states: Mapping[tuple, Any]) -> dict:
 
 
 def stacked_iterations(call: Call, params: Mapping) -> int:
-  """``L`` if the call sees each of its params leaves sliced from ``(L, ...)`` stacked ones, else 0.
-
-  That is what a scan (``nn.scan`` with ``variable_axes={'params': 0}``) hands
-  each iteration's call; params stacked along another axis, nested scans and
-  params shared by the iterations give 0.
-  """
+  """``L`` if the call sees its params sliced from ``(L, ...)`` stacked ones (``sliced_iterations``)."""
   try:
     full = _subtree(params, call.path)
   except (KeyError, TypeError):
     return 0
   own = lambda tree: {k: v for k, v in flax.core.unfreeze(tree).items() if k != ITERATION_STATE}
-  full_leaves, full_def = jax.tree.flatten(own(full))
-  leaves, treedef = jax.tree.flatten(own(call.module.variables.get('params', {})))
-  if not leaves or treedef != full_def:
-    return 0
-  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
-  if len(lengths) != 1 or None in lengths:
-    return 0
-  if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
-    return 0
-  return lengths.pop()
+  return sliced_iterations(own(full), own(call.module.variables.get('params', {})))
 
 
 def _subtree(tree: Mapping, path: tuple) -> Any:

@@ -14,7 +14,6 @@ string keys; ``params_tree`` / ``with_values`` convert an ``nnx.State`` (whose
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from perturbkit.errors import SegmentationError, SharedSegmentError
@@ -22,6 +21,7 @@ from perturbkit.core.filters import all_calls
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
                                    replay_instrumented, submodules)
+from perturbkit.core._segment_choice import sliced_iterations
 from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
 
 
@@ -67,23 +67,9 @@ def iteration_state(module: nnx.Module) -> Any:
 
 
 def stacked_iterations(copy: nnx.Module, full: nnx.Module, wrt: Any) -> int:
-  """``L`` if ``copy`` holds each ``wrt`` leaf of ``full`` sliced from ``(L, ...)``, else 0.
-
-  That is what ``nnx.scan`` over modules made with ``nnx.vmap`` hands each
-  iteration; params stacked along another axis, nested scans and modules given
-  whole to every iteration give 0.
-  """
-  full_state, state = nnx.state(full, wrt), nnx.state(copy, wrt)
-  full_leaves, full_def = jax.tree.flatten(params_tree(full_state))
-  leaves, treedef = jax.tree.flatten(params_tree(state))
-  if not leaves or treedef != full_def:
-    return 0
-  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
-  if len(lengths) != 1 or None in lengths:
-    return 0
-  if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
-    return 0
-  return lengths.pop()
+  """``L`` if ``copy`` holds the ``wrt`` params of ``full`` sliced from ``(L, ...)``
+  (``sliced_iterations``), as ``nnx.scan`` over modules made with ``nnx.vmap`` does."""
+  return sliced_iterations(params_tree(nnx.state(full, wrt)), params_tree(nnx.state(copy, wrt)))
 
 
 def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
