@@ -221,6 +221,14 @@ class Block(nnx.Module):
     return jnp.tanh(point(self.linear, self, '__call__', self.linear(x)))
 
 
+def unstacked(stacked: nnx.Module, count: int) -> nnx.List:
+  """The ``count`` modules of a stack made with ``nnx.vmap``, each holding its slice of the
+  stacked state: the blocks of the stack's unrolled twin."""
+  graphdef, state = nnx.split(stacked)
+  return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                   for i in range(count)])
+
+
 class ScanMLP(nnx.Module):
   """``depth`` stacked blocks applied with ``nnx.scan``, then a Linear head to ``classes``;
   ``block(rngs)`` makes one block (default: :class:`Block` of ``width``)."""

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+import nnx_models
 import perturbkit
 
 L = 3
@@ -334,9 +335,7 @@ class NNXUnrolled(nnx.Module):
 
   def __init__(self, scanned: NNXNet):
     self.embed, self.head = scanned.embed, scanned.head
-    graphdef, state = nnx.split(scanned.blocks)
-    self.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-                            for i in range(L)])
+    self.blocks = nnx_models.unstacked(scanned.blocks, L)
 
   def __call__(self, x):
     h = self.embed(x)

@@ -431,9 +431,7 @@ class _NNXTransformer(nnx.Module):
 class _NNXUnrolled(nnx.Module):
   def __init__(self, scanned: _NNXTransformer):
     self.embed, self.head = scanned.embed, scanned.head
-    graphdef, state = nnx.split(scanned.layers)
-    self.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-                            for i in range(3)])
+    self.layers = nnx_models.unstacked(scanned.layers, 3)
 
   def __call__(self, tokens):
     x = self.embed(tokens)

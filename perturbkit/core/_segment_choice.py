@@ -82,6 +82,12 @@ class CallRecord(NamedTuple):
   iterations: int = 0
 
 
+def leading_length(tree: Any) -> int | None:
+  """The length of the first axis every leaf of ``tree`` has, or ``None`` (none, or several)."""
+  lengths = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
+  return lengths.pop() if len(lengths) == 1 and None not in lengths else None
+
+
 def sliced_iterations(full: Any, part: Any) -> int:
   """``L`` if every leaf of ``part`` is the same leaf of ``full`` sliced from ``(L, ...)``, else 0.
 
@@ -92,14 +98,28 @@ def sliced_iterations(full: Any, part: Any) -> int:
   """
   full_leaves, full_def = jax.tree.flatten(full)
   leaves, treedef = jax.tree.flatten(part)
-  if not leaves or treedef != full_def:
-    return 0
-  lengths = {jnp.shape(f)[0] if jnp.ndim(f) else None for f in full_leaves}
-  if len(lengths) != 1 or None in lengths:
+  length = leading_length(full_leaves)
+  if not leaves or treedef != full_def or length is None:
     return 0
   if any(jnp.shape(f)[1:] != jnp.shape(w) for f, w in zip(full_leaves, leaves)):
     return 0
-  return lengths.pop()
+  return length
+
+
+def note_segment_call(called: dict, name: str, path: Path, key: str, scanned: bool):
+  """Records a segment's call in ``called`` (path -> key), once per step.
+
+  Calls made inside a segment are not intercepted, so any second call on a
+  segment's module (a second ``__call__``, or another method such as a tied
+  embedding's ``attend``) is a genuine second use of its weights; a scan that
+  traces its body twice makes a scanned segment's call again under the same key.
+
+  Raises:
+    SharedSegmentError: the segment's module is called more than once in one step.
+  """
+  if path in called and (not scanned or called[path] != key):
+    raise SharedSegmentError(name, 'it is called more than once in one step')
+  called[path] = key
 
 
 def name_of(path: Path) -> str:
@@ -168,8 +188,9 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     owners: Paths of the modules holding params directly.
     at_depth: ``depth -> paths`` of the modules that many levels down holding
       params, as the front end counts levels.
-    outside_reads: ``segment paths -> {segment name: primitives reading its
-      params outside its call}``, for the segments that have such reads.
+    outside_reads: ``(segment paths, {name: iterations} of those inside a scan)
+      -> {segment name: primitives reading its params outside its call}``, for
+      the segments that have such reads.
     transforms: The transforms that copy or slice modules, named in reasons.
     in_transform_error: ``name -> error`` for a chosen segment that runs
       inside such a transform.
@@ -200,7 +221,9 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   else:
     chosen, rest = _user_choice(spec, calls, owners, count, transformed, at_depth, by_name,
                                 in_transform_error), {}
-  reads = outside_reads(sorted(chosen, key=lambda p: first[p]))
+  in_order = lambda paths: sorted(paths, key=lambda p: first[p])
+  scanned = lambda paths: {name_of(p): iterations[p] for p in paths if p in iterations}
+  reads = outside_reads(in_order(chosen), scanned(chosen))
   while reads:
     for name, what in reads.items():
       if spec is not None:
@@ -209,13 +232,11 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
       rest[name] = _outside_reason(what)
     # The segments left are checked again, as a step checks them: reads are judged
     # among the segments chosen, so the choice passes its own check.
-    reads = outside_reads(sorted(chosen, key=lambda p: first[p])) if chosen else {}
+    reads = outside_reads(in_order(chosen), scanned(chosen)) if chosen else {}
   if not chosen:
     raise SegmentationError(
         'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])
-  ordered = sorted(chosen, key=lambda p: first[p])
-  return Segmentation(tuple(name_of(p) for p in ordered), rest,
-                      {name_of(p): iterations[p] for p in ordered if p in iterations})
+  return Segmentation(tuple(name_of(p) for p in in_order(chosen)), rest, scanned(in_order(chosen)))
 
 
 def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],

@@ -325,7 +325,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     # The state's segments must pass every check on this loss and batch: checked unless
     # they passed on inputs of these types (chosen by `init`, or a step before).
     key = _checked_key(variables, args, names)
-    if key not in checked or tuple(sorted(names)) not in scanned:
+    if key not in checked:
       try:
         chosen = _segmentation.choose(loss_fn, variables, args, _segmentation.exactly(names))
         scanned[tuple(sorted(names))] = chosen.iterations

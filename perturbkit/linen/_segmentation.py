@@ -68,7 +68,7 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
   names = {p: name_of(p) for p in paths}
   # Only traced forward: the backward steps are never called.
   fn = segmented_loss(loss_fn, variables, args, names, lambda *_: FORWARD_ONLY,
-                      iterations={n: k for n, k in iterations.items() if n in names.values()})
+                      iterations=iterations)
   carriers = {n: () for n in names.values()}
   params = variables['params']
   jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)
@@ -96,10 +96,10 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   params = variables['params']
   by_filter = callable(spec) and not isinstance(spec, Exactly)
   calls = record_calls(loss_fn, variables, args, spec if by_filter else _filters.all_calls)
-  iterations = {name_of(c.path): c.iterations for c in calls if c.iterations}
   return _segment_choice.choose(
       spec, calls, param_owners(params),
       at_depth=lambda depth: module_paths(params, depth),
-      outside_reads=lambda paths: outside_reads(loss_fn, variables, args, paths, iterations),
+      outside_reads=lambda paths, scanned: outside_reads(loss_fn, variables, args, paths,
+                                                          scanned),
       transforms='nn.scan/nn.vmap with its params stacked other than along their first axis',
       in_transform_error=_in_lifted_transform)

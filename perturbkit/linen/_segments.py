@@ -11,10 +11,11 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from perturbkit.errors import SegmentationError, SharedSegmentError
+from perturbkit.errors import SegmentationError
 from perturbkit.linen._interceptor import Call, intercept, open_hooks, replaying
 from perturbkit.core._points import COLLECTION
-from perturbkit.core._segment_choice import sliced_iterations
+from perturbkit.core._segment_choice import note_segment_call, sliced_iterations
+from perturbkit.core._trees import get_in
 from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
 
 
@@ -92,17 +93,11 @@ def with_iteration_state(params: Mapping, states: Mapping[tuple, Any]) -> dict:
 def stacked_iterations(call: Call, params: Mapping) -> int:
   """``L`` if the call sees its params sliced from ``(L, ...)`` stacked ones (``sliced_iterations``)."""
   try:
-    full = _subtree(params, call.path)
+    full = get_in(params, call.path)
   except (KeyError, TypeError):
     return 0
   own = lambda tree: {k: v for k, v in flax.core.unfreeze(tree).items() if k != ITERATION_STATE}
   return sliced_iterations(own(full), own(call.module.variables.get('params', {})))
-
-
-def _subtree(tree: Mapping, path: tuple) -> Any:
-  for k in path:
-    tree = tree[k]
-  return tree
 
 
 def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
@@ -143,13 +138,7 @@ def segmented_loss(loss_fn: Callable[..., Any], variables: Mapping, args: tuple,
 
     def on_call(call, run):
       name = names[call.path]
-      # Calls made inside a segment are not intercepted, so any second call on
-      # a segment's module (a second `__call__`, or another method such as a
-      # tied embedding's `attend`) is a genuine second use of its weights; a
-      # scan that traces its body twice makes the same call (the same key) again.
-      if call.path in called and (name not in iterations or called[call.path] != call.key):
-        raise SharedSegmentError(name, 'it is called more than once in one step')
-      called[call.path] = call.key
+      note_segment_call(called, name, call.path, call.key, name in iterations)
       if name in iterations:
         return _run_scanned(call, name)
       if params_sliced(call, params):
@@ -188,7 +177,7 @@ def params_sliced(call: Call, params: Mapping) -> bool:
   """Whether the call sees other params than those at its path (``nn.scan``/``nn.vmap``)."""
   w = call.module.variables.get('params', {})
   try:
-    full = _subtree(params, call.path)
+    full = get_in(params, call.path)
   except (KeyError, TypeError):
     return True
   return jax.tree.map(jnp.shape, w) != jax.tree.map(jnp.shape, full)

@@ -102,7 +102,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   # The state's segments must pass every check on this loss and batch: checked unless
   # they passed on inputs of these types (chosen at init, or a step before).
   key = _checked_key(settings, model, args, names)
-  if key not in settings.checked or tuple(sorted(names)) not in settings.scanned:
+  if key not in settings.checked:
     chosen = _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt,
                                       _nnx_segmentation.exactly(names))
     settings.scanned[tuple(sorted(names))] = chosen.iterations

@@ -22,7 +22,7 @@ from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._segments import (iteration_state, params_tree, segment_name, segmented_loss,
                                       stacked_iterations, with_iteration_states)
 from perturbkit.core._segment_choice import (CallRecord, Exactly, Segmentation, exactly,
-                                        flat_leaf_owners)
+                                        flat_leaf_owners, leading_length)
 from perturbkit.core._types import CallFilter
 
 __all__ = ['Exactly', 'Segmentation', 'SegmentInTransformError', 'choose', 'exactly']
@@ -40,13 +40,6 @@ class SegmentInTransformError(SegmentationError):
         'module whole along axis 0 (nnx.scan(..., in_axes=0) over modules made with '
         'nnx.vmap), make the module that applies the transform one segment (its parent), or '
         'choose other segments.')
-
-
-def _leading_length(module: nnx.Module, wrt: Any) -> int | None:
-  """The first axis shared by every ``wrt`` leaf under ``module``, if there is one."""
-  lengths = {jnp.shape(v)[0] if jnp.ndim(v) else None
-             for v in jax.tree.leaves(params_tree(nnx.state(module, wrt)))}
-  return lengths.pop() if len(lengths) == 1 and None not in lengths else None
 
 
 def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
@@ -75,7 +68,8 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
   def traced(state, args):
     copy = nnx.merge(graphdef, state, copy=True)
     modules.update(submodules(copy))
-    lengths = {path: _leading_length(m, wrt) for path, m in modules.items() if path}
+    lengths = {path: leading_length(params_tree(nnx.state(m, wrt)))
+               for path, m in modules.items() if path}
     with_iteration_states(modules, {path: jnp.zeros((n,)) for path, n in lengths.items() if n})
     with instrument([copy], on_call):
       return loss_fn(copy, *args)
@@ -127,8 +121,7 @@ def outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, w
   graphdef, template, others = nnx.split(model, wrt, ...)
   # Only traced forward: the backward steps are never called.
   fn = segmented_loss(loss_fn, graphdef, template, others, args, wrt, names,
-                      lambda *_: FORWARD_ONLY,
-                      iterations={n: k for n, k in iterations.items() if n in names.values()})
+                      lambda *_: FORWARD_ONLY, iterations=iterations)
   carriers = {n: () for n in names.values()}
   params = params_tree(template)
   jaxpr = jax.make_jaxpr(lambda p: fn(p, carriers))(params)
@@ -146,12 +139,12 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
   """
   by_filter = callable(spec) and not isinstance(spec, Exactly)
   calls = record_calls(loss_fn, model, args, wrt, spec if by_filter else _filters.all_calls)
-  iterations = {segment_name(c.path): c.iterations for c in calls if c.iterations}
   owners = param_owners(model, wrt)
   return _segment_choice.choose(
       spec, calls, owners,
       at_depth=lambda depth: modules_at_depth(model, owners, depth),
-      outside_reads=lambda paths: outside_reads(loss_fn, model, args, wrt, paths, iterations),
+      outside_reads=lambda paths, scanned: outside_reads(loss_fn, model, args, wrt, paths,
+                                                          scanned),
       transforms=('an NNX transform that does not hand it its slice of the whole module '
                   'along axis 0 (nnx.remat; nnx.scan with a StateAxes that broadcasts some '
                   'of its state, or inside a scan)'),

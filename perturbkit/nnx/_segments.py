@@ -16,12 +16,12 @@ from typing import Any, Callable, Mapping
 import jax
 from flax import nnx, traverse_util
 
-from perturbkit.errors import SegmentationError, SharedSegmentError
+from perturbkit.errors import SegmentationError
 from perturbkit.core.filters import all_calls
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
                                    replay_instrumented, submodules)
-from perturbkit.core._segment_choice import sliced_iterations
+from perturbkit.core._segment_choice import note_segment_call, sliced_iterations
 from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
 
 
@@ -169,11 +169,8 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       name = names.get(call.path)
       if name is None or (call.copied and name not in iterations):
         return apply_hooks(selected, call.module, call.method_name, run()) if selected else run()
-      # Calls inside a segment replay are not instrumented, so a second call
-      # here (or another method of the module) is a second use of its weights.
-      if call.path in called and (name not in iterations or called[call.path] != call.key):
-        raise SharedSegmentError(name, 'it is called more than once in one step')
-      called[call.path] = call.key
+      # Calls inside a segment replay are not instrumented (see note_segment_call).
+      note_segment_call(called, name, call.path, call.key, name in iterations)
       carrier, opt_state = carriers[name], None
       if name in iterations:
         if not call.copied or stacked_iterations(call.module, modules[call.path],
