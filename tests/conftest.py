@@ -1,15 +1,24 @@
-"""Strict JAX for every test, XLA's cheaper CPU compile passes and one compilation cache.
+"""Strict JAX, 8 host CPU devices, XLA's cheaper CPU compile passes and one compilation cache.
 
-Rank promotion is an error, not a silent broadcast. The tiny test models spend most of
-their time compiling. XLA's backend optimization level 0 and no expensive LLVM passes take
-about a third less CPU time there, with the same HLO; XLA:CPU's older fusion emitters
-(``--xla_cpu_use_fusion_emitters=false``) take about half the remaining compile time, with
-the same fusions but temp buffers a few percent apart, so compiled-memory tests compare
-two functions compiled under the same flags, never bytes against a fixed number. Set before
-JAX starts its backend; flags the environment already has (e.g. a device count) are kept.
+Rank promotion is an error, not a silent broadcast.
+
+Every test process has 8 host CPU devices (``--xla_force_host_platform_device_count=8``;
+a device count the environment's ``XLA_FLAGS`` already has is kept instead), so the
+multi-device checks run in the test process itself, on a mesh from ``host_devices.py``.
+Single-device code runs on the first device as usual, measured to cost nothing. The
+pytest-xdist workers import this file before jax too; the notebooks' kernels and benchmark
+scripts the tests start inherit the environment, the devices included.
+
+The tiny test models spend most of their time compiling. XLA's backend optimization level 0
+and no expensive LLVM passes take about a third less CPU time there, with the same HLO;
+XLA:CPU's older fusion emitters (``--xla_cpu_use_fusion_emitters=false``) take about half
+the remaining compile time, with the same fusions but temp buffers a few percent apart, so
+compiled-memory tests compare two functions compiled under the same flags, never bytes
+against a fixed number. Both flags are set before JAX starts its backend; flags the
+environment already has are kept.
 
 The test processes (the pytest-xdist workers, and the notebooks' kernels, benchmark
-scripts and multi-device children they start, which inherit the environment) share one
+scripts and child processes they start, which inherit the environment) share one
 JAX compilation cache, made empty for this run and removed at its end: a computation
 compiled in one process (the same model's step, or one eager op on the same shapes) is
 read from it in the others. Nothing is kept from one run to the next. A process that
@@ -22,8 +31,19 @@ import tempfile
 
 FAST_COMPILE_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
                       '--xla_cpu_use_fusion_emitters=false')
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
+
+
+def _with_flags(flags: str) -> str:
+  """``flags`` with the cheaper compile passes and the host devices, where it lacks them."""
+  if 'xla_backend_optimization_level' not in flags:
+    flags += f' {FAST_COMPILE_FLAGS}'
+  if 'xla_force_host_platform_device_count' not in flags:
+    flags += f' {HOST_DEVICES_FLAG}'
+  return flags.strip()
+
+
+os.environ['XLA_FLAGS'] = _with_flags(os.environ.get('XLA_FLAGS', ''))
 
 _OWN_CACHE = None
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:

@@ -1,43 +1,45 @@
-"""Runs a check in a child Python process, where ``XLA_FLAGS`` can give it host CPU devices.
+"""Host CPU devices: meshes for the multi-device checks, and the environment for child processes.
 
-``XLA_FLAGS`` must be set before jax is imported, so a check on several devices
-adds its device count to it at the top of its child's source and runs there.
+``conftest.py`` gives every test process 8 host CPU devices (``XLA_FLAGS`` is read when
+jax starts, so it sets them before importing jax): the multi-device checks run in the test
+process, on a mesh of :func:`data_mesh` or :func:`require_devices`' devices. A check that
+needs processes of its own (``jax.distributed``, a fresh Python) starts them with
+:func:`child_environment`, which leaves the device count to the child.
 """
 import os
 import re
-import subprocess
-import sys
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+DEVICES = 8
+
+
+def require_devices(n: int = DEVICES) -> list[jax.Device]:
+  """The first ``n`` devices; fails (never skips) where this process has fewer."""
+  if jax.device_count() < n:
+    raise AssertionError(
+        f'this check needs {n} devices, jax has {jax.device_count()}: run the tests with the '
+        "repository's tests/conftest.py, which gives each test process 8 host CPU devices "
+        '(XLA_FLAGS=--xla_force_host_platform_device_count=8); here jax was imported before it '
+        'set XLA_FLAGS, or the environment named fewer devices')
+  return jax.devices()[:n]
+
+
+def data_mesh(n: int = DEVICES, axis: str = 'data') -> Mesh:
+  """A one-axis mesh over the first ``n`` devices, the batch's axis ``axis``."""
+  return Mesh(np.array(require_devices(n)), (axis,))
 
 
 def child_environment() -> dict[str, str]:
   """This process's environment for a child process, ``XLA_FLAGS`` always set.
 
   The child keeps this process's XLA flags (the cheaper compile passes
-  ``conftest.py`` sets) but not a host device count, which the child adds itself
-  (``os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'``).
+  ``conftest.py`` sets) but not the host device count: a child that needs host devices
+  adds its own ``--xla_force_host_platform_device_count``.
   """
   env = dict(os.environ)
   env['XLA_FLAGS'] = re.sub(r'--xla_force_host_platform_device_count=\S*', '',
                             env.get('XLA_FLAGS', '')).strip()
   return env
-
-
-def run_child(source: str, marker: str, timeout: int = 600) -> subprocess.CompletedProcess:
-  """Runs ``source`` with ``python -c`` and asserts that it exits 0 and prints ``marker``.
-
-  The child imports perturbkit from this checkout, gets this tests folder as
-  ``sys.argv[1]`` (to import the test models from), and the environment of
-  :func:`child_environment`.
-
-  Returns:
-    The finished process (its ``stdout`` and ``stderr`` as text).
-  """
-  env = child_environment()
-  env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(TESTS), env.get('PYTHONPATH', '')])
-  proc = subprocess.run([sys.executable, '-c', source, TESTS], capture_output=True, text=True,
-                        env=env, timeout=timeout)
-  assert proc.returncode == 0 and marker in proc.stdout, (proc.stdout[-3000:]
-                                                          + proc.stderr[-6000:])
-  return proc

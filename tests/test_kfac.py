@@ -3,10 +3,10 @@
 Every reference here is built without perturbkit: the networks are written out
 by hand with an explicit perturbation argument ``eps`` added to each layer's
 output, so ``g = d(sum of per-example losses)/d eps`` and the layer inputs are
-captured explicitly; ``A`` and ``G`` are then formed with numpy.
+captured explicitly; ``A`` and ``G`` are then formed with numpy. The last check runs a
+step on the test process's 8 host CPU devices against the same step on one.
 """
 import functools
-import textwrap
 import warnings
 
 import chex
@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import models
 import perturbkit
-from host_devices import run_child
+from host_devices import data_mesh
 
 RTOL, ATOL = 2e-5, 1e-6
 
@@ -676,47 +677,32 @@ def test_state_of_another_model_is_a_shape_error():
 
 # ---------------------------------------------------------------- many devices
 
-CHILD = textwrap.dedent('''
-    import os
-    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
-    import sys
-    import chex, jax, jax.numpy as jnp, optax
-    from jax.sharding import Mesh, PartitionSpec as P
-    jax.config.update('jax_numpy_rank_promotion', 'raise')
-    sys.path.insert(0, sys.argv[1])
-    import test_kfac
-    import perturbkit
-    assert jax.device_count() == 8
+def kfac_step(layers, estimate, axis_name):
+  """One preconditioned step from fresh state: ``(loss, updates, factors)``; with ``axis_name``
+  the loss and grads are averaged over the devices, the factors by the preconditioner."""
+  tx = perturbkit.kfac_preconditioner(layers, damping=0.1, axis_name=axis_name)
 
-    x = jax.random.normal(jax.random.key(1), (3 * 8, 7, 7, 2))
-    y = jnp.arange(24) % 5
-    variables, predict, layers = test_kfac.setup(test_kfac.CNN(), x)
-    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                         fisher='exact')
-
-    def step(axis_name):
-      tx = perturbkit.kfac_preconditioner(layers, damping=0.1, axis_name=axis_name)
-      def run(params, x, y):
-        loss, grads, stats = estimate({'params': params}, x, y)
-        if axis_name:
-          loss, grads = jax.lax.pmean((loss, grads), axis_name)
-        updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
-        return loss, updates, state.factors
-      return run
-
-    params = variables['params']
-    single = jax.jit(step(None))(params, x, y)
-    mesh = Mesh(jax.devices(), ('data',))
-    sharded = jax.jit(jax.shard_map(step('data'), mesh=mesh, in_specs=(P(), P('data'), P('data')),
-                                    out_specs=P(), check_vma=False))(params, x, y)
-    loss8, updates8, factors8 = sharded
-    loss1, updates1, factors1 = single
-    chex.assert_trees_all_close((loss8, factors8), (loss1, factors1), rtol=1e-5, atol=1e-6)
-    # The damped inverses amplify float32 summation-order differences.
-    chex.assert_trees_all_close(updates8, updates1, rtol=1e-3, atol=1e-5)
-    print('KFAC-MULTIDEVICE-OK')
-''')
+  def run(params, x, y):
+    loss, grads, stats = estimate({'params': params}, x, y)
+    if axis_name:
+      loss, grads = jax.lax.pmean((loss, grads), axis_name)
+    updates, state = tx.update(grads, tx.init(params), params, kfac_stats=stats)
+    return loss, updates, state.factors
+  return run
 
 
 def test_shard_map_factors_and_updates_equal_one_device():
-  run_child(CHILD, 'KFAC-MULTIDEVICE-OK')
+  """The CNN's batch of 24 split over 8 devices under ``jax.shard_map``: the loss, factors and
+  preconditioned updates equal one device on the whole batch."""
+  x = jax.random.normal(jax.random.key(1), (3 * 8, 7, 7, 2))
+  y = jnp.arange(24) % 5
+  variables, predict, layers = setup(CNN(), x)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='exact')
+  params = variables['params']
+  loss1, updates1, factors1 = jax.jit(kfac_step(layers, estimate, None))(params, x, y)
+  sharded = jax.shard_map(kfac_step(layers, estimate, 'data'), mesh=data_mesh(),
+                          in_specs=(P(), P('data'), P('data')), out_specs=P(), check_vma=False)
+  loss8, updates8, factors8 = jax.jit(sharded)(params, x, y)
+  chex.assert_trees_all_close((loss8, factors8), (loss1, factors1), rtol=1e-5, atol=1e-6)
+  # The damped inverses amplify float32 summation-order differences.
+  chex.assert_trees_all_close(updates8, updates1, rtol=1e-3, atol=1e-5)

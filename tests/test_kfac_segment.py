@@ -5,10 +5,9 @@ One Dense layer per segment (the default layer-wise segments). With
 ones, so the step must equal the whole-model preconditioner fed the estimator's
 empirical factors. With ``'updated'`` the reference is a sweep written out by hand
 in float64 numpy: each layer's factors, damped inverses and step, then the
-cotangent sent to the layer below computed with the layer's NEW kernel.
+cotangent sent to the layer below computed with the layer's NEW kernel. On the test
+process's 8 host CPU devices the sweep's factors and steps are checked against one device.
 """
-import textwrap
-
 import chex
 import flax.linen as nn
 import jax
@@ -16,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import perturbkit
 from test_kfac import MLP
-from host_devices import run_child
+from host_devices import data_mesh
 
 LR, DAMPING = 0.2, 0.1
 
@@ -213,42 +213,26 @@ def test_amortised_segment_statistics_and_errors():
     alone.init(variables['params'])
 
 
-CHILD = textwrap.dedent('''
-    import os
-    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
-    import sys
-    import chex, jax, optax
-    from jax.sharding import Mesh, PartitionSpec as P
-    jax.config.update('jax_numpy_rank_promotion', 'raise')
-    sys.path.insert(0, sys.argv[1])
-    import test_kfac_segment as t
-    import perturbkit
-    assert jax.device_count() == 8
-
-    predict, loss_fn, variables, xs, ys = t.problem(2)
-    xs, ys = xs.reshape(1, 16, 3), ys.reshape(1, 16)
-    layers = perturbkit.kfac_layers(predict, variables, xs[0])
-    kfac = dict(damping=t.DAMPING, decay=0.5, inverse_every=1)
-    single = perturbkit.interleaved(loss_fn, t.segment_optimizer(layers, **kfac))
-    parallel = perturbkit.interleaved(
-        loss_fn, t.segment_optimizer(layers, **kfac, axis_name='data'), axis_name='data')
-    mesh = Mesh(jax.devices(), ('data',))
-    step = jax.jit(jax.shard_map(parallel.step, mesh=mesh, in_specs=(P(), P('data'), P('data')),
-                                 out_specs=(P(), P()), check_vma=False))
-    s1, s8 = single.init(variables, xs[0], ys[0]), parallel.init(variables, xs[0], ys[0])
-    for _ in range(2):
-      s1, _ = jax.jit(single.step)(s1, xs[0], ys[0])
-      s8, _ = step(s8, xs[0], ys[0])
-    chex.assert_trees_all_close(s8.opt_state, s1.opt_state, rtol=1e-4, atol=1e-6)
-    chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-4, atol=1e-6)
-    print('KFAC-SEGMENT-MULTIDEVICE-OK')
-''')
-
-
 def test_shard_map_segment_factors_and_steps_equal_one_device():
-  """Each device forms its batch's factors in the sweep; averaged over the axis they are
-  the whole batch's, so 8 devices equal one."""
-  run_child(CHILD, 'KFAC-SEGMENT-MULTIDEVICE-OK')
+  """Each of 8 devices forms its 2 examples' factors in the sweep; averaged over the axis they
+  are the whole batch's, so two steps on 8 devices (``jax.shard_map``) equal one device: the
+  factors and optimizer states, and the params."""
+  predict, loss_fn, variables, xs, ys = problem(2)
+  x, y = xs.reshape(16, 3), ys.reshape(16)
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  kfac = dict(damping=DAMPING, decay=0.5, inverse_every=1)
+  single = perturbkit.interleaved(loss_fn, segment_optimizer(layers, **kfac))
+  parallel = perturbkit.interleaved(
+      loss_fn, segment_optimizer(layers, **kfac, axis_name='data'), axis_name='data')
+  step = jax.jit(jax.shard_map(parallel.step, mesh=data_mesh(),
+                               in_specs=(P(), P('data'), P('data')),
+                               out_specs=(P(), P()), check_vma=False))
+  s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
+  for _ in range(2):
+    s1, _ = jax.jit(single.step)(s1, x, y)
+    s8, _ = step(s8, x, y)
+  chex.assert_trees_all_close(s8.opt_state, s1.opt_state, rtol=1e-4, atol=1e-6)
+  chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-4, atol=1e-6)
 
 
 def stepped_twins(model, nnx_layers, variables, loss_fn, linen_layers, xs, ys, propagate,

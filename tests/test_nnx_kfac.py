@@ -1,7 +1,6 @@
 """K-FAC on Flax NNX models: the inputs next to the output gradients, the layers, the
-factors and the preconditioned steps, against inputs captured by hand and the Linen twin."""
-import textwrap
-
+factors and the preconditioned steps, against inputs captured by hand and the Linen twin;
+the steps on the test process's 8 host CPU devices against one device."""
 import chex
 import flax.linen as nn
 import jax
@@ -10,11 +9,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import nnx_models as M
 import perturbkit
 from test_kfac import CNN, MLP, SequenceModel
-from host_devices import run_child
+from host_devices import data_mesh
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -439,63 +439,49 @@ def test_batchnorm_dropout_model_with_predict_and_has_aux():
 
 # ---------------------------------------------------------------- many devices
 
-MULTIDEVICE_CHILD = textwrap.dedent('''
-    import os
-    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
-    import sys
-    import chex, jax, jax.numpy as jnp, optax
-    from flax import nnx
-    from jax.sharding import Mesh, PartitionSpec as P
-    sys.path.insert(0, sys.argv[1])
-    import test_nnx_kfac
-    import perturbkit
-    assert jax.device_count() == 8
+def kfac_optimizer(layers, axis_name):
+  """A fresh NNXCNN and its ``nnx.Optimizer``: K-FAC (damping 0.1, inverses every 2 steps)
+  then SGD with momentum."""
+  model = NNXCNN(nnx.Rngs(0))
+  tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, damping=0.1, inverse_every=2,
+                                                      axis_name=axis_name),
+                   optax.sgd(0.1, momentum=0.5))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    x = jax.random.normal(jax.random.key(1), (3 * 8, 7, 7, 2))
-    y = jnp.arange(24) % 5
-    layers = perturbkit.nnx.kfac_layers(test_nnx_kfac.NNXCNN(nnx.Rngs(0)), x)
-    estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='exact')
 
-    def make(axis_name):
-      model = test_nnx_kfac.NNXCNN(nnx.Rngs(0))
-      tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, damping=0.1, inverse_every=2,
-                                                          axis_name=axis_name),
-                       optax.sgd(0.1, momentum=0.5))
-      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    def step(axis_name):
-      def run(model, optimizer, x, y):
-        loss, grads, stats = estimate(model, x, y, with_stats=optimizer.opt_state[0].stats_due)
-        if axis_name:
-          loss, grads = jax.lax.pmean((loss, grads), axis_name)
-        optimizer.update(model, grads, kfac_stats=stats)
-        return loss
-      return run
-
-    mesh = Mesh(jax.devices(), ('data',))
-    m1, o1 = make(None)
-    m8, o8 = make('data')
-    step1 = nnx.jit(step(None))
-    step8 = nnx.jit(nnx.shard_map(step('data'), mesh=mesh,
-                                  in_specs=(P(), P(), P('data'), P('data')), out_specs=P(),
-                                  check_vma=False))
-    losses = []
-    for i in range(3):
-      l1, l8 = step1(m1, o1, x, y), step8(m8, o8, x, y)
-      chex.assert_trees_all_close(l8, l1, rtol=1e-5, atol=1e-6)
-      losses.append(float(l1))
-    assert losses[-1] < losses[0], losses
-    chex.assert_trees_all_close(o8.opt_state[0].factors, o1.opt_state[0].factors,
-                                rtol=1e-5, atol=1e-6)
-    # The damped inverses amplify float32 summation-order differences.
-    chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(m8, nnx.Param)),
-                                nnx.to_pure_dict(nnx.state(m1, nnx.Param)), rtol=1e-3, atol=1e-5)
-    print('NNX-KFAC-MULTIDEVICE-OK')
-''')
+def kfac_step(estimate, axis_name):
+  """One optimizer step; with ``axis_name`` the loss and grads are averaged over the devices,
+  the factors by the preconditioner."""
+  def run(model, optimizer, x, y):
+    loss, grads, stats = estimate(model, x, y, with_stats=optimizer.opt_state[0].stats_due)
+    if axis_name:
+      loss, grads = jax.lax.pmean((loss, grads), axis_name)
+    optimizer.update(model, grads, kfac_stats=stats)
+    return loss
+  return run
 
 
 def test_shard_map_on_8_devices_equals_one_device():
   """``nnx.shard_map`` inside ``nnx.jit``, ``axis_name='data'``: each device's factors are
   ``pmean``-ed by the preconditioner, and three steps of ``nnx.Optimizer`` equal the same
   steps on one device with the whole batch (the exact Fisher, so no per-device keys)."""
-  run_child(MULTIDEVICE_CHILD, 'NNX-KFAC-MULTIDEVICE-OK')
+  x = jax.random.normal(jax.random.key(1), (3 * 8, 7, 7, 2))
+  y = jnp.arange(24) % 5
+  layers = perturbkit.nnx.kfac_layers(NNXCNN(nnx.Rngs(0)), x)
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='exact')
+  m1, o1 = kfac_optimizer(layers, None)
+  m8, o8 = kfac_optimizer(layers, 'data')
+  step1 = nnx.jit(kfac_step(estimate, None))
+  step8 = nnx.jit(nnx.shard_map(kfac_step(estimate, 'data'), mesh=data_mesh(),
+                                in_specs=(P(), P(), P('data'), P('data')), out_specs=P(),
+                                check_vma=False))
+  losses = []
+  for _ in range(3):
+    l1, l8 = step1(m1, o1, x, y), step8(m8, o8, x, y)
+    chex.assert_trees_all_close(l8, l1, **TOL)
+    losses.append(float(l1))
+  assert losses[-1] < losses[0], losses
+  chex.assert_trees_all_close(o8.opt_state[0].factors, o1.opt_state[0].factors, **TOL)
+  # The damped inverses amplify float32 summation-order differences.
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(m8, nnx.Param)),
+                              nnx.to_pure_dict(nnx.state(m1, nnx.Param)), rtol=1e-3, atol=1e-5)

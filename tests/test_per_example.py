@@ -3,10 +3,10 @@
 The reference runs the ordinary loss on each example alone (a batch of one) and
 differentiates it with plain ``jax.grad``: it shares nothing with perturbkit's
 rules (ghost norms, patches, replayed VJPs), so agreement to float tolerance
-checks every rule and the mean-loss scaling.
+checks every rule and the mean-loss scaling. DP-SGD under ``jax.shard_map`` on 4 of
+the test process's host CPU devices is checked against one device.
 """
 import functools
-import textwrap
 
 import chex
 import flax.linen as nn
@@ -15,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import models
+import nnx_models
 import perturbkit
-from host_devices import run_child
+from host_devices import data_mesh
 
 TOL = dict(rtol=2e-4, atol=1e-5)
 
@@ -477,68 +480,62 @@ def test_noise_has_the_right_scale():
   assert abs(float(jnp.corrcoef(rows)[0, 1])) < 0.03
 
 
-SHARD_MAP_CHILD = textwrap.dedent('''
-    import os
-    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
-    import sys
-    import chex, jax, jax.numpy as jnp, optax
-    from jax.sharding import Mesh, PartitionSpec as P
-    jax.config.update('jax_numpy_rank_promotion', 'raise')
-    sys.path.insert(0, sys.argv[1])
-    import models
-    import perturbkit
-    assert jax.device_count() == 4
+DP_OPTIONS = dict(clip_norm=0.2, noise_multiplier=1.5)
 
-    model = models.MLP(out=3)
-    x = jax.random.normal(jax.random.key(0), (8, 5))
-    y = jnp.arange(8) % 3
-    variables = model.init(jax.random.key(1), x)
-    def loss_fn(v, x, y):
-      return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x), y).mean()
-    key = jax.random.key(5)
-    options = dict(clip_norm=0.2, noise_multiplier=1.5)
-    single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, **options))(
-        variables, key, x, y)
-    sharded = perturbkit.private_grad(loss_fn, axis_name='data', **options)
-    mesh = Mesh(jax.devices(), ('data',))
-    run = jax.jit(jax.shard_map(
-        sharded, mesh=mesh, in_specs=(P(), P(), P('data'), P('data')),
-        out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
-                         'fraction_clipped': P(), 'dropped': P()}), check_vma=False))
-    grads, metrics = run(variables, key, x, y)
-    chex.assert_trees_all_close(grads, single, rtol=1e-5, atol=1e-7)
-    chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
 
-    # The NNX front end: the model goes in as (graphdef, state), merged on each device.
-    # A scanned model takes the per-example replay of its model call on each device.
-    from flax import nnx
-    import nnx_models
-    def nnx_loss(model, x, y):
-      return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-    for model, labels in [(nnx_models.MLP(din=5, dout=3, rngs=nnx.Rngs(0)), y),
-                          (nnx_models.ScanMLP(width=5, rngs=nnx.Rngs(0)), y % 2)]:
-      graphdef, state = nnx.split(model)
-      def nnx_grad(state, key, x, y, axis_name=None, graphdef=graphdef):
-        dp = perturbkit.nnx.private_grad(nnx_loss, axis_name=axis_name, **options)
-        return dp(nnx.merge(graphdef, state), key, x, y)
-      single, single_metrics = jax.jit(nnx_grad)(state, key, x, labels)
-      run = jax.jit(jax.shard_map(
-          lambda *a: nnx_grad(*a, axis_name='data'), mesh=mesh,
-          in_specs=(P(), P(), P('data'), P('data')),
-          out_specs=(P(), {'loss': P(), 'per_example_norms': P('data'),
-                           'fraction_clipped': P(), 'dropped': P()}), check_vma=False))
-      grads, metrics = run(state, key, x, labels)
-      chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(single),
-                                  rtol=1e-5, atol=1e-7)
-      chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
-    print('ok')
-''')
+def on_4_devices(grad_fn):
+  """``grad_fn(params, key, x, y)`` jitted under ``jax.shard_map`` on 4 devices: the batch
+  split over 'data' (two examples each), the params and key replicated."""
+  metric_specs = {'loss': P(), 'per_example_norms': P('data'), 'fraction_clipped': P(),
+                  'dropped': P()}
+  return jax.jit(jax.shard_map(grad_fn, mesh=data_mesh(4),
+                               in_specs=(P(), P(), P('data'), P('data')),
+                               out_specs=(P(), metric_specs), check_vma=False))
+
+
+def dp_batch():
+  x = jax.random.normal(jax.random.key(0), (8, 5))
+  return x, jnp.arange(8) % 3, jax.random.key(5)
 
 
 def test_shard_map_adds_noise_once():
-  """Four devices with two examples each give the one-device gradient, noise included
-  (Linen, NNX, and an NNX model whose scanned layers take the model call's replay)."""
-  run_child(SHARD_MAP_CHILD, 'ok')
+  """Four devices with two examples each give the one-device gradient and metrics, noise
+  included."""
+  model = models.MLP(out=3)
+  x, y, key = dp_batch()
+  variables = model.init(jax.random.key(1), x)
+  loss_fn = classification_loss(model)
+  single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, **DP_OPTIONS))(
+      variables, key, x, y)
+  run = on_4_devices(perturbkit.private_grad(loss_fn, axis_name='data', **DP_OPTIONS))
+  grads, metrics = run(variables, key, x, y)
+  chex.assert_trees_all_close(grads, single, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'scanned'])
+def test_nnx_shard_map_adds_noise_once(kind):
+  """The NNX front end, the model going in as ``(graphdef, state)`` merged on each device:
+  four devices with two examples each give the one-device gradient and metrics, noise
+  included; the scanned model takes the per-example replay of its model call on each device."""
+  x, y, key = dp_batch()
+  if kind == 'mlp':
+    model, labels = nnx_models.MLP(din=5, dout=3, rngs=nnx.Rngs(0)), y
+  else:
+    model, labels = nnx_models.ScanMLP(width=5, rngs=nnx.Rngs(0)), y % 2
+  graphdef, state = nnx.split(model)
+  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+  def nnx_grad(state, key, x, y, axis_name=None):
+    dp = perturbkit.nnx.private_grad(nnx_loss, axis_name=axis_name, **DP_OPTIONS)
+    return dp(nnx.merge(graphdef, state), key, x, y)
+
+  single, single_metrics = jax.jit(nnx_grad)(state, key, x, labels)
+  grads, metrics = on_4_devices(functools.partial(nnx_grad, axis_name='data'))(
+      state, key, x, labels)
+  chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(single),
+                              rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -11,162 +11,205 @@ as ``jax.grad`` gives inside ``shard_map``; DP-SGD without ``axis_name`` likewis
 the devices' clipped gradients summed, noised once. The families that all-reduce over
 ``axis_name`` themselves (interleaved training, DP-SGD, the K-FAC
 preconditioner) would count the devices twice there, so they refuse it with
-``CheckedShardMapError``. XLA_FLAGS must be set before jax is imported, so the
-checks run in a child process.
+``CheckedShardMapError``. The checks run on 4 of the test process's 8 host CPU devices
+(``conftest.py``).
 """
-import textwrap
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from host_devices import run_child
+import models
+import nnx_models
+import perturbkit
+import test_kfac
+from hand_mlp import SHAPE, metric_of
+from host_devices import data_mesh
 
-CHILD = textwrap.dedent('''
-    import os
-    os.environ['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
-    import sys
-    import chex, jax, jax.numpy as jnp, optax
-    from flax import nnx
-    from jax.sharding import Mesh, PartitionSpec as P
-    sys.path.insert(0, sys.argv[1])
-    import models, nnx_models, test_kfac
-    import perturbkit
-    from hand_mlp import SHAPE, metric_of
-    assert jax.device_count() == 4, jax.devices()
-    mesh = Mesh(jax.devices(), ('data',))
-    TOL = dict(rtol=1e-5, atol=1e-6)
-    SHARDS = 4
-
-    def stacked(f):
-      return lambda *a: jax.tree.map(lambda x: jnp.asarray(x)[None], f(*a))
-
-    def on_devices(f, params, *batch, check_vma=True):
-      """f on each device's shard of the batch, inside shard_map; one row per device."""
-      specs = (P(),) + (P('data'),) * len(batch)
-      return jax.jit(jax.shard_map(stacked(f), mesh=mesh, in_specs=specs, out_specs=P('data'),
-                                   check_vma=check_vma))(params, *batch)
-
-    def on_shards(f, params, *batch):
-      """The reference: f on one device, on each shard in turn; one row per shard."""
-      size, one = batch[0].shape[0] // SHARDS, jax.jit(stacked(f))  # compiled once
-      rows = [one(params, *(b[i * size:(i + 1) * size] for b in batch)) for i in range(SHARDS)]
-      return jax.tree.map(lambda *r: jnp.concatenate(r), *rows)
-
-    # value_and_grad: each device's activation gradients are its shard's, the params'
-    # gradient the sum over the shards (the same on every device).
-    shape = (8,) + SHAPE[1:]
-    x = jax.random.normal(jax.random.key(1), shape)
-    x_other = jax.random.normal(jax.random.key(2), shape)
-    model = models.MLP()
-    variables = model.init(jax.random.key(0), x)
-    linen_metric = lambda v, x: metric_of(model.apply(v, x))
-    vg = perturbkit.value_and_grad(linen_metric)
-    loss, grads = on_devices(vg, variables, x)
-    loss1, grads1 = on_shards(vg, variables, x)
-    chex.assert_trees_all_close((loss, grads['perturbations']), (loss1, grads1['perturbations']),
-                                **TOL)
-    summed = jax.tree.map(lambda g: jnp.broadcast_to(g.sum(0), g.shape), grads1['params'])
-    chex.assert_trees_all_close(grads['params'], summed, **TOL)
-    assert float(jnp.abs(grads['perturbations']['Dense_0']['__call__']).max()) > 1e-4
-
-    net = nnx_models.MLP(rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(net)
-    nnx_metric = lambda m, x: metric_of(m(x))
-    merged = lambda f: (lambda state, *a: f(nnx.merge(graphdef, state), *a))
-    nnx_vg = merged(lambda m, x: perturbkit.nnx.value_and_grad(nnx_metric)(m, x)[1]
-                    ['perturbations'])
-    chex.assert_trees_all_close(on_devices(nnx_vg, state, x), on_shards(nnx_vg, state, x), **TOL)
-
-    # The interpretability functions, both front ends; patching also with check_vma=False.
-    # (Layer integrated gradients is made of the same sweep and edits as patching.)
-    def family(api):
-      metric = linen_metric if api is perturbkit else nnx_metric
-      return {
-          'activation_patching': (api.activation_patching(metric, axis=1, batch_size=3,
-                                                          progress=True), 2),
-          'attribution_patching': (api.attribution_patching(metric, axis=1), 2),
-          **({'run_with_cache': (api.run_with_cache(metric, grads=True), 1)}
-             if api is perturbkit else {}),
-      }
-    bars = 0
-    for api, params, wrap in [(perturbkit, variables, lambda f: f),
-                              (perturbkit.nnx, state, merged)]:
-      for name, (fn, inputs) in family(api).items():
-        batch = (x, x_other)[:inputs]
-        want = on_shards(wrap(fn), params, *batch)
-        bars += SHARDS * (name == 'activation_patching')  # one per shard, on one device
-        for check_vma in (True, False) if name == 'activation_patching' else (True,):
-          got = on_devices(wrap(fn), params, *batch, check_vma=check_vma)
-          jax.effects_barrier()
-          chex.assert_trees_all_close(got, want, **TOL)
-          bars += name == 'activation_patching'
-        assert float(jnp.abs(jax.tree.leaves(want)[-1]).max()) > 1e-4, name
-    print('BARS', bars)
-
-    # K-FAC's statistics (a traced with_stats: a lax.cond) and per-example norms per device.
-    features = jax.random.normal(jax.random.key(3), (8, 5))
-    labels = jnp.arange(8) % 5
-    dense_variables, predict, layers = test_kfac.setup(models.MLP(out=5), features)
-    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                         fisher='exact')
-    stats = lambda v, x, y: estimate(v, x, y, with_stats=jnp.asarray(True))[2]
-    chex.assert_trees_all_close(on_devices(stats, dense_variables, features, labels),
-                                on_shards(stats, dense_variables, features, labels), **TOL)
-    cross_entropy = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
-        predict(v, x), y).mean()
-    norms = perturbkit.per_example_grad_norms(cross_entropy)
-    chex.assert_trees_all_close(on_devices(norms, dense_variables, features, labels),
-                                on_shards(norms, dense_variables, features, labels), **TOL)
-
-    # DP-SGD without axis_name: JAX sums the clipped gradients over the devices, as it sums
-    # jax.grad's; the noise is added once and the count is the device's own.
-    def private(noise_multiplier):
-      dp = perturbkit.private_grad(cross_entropy, clip_norm=0.2,
-                                   noise_multiplier=noise_multiplier)
-      return lambda v, x, y: dp(v, jax.random.key(0), x, y)[0]
-    noised = on_devices(private(1.0), dense_variables, features, labels)
-    clipped_means = on_shards(private(0.0), dense_variables, features, labels)
-    first = lambda t: jax.tree.map(lambda a: a[0], t)
-    size = features.shape[0] // SHARDS
-    noise = jax.tree.map(lambda a, b: size * (a - b), first(on_shards(
-        private(1.0), dense_variables, features, labels)), first(clipped_means))
-    want = jax.tree.map(lambda c, n: (size * c.sum(0) + n) / size, clipped_means, noise)
-    for device in range(SHARDS):
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[device], noised), want,
-                                  rtol=1e-4, atol=1e-6)
-
-    # The families that all-reduce over axis_name refuse check_vma=True, by name.
-    y = jax.random.normal(jax.random.key(4), (8, 2))
-    mse = lambda v, x, y: jnp.mean((model.apply(v, x)[:, -1] - y) ** 2)
-    tx = perturbkit.interleaved(mse, optax.sgd(0.1), axis_name='data')
-    nnx_mse = lambda m, x, y: jnp.mean((m(x)[:, -1] - y) ** 2)
-    nnx_tx = perturbkit.nnx.interleaved(nnx_mse, optax.sgd(0.1), axis_name='data')
-    private = perturbkit.private_grad(mse, clip_norm=1.0, noise_multiplier=1.0,
-                                      axis_name='data')
-    kfac = perturbkit.kfac_preconditioner(layers, axis_name='data')
-    kfac_step = lambda params, x, y: kfac.update(
-        params, kfac.init(params), params,
-        kfac_stats=estimate({'params': params}, x, y, with_stats=True)[2])
-    refused = {
-        'perturbkit.interleaved': (tx.step, tx.init(variables, x, y), x, y),
-        'perturbkit.nnx.interleaved': (nnx_tx.step, nnx_tx.init(net, x, y), x, y),
-        'perturbkit.private_grad': (lambda v, x, y: private(v, jax.random.key(0), x, y),
-                                    variables, x, y),
-        'perturbkit.kfac_preconditioner': (kfac_step, dense_variables['params'], features,
-                                           labels),
-    }
-    for name, (f, params, *batch) in refused.items():
-      try:
-        on_devices(f, params, *batch)
-      except perturbkit.CheckedShardMapError as error:
-        assert name in str(error) and 'check_vma=False' in str(error), error
-      else:
-        raise AssertionError(name + ' ran with check_vma=True')
-    print('SHARD-MAP-CHECKED-OK')
-''')
+TOL = dict(rtol=1e-5, atol=1e-6)
+SHARDS = 4
 
 
-def test_shard_map_with_check_vma():
-  proc = run_child(CHILD, 'SHARD-MAP-CHECKED-OK')
-  # One bar per patching run, each filled once: the 4 devices' sweeps are not added up
-  # (on each front end, 2 runs inside shard_map, check_vma on and off, and 4 references,
-  # one per shard).
-  assert 'BARS 12' in proc.stdout
-  assert proc.stderr.count('activation patching: 100%') == 12, proc.stderr[-3000:]
+def stacked(f):
+  return lambda *a: jax.tree.map(lambda x: jnp.asarray(x)[None], f(*a))
+
+
+def on_devices(f, params, *batch, check_vma=True):
+  """f on each device's shard of the batch, inside shard_map; one row per device."""
+  specs = (P(),) + (P('data'),) * len(batch)
+  return jax.jit(jax.shard_map(stacked(f), mesh=data_mesh(SHARDS), in_specs=specs,
+                               out_specs=P('data'), check_vma=check_vma))(params, *batch)
+
+
+def on_shards(f, params, *batch):
+  """The reference: f on one device, on each shard in turn; one row per shard."""
+  size, one = batch[0].shape[0] // SHARDS, jax.jit(stacked(f))  # compiled once
+  rows = [one(params, *(b[i * size:(i + 1) * size] for b in batch)) for i in range(SHARDS)]
+  return jax.tree.map(lambda *r: jnp.concatenate(r), *rows)
+
+
+def linen_problem():
+  """``(model, variables, metric, x, x_other)``: the MLP and two batches of 8."""
+  shape = (8,) + SHAPE[1:]
+  x = jax.random.normal(jax.random.key(1), shape)
+  x_other = jax.random.normal(jax.random.key(2), shape)
+  model = models.MLP()
+  variables = model.init(jax.random.key(0), x)
+  return model, variables, lambda v, x: metric_of(model.apply(v, x)), x, x_other
+
+
+def nnx_problem():
+  """``(net, state, merged, metric)``: the NNX MLP, its state, and ``merged(f)``, which takes
+  the state where ``f`` takes the model."""
+  net = nnx_models.MLP(rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(net)
+  merged = lambda f: (lambda state, *a: f(nnx.merge(graphdef, state), *a))
+  return net, state, merged, lambda m, x: metric_of(m(x))
+
+
+def dense_problem():
+  """``(variables, predict, layers, features, labels)``: a 5-class MLP for K-FAC and DP-SGD."""
+  features = jax.random.normal(jax.random.key(3), (8, 5))
+  labels = jnp.arange(8) % 5
+  variables, predict, layers = test_kfac.setup(models.MLP(out=5), features)
+  return variables, predict, layers, features, labels
+
+
+def cross_entropy_of(predict):
+  return lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      predict(v, x), y).mean()
+
+
+def test_value_and_grad_per_device():
+  """Each device's activation gradients are its shard's, the params' gradient the sum over
+  the shards (the same on every device); NNX's activation gradients likewise."""
+  _, variables, linen_metric, x, _ = linen_problem()
+  vg = perturbkit.value_and_grad(linen_metric)
+  loss, grads = on_devices(vg, variables, x)
+  loss1, grads1 = on_shards(vg, variables, x)
+  chex.assert_trees_all_close((loss, grads['perturbations']), (loss1, grads1['perturbations']),
+                              **TOL)
+  summed = jax.tree.map(lambda g: jnp.broadcast_to(g.sum(0), g.shape), grads1['params'])
+  chex.assert_trees_all_close(grads['params'], summed, **TOL)
+  assert float(jnp.abs(grads['perturbations']['Dense_0']['__call__']).max()) > 1e-4
+
+  _, state, merged, nnx_metric = nnx_problem()
+  nnx_vg = merged(lambda m, x: perturbkit.nnx.value_and_grad(nnx_metric)(m, x)[1]
+                  ['perturbations'])
+  chex.assert_trees_all_close(on_devices(nnx_vg, state, x), on_shards(nnx_vg, state, x), **TOL)
+
+
+def interpret_family(api, metric):
+  """The interpretability functions of a front end, each with its number of batch inputs.
+  (Layer integrated gradients is made of the same sweep and edits as patching.)"""
+  return {
+      'activation_patching': (api.activation_patching(metric, axis=1, batch_size=3,
+                                                      progress=True), 2),
+      'attribution_patching': (api.attribution_patching(metric, axis=1), 2),
+      **({'run_with_cache': (api.run_with_cache(metric, grads=True), 1)}
+         if api is perturbkit else {}),
+  }
+
+
+@pytest.mark.parametrize('front_end', ['linen', 'nnx'])
+def test_interpretability_per_device(front_end, capsys):
+  """Patching (also with ``check_vma=False``), attribution and the cache on each device equal
+  one device on its shard. One progress bar per patching run, each filled once: the 4
+  devices' sweeps are not added up (2 runs inside shard_map, check_vma on and off, and 4
+  references, one per shard)."""
+  _, variables, linen_metric, x, x_other = linen_problem()
+  _, state, merged, nnx_metric = nnx_problem()
+  if front_end == 'linen':
+    api, params, wrap, metric = perturbkit, variables, lambda f: f, linen_metric
+  else:
+    api, params, wrap, metric = perturbkit.nnx, state, merged, nnx_metric
+  capsys.readouterr()
+  bars = 0
+  for name, (fn, inputs) in interpret_family(api, metric).items():
+    batch = (x, x_other)[:inputs]
+    want = on_shards(wrap(fn), params, *batch)
+    bars += SHARDS * (name == 'activation_patching')  # one per shard, on one device
+    for check_vma in (True, False) if name == 'activation_patching' else (True,):
+      got = on_devices(wrap(fn), params, *batch, check_vma=check_vma)
+      jax.effects_barrier()
+      chex.assert_trees_all_close(got, want, **TOL)
+      bars += name == 'activation_patching'
+    assert float(jnp.abs(jax.tree.leaves(want)[-1]).max()) > 1e-4, name
+  jax.effects_barrier()
+  err = capsys.readouterr().err
+  assert bars == 6
+  assert err.count('activation patching: 100%') == bars, err[-3000:]
+
+
+def test_kfac_statistics_and_per_example_norms_per_device():
+  """K-FAC's statistics (a traced ``with_stats``: a ``lax.cond``) and the per-example norms
+  on each device equal one device on its shard."""
+  variables, predict, layers, features, labels = dense_problem()
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                       fisher='exact')
+  stats = lambda v, x, y: estimate(v, x, y, with_stats=jnp.asarray(True))[2]
+  chex.assert_trees_all_close(on_devices(stats, variables, features, labels),
+                              on_shards(stats, variables, features, labels), **TOL)
+  norms = perturbkit.per_example_grad_norms(cross_entropy_of(predict))
+  chex.assert_trees_all_close(on_devices(norms, variables, features, labels),
+                              on_shards(norms, variables, features, labels), **TOL)
+
+
+def test_private_grad_without_axis_name_sums_the_devices_and_noises_once():
+  """DP-SGD without axis_name: JAX sums the clipped gradients over the devices, as it sums
+  jax.grad's; the noise is added once and the count is the device's own. Every device gets
+  the shards' clipped means, scaled back to sums and added, plus one shard's noise, over one
+  shard's count."""
+  variables, predict, _, features, labels = dense_problem()
+  cross_entropy = cross_entropy_of(predict)
+
+  def private(noise_multiplier):
+    dp = perturbkit.private_grad(cross_entropy, clip_norm=0.2,
+                                 noise_multiplier=noise_multiplier)
+    return lambda v, x, y: dp(v, jax.random.key(0), x, y)[0]
+
+  noised = on_devices(private(1.0), variables, features, labels)
+  clipped_means = on_shards(private(0.0), variables, features, labels)
+  first = lambda t: jax.tree.map(lambda a: a[0], t)
+  size = features.shape[0] // SHARDS
+  noise = jax.tree.map(lambda a, b: size * (a - b), first(on_shards(
+      private(1.0), variables, features, labels)), first(clipped_means))
+  want = jax.tree.map(lambda c, n: (size * c.sum(0) + n) / size, clipped_means, noise)
+  for device in range(SHARDS):
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a[device], noised), want,
+                                rtol=1e-4, atol=1e-6)
+
+
+def test_families_that_all_reduce_refuse_check_vma():
+  """The families that all-reduce over axis_name refuse check_vma=True, by name."""
+  model, variables, _, x, _ = linen_problem()
+  net, _, _, _ = nnx_problem()
+  dense_variables, predict, layers, features, labels = dense_problem()
+  y = jax.random.normal(jax.random.key(4), (8, 2))
+  mse = lambda v, x, y: jnp.mean((model.apply(v, x)[:, -1] - y) ** 2)
+  tx = perturbkit.interleaved(mse, optax.sgd(0.1), axis_name='data')
+  nnx_mse = lambda m, x, y: jnp.mean((m(x)[:, -1] - y) ** 2)
+  nnx_tx = perturbkit.nnx.interleaved(nnx_mse, optax.sgd(0.1), axis_name='data')
+  private = perturbkit.private_grad(mse, clip_norm=1.0, noise_multiplier=1.0,
+                                    axis_name='data')
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                       fisher='exact')
+  kfac = perturbkit.kfac_preconditioner(layers, axis_name='data')
+  kfac_step = lambda params, x, y: kfac.update(
+      params, kfac.init(params), params,
+      kfac_stats=estimate({'params': params}, x, y, with_stats=True)[2])
+  refused = {
+      'perturbkit.interleaved': (tx.step, tx.init(variables, x, y), x, y),
+      'perturbkit.nnx.interleaved': (nnx_tx.step, nnx_tx.init(net, x, y), x, y),
+      'perturbkit.private_grad': (lambda v, x, y: private(v, jax.random.key(0), x, y),
+                                  variables, x, y),
+      'perturbkit.kfac_preconditioner': (kfac_step, dense_variables['params'], features,
+                                         labels),
+  }
+  for name, (f, params, *batch) in refused.items():
+    with pytest.raises(perturbkit.CheckedShardMapError) as error:
+      on_devices(f, params, *batch)
+    assert name in str(error.value) and 'check_vma=False' in str(error.value), error.value
