@@ -148,7 +148,9 @@ def check_real_models(stdout: str, data: dict):
   assert data['benchmark'] == 'real_models'
   assert data['config']['quick'] is True
   assert data['all_ok'] is True
-  assert set(data['models']) == {'gpt2', 'vit'}
+  # GPT-2 alone: the script's ViT runs the same code on another model, and the real-model
+  # tests check ViT itself.
+  assert set(data['models']) == {'gpt2'}
   for name, model in data['models'].items():
     assert model['ok'] is True and model['mismatches'] == {}, (name, model['mismatches'])
     assert set(model['checks']) == checks and all(model['checks'].values()), name
@@ -165,7 +167,6 @@ def check_real_models(stdout: str, data: dict):
     assert len(model['segments']['interleaved']) > len(model['segments']['blocks']) >= 1, name
   # GPT-2's LM head reads the token embedding (tied weights): it is updated at the end.
   assert list(data['models']['gpt2']['rest']) == ['transformer/wte']
-  assert data['models']['vit']['rest'] == {}
 
 
 def check_interventions(stdout: str, data: dict):
@@ -248,7 +249,7 @@ RUNS = {
     'per_example_nnx': ('bench_per_example.py', ['--api', 'nnx', '--sizes', 'tiny', '--models',
                                                  'mlp', '--repeats', '2'],
                         functools.partial(check_per_example, api='nnx', models=('mlp',))),
-    'real_models': ('bench_real_models.py', ['--quick'], check_real_models),
+    'real_models': ('bench_real_models.py', ['--quick', '--models', 'gpt2'], check_real_models),
 }
 
 

@@ -4,13 +4,22 @@ The committed notebooks carry their outputs (run at their default sizes), so a r
 results on the repository page; the test re-executes each one at small sizes
 (``PERTURBKIT_NOTEBOOK_SMALL=1``). The notebooks check their own numbers
 (``np.testing.assert_allclose`` in cells), so a failed comparison is a cell error here.
+
+The notebooks a test process runs share one kernel (starting one and importing JAX costs
+about 4 s, a third of a small notebook's run): before each notebook, ``%reset -f`` empties the
+kernel's namespace, so a notebook that used a name it does not define (or import) itself
+fails as in a fresh kernel. A kernel that died is replaced. A notebook that sets ``XLA_FLAGS``
+(its own host CPU devices, read when JAX starts) gets a fresh kernel of its own.
 """
 import pathlib
 
 import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+
+from host_devices import child_environment
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / 'notebooks').glob('*.ipynb'))
 TIMEOUT_S = 300
@@ -41,21 +50,51 @@ def test_notebook_committed_executed(path):
   assert path.stat().st_size < MAX_NOTEBOOK_BYTES, (path.name, path.stat().st_size)
 
 
-def run_small(path, monkeypatch):
-  """Runs the notebook at ``path`` top to bottom in a fresh kernel at its small sizes."""
+@pytest.fixture(scope='session')
+def kernel():
+  """``kernel(fresh)``: the kernel for the notebooks of this test process (a new one where
+  ``fresh``), started with the small sizes.
+
+  It inherits this process's environment (with conftest's cheaper XLA compile passes: at small
+  sizes the notebooks spend most of their time compiling) but not its host device count: a
+  notebook that wants several host devices sets its own. jupyter_client starts the 'python3'
+  kernel with sys.executable, so it sees the same installed packages.
+  """
+  environment = {**child_environment(), 'PERTURBKIT_NOTEBOOK_SMALL': '1'}
+  managers = []
+
+  def started(fresh: bool) -> KernelManager:
+    if fresh or not managers or not managers[-1].is_alive():
+      managers.append(KernelManager(kernel_name='python3'))
+      managers[-1].start_kernel(env=environment, cwd=str(NOTEBOOKS[0].parent))
+    return managers[-1] if not fresh else managers.pop()
+
+  yield started
+  for manager in managers:
+    if manager.has_kernel:
+      manager.shutdown_kernel(now=True)
+
+
+def run_small(path, kernel):
+  """Runs the notebook at ``path`` top to bottom at its small sizes, in the shared kernel with
+  its namespace emptied (in a fresh kernel, shut down after it, if it sets ``XLA_FLAGS``)."""
   nb = nbformat.read(path, as_version=4)
   first = next(cell for cell in nb.cells if cell.cell_type == 'code')
   assert 'PERTURBKIT_NOTEBOOK_SMALL' in first.source, 'the first code cell sets the sizes'
-  # The kernel inherits this process's environment (with conftest's cheaper XLA compile
-  # passes: at small sizes the notebooks spend most of their time compiling). jupyter_client
-  # starts the 'python3' kernel with sys.executable, so it sees the same installed packages.
-  monkeypatch.setenv('PERTURBKIT_NOTEBOOK_SMALL', '1')
-  client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name='python3',
+  fresh = 'XLA_FLAGS' in first.source
+  manager = kernel(fresh)
+  nb.cells.insert(0, nbformat.v4.new_code_cell('%reset -f'))
+  client = NotebookClient(nb, km=manager, timeout=TIMEOUT_S, kernel_name='python3',
                           resources={'metadata': {'path': str(path.parent)}})
   try:
     client.execute()
   except CellExecutionError as error:
     pytest.fail(f'{path.name} failed:\n{error}')
+  finally:
+    if client.kc is not None:
+      client.kc.stop_channels()
+    if fresh:
+      manager.shutdown_kernel(now=True)
 
 
 def _class_name(path) -> str:
@@ -66,9 +105,9 @@ def _runs_class(path):
   """``TestNotebook08Interpretability``: a class per notebook, so pytest-xdist (``--dist loadscope``) gives
   each notebook's run to whichever worker is free; a parametrized function would keep them all
   on one worker."""
-  def test_runs(self, monkeypatch):
+  def test_runs(self, kernel):
     del self
-    run_small(path, monkeypatch)
+    run_small(path, kernel)
   return type(_class_name(path), (), {'test_runs': test_runs, '__doc__': f'{path.name} runs.'})
 
 
