@@ -16,7 +16,6 @@
 """
 import functools
 import inspect
-import itertools
 
 import chex
 import flax.linen as nn
@@ -297,12 +296,13 @@ def attribution_by_hand(params, clean, corrupted):
 @pytest.mark.parametrize('changed_from', [0, 3])
 def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_from):
   """``jax.grad`` of a loss of the effects, with respect to the params and both inputs: one
-  ``jax.vmap`` (``batch_size=None``) and in batches of 2, each under ``jax.jit`` and outside
-  it, against the same loss of the patched runs written by hand; and ``jax.jvp`` of the
-  effects in batches, along all three, against ``jax.jvp`` of the hand-written ones. The
-  corrupted input differs from the clean one at every token, or from token 3 on: then the
-  patches of tokens 0-2 change nothing and in batches do not run, their effects are exactly
-  0, and their derivatives are not (moving the clean input there changes what they patch)."""
+  ``jax.vmap`` (``batch_size=None``) and in batches of 2, each under ``jax.jit`` (in batches
+  also outside it), against the same loss of the patched runs written by hand; and
+  ``jax.jvp`` of the effects in batches, along all three, against ``jax.jvp`` of the
+  hand-written ones. The corrupted input differs from the clean one at every token, or from
+  token 3 on: then the patches of tokens 0-2 change nothing and in batches do not run, their
+  effects are exactly 0, and their derivatives are not (moving the clean input there changes
+  what they patch)."""
   _, variables, clean, corrupted, metric = mlp
   corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
@@ -313,7 +313,7 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
   want = jax.grad(lambda *a: loss(by_hand(*a)), argnums=(0, 1, 2))(*args)
   assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
-  for batch_size, wrap in itertools.product((None, 2), (jax.jit, lambda f: f)):
+  for batch_size, wrap in ((None, jax.jit), (2, jax.jit), (2, lambda f: f)):
     patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
     got = wrap(jax.grad(lambda *a: loss(patch(*a).effects), argnums=(0, 1, 2)))(*args)
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
