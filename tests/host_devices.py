@@ -2,7 +2,8 @@
 
 ``conftest.py`` gives every test process 8 host CPU devices (``XLA_FLAGS`` is read when
 jax starts, so it sets them before importing jax): the multi-device checks run in the test
-process, on a mesh of :func:`data_mesh` or :func:`require_devices`' devices. A check that
+process, on a mesh of :func:`data_mesh` or :func:`require_devices`' devices
+(:func:`sharded_step`: a training step data-parallel over them). A check that
 needs processes of its own (``jax.distributed``, a fresh Python) starts them with
 :func:`child_environment`, which leaves the device count to the child.
 """
@@ -12,6 +13,7 @@ import re
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 DEVICES = 8
 
@@ -30,6 +32,14 @@ def require_devices(n: int = DEVICES) -> list[jax.Device]:
 def data_mesh(n: int = DEVICES, axis: str = 'data') -> Mesh:
   """A one-axis mesh over the first ``n`` devices, the batch's axis ``axis``."""
   return Mesh(np.array(require_devices(n)), (axis,))
+
+
+def sharded_step(step, mesh: Mesh | None = None):
+  """``step(state, x, y) -> (state, metrics)`` jitted under ``jax.shard_map`` over ``mesh``
+  (default :func:`data_mesh`): the state replicated, the batch split along ``'data'``."""
+  return jax.jit(jax.shard_map(step, mesh=data_mesh() if mesh is None else mesh,
+                               in_specs=(P(), P('data'), P('data')), out_specs=(P(), P()),
+                               check_vma=False))
 
 
 def child_environment() -> dict[str, str]:

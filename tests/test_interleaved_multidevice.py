@@ -2,25 +2,17 @@
 
 The test process has 8 host CPU devices (``conftest.py``); the step runs under
 ``jax.shard_map`` over them with ``axis_name='data'``, the reference under ``jax.jit`` on
-one device.
+one device. The plain model is the multi-process check's (``multiprocess_child.problem``).
 """
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 import perturbkit
-from host_devices import data_mesh
-
-
-class Net(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    h = nn.relu(nn.Dense(16)(x))
-    h = nn.relu(nn.Dense(16)(h)) + h
-    return nn.Dense(2)(h)
+from host_devices import sharded_step
+from multiprocess_child import problem
 
 
 class Block(nn.Module):
@@ -38,23 +30,11 @@ class Scanned(nn.Module):
     return nn.Dense(2)(h)
 
 
-def batch():
-  x = jax.random.normal(jax.random.key(1), (64, 5))
-  y = jax.random.normal(jax.random.key(2), (64, 2))
-  return x, y
-
-
-def mse_of(model):
-  return lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
-
-
 def one_device_and_eight(loss_fn, variables, x, y, steps, **options):
   """The states and metrics after ``steps`` steps on one device and on 8, checked equal."""
   single = perturbkit.interleaved(loss_fn, optax.adam(1e-2), **options)
   parallel = perturbkit.interleaved(loss_fn, optax.adam(1e-2), axis_name='data', **options)
-  step = jax.jit(jax.shard_map(parallel.step, mesh=data_mesh(),
-                               in_specs=(P(), P('data'), P('data')),
-                               out_specs=(P(), P()), check_vma=False))
+  step = sharded_step(parallel.step)
   s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
   for _ in range(steps):
     s1, m1 = jax.jit(single.step)(s1, x, y)
@@ -66,12 +46,10 @@ def one_device_and_eight(loss_fn, variables, x, y, steps, **options):
 
 def test_shard_map_step_equals_single_device():
   """Both schedules, three steps each, equal one device; and they differ from each other."""
-  x, y = batch()
-  model = Net()
-  variables = model.init(jax.random.key(0), x)
+  loss_fn, variables, x, y = problem()
   results = {}
   for propagate in ('updated', 'original'):
-    _, s8, _ = one_device_and_eight(mse_of(model), variables, x, y, 3, propagate=propagate)
+    _, s8, _ = one_device_and_eight(loss_fn, variables, x, y, 3, propagate=propagate)
     results[propagate] = float(jnp.abs(jax.tree.leaves(s8.params)[0]).sum())
   # The two schedules really differ, so the comparison above is not vacuous.
   assert results['updated'] != results['original'], results
@@ -80,9 +58,10 @@ def test_shard_map_step_equals_single_device():
 def test_scanned_blocks_step_equals_single_device():
   """Blocks in nn.scan: each iteration's step inside the scan's backward pass, its gradient
   averaged over the devices there, equals one device."""
-  x, y = batch()
+  _, _, x, y = problem()
   scanned = Scanned()
   variables = scanned.init(jax.random.key(0), x)
-  single, _, m8 = one_device_and_eight(mse_of(scanned), variables, x, y, 2)
+  mse = lambda v, x, y: jnp.mean((scanned.apply(v, x) - y) ** 2)
+  single, _, m8 = one_device_and_eight(mse, variables, x, y, 2)
   assert dict(single.segments(variables, x, y).iterations) == {'blocks/Dense_0': 3}
   assert m8['activation_grad_norm']['blocks/Dense_0'].shape == (3,)

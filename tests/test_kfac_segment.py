@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import perturbkit
 from test_kfac import MLP
-from host_devices import data_mesh
+from host_devices import sharded_step
 
 LR, DAMPING = 0.2, 0.1
 
@@ -224,9 +223,7 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
   single = perturbkit.interleaved(loss_fn, segment_optimizer(layers, **kfac))
   parallel = perturbkit.interleaved(
       loss_fn, segment_optimizer(layers, **kfac, axis_name='data'), axis_name='data')
-  step = jax.jit(jax.shard_map(parallel.step, mesh=data_mesh(),
-                               in_specs=(P(), P('data'), P('data')),
-                               out_specs=(P(), P()), check_vma=False))
+  step = sharded_step(parallel.step)
   s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
   for _ in range(2):
     s1, _ = jax.jit(single.step)(s1, x, y)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_models
 import perturbkit
-from host_devices import data_mesh
+from host_devices import data_mesh, sharded_step
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -391,9 +391,7 @@ def test_shard_map_on_8_devices_equals_one_device():
     single = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate)
     parallel = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate,
                                           axis_name='data')
-    step = jax.jit(jax.shard_map(parallel.step, mesh=mesh,
-                                 in_specs=(P(), P('data'), P('data')),
-                                 out_specs=(P(), P()), check_vma=False))
+    step = sharded_step(parallel.step, mesh)
     s1, s8 = single.init(model, x, y), parallel.init(model, x, y)
     for _ in range(3):
       s1, m1 = jax.jit(single.step)(s1, x, y)
