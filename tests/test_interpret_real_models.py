@@ -1,4 +1,5 @@
-"""perturbkit.interpret on unmodified Hugging Face BERT, ViT, Llama and ResNet (eval mode).
+"""perturbkit.interpret on unmodified Hugging Face BERT, ViT, Llama, ResNet (eval mode), Whisper
+and CLIP.
 
 Tiny configs built in code (``hf_models``); GPT-2 is covered in ``test_interpret.py``. Each
 model is checked against references that use no perturbkit code:
@@ -110,7 +111,31 @@ def _resnet(hf):
               layers=('resnet/encoder/stages/0', 'resnet/encoder/stages/1'), positions=(0, 1))
 
 
-MAKERS = {'bert': _bert, 'vit': _vit, 'llama': _llama, 'resnet_eval': _resnet}
+def _whisper(hf):
+  """The decoder's layers (self- and cross-attention) on a changed token; the audio features
+  fixed."""
+  ids, mask, positions = hf_models._tokens()
+  features = jax.random.normal(jax.random.key(3), (hf_models.BATCH, 8, 2 * hf_models.SEQ))
+  forward = lambda v, ids, **kw: hf.module.apply(v, features, ids, mask, positions, **kw)
+  return dict(forward=forward, head=lambda out: out.logits,
+              score=lambda logits: jnp.mean(logits[:, -1, 5] - logits[:, -1, 6]), clean=ids,
+              corrupted=ids.at[:, 2].set(7),
+              layers=('model/decoder/layers/0', 'model/decoder/layers/1'))
+
+
+def _clip(hf):
+  """The vision tower's layers on a changed image patch; the text fixed."""
+  ids, mask, positions = hf_models._tokens()
+  pixels = hf_models._image()
+  forward = lambda v, pixels, **kw: hf.module.apply(v, ids, pixels, mask, positions, **kw)
+  return dict(forward=forward, head=lambda out: out.logits_per_image,
+              score=lambda logits: jnp.mean(logits[:, 0] - logits[:, 1]), clean=pixels,
+              corrupted=pixels.at[:, :8, :8].set(0.0),  # the first of the four patches
+              layers=('vision_model/encoder/layers/0', 'vision_model/encoder/layers/1'))
+
+
+MAKERS = {'bert': _bert, 'vit': _vit, 'llama': _llama, 'resnet_eval': _resnet,
+          'whisper': _whisper, 'clip': _clip}
 
 
 # --- The independent reference: an interceptor of this file -----------------------------
