@@ -3,7 +3,7 @@
 ``conftest.py`` gives every test process 8 host CPU devices (``XLA_FLAGS`` is read when
 jax starts, so it sets them before importing jax): the multi-device checks run in the test
 process, on a mesh of :func:`data_mesh` or :func:`require_devices`' devices
-(:func:`sharded_step`: a training step data-parallel over them). A check that
+(:func:`sharded_step`, :func:`sharded_nnx_step`: a training step data-parallel over them). A check that
 needs processes of its own (``jax.distributed``, a fresh Python) starts them with
 :func:`child_environment`, which leaves the device count to the child.
 """
@@ -12,6 +12,7 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -40,6 +41,14 @@ def sharded_step(step, mesh: Mesh | None = None):
   return jax.jit(jax.shard_map(step, mesh=data_mesh() if mesh is None else mesh,
                                in_specs=(P(), P('data'), P('data')), out_specs=(P(), P()),
                                check_vma=False))
+
+
+def sharded_nnx_step(step):
+  """``step(model, optimizer, x, y) -> output`` under ``nnx.shard_map`` inside ``nnx.jit`` over
+  :func:`data_mesh`: the model and optimizer replicated, the batch split along ``'data'``, the
+  output replicated."""
+  return nnx.jit(nnx.shard_map(step, mesh=data_mesh(), in_specs=(P(), P(), P('data'), P('data')),
+                               out_specs=P(), check_vma=False))
 
 
 def child_environment() -> dict[str, str]:

@@ -8,11 +8,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx, traverse_util
-from jax.sharding import PartitionSpec as P
 
 import nnx_models
 import perturbkit
-from host_devices import data_mesh, sharded_step
+from host_devices import sharded_nnx_step, sharded_step
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -384,14 +383,13 @@ def test_shard_map_on_8_devices_equals_one_device():
   """The functional step under ``jax.shard_map`` on 8 devices, ``axis_name='data'``, equals
   one device on the whole batch for three steps, with either schedule; the schedules differ."""
   make, x, y, loss_fn = wide_problem()
-  mesh = data_mesh()
   results = {}
   for propagate in ('updated', 'original'):
     model = make()
     single = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate)
     parallel = perturbkit.nnx.interleaved(loss_fn, optax.adam(1e-2), propagate=propagate,
                                           axis_name='data')
-    step = sharded_step(parallel.step, mesh)
+    step = sharded_step(parallel.step)
     s1, s8 = single.init(model, x, y), parallel.init(model, x, y)
     for _ in range(3):
       s1, m1 = jax.jit(single.step)(s1, x, y)
@@ -413,9 +411,7 @@ def test_stateful_optimizer_on_8_devices_equals_one_device():
   o8 = perturbkit.nnx.InterleavedOptimizer(m8, optax.adam(1e-2), loss_fn, x, y,
                                            axis_name='data')
   step1 = nnx.jit(lambda m, o, x, y: o.step(m, x, y))
-  step8 = nnx.jit(nnx.shard_map(lambda m, o, x, y: o.step(m, x, y), mesh=data_mesh(),
-                                in_specs=(P(), P(), P('data'), P('data')), out_specs=P(),
-                                check_vma=False))
+  step8 = sharded_nnx_step(lambda m, o, x, y: o.step(m, x, y))
   for _ in range(2):
     l1, l8 = step1(m1, o1, x, y)['loss'], step8(m8, o8, x, y)['loss']
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(m8)), nnx.to_pure_dict(nnx.state(m1)),

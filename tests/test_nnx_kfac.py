@@ -9,12 +9,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import nnx_models as M
 import perturbkit
 from test_kfac import CNN, MLP, SequenceModel
-from host_devices import data_mesh
+from host_devices import sharded_nnx_step
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -472,9 +471,7 @@ def test_shard_map_on_8_devices_equals_one_device():
   m1, o1 = kfac_optimizer(layers, None)
   m8, o8 = kfac_optimizer(layers, 'data')
   step1 = nnx.jit(kfac_step(estimate, None))
-  step8 = nnx.jit(nnx.shard_map(kfac_step(estimate, 'data'), mesh=data_mesh(),
-                                in_specs=(P(), P(), P('data'), P('data')), out_specs=P(),
-                                check_vma=False))
+  step8 = sharded_nnx_step(kfac_step(estimate, 'data'))
   losses = []
   for _ in range(3):
     l1, l8 = step1(m1, o1, x, y), step8(m8, o8, x, y)

@@ -50,10 +50,16 @@ def test_notebook_committed_executed(path):
   assert path.stat().st_size < MAX_NOTEBOOK_BYTES, (path.name, path.stat().st_size)
 
 
+def _started_kernel(environment: dict[str, str]) -> KernelManager:
+  manager = KernelManager(kernel_name='python3')
+  manager.start_kernel(env=environment, cwd=str(NOTEBOOKS[0].parent))
+  return manager
+
+
 @pytest.fixture(scope='session')
 def kernel():
-  """``kernel(fresh)``: the kernel for the notebooks of this test process (a new one where
-  ``fresh``), started with the small sizes.
+  """``kernel(fresh)``: the kernel for the notebooks of this test process (a new one, the
+  caller's to shut down, where ``fresh``), started with the small sizes.
 
   It inherits this process's environment (with conftest's cheaper XLA compile passes: at small
   sizes the notebooks spend most of their time compiling) but not its host device count: a
@@ -61,18 +67,20 @@ def kernel():
   kernel with sys.executable, so it sees the same installed packages.
   """
   environment = {**child_environment(), 'PERTURBKIT_NOTEBOOK_SMALL': '1'}
-  managers = []
+  shared = []
 
   def started(fresh: bool) -> KernelManager:
-    if fresh or not managers or not managers[-1].is_alive():
-      managers.append(KernelManager(kernel_name='python3'))
-      managers[-1].start_kernel(env=environment, cwd=str(NOTEBOOKS[0].parent))
-    return managers[-1] if not fresh else managers.pop()
+    if fresh:
+      return _started_kernel(environment)
+    if not shared or not shared[0].is_alive():
+      if shared:
+        shared.pop().shutdown_kernel(now=True)
+      shared.append(_started_kernel(environment))
+    return shared[0]
 
   yield started
-  for manager in managers:
-    if manager.has_kernel:
-      manager.shutdown_kernel(now=True)
+  if shared:
+    shared[0].shutdown_kernel(now=True)
 
 
 def run_small(path, kernel):

@@ -120,12 +120,11 @@ def test_interpretability_per_device(front_end, capsys):
   one device on its shard. One progress bar per patching run, each filled once: the 4
   devices' sweeps are not added up (2 runs inside shard_map, check_vma on and off, and 4
   references, one per shard)."""
-  _, variables, linen_metric, x, x_other = linen_problem()
-  _, state, merged, nnx_metric = nnx_problem()
-  if front_end == 'linen':
-    api, params, wrap, metric = perturbkit, variables, lambda f: f, linen_metric
-  else:
-    api, params, wrap, metric = perturbkit.nnx, state, merged, nnx_metric
+  _, variables, metric, x, x_other = linen_problem()
+  api, params, wrap = perturbkit, variables, lambda f: f
+  if front_end == 'nnx':
+    _, params, wrap, metric = nnx_problem()
+    api = perturbkit.nnx
   capsys.readouterr()
   bars = 0
   for name, (fn, inputs) in interpret_family(api, metric).items():
