@@ -110,6 +110,7 @@ from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
+from perturbkit.errors import ExamplesCoupledError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import FeatureMapShapeError
 from perturbkit.errors import HasAuxOutputError
@@ -217,6 +218,7 @@ __all__ = [
     'EditShapeError',
     'EditViewError',
     'ExamplesAxisError',
+    'ExamplesCoupledError',
     'ExamplesMixedError',
     'FeatureMapShapeError',
     'HasAuxOutputError',

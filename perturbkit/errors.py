@@ -26,7 +26,7 @@ training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
 
 Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
-``ExamplesMixedError``, ``ExamplesAxisError``, ``AmbiguousInputError``,
+``ExamplesMixedError`` (``ExamplesCoupledError`` for DP-SGD), ``ExamplesAxisError``, ``AmbiguousInputError``,
 ``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
 ``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``; also
 ``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
@@ -443,6 +443,23 @@ class ExamplesMixedError(PerExampleError):
         'depend on the whole batch. Use a per-example normalization instead '
         '(nn.LayerNorm, nn.GroupNorm), or BatchNorm with `use_running_average=True`; a '
         'pairwise loss has no per-example gradients.')
+
+
+class ExamplesCoupledError(ExamplesMixedError):
+  """DP-SGD's loss computes an example's term from other examples' values too."""
+
+  def __init__(self, detail):
+    PerExampleError.__init__(
+        self,
+        "DP-SGD needs each example's loss term computed from that example alone, and here "
+        f"{detail}. Then removing one example also changes the other examples' gradients, "
+        'so clipping each to clip_norm no longer bounds the change of their sum, and the '
+        'noise does not give the privacy it is set for. For a token mean over the whole '
+        "batch (`jnp.sum(l * mask) / jnp.sum(mask)`), average each example's tokens by its "
+        'own count, `jnp.mean(jnp.sum(l * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1))`, or '
+        'divide by a fixed number (the expected token count); normalize inputs per example '
+        "or with fixed statistics, not with their batch's. `per_example_grad_norms` accepts "
+        'such a loss: its norms are those with the batch quantity held fixed.')
 
 
 class ExamplesAxisError(PerExampleError):

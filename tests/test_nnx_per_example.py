@@ -157,6 +157,21 @@ def test_private_grad_without_clipping_or_noise_is_nnx_grad():
   assert float(metrics['fraction_clipped']) == 0 and int(metrics['dropped']) == 0
 
 
+def test_private_grad_refuses_a_term_over_the_batch_token_count():
+  """DP-SGD refuses what the norms accept: each term divided by the whole batch's count."""
+  model, x = _cnn()
+
+  def loss_fn(model, x):
+    weights = (x[:, 0, 0, 0] > 0).astype(jnp.float32)
+    terms = jnp.sum(jnp.sin(model(x)) ** 2, axis=1)
+    return jnp.sum(terms * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+  jax.eval_shape(perturbkit.nnx.per_example_grad_norms(loss_fn), model, x)
+  with pytest.raises(perturbkit.ExamplesCoupledError, match='`div` combines values'):
+    jax.eval_shape(perturbkit.nnx.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0),
+                   model, jax.random.key(0), x)
+
+
 def test_private_grad_clips_and_noises_as_the_reference(references):
   model, x = _mlp()
   per_example = _reference(references, 'mlp', model, x, 'mean')

@@ -6,6 +6,8 @@ sum. Mixing on a path without params (data normalized by its batch, a token
 count, a ``stop_gradient``-ed statistic) is allowed, and the norms equal
 per-example gradients with that batch quantity held fixed.
 """
+from typing import Callable
+
 import chex
 import flax.linen as nn
 import jax
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 
 import perturbkit
-from test_per_example import TOL, assert_norms_match, cross_entropy, norms_of
+from test_per_example import (TOL, assert_norms_match, cross_entropy, norms_of,
+                              per_example_grads)
 
 
 class Towers(nn.Module):
@@ -342,3 +345,130 @@ def scanned_pairing(v, x, labels):
 ], ids=['running_center', 'pairing'])
 def test_mixing_in_a_scan_is_refused(loss_fn, match):
   assert_refused(loss_fn, match, LM_VARIABLES, TOKENS, LABELS)
+
+
+class Rearranged(nn.Module):
+  """A hidden layer whose rows go through ``mix`` before the output layer."""
+  mix: Callable[[jax.Array], jax.Array]
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name='out')(self.mix(jnp.tanh(nn.Dense(4, name='hidden')(x))))
+
+
+def rearranged_problem(mix):
+  model = Rearranged(mix)
+  variables = model.init(jax.random.key(0), X)
+  return (lambda v, x, y: jnp.mean(jnp.sum((model.apply(v, x) - y[:, :2]) ** 2, axis=1)),
+          variables)
+
+
+@pytest.mark.parametrize('mix', [
+    lambda h: jnp.roll(h, 1, axis=0),
+    lambda h: h[::-1],
+    lambda h: jnp.concatenate([h[1:], h[:1]]),
+    lambda h: jax.lax.dynamic_slice_in_dim(jnp.concatenate([h, h]), 2, len(X)),
+], ids=['roll', 'reverse', 'shift', 'dynamic_slice'])
+def test_layers_seeing_rearranged_rows_are_refused(mix):
+  """The next layer's row i is another example's: its gradient rows are not the examples'."""
+  loss_fn, variables = rearranged_problem(mix)
+  with pytest.raises(perturbkit.ExamplesAxisError, match='rearranged along the examples axis'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X, Y)
+
+
+def paired_after_split(h):
+  """Attention across the batch after ``jnp.split`` into queries and keys."""
+  queries, keys = jnp.split(h, 2, axis=1)
+  return h * jnp.sum(jnp.tanh(queries @ keys.T), axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize('mix, match', [
+    (lambda h: h + h[:1], 'values of fixed examples'),
+    (lambda h: h * h[jnp.arange(h.shape[0])[::-1]], 'values of fixed examples'),
+    (lambda h: h.at[0].add(h[-1]), 'writes values of fixed examples'),
+    (paired_after_split, 'pairs the examples'),
+], ids=['first_row', 'permuted_rows', 'scatter', 'after_split'])
+def test_rows_of_other_examples_are_refused(mix, match):
+  loss_fn, variables = rearranged_problem(mix)
+  assert_refused(loss_fn, match, variables, X, Y)
+
+
+def roll_negatives(v, x, y):
+  """Each example's negative is the next example's embedding: ``jnp.roll`` over the batch."""
+  a, b = MODEL.apply(v, x, y)
+  return jnp.mean(jax.nn.softplus(jnp.sum(a * jnp.roll(b, 1, axis=0), 1) - jnp.sum(a * b, 1)))
+
+
+def test_negatives_from_other_examples_are_refused():
+  assert_refused(roll_negatives, 'pairs the examples', VARIABLES, X, Y)
+
+
+@pytest.mark.parametrize('mix', [
+    lambda h: h[:, ::-1],
+    lambda h: jnp.concatenate(jnp.split(h, 2, axis=1)[::-1], axis=1),
+    lambda h: h[:, jnp.array([3, 1, 2, 0])],
+    lambda h: h.at[:, 0].set(h[:, 1]),
+    lambda h: jnp.concatenate([h[:2], h[2:3], h[3:]]),
+    lambda h: jnp.concatenate(jnp.split(h, [1], axis=0)),
+], ids=['reverse_features', 'split_features', 'gather_features', 'scatter_features',
+        'rows_back_in_order', 'split_rows_back_in_order'])
+def test_rearranging_features_keeps_the_examples(mix):
+  """Reversing, splitting, gathering or writing along other axes is each example's own."""
+  loss_fn, variables = rearranged_problem(mix)
+  assert_norms_match(loss_fn, variables, X, Y)
+
+
+def per_example_token_mean(v, x, y):
+  """Each example's masked mean over its own tokens, then the mean over examples."""
+  a, b = MODEL.apply(v, x, y)
+  losses, mask = (a - b) ** 2, (y[:, :4] > 0).astype(jnp.float32)
+  return jnp.mean(jnp.sum(losses * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1.0))
+
+
+def token_count_mean(v, x, y):
+  """The batch's token count divides every example's term."""
+  a, b = MODEL.apply(v, x, y)
+  losses, mask = (a - b) ** 2, (y[:, :4] > 0).astype(jnp.float32)
+  return jnp.sum(losses * mask) / jnp.sum(mask)
+
+
+def batch_normalized_inputs(v, x, y):
+  a, b = MODEL.apply(v, (x - x.mean(axis=0, keepdims=True)) / x.std(axis=0, keepdims=True), y)
+  return jnp.mean(jnp.sum((a - b) ** 2, axis=1))
+
+
+def stop_gradient_statistic(v, x, y):
+  a, b = MODEL.apply(v, x, y)
+  center = jax.lax.stop_gradient(a.mean(axis=0, keepdims=True))
+  return jnp.mean(jnp.sum((a - center) * b, axis=1) ** 2)
+
+
+@pytest.mark.parametrize('loss_fn, match', [
+    (token_count_mean, '`div` combines values with a quantity computed from the whole batch'),
+    (batch_normalized_inputs, 'combines values with a quantity computed from the whole batch'),
+    (stop_gradient_statistic, 'combines values with a quantity computed from the whole batch'),
+], ids=['token_count', 'normalized_inputs', 'stop_gradient_statistic'])
+def test_dp_refuses_terms_computed_from_other_examples(loss_fn, match):
+  """Norms hold the batch quantity fixed (above); DP-SGD's bound on one example's effect
+  would not hold, since removing it changes every other example's term."""
+  jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), VARIABLES, X, Y)
+  with pytest.raises(perturbkit.ExamplesCoupledError, match=match):
+    jax.eval_shape(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0),
+                   VARIABLES, jax.random.key(0), X, Y)
+
+
+def test_dp_sensitivity_of_a_per_example_token_mean():
+  """A per-example token mean is accepted, and dropping one example moves the clipped sum by
+  at most ``clip_norm``: the bound the noise is calibrated to, computed here by ``jax.grad``
+  of each example alone."""
+  clip = 0.05
+  private = jax.jit(perturbkit.private_grad(per_example_token_mean, clip_norm=clip,
+                                            noise_multiplier=0.0))
+  full, _ = private(VARIABLES, jax.random.key(0), X, Y)
+  fewer, _ = private(VARIABLES, jax.random.key(0), X[1:], Y[1:])
+  change = jax.tree.map(lambda f, g: len(X) * f - (len(X) - 1) * g, full, fewer)
+  alone = per_example_grads(per_example_token_mean, VARIABLES, X[:1], Y[:1])
+  _, norm = norms_of(alone)
+  want = jax.tree.map(lambda g: g[0] * jnp.minimum(1.0, clip / norm[0]), alone)
+  chex.assert_trees_all_close(change, want, **TOL)
+  assert float(norm[0]) > clip  # the first example is clipped

@@ -120,21 +120,36 @@ What is refused, and why
   Hugging Face's CLIP loss), a sum over the examples of such an array combined
   with each example again (a batch statistic, named with the module it happens
   in) or put through a nonlinear function (``sqrt(mean(...))``), a maximum, sort
-  or cumulative sum over the examples. Mixing among values without params is
+  or cumulative sum over the examples; each example combined with another's
+  values (``h + h[:1]``, ``h * h[perm]``, negatives from ``jnp.roll(z, 1, 0)``,
+  ``h.at[0].add(h[1])``). Mixing among values without params is
   allowed and gives the per-example gradients with that batch quantity fixed:
   inputs normalized by their batch, ``sum(loss · mask) / sum(mask)``, a
-  ``stop_gradient``-ed statistic (``tests/test_per_example_mixing.py``). Rows of
+  ``stop_gradient``-ed statistic (``tests/test_per_example_mixing.py``); DP-SGD
+  refuses these too (``ExamplesCoupledError``, below). Rows of
   the examples axis picked by per-example indices stay that example's (CLIP's
   text pooling). The walk follows axes that merge the examples with another
   (``(B, T, V) -> (B*T, V)`` before a cross-entropy) as rows grouped by example,
-  and ``lax.scan`` bodies; what it does not follow (``while`` loops, ``cond``,
-  scatters) it leaves alone;
+  slices, splits, reversals and concatenations along the examples axis (rows put
+  back in order are the examples again), and ``lax.scan`` bodies; what it does
+  not follow (``while`` loops, ``cond``, scatters with computed indices) it
+  leaves alone;
   ``check_per_example(loss_fn, variables, *args)`` compares the batch loss with
   the mean of each example's loss alone (one extra forward) and catches mixing
   there.
+* ``ExamplesCoupledError`` (DP-SGD only, a subclass of ``ExamplesMixedError``):
+  an example's term computed from other examples' data, even where no gradient
+  flows: a token mean over the whole batch (``sum(loss · mask) / sum(mask)``),
+  inputs normalized by their batch, a ``stop_gradient``-ed batch statistic.
+  Removing one example would then change every other example's gradient, so
+  clipping would not bound its effect and the noise would not give the privacy
+  it is set for. Average each example's tokens by its own count
+  (``jnp.mean(jnp.sum(l * mask, 1) / jnp.maximum(jnp.sum(mask, 1), 1))``) or
+  divide by a fixed number.
 * ``ExamplesAxisError``: the arguments disagree on the number of examples, or a
   layer's activations (or an input computed from the batch) do not carry them on
-  axis 0.
+  axis 0, or carry them in another order (rows reversed, rolled or shifted
+  along the examples axis before the layer).
 * ``AmbiguousInputError``, ``SharedCallError``: see "Which inputs are
   per-example".
 * ``UncoveredParamsError``: params that no call and no apply in the loss uses.

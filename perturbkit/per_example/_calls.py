@@ -219,8 +219,8 @@ def read_owners(needed: frozenset, where: _Reads, position: int,
 
 
 def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-              kwargs: dict, batch_axes: BatchAxes = 0
-              ) -> tuple[dict[Path, list[Use]], list[ReadUse], str | None,
+              kwargs: dict, batch_axes: BatchAxes = 0, private: bool = False
+              ) -> tuple[dict[Path, list[Use]], list[ReadUse], PerExampleError | None,
                          Callable[[Any], list[Any]]]:
   """Every outermost call of each param-owning module, in execution order, the reads, the mixing,
   and the params each read is given as a function of the model's params.
@@ -356,9 +356,9 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   live = [path[0] == 'params' for path in variable_leaves]
   mixed, misplaced = mixing(jaxpr, example_axes,
                             live + [False] * (len(example_axes) - len(live)),
-                            sum(len(leaves) for _, _, leaves in inputs))
+                            sum(len(leaves) for _, _, leaves in inputs), private)
   if mixed and not misplaced:  # the most basic error: no example has a gradient of its own
-    raise ExamplesMixedError(mixed)
+    raise mixed
   kinds = iter(source_kinds(jaxpr, batched))
   for path, index, leaves in inputs:
     uses[path][index] = uses[path][index]._replace(

@@ -241,6 +241,8 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
       ``noise_multiplier`` not a finite number >= 0.
     ReductionMismatchError: the loss is a sum over the examples and ``reduction``
       is ``'mean'``, or the other way round (see :func:`per_example_grad_norms`).
+    ExamplesCoupledError: an example's term is computed from other examples' data
+      (a token mean over the whole batch, inputs normalized by their batch).
     PRNGKeyError: (from the returned function) ``key`` is not a JAX random key,
       e.g. an integer seed.
 
@@ -265,7 +267,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     check_variables(variables, 'perturbkit.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
     result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
-                      batch_axes=batch_axes)
+                      batch_axes=batch_axes, private=True)
     check_reduction(variables, args, kwargs, result.num_examples)
     return privatize(result, variables['params'], key, clip_norm=clip_norm,
                      noise_multiplier=noise_multiplier, axis_name=axis_name,

@@ -153,6 +153,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     WrongFrontEndError: (from the returned function) the model is Linen variables.
     PRNGKeyError: (from the returned function) ``key`` is not a JAX random key.
     ReductionMismatchError: the loss's reduction is not ``reduction``.
+    ExamplesCoupledError: an example's term is computed from other examples' data.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -175,7 +176,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     check_module(model, 'perturbkit.nnx.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
     result = run_nnx_pass(loss_fn, model, args, kwargs, reduction=reduction,
-                          batch_axes=batch_axes)
+                          batch_axes=batch_axes, private=True)
     check_reduction(model, args, kwargs, result.num_examples)
     template = nnx.state(model, nnx.Param)
     return privatize(result, params_tree(template), key, clip_norm=clip_norm,

@@ -99,21 +99,22 @@ class NNXUses(NamedTuple):
     uses: ``{string path: [Use]}`` of each owner, in execution order (without
       those inside the model calls that cover it).
     paths: ``{string path: NNX path}`` (integer keys of ``nnx.List`` items kept).
-    mixed: How the loss mixes examples, when a call also sees them off axis 0 (raised
-      after the examples-axis checks, which name the axis problem), else ``None``.
+    mixed: The error for how the loss mixes examples, when a call also sees them off
+      axis 0 (raised after the examples-axis checks, which name the axis problem), else
+      ``None``.
     model_calls: The calls of the whole model, when some owners need their replay.
     covered: The owners (string paths) whose per-example gradients come from the
       per-example replay of the model calls (``_per_example_fallback``).
   """
   uses: dict[Path, list[Use]]
   paths: dict[Path, NNXPath]
-  mixed: str | None
+  mixed: PerExampleError | None
   model_calls: tuple[ModelCall, ...] = ()
   covered: frozenset = frozenset()
 
 
 def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict,
-                  batch_axes: BatchAxes = 0) -> NNXUses:
+                  batch_axes: BatchAxes = 0, private: bool = False) -> NNXUses:
   """Every outermost call of each param-owning submodule, with what its inputs come from.
 
   Owners no call of theirs can give per-example gradients to (called inside an
@@ -222,9 +223,9 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
   live = [True] * len(jax.tree.leaves(params))
   mixed, misplaced = mixing(jaxpr, example_axes, live + [False] * (len(example_axes) - len(live)),
                             sum(len(leaves) for _, _, leaves in inputs)
-                            + sum(len(leaves) for leaves in model_inputs))
+                            + sum(len(leaves) for leaves in model_inputs), private)
   if mixed and not misplaced:
-    raise ExamplesMixedError(mixed)
+    raise mixed
   sources = iter(source_kinds(jaxpr, [axis is not None for axis in example_axes]))
   for name, index, leaves in inputs:
     uses[name][index] = uses[name][index]._replace(sources=tuple(next(sources) for _ in leaves))
@@ -324,7 +325,7 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
 
 
 def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
-                 reduction: str, batch_axes: BatchAxes) -> Pass:
+                 reduction: str, batch_axes: BatchAxes, private: bool = False) -> Pass:
   """The loss and every param-owning module's uses, from one forward and backward pass.
 
   With owners covered by the model's calls (``find_nnx_uses``), one more forward
@@ -332,7 +333,7 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
   """
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  found = find_nnx_uses(loss_fn, model, args, kwargs, batch_axes)
+  found = find_nnx_uses(loss_fn, model, args, kwargs, batch_axes, private)
   called = {found.paths[name] for name, module_uses in found.uses.items() if module_uses}
   selected = lambda module, method_name: module_path(module) in called
   modules = dict(submodules(model))
@@ -366,5 +367,5 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
                         {k: v for k, v in subtree.items() if not isinstance(v, dict)},
                         tuple(model_reads) if name in found.covered else ()))
   if found.mixed:  # after the pairs: an examples axis in the wrong place is named as such first
-    raise ExamplesMixedError(found.mixed)
+    raise found.mixed
   return Pass(loss, num_examples, layers, scale)

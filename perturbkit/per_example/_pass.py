@@ -16,7 +16,6 @@ from perturbkit.per_example._batch import BatchAxes, count_examples, reduction_s
 from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_floats,
                                            direct_params, find_uses, merge_static,
                                            module_variables)
-from perturbkit.errors import ExamplesMixedError
 from perturbkit.per_example._fallback import check_sources
 from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
 from perturbkit.per_example._nested import nested_applies, nested_others, nested_params
@@ -141,11 +140,16 @@ def _grads_and_inputs(loss_fn: Callable[..., Any], reads: list[ReadUse],
 
 
 def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwargs: dict, *,
-             reduction: str, batch_axes: BatchAxes) -> Pass:
-  """The loss and every param-owning module's uses, from one forward and backward pass."""
+             reduction: str, batch_axes: BatchAxes, private: bool = False) -> Pass:
+  """The loss and every param-owning module's uses, from one forward and backward pass.
+
+  ``private`` (DP-SGD) also refuses a loss that combines different examples' data
+  (:class:`ExamplesCoupledError`).
+  """
   num_examples = count_examples(args, batch_axes)
   scale = reduction_scale(reduction, num_examples)
-  uses, reads, mixed, given_params = find_uses(loss_fn, variables, args, kwargs, batch_axes)
+  uses, reads, mixed, given_params = find_uses(loss_fn, variables, args, kwargs, batch_axes,
+                                                private)
   loss, found, grads, inputs = _grads_and_inputs(loss_fn, reads, uses, variables, args,
                                                  kwargs)
   read_grads = grads['params'][READS]
@@ -171,5 +175,5 @@ def run_pass(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     layers.append(Layer(path, pairs, params, direct_params(variables['params'], path),
                         layer_reads))
   if mixed:  # after the pairs: an examples axis in the wrong place is named as such first
-    raise ExamplesMixedError(mixed)
+    raise mixed
   return Pass(loss, num_examples, layers, scale)
