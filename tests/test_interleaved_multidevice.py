@@ -3,15 +3,19 @@
 The test process has 8 host CPU devices (``conftest.py``); the step runs under
 ``jax.shard_map`` over them with ``axis_name='data'``, the reference under ``jax.jit`` on
 one device. The plain model is the multi-process check's (``multiprocess_child.problem``).
+Every metric of the step (loss, gradient and activation gradient norms, the non-finite and
+skipped flags) equals one device's, on both front ends.
 """
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
+import nnx_models
 import perturbkit
-from host_devices import sharded_step
+from host_devices import sharded_nnx_step, sharded_step
 from multiprocess_child import problem
 
 
@@ -40,7 +44,7 @@ def one_device_and_eight(loss_fn, variables, x, y, steps, **options):
     s1, m1 = jax.jit(single.step)(s1, x, y)
     s8, m8 = step(s8, x, y)
   chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(m8['loss'], m1['loss'], rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(m8, m1, rtol=1e-5, atol=1e-6)
   return single, s8, m8
 
 
@@ -65,3 +69,48 @@ def test_scanned_blocks_step_equals_single_device():
   single, _, m8 = one_device_and_eight(mse, variables, x, y, 2)
   assert dict(single.segments(variables, x, y).iterations) == {'blocks/Dense_0': 3}
   assert m8['activation_grad_norm']['blocks/Dense_0'].shape == (3,)
+
+
+def squared_error_with_aux(predict):
+  """``(variables_or_model, x, y) -> (mean squared error, aux)``, the aux the mean absolute
+  error (averaged over the devices by the step, as the loss is) and the batch size (an integer:
+  each device's own)."""
+  def loss_fn(v, x, y):
+    error = predict(v, x) - y
+    return jnp.mean(error ** 2), {'mae': jnp.mean(jnp.abs(error)), 'examples': x.shape[0]}
+  return loss_fn
+
+
+def test_every_metric_equals_single_device_on_both_front_ends():
+  """Every metric of one step on 8 devices equals one device on the whole batch, for Linen's
+  ``interleaved`` and NNX's ``InterleavedOptimizer``: the activation gradient norms are the
+  whole batch's (not a device's own), and the model's second call of ``dense_1`` puts it in
+  ``REST``, whose flags are compared too."""
+  _, _, x, y = problem()
+  linen_model = nnx_models.LinenMLP()
+  variables = linen_model.init(jax.random.key(0), x)
+  apply = lambda v, x: linen_model.apply(v, x)
+  single = perturbkit.interleaved(squared_error_with_aux(apply), optax.sgd(0.1),
+                                  has_aux=True)
+  parallel = perturbkit.interleaved(squared_error_with_aux(apply), optax.sgd(0.1),
+                                    has_aux=True, axis_name='data')
+  _, m1 = jax.jit(single.step)(single.init(variables, x, y), x, y)
+  _, m8 = sharded_step(parallel.step)(parallel.init(variables, x, y), x, y)
+  assert set(m1['nonfinite']) == {'dense_0', 'dense_2', perturbkit.REST}, m1['nonfinite']
+  assert (int(m1['aux'].pop('examples')), int(m8['aux'].pop('examples'))) == (64, 8)
+  chex.assert_trees_all_close(m8, m1, rtol=1e-5, atol=1e-6)
+
+  make = lambda: nnx_models.MLP(5, 6, 2, rngs=nnx.Rngs(0))
+  call = lambda model, x: model(x)
+  model1, model8 = make(), make()
+  opt1 = perturbkit.nnx.InterleavedOptimizer(model1, optax.sgd(0.1),
+                                             squared_error_with_aux(call), x, y,
+                                             has_aux=True)
+  opt8 = perturbkit.nnx.InterleavedOptimizer(model8, optax.sgd(0.1),
+                                             squared_error_with_aux(call), x, y,
+                                             has_aux=True, axis_name='data')
+  n1 = nnx.jit(lambda m, o, x, y: o.step(m, x, y))(model1, opt1, x, y)
+  n8 = sharded_nnx_step(lambda m, o, x, y: o.step(m, x, y))(model8, opt8, x, y)
+  assert set(n1['activation_grad_norm']) == {'dense_0', 'dense_2'}, n1
+  assert (int(n1['aux'].pop('examples')), int(n8['aux'].pop('examples'))) == (64, 8)
+  chex.assert_trees_all_close(n8, n1, rtol=1e-5, atol=1e-6)

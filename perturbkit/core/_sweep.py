@@ -332,6 +332,36 @@ def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
           'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
 
 
+def whole_batch_norms(local_norms: PyTree, axis_name: str) -> PyTree:
+  """The norms of the whole batch's activation gradients, from each device's own.
+
+  A data-parallel step minimises the mean of the devices' losses,
+  ``L = (1/D) sum_d L_d`` (``pmean`` of the gradients). A device's activations
+  reach only its own ``L_d``, so their gradient is ``g_d / D``, with ``g_d`` the
+  device's own cotangent; the whole batch's activation gradient is the
+  concatenation of these, of norm ``sqrt(sum_d |g_d|^2) / D``. For a mean loss
+  over equal shards this is the norm one device sees on the whole batch.
+  Norms of a scanned segment (one per iteration) are combined entrywise.
+  """
+  devices = jax.lax.psum(1, axis_name)
+  return jax.tree.map(lambda n: jnp.sqrt(jax.lax.psum(jnp.square(n), axis_name)) / devices,
+                      local_norms)
+
+
+def device_mean(tree: PyTree, axis_name: str | None) -> PyTree:
+  """``tree``'s floating-point leaves averaged over ``axis_name`` (``pmean``); other leaves
+  (counts, flags) as this device has them. Unchanged without an axis.
+
+  The loss and its aux are averaged as the gradients are: a data-parallel step
+  minimises the mean of the devices' losses.
+  """
+  if axis_name is None:
+    return tree
+  return jax.tree.map(
+      lambda leaf: jax.lax.pmean(leaf, axis_name)
+      if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) else leaf, tree)
+
+
 def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: Mapping,
            axis_name: str | None) -> tuple[dict, dict, dict]:
   """The step after the sweep: ``(new params, new opt_state, metrics)``.
@@ -375,7 +405,7 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
     new_groups[name] = new_w
   act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
   if axis_name is not None:
-    act_norms = jax.lax.pmean(act_norms, axis_name)
+    act_norms = whole_batch_norms(act_norms, axis_name)
   global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
   metrics = {'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
              'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,

@@ -27,7 +27,7 @@ from perturbkit.core._points import COLLECTION
 from perturbkit.linen._segments import segmented_loss, with_iteration_state
 from perturbkit.core._sweep import Interleaved
 from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
-                               check_opt_state, check_optimizer, clip_scale, finish, group,
+                               check_opt_state, check_optimizer, clip_scale, device_mean, finish, group,
                                init_opt_state, input_mismatch, input_shapes)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
@@ -217,10 +217,25 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     * Mutable collections (``batch_stats``) are updated once per step; rng
       users (dropout) draw the same numbers in every replay of a segment, and
       the same as the plain model.
-    * ``metrics`` holds ``'loss'``, ``'grad_norm'[name]`` and
-      ``'activation_grad_norm'[name]`` per segment, and the skipped non-finite
-      steps (``'segment_skipped'[name]``, ``'skipped'``, or ``'nonfinite'[name]``
-      with ``skip_nonfinite=False``).
+    * ``metrics`` holds ``'loss'``, ``'grad_norm'[name]`` (the norm of the
+      segment's gradient) and ``'activation_grad_norm'[name]`` (the norm of the
+      loss's gradient at the segment's output) per segment,
+      ``'global_grad_norm'`` (all params, ``REST`` included), the skipped
+      non-finite steps (``'segment_skipped'[name]``, ``'skipped'``, or
+      ``'nonfinite'[name]`` with ``skip_nonfinite=False``), and ``'aux'`` with
+      ``has_aux``.
+    * With ``axis_name``, every metric is the whole batch's, equal to one
+      device on it (the step minimises the mean of the devices' losses, which
+      for a mean loss over equal shards is the whole batch's loss): ``'loss'``
+      is averaged over the devices, the gradient norms are those of the
+      averaged gradients, the flags come from these (every device skips the
+      same steps), and ``'activation_grad_norm'`` is the norm of the whole
+      batch's activation gradient, ``sqrt(psum(|g_d|^2)) / D`` for ``D``
+      devices with output cotangents ``g_d`` of their own losses, not a
+      device's own norm. The floating-point leaves of ``'aux'`` are averaged
+      over the devices as the loss is (the whole batch's value for a mean over
+      the batch; a sum over the batch comes back divided by ``D``); its
+      integer and boolean leaves are each device's own.
     * Per-example clipping (DP-SGD) cannot be combined with it: see
       ``perturbkit.dp_sgd`` (``InterleavedClippingError``); optax's own DP
       transformation as the optimizer raises ``OptaxPrivacyError``.
@@ -240,7 +255,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                                    out_specs=(P(), P()), check_vma=False))
 
     Each segment's gradient is all-reduced (``pmean``) before its update, and
-    the result equals one device on the whole batch
+    the result, metrics included, equals one device on the whole batch
     (``tests/test_interleaved_multidevice.py``, 8 host CPU devices). On a
     cluster, run the same script on every host after
     ``jax.distributed.initialize()`` (coordinator address, number of processes
@@ -362,8 +377,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     (loss, (aux, mutated)), (grads, carried) = jax.value_and_grad(
         differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
     new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept, axis_name)
-    if axis_name is not None:
-      loss = jax.lax.pmean(loss, axis_name)
+    loss, aux = device_mean((loss, aux), axis_name)
     global_norm = metrics['global_grad_norm']
     kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
     new_variables = {**variables, **mutated, 'params': new_params}

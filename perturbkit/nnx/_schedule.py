@@ -27,7 +27,7 @@ from perturbkit.core._input_types import TypesSeen
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
-                                    check_opt_state, check_optimizer, clip_scale,
+                                    check_opt_state, check_optimizer, clip_scale, device_mean,
                                     explaining_inputs, finish, group, init_opt_state,
                                     input_shapes)
 from perturbkit.core._types import CallFilter
@@ -130,8 +130,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
       differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
   new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept,
                                               settings.axis_name)
-  if settings.axis_name is not None:
-    loss = jax.lax.pmean(loss, settings.axis_name)
+  loss, aux = device_mean((loss, aux), settings.axis_name)
   global_norm = metrics['global_grad_norm']
   kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, grad_norm)
   metrics = {'loss': loss, **metrics}
@@ -395,7 +394,9 @@ class InterleavedOptimizer(nnx.Pytree):
     Returns:
       The metrics: ``loss``, ``grad_norm``, ``activation_grad_norm``,
       ``global_grad_norm``, ``nonfinite``, ``skipped``, ``segment_skipped``
-      (and ``aux`` with ``has_aux``).
+      (and ``aux`` with ``has_aux``); with ``axis_name``, the whole batch's,
+      as one device on it reports them (see "metrics" in
+      ``help(perturbkit.interleaved)``).
     """
     _check_model(model)
     with explaining_inputs(dict(self.example_shapes), args, _OPTIMIZER_CALL):
