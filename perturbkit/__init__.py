@@ -128,6 +128,7 @@ from perturbkit.errors import MetricGapError
 from perturbkit.errors import LossNotCallableError
 from perturbkit.errors import MissingHasAuxError
 from perturbkit.errors import NonDifferentiableOutputError
+from perturbkit.errors import NoSegmentError
 from perturbkit.errors import NonScalarLossError
 from perturbkit.errors import NonScalarMetricError
 from perturbkit.errors import NoPerturbationPointsError
@@ -236,6 +237,7 @@ __all__ = [
     'LossNotCallableError',
     'MissingHasAuxError',
     'NonDifferentiableOutputError',
+    'NoSegmentError',
     'NonScalarLossError',
     'NonScalarMetricError',
     'NoPerturbationPointsError',

@@ -22,6 +22,8 @@ not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.apply``),
 ``ActivationsUnavailableError``, ``SegmentationError``, ``SharedSegmentError``,
+``NoSegmentError`` (no call of the loss can be a segment; the message says why
+and what to change),
 ``StateMismatchError``, ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
 ``nn.scan``/``nn.vmap`` without ``'perturbations'`` in ``variable_axes``).
 
@@ -175,6 +177,51 @@ class SharedSegmentError(SegmentationError):
         'use (e.g. the parent module, `segments=perturbkit.filters.by_path(...)`), or leave '
         'the module out of the segments: the default segments put such params in '
         'perturbkit.REST, updated at the end with their full gradient.')
+
+
+class NoSegmentError(SegmentationError):
+  """No call of the loss can be a segment: every param-owning module failed a check.
+
+  ``reasons`` maps each module to ``(kind, why)``; the message says, for each
+  kind, what to change.
+  """
+
+  FIXES = {
+      'shared': (
+          'A loss that applies the model twice (a siamese or contrastive loss) calls every '
+          'layer twice: apply it once to the inputs concatenated along the batch axis and '
+          'split the output (`out = model.apply(v, jnp.concatenate([a, b])); oa, ob = '
+          'jnp.split(out, 2)`). A layer the model itself calls twice is taken whole by a '
+          'segment containing every call: `segments=1`, or a filter selecting the module '
+          'that makes the calls.'),
+      'outside': (
+          'Move a loss term on the weights into the optimizer: for `c * sum(w ** 2)`, '
+          'chain `optax.add_decayed_weights(2 * c)` before it (`optax.chain('
+          'optax.add_decayed_weights(2 * c), optax.adam(1e-3))`), the same gradient. Tied '
+          'weights read by two modules are taken whole by a segment containing both reads '
+          '(their common parent: `segments=1`, or a filter selecting it).'),
+      'output': 'Return from the loss only what changes, not the params (see the reason).',
+      'root': (
+          'Params created by the root module itself belong to no submodule call: create '
+          'them in a submodule (a small module holding the param, called by the root).'),
+      'uncalled': 'Call the module in the loss, or leave its params out of the variables.',
+      'transform': (
+          'Slice the params along their first axis (Linen: `variable_axes={"params": 0}`; '
+          'NNX: `nnx.scan(..., in_axes=0)` over modules made with `nnx.vmap`), or apply '
+          'the transform inside a module of its own, whose call then takes it whole.'),
+  }
+
+  def __init__(self, reasons):
+    by_kind = {}
+    for name, (kind, why) in reasons.items():
+      by_kind.setdefault(kind, []).append((name or '(root)', why))
+    parts = [f'[{_listed(name for name, _ in items)}]: {items[0][1]}. '
+             f'{self.FIXES.get(kind, "")}'.strip()
+             for kind, items in by_kind.items()]
+    super().__init__(
+        'No call can be a segment, so the interleaved schedule has nothing to update '
+        'inside the backward pass. ' + ' '.join(parts) + ' Otherwise, train with the '
+        'ordinary gradient (`jax.grad` and optax).')
 
 
 class StateMismatchError(PerturbkitError, ValueError):

@@ -513,3 +513,25 @@ class Pair(nn.Module):
   def __call__(self, x):
     y = nn.Dense(self.width)(x)
     return y, jnp.argmax(y, axis=-1)
+
+
+class LoRADense(nn.Dense):
+  """``nn.Dense`` plus a low-rank update; its call runs ``nn.Dense``'s through ``super()``."""
+  rank: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    a = self.param('lora_a', nn.initializers.normal(0.3), (x.shape[-1], self.rank))
+    b = self.param('lora_b', nn.initializers.normal(0.3), (self.rank, self.features))
+    return super().__call__(x) + x @ a @ b
+
+
+class LoRANet(nn.Module):
+  """``head(tanh(hidden(x)))`` of two ``LoRADense`` (``hand_lora.updated_sgd_step``)."""
+  width: int = 6
+  out: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(LoRADense(self.width, name='hidden')(x))
+    return LoRADense(self.out, name='head')(h)

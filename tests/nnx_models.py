@@ -366,3 +366,30 @@ def mse(model, x, y=None):
 
 def random_batch(shape, seed: int = 0):
   return jax.random.normal(jax.random.key(seed), shape)
+
+
+class LoRALinear(nnx.Linear):
+  """``nnx.Linear`` plus a low-rank update; its call runs ``nnx.Linear``'s through a method of
+  its own, ``base``, which calls ``super().__call__``."""
+
+  def __init__(self, din: int, dout: int, *, rank: int = 2, rngs: nnx.Rngs):
+    super().__init__(din, dout, rngs=rngs)
+    self.lora_a = nnx.Param(0.3 * jax.random.normal(rngs.params(), (din, rank)))
+    self.lora_b = nnx.Param(0.3 * jax.random.normal(rngs.params(), (rank, dout)))
+
+  def __call__(self, x):
+    return self.base(x) + x @ self.lora_a[...] @ self.lora_b[...]
+
+  def base(self, x):
+    return super().__call__(x)
+
+
+class LoRANet(nnx.Module):
+  """``head(tanh(hidden(x)))`` of two ``LoRALinear`` (``hand_lora.updated_sgd_step``)."""
+
+  def __init__(self, din: int = 3, width: int = 6, dout: int = 2, *, rngs: nnx.Rngs):
+    self.hidden = LoRALinear(din, width, rngs=rngs)
+    self.head = LoRALinear(width, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.hidden(x)))

@@ -7,6 +7,8 @@ import numpy as np
 import optax
 import pytest
 
+import hand_lora
+import models
 import perturbkit
 from flax.core.scope import LazyRng
 
@@ -525,3 +527,95 @@ def test_a_segment_calling_its_own_helper_method_is_one_call():
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
+
+
+def lora_problem():
+  model = models.LoRANet()
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  y = jax.random.normal(jax.random.key(2), (8, 2))
+  return model, model.init(jax.random.key(0), x), x, y
+
+
+def test_a_dense_subclass_calling_super_is_one_segment_original_equals_standard_steps():
+  """``super().__call__`` inside a LoRA ``nn.Dense`` is part of the layer's call, not a second
+  use of its weights: each layer is a segment, and two ``'original'`` adam steps equal
+  ``jax.grad`` + optax."""
+  model, v, x, y = lora_problem()
+  tx = perturbkit.interleaved(mse(model), optax.adam(1e-2), propagate='original')
+  listing = tx.segments(v, x, y)
+  assert (listing.segments, listing.rest) == (('hidden', 'head'), {})
+  step = jax.jit(tx.step)
+
+  @jax.jit
+  def standard_step(params, opt_state):
+    g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(params)
+    updates, opt_state = optax.adam(1e-2).update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  state = tx.init(v, x, y)
+  params, opt_state = v['params'], optax.adam(1e-2).init(v['params'])
+  for _ in range(2):
+    state, _ = step(state, x, y)
+    params, opt_state = standard_step(params, opt_state)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+
+
+def test_a_dense_subclass_calling_super_updated_matches_hand_coded_backward():
+  model, v, x, y = lora_problem()
+  tx = perturbkit.interleaved(mse(model), optax.sgd(0.5))
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  chex.assert_trees_all_close(state.params, hand_lora.updated_sgd_step(v['params'], x, y, 0.5),
+                              **TOL)
+
+
+def weight_penalty(v, only=None):
+  return 1e-3 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(v['params'][only] if only else
+                                                                v['params']))
+
+
+def standard_sgd_step(loss_fn, v, x, y, lr=0.1):
+  g = jax.grad(lambda p: loss_fn({'params': p}, x, y))(v['params'])
+  return sgd_step(v['params'], g, lr)
+
+
+def test_a_loss_applying_the_model_twice_says_to_apply_it_once_and_that_fix_works():
+  """A siamese loss calls every layer twice, so no call can be a segment; the fix the error
+  gives (one apply on the concatenated inputs) is a segment per layer and the same step."""
+  model, v, x, y = lora_problem()
+  siamese = lambda v, x, y: jnp.mean((model.apply(v, x) - model.apply(v, x[::-1])) ** 2)
+  with pytest.raises(perturbkit.NoSegmentError, match='concatenated along the batch axis'):
+    perturbkit.interleaved(siamese, optax.sgd(0.1)).init(v, x, y)
+
+  def once(v, x, y):
+    first, second = jnp.split(model.apply(v, jnp.concatenate([x, x[::-1]])), 2)
+    return jnp.mean((first - second) ** 2)
+
+  tx = perturbkit.interleaved(once, optax.sgd(0.1), propagate='original')
+  assert tx.segments(v, x, y).segments == ('hidden', 'head')
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  chex.assert_trees_all_close(state.params, standard_sgd_step(siamese, v, x, y), **TOL)
+
+
+def test_a_penalty_on_every_weight_says_to_give_it_to_the_optimizer_and_that_fix_works():
+  """``c * sum(w ** 2)`` in the loss reads every param outside its call; the fix the error
+  gives (``optax.add_decayed_weights(2 * c)`` before the optimizer) is the same step."""
+  model, v, x, y = lora_problem()
+  penalized = lambda v, x, y: mse(model)(v, x, y) + weight_penalty(v)
+  with pytest.raises(perturbkit.NoSegmentError, match='optax.add_decayed_weights'):
+    perturbkit.interleaved(penalized, optax.sgd(0.1)).init(v, x, y)
+  tx = perturbkit.interleaved(mse(model), optax.chain(optax.add_decayed_weights(2e-3),
+                                                      optax.sgd(0.1)), propagate='original')
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  chex.assert_trees_all_close(state.params, standard_sgd_step(penalized, v, x, y), **TOL)
+
+
+def test_a_penalty_on_one_layer_puts_it_in_rest_and_original_equals_standard_step():
+  """As documented: a module whose params the loss also reads goes to REST, the others stay
+  segments, and the step is still the standard one."""
+  model, v, x, y = lora_problem()
+  loss_fn = lambda v, x, y: mse(model)(v, x, y) + weight_penalty(v, 'hidden')
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), propagate='original')
+  listing = tx.segments(v, x, y)
+  assert listing.segments == ('head',) and 'read outside' in listing.rest['hidden'], listing
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  chex.assert_trees_all_close(state.params, standard_sgd_step(loss_fn, v, x, y), **TOL)

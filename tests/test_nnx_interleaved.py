@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx, traverse_util
 
+import hand_lora
 import nnx_models
 import perturbkit
 from host_devices import sharded_nnx_step, sharded_step
@@ -869,3 +870,41 @@ def test_int_segments_in_containers_step_as_the_linen_twin(depth, propagate):
   # Two steps moved every segment.
   moved = jax.tree.map(lambda a, b: not np.allclose(a, b), got, variables['params'])
   assert all(jax.tree.leaves(moved))
+
+
+def lora_batch():
+  return (jax.random.normal(jax.random.key(1), (8, 3)),
+          jax.random.normal(jax.random.key(2), (8, 2)))
+
+
+def test_a_linear_subclass_calling_its_own_method_is_one_segment_original_equals_standard():
+  """``LoRALinear.__call__`` calls its own ``base``, which calls ``super().__call__``: part of
+  the layer's call, not a second use of its weights. Each layer is a segment, and two
+  ``'original'`` adam steps equal ``nnx.value_and_grad`` + ``nnx.Optimizer``."""
+  x, y = lora_batch()
+  model, reference = nnx_models.LoRANet(rngs=nnx.Rngs(0)), nnx_models.LoRANet(rngs=nnx.Rngs(0))
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), mse, x, y,
+                                            propagate='original')
+  listing = opt.segments(model, x, y)
+  assert (listing.segments, listing.rest) == (('hidden', 'head'), {})
+  losses = [interleaved_step(model, opt, x, y)['loss'] for _ in range(2)]
+  expected = standard_steps(reference, optax.adam(1e-2), mse, [(x, y)] * 2)
+  chex.assert_trees_all_close(params_of(model), params_of(reference), **TOL)
+  chex.assert_trees_all_close(losses, expected, **TOL)
+
+
+def test_a_linear_subclass_calling_its_own_method_updated_matches_hand_coded_backward():
+  x, y = lora_batch()
+  model = nnx_models.LoRANet(rngs=nnx.Rngs(0))
+  expected = hand_lora.updated_sgd_step(params_of(model), x, y, 0.5)
+  interleaved_step(model, perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.5), mse, x, y),
+                   x, y)
+  chex.assert_trees_all_close(params_of(model), expected, **TOL)
+
+
+def test_a_loss_calling_the_model_twice_says_what_to_change():
+  x, y = lora_batch()
+  siamese = lambda model, x, y: jnp.mean((model(x) - model(x[::-1])) ** 2)
+  tx = perturbkit.nnx.interleaved(siamese, optax.sgd(0.1))
+  with pytest.raises(perturbkit.NoSegmentError, match='concatenated along the batch axis'):
+    tx.segments(nnx_models.LoRANet(rngs=nnx.Rngs(0)), x, y)

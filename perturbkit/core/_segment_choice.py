@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from perturbkit.errors import SegmentationError, SharedSegmentError
+from perturbkit.errors import NoSegmentError, SegmentationError, SharedSegmentError
 from perturbkit.core._types import CallFilter
 
 Path = tuple[str | int, ...]
@@ -74,12 +74,16 @@ class CallRecord(NamedTuple):
     iterations: ``L`` where the call sees its params sliced from params stacked
       ``(L, ...)`` along their first axis (a scan's iteration), which a
       segment can update slice by slice; 0 otherwise.
+    nested: The call is made while a call of the same module runs (a method
+      calling another of its own methods, or ``super().__call__``): it is part
+      of that call, not a second use of the module's params.
   """
   path: Path
   transformed: bool
   selected: bool
   key: str = '__call__'
   iterations: int = 0
+  nested: bool = False
 
 
 def leading_length(tree: Any) -> int | None:
@@ -120,6 +124,27 @@ def note_segment_call(called: dict, name: str, path: Path, key: str, scanned: bo
   if path in called and (not scanned or called[path] != key):
     raise SharedSegmentError(name, 'it is called more than once in one step')
   called[path] = key
+
+
+class OpenCalls:
+  """The modules whose calls are running, innermost last, as a recorder meets them.
+
+  ``around(path, run)`` runs one call; ``nested(path)`` says whether a call of
+  ``path`` starts inside a running call of the same module.
+  """
+
+  def __init__(self):
+    self.paths: list[Path] = []
+
+  def nested(self, path: Path) -> bool:
+    return path in self.paths
+
+  def around(self, path: Path, run: Callable[[], Any]) -> Any:
+    self.paths.append(path)
+    try:
+      return run()
+    finally:
+      self.paths.pop()
 
 
 def name_of(path: Path) -> str:
@@ -199,10 +224,15 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     The :class:`Segmentation`.
 
   Raises:
-    SegmentationError: nothing can be a segment, or a chosen one is never called.
+    NoSegmentError: nothing can be a segment (a ``SegmentationError``).
+    SegmentationError: a chosen segment is never called.
     SharedSegmentError: a chosen segment's params are used by more than its call.
     Exception: ``in_transform_error(name)`` for a chosen segment in a transform.
   """
+  # A call inside a call of the same module is part of it (the segment's replay runs it);
+  # a filter selecting the inner call selects the module's call.
+  selected = {c.path for c in calls if c.selected}
+  calls = [c._replace(selected=c.path in selected) for c in calls if not c.nested]
   count = collections.Counter(c.path for c in calls if not c.transformed)
   stacked_keys: dict[Path, set[str]] = {}
   for c in calls:
@@ -216,6 +246,7 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   iterations = {c.path: c.iterations for c in calls if c.transformed and c.iterations}
   transformed = {c.path for c in calls if c.transformed and not c.iterations}
   by_name = {name_of(p): p for p in {c.path for c in calls} | set(owners)}
+  # rest: {module: (kind of reason, reason)}; the kind picks NoSegmentError's advice.
   if spec is None:
     chosen, rest = _layerwise(owners, count, transformed, transforms)
   else:
@@ -229,14 +260,14 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
       if spec is not None:
         raise SharedSegmentError(name, _outside_reason(what))
       chosen.discard(by_name[name])
-      rest[name] = _outside_reason(what)
+      rest[name] = ('output' if 'output' in what else 'outside', _outside_reason(what))
     # The segments left are checked again, as a step checks them: reads are judged
     # among the segments chosen, so the choice passes its own check.
     reads = outside_reads(in_order(chosen), scanned(chosen)) if chosen else {}
   if not chosen:
-    raise SegmentationError(
-        'No call can be a segment: ' + '; '.join(f'{k}: {v}' for k, v in rest.items())[:600])
-  return Segmentation(tuple(name_of(p) for p in in_order(chosen)), rest, scanned(in_order(chosen)))
+    raise NoSegmentError(rest)
+  return Segmentation(tuple(name_of(p) for p in in_order(chosen)),
+                      {name: why for name, (_, why) in rest.items()}, scanned(in_order(chosen)))
 
 
 def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
@@ -269,21 +300,24 @@ def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
 
 
 def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[Path],
-               transforms: str) -> tuple[set[Path], dict[str, str]]:
-  """Every module owning params directly, or its nearest enclosing call that can be one."""
+               transforms: str) -> tuple[set[Path], dict[str, tuple[str, str]]]:
+  """Every module owning params directly, or its nearest enclosing call that can be one.
+
+  The modules left out map to ``(kind, reason)``.
+  """
   chosen: set[Path] = set()
-  rest: dict[str, str] = {}
+  rest: dict[str, tuple[str, str]] = {}
   for owner in owners:
     target = owner
     # Copied or sliced params: the nearest enclosing plain call takes them.
     while target and owner in transformed and (target in transformed or count[target] == 0):
       target = target[:-1]
     if not target or count[target] == 0:
-      why = (f'it runs inside {transforms} and no enclosing call can be a segment'
-             if owner in transformed else
-             'its params belong to the root module itself' if not owner else
-             'it is not called as a submodule by the loss')
-      rest[name_of(owner)] = why
+      rest[name_of(owner)] = (
+          ('transform', f'it runs inside {transforms} and no enclosing call can be a segment')
+          if owner in transformed else
+          ('root', 'its params belong to the root module itself') if not owner else
+          ('uncalled', 'it is not called as a submodule by the loss'))
       continue
     chosen.add(target)
   # A segment's replay covers everything called inside it.
@@ -291,5 +325,5 @@ def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[P
   for p in sorted(chosen, key=lambda p: tuple(map(str, p))):
     if count[p] > 1:
       chosen.discard(p)
-      rest[name_of(p)] = f'it is called {count[p]} times in one step (shared weights)'
+      rest[name_of(p)] = ('shared', f'it is called {count[p]} times in one step (shared weights)')
   return chosen, rest

@@ -103,7 +103,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       cannot be updated inside the sweep (a module called twice, tied weights
       read outside their call, params stacked other than along their first
       axis) go to ``REST`` or to the nearest enclosing call, with the reason
-      listed by ``segments(...)``. An ``int`` depth or a call filter (e.g.
+      listed by ``segments(...)`` (if none is left, :class:`NoSegmentError`
+      says what to change). An ``int`` depth or a call filter (e.g.
       ``filters.by_type(Block)``) chooses coarser segments; for those a shared
       or outside-read segment raises :class:`SharedSegmentError`.
     propagate: ``'updated'`` (propagate with the new weights) or ``'original'``
@@ -135,6 +136,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     InputMismatchError: ``step``'s inputs differ from ``init``'s beyond the
       batch size and the model cannot run on them.
     StateMismatchError: the state's params do not fit the loss's model.
+    NoSegmentError: no call of the loss can be a segment (``init``,
+      ``segments``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -187,6 +190,14 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       it. A read that reaches the loss only through ``jax.lax.stop_gradient``
       adds nothing to the gradient and does not exclude a segment
       (``tests/test_stop_gradient_reads.py``).
+    * A call a module makes inside its own call (a method calling another of
+      its methods, or ``super().__call__(x)`` in a subclass such as a LoRA
+      ``nn.Dense``) is part of that call, not a second use of its params.
+    * When no module is left to be a segment, ``NoSegmentError`` says why and
+      what to change: a loss that applies the model twice (siamese) calls
+      every layer twice, so apply it once on the inputs concatenated along the
+      batch axis; a weight penalty in the loss reads every param outside its
+      call, so give it to the optimizer (``optax.add_decayed_weights``).
     * Params owned by no segment (``perturbkit.REST``) get their ordinary
       gradient and are updated at the end of the sweep.
 
@@ -240,6 +251,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       ``perturbkit.dp_sgd`` (``InterleavedClippingError``); optax's own DP
       transformation as the optimizer raises ``OptaxPrivacyError``.
     * Other errors: ``SegmentationError``, ``SharedSegmentError``,
+      ``NoSegmentError``,
       ``StateMismatchError`` (a state from another trainer or model),
       ``OptimizerStateError``.
 

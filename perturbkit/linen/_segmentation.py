@@ -47,12 +47,14 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   """Every submodule call of ``loss_fn``, in execution order, from an abstract run."""
   calls: list[CallRecord] = []
   params = variables['params']
+  open_calls = _segment_choice.OpenCalls()
 
   def on_call(call, run):
     sliced = params_sliced(call, params)
     calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
-                            call.key, stacked_iterations(call, params) if sliced else 0))
-    return run()
+                            call.key, stacked_iterations(call, params) if sliced else 0,
+                            open_calls.nested(call.path)))
+    return open_calls.around(call.path, run)
 
   def traced(variables, *args):
     with intercept(_filters.all_calls, on_call):
@@ -89,8 +91,8 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   """The segments of ``loss_fn`` for ``spec`` (None: layer-wise; int: depth; filter).
 
   Raises:
-    SegmentationError: a chosen segment runs inside ``nn.scan``/``nn.vmap``, or
-      nothing can be a segment.
+    SegmentationError: a chosen segment runs inside ``nn.scan``/``nn.vmap``.
+    NoSegmentError: nothing can be a segment (a ``SegmentationError``).
     SharedSegmentError: a chosen segment's params are used by more than its call.
   """
   params = variables['params']

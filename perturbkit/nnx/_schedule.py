@@ -170,7 +170,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   segment; a module called twice, one whose variables are read outside its call
   (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
   ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
-  ``REST``, listed with the reason by ``segments(model, *args)``.
+  ``REST``, listed with the reason by ``segments(model, *args)`` (if none is
+  left, ``NoSegmentError`` says what to change). A call a module makes inside
+  its own call (a method calling another of its methods, or
+  ``super().__call__(x)`` in a subclass of ``nnx.Linear``) is part of that call.
 
   Blocks run by ``nnx.scan`` over modules made with ``nnx.vmap`` (params stacked
   ``(L, ...)``, sliced per iteration by the scan's ``in_axes=0``) are segments

@@ -52,6 +52,7 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
   """
   calls: list[CallRecord] = []
   modules: dict = {}
+  open_calls = _segment_choice.OpenCalls()
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
     iterations = 0
@@ -60,8 +61,8 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
       if probe is not None and jnp.shape(probe) == ():
         iterations = stacked_iterations(call.module, modules[call.path], wrt)
     calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name)),
-                            call.key, iterations))
-    return run()
+                            call.key, iterations, open_calls.nested(call.path)))
+    return open_calls.around(call.path, run)
 
   graphdef, state = nnx.split(model)
 
@@ -134,7 +135,8 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
 
   Raises:
     SegmentInTransformError: a chosen segment runs inside an NNX transform.
-    SegmentationError: nothing can be a segment, or a chosen one is never called.
+    NoSegmentError: nothing can be a segment (a ``SegmentationError``).
+    SegmentationError: a chosen segment is never called.
     SharedSegmentError: a chosen segment's params are used by more than its call.
   """
   by_filter = callable(spec) and not isinstance(spec, Exactly)
