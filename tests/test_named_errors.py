@@ -402,3 +402,26 @@ def test_not_an_optimizer(linen):
   trainer = perturbkit.interleaved(_linen_loss(model), lambda name: 0.1)
   with pytest.raises(perturbkit.NotAnOptimizerError, match='the function returned 0.1'):
     trainer.init(model.init(jax.random.key(0), X), X)
+
+
+def test_multisteps_points_to_its_gradient_transformation(linen):
+  """``optax.MultiSteps`` is a wrapper object, not a transformation: the error names
+  ``.gradient_transformation()``, and with it two ``'original'`` steps (one accumulated, one
+  applied) equal ``jax.grad`` + the same MultiSteps."""
+  model, variables = linen
+  multi = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r'\.gradient_transformation\(\)'):
+    perturbkit.interleaved(_linen_loss(model), multi)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r'\.gradient_transformation\(\)'):
+    perturbkit.nnx.interleaved(nnx_models.mse, multi)
+  tx = multi.gradient_transformation()
+  trainer = perturbkit.interleaved(_linen_loss(model), tx, propagate='original')
+  state = trainer.init(variables, X)
+  params, opt_state = variables['params'], tx.init(variables['params'])
+  for _ in range(2):
+    state, _ = jax.jit(trainer.step)(state, X)
+    g = jax.grad(lambda p: _linen_loss(model)({'params': p}, X))(params)
+    updates, opt_state = tx.update(g, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+  assert not np.allclose(params['Dense_0']['kernel'], variables['params']['Dense_0']['kernel'])

@@ -50,17 +50,29 @@ class InterleavedState(NamedTuple):
     return self.variables['params']
 
 
+def _wrapper_hint(optimizer: Any) -> str:
+  """How to get the transformation out of a wrapper object such as ``optax.MultiSteps``."""
+  if not callable(getattr(optimizer, 'gradient_transformation', None)):
+    return ''
+  example = (' (`optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)'
+             '.gradient_transformation()`)' if isinstance(optimizer, optax.MultiSteps) else '')
+  return (f'A {type(optimizer).__name__} is not a GradientTransformation itself: pass its '
+          f'`.gradient_transformation()`{example}.')
+
+
 def check_optimizer(optimizer: Any):
   """Raises :class:`NotAnOptimizerError` unless ``optimizer`` can be an :data:`Optimizer`.
 
   A function from optax itself (``optax.adam`` rather than ``optax.adam(1e-3)``)
   is refused too: called with a segment name it would take the name as its
-  learning rate.
+  learning rate. A wrapper holding a transformation (``optax.MultiSteps``) is
+  refused with the way to get its transformation.
   """
   if isinstance(optimizer, optax.GradientTransformation):
     return
   if not callable(optimizer):
-    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})')
+    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})',
+                              _wrapper_hint(optimizer))
   if inspect.isfunction(optimizer) and optimizer.__module__.split('.')[0] == 'optax':
     raise NotAnOptimizerError(
         f'it is the function optax.{optimizer.__name__}',
@@ -73,7 +85,8 @@ def optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformati
     return optimizer
   tx = optimizer(name)
   if not isinstance(tx, optax.GradientTransformation):
-    raise NotAnOptimizerError(f'the function returned {tx!r:.60} for segment {name!r}')
+    raise NotAnOptimizerError(f'the function returned {tx!r:.60} for segment {name!r}',
+                              _wrapper_hint(tx))
   return tx
 
 

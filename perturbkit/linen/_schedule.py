@@ -128,7 +128,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
 
   Raises:
     NotAnOptimizerError: ``optimizer`` is not an optax transformation (or a
-      function returning one).
+      function returning one); for ``optax.MultiSteps`` pass its
+      ``.gradient_transformation()``.
     WrongFrontEndError: ``init`` was given an NNX model (use
       ``perturbkit.nnx.interleaved``).
     UninitializedStateError: ``step`` was given something other than the
