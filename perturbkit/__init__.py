@@ -145,6 +145,7 @@ from perturbkit.errors import PerturbkitError
 from perturbkit.errors import PositionOutOfRangeError
 from perturbkit.errors import PRNGKeyError
 from perturbkit.errors import RandomCallError
+from perturbkit.errors import ReductionCheckError
 from perturbkit.errors import ReductionMismatchError
 from perturbkit.errors import ResultValuesError
 from perturbkit.errors import SegmentationError
@@ -254,6 +255,7 @@ __all__ = [
     'PositionOutOfRangeError',
     'PRNGKeyError',
     'RandomCallError',
+    'ReductionCheckError',
     'ReductionMismatchError',
     'ResultValuesError',
     'SegmentationError',

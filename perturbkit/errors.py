@@ -32,7 +32,8 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 ``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
 ``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``; also
 ``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
-``reduction`` says) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
+``reduction`` says), ``ReductionCheckError`` (the loss cannot run on the one or two
+examples that check runs it on, e.g. a model with a hard-coded batch size) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
 a plain integer random seed).
 
 K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
@@ -395,6 +396,23 @@ class ReductionMismatchError(PerturbkitError, ValueError):
         f'{detail}. With the wrong reduction every per-example gradient (its norm, its '
         f'clipping) is off by the number of examples. Pass reduction={found!r}, or make '
         f'the loss a {reduction} over the examples (e.g. `jnp.{reduction}(terms)`).')
+
+
+class ReductionCheckError(PerturbkitError, ValueError):
+  """The loss fails on the few examples that the check of its reduction runs it on."""
+
+  def __init__(self, reduction: str, error: Exception):
+    super().__init__(
+        f"On the first call (or trace), perturbkit checks that the loss is a {reduction} over "
+        f"the examples (reduction={reduction!r}): it runs the loss on the first example alone "
+        'and on that example given twice, and for a sum also on the first two examples, '
+        'i.e. on batches of 1 and 2 examples. The loss failed on such a batch: '
+        f'{type(error).__name__}: {str(error)[:300]}. A model or loss that hard-codes the '
+        'batch size (a reshape to a fixed number of rows, a constant with one row per '
+        'example) cannot run there. Take the batch size from the input instead '
+        '(`h.reshape(x.shape[0], ...)`, or `-1` for the batch axis), and pass arrays shared '
+        'by all examples as arguments with `batch_axes=None` for them. The check cannot '
+        'be skipped: the loss must run on any number of examples.')
 
 
 class PRNGKeyError(PerturbkitError, TypeError):

@@ -425,3 +425,28 @@ def test_multisteps_points_to_its_gradient_transformation(linen):
     params = optax.apply_updates(params, updates)
   chex.assert_trees_all_close(state.params, params, **TOL)
   assert not np.allclose(params['Dense_0']['kernel'], variables['params']['Dense_0']['kernel'])
+
+
+def test_a_model_with_a_hard_coded_batch_size_fails_the_reduction_check_by_name():
+  """The reduction check runs the loss on 1 and 2 examples; a reshape to a fixed batch size
+  fails there with ``ReductionCheckError``; taking the size from the input, as the message
+  says, gives the per-example norms of ``jax.vmap`` over ``jax.grad``."""
+  class Reshaping(nn.Module):
+    batch: int | None
+
+    @nn.compact
+    def __call__(self, x):
+      rows = x.shape[0] if self.batch is None else self.batch
+      return nn.Dense(1)(nn.Dense(6)(x).reshape(rows, 2, 3).reshape(rows, 6))
+
+  x = X
+  variables = Reshaping(None).init(jax.random.key(0), x)
+  loss_for = lambda model: lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  with pytest.raises(perturbkit.ReductionCheckError, match='hard-codes the batch size'):
+    perturbkit.per_example_grad_norms(loss_for(Reshaping(x.shape[0])))(variables, x)
+  loss_fn = loss_for(Reshaping(None))
+  _, norms = perturbkit.per_example_grad_norms(loss_fn)(variables, x)
+  grads = jax.vmap(jax.grad(lambda v, xi: loss_fn(v, xi[None])), (None, 0))(variables, x)
+  expected = jnp.sqrt(sum(jnp.sum(g.reshape(len(x), -1) ** 2, 1)
+                          for g in jax.tree.leaves(grads)))
+  np.testing.assert_allclose(norms.total, expected, **TOL)

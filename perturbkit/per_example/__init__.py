@@ -18,7 +18,9 @@ per example. For a mean, the gradient at example i's activations is 1/B of its
 own term's gradient; it is multiplied by B, so the norms are ``‖∇ term_i‖``. The
 reduction is checked on the first call (or trace): a loss that is a sum while
 ``reduction='mean'`` (or the other way round) raises ``ReductionMismatchError``;
-pass ``reduction='sum'`` for a sum loss. Examples are on axis 0 of every array
+pass ``reduction='sum'`` for a sum loss. The check runs the loss on one example
+and on two, so a model that hard-codes the batch size raises
+``ReductionCheckError``: take the batch size from the input instead. Examples are on axis 0 of every array
 argument (``batch_axes=`` takes vmap-style ``in_axes``, e.g. ``(1, 0)``) and on
 axis 0 of every layer's input and output.
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from perturbkit.errors import ReductionMismatchError
+from perturbkit.errors import PerturbkitError, ReductionCheckError, ReductionMismatchError
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, per_argument, reduce
 from perturbkit.errors import ExamplesMixedError
@@ -206,8 +206,15 @@ def check_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
   Raises:
     ReductionMismatchError: the loss is found to be a sum and ``reduction`` is
       ``'mean'``, or the other way round.
+    ReductionCheckError: the loss fails on the one or two examples the check
+      runs it on (e.g. a model that hard-codes the batch size).
   """
-  found, ratio = found_reduction(loss_fn, variables, args, kwargs, batch_axes, num_examples)
+  try:
+    found, ratio = found_reduction(loss_fn, variables, args, kwargs, batch_axes, num_examples)
+  except (TypeError, ValueError, IndexError) as error:
+    if isinstance(error, PerturbkitError):
+      raise
+    raise ReductionCheckError(reduction, error) from error
   if found is not None and found != reduction:
     raise ReductionMismatchError(
         reduction, found, f'the loss of one example given twice (a batch of two copies) is '
