@@ -625,6 +625,86 @@ def test_tied_embedding_attend_is_skipped_not_half_preconditioned():
   assert 'attend' in layers.skipped['Embed_0']
 
 
+class ScaledInputDense(nn.Dense):
+  """Overrides ``__call__``: the kernel multiplies ``3 x``, not the call's input."""
+
+  def __call__(self, x):
+    return super().__call__(3.0 * x)
+
+
+class LoRADense(nn.Dense):
+  """Overrides ``__call__`` with an adapter of its own params around ``super().__call__``."""
+  rank: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    a = self.param('lora_a', nn.initializers.normal(0.1), (x.shape[-1], self.rank))
+    b = self.param('lora_b', nn.initializers.normal(0.1), (self.rank, self.features))
+    return super().__call__(x) + x @ a @ b
+
+
+class RenamedDense(nn.Dense):
+  """A subclass that keeps ``nn.Dense.__call__``: the Dense rule applies."""
+
+
+class LoRA(nn.Module):
+  """The adapter written as the skip reason says: the Dense is a submodule."""
+  features: int
+  rank: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    a = self.param('lora_a', nn.initializers.normal(0.1), (x.shape[-1], self.rank))
+    b = self.param('lora_b', nn.initializers.normal(0.1), (self.rank, self.features))
+    return nn.Dense(self.features)(x) + x @ a @ b
+
+
+@pytest.mark.parametrize('subclass', [ScaledInputDense, LoRADense])
+def test_a_dense_subclass_overriding_call_is_skipped_or_refused(subclass):
+  """Its calls need not be a Dense's (the inner ``super().__call__`` is a second call of the
+  same module): skipped with the fix, refused when a filter or hand-built layers select it."""
+  x = jax.random.normal(jax.random.key(1), (6, 3))
+  model = nn.Sequential([nn.Dense(4), nn.tanh, subclass(3)])
+  variables, predict, layers = setup(model, x)
+  assert list(layers.layers) == ['layers_0']
+  assert 'overrides nn.Dense.__call__' in layers.skipped['layers_2']
+  assert 'make the nn.Dense a submodule' in layers.skipped['layers_2']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nn.Dense.__call__'):
+    perturbkit.kfac_layers(predict, variables, x, filter=perturbkit.filters.by_type(nn.Dense))
+  by_hand = perturbkit.LayerInfo('dense', ('layers_2',), 'kernel', (4, 3), True,
+                                 ('__call__', '__call__#1'))
+  estimate = perturbkit.kfac_estimator(
+      predict, 'softmax_cross_entropy', perturbkit.KFACLayers({'layers_2': by_hand}, {}),
+      fisher='empirical')
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nn.Dense.__call__'):
+    estimate(variables, x, jnp.zeros((6,), jnp.int32))
+
+
+def test_a_subclass_keeping_call_and_a_dense_submodule_have_the_dense_factors():
+  """A subclass that keeps ``nn.Dense.__call__`` is a Dense; an adapter around an ``nn.Dense``
+  submodule (the skip reason's fix) gives that Dense its factors and leaves the adapter's
+  params to the fallback."""
+  x = jax.random.normal(jax.random.key(1), (6, 3))
+  y = jnp.arange(6) % 3
+  variables, predict, layers = setup(nn.Sequential([RenamedDense(4), nn.tanh, LoRA(3)]), x)
+  assert sorted(layers.layers) == ['layers_0', 'layers_2/Dense_0']
+  assert layers.skipped == {'layers_2': 'LoRA has no K-FAC rule'}
+  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                          fisher='empirical')(variables, x, y)
+
+  def hand(params, x, eps):
+    first, adapter = params['layers_0'], params['layers_2']
+    h = jnp.tanh(bias(x @ first['kernel'], first['bias']) + eps[0])
+    dense = adapter['Dense_0']
+    out = (bias(h @ dense['kernel'], dense['bias']) + eps[1]
+           + h @ adapter['lora_a'] @ adapter['lora_b'])
+    return out, [x, h]
+
+  inputs, gs = hand_factors(hand, variables['params'], x, lambda logits: y, [(6, 4), (6, 3)])
+  assert_factors(stats, 'layers_0', *dense_reference(inputs[0], gs[0], 6))
+  assert_factors(stats, 'layers_2/Dense_0', *dense_reference(inputs[1], gs[1], 6))
+
+
 def test_loss_without_distribution_names_what_to_pass():
   x = jnp.ones((2, 3))
   variables, predict, layers = setup(MLP(), x)

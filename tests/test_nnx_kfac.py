@@ -287,6 +287,49 @@ def test_layers_without_a_rule_are_listed_or_refused():
   assert scanned.layers['blocks/linear'].iterations == 3  # per iteration: test_kfac_scan.py
 
 
+class ScaledInputLinear(nnx.Linear):
+  """Overrides ``__call__``: the kernel multiplies ``3 x``, not the call's input."""
+
+  def __call__(self, x):
+    return super().__call__(3.0 * x)
+
+
+class RenamedLinear(nnx.Linear):
+  """A subclass that keeps ``nnx.Linear.__call__``: the Dense rule applies."""
+
+
+def test_a_linear_subclass_overriding_call_is_skipped_or_refused_and_one_keeping_it_is_not():
+  """As in Linen (``test_kfac.py``): the override's call need not be a Linear's; a subclass
+  that keeps ``nnx.Linear.__call__`` has the factors of a Linear, checked against ``A`` from
+  the call's input and ``G`` from the per-example gradient at its output."""
+  model = nnx.Sequential(RenamedLinear(3, 4, rngs=nnx.Rngs(0)), nnx.tanh,
+                         ScaledInputLinear(4, 3, rngs=nnx.Rngs(1)))
+  x, y = M.random_batch((6, 3)), jnp.arange(6) % 3
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert list(layers.layers) == ['layers/0']
+  assert 'overrides nnx.Linear.__call__' in layers.skipped['layers/2']
+  assert 'self.layer = nnx.Linear(...)' in layers.skipped['layers/2']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nnx.Linear'):
+    perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_type(nnx.Linear))
+  by_hand = perturbkit.LayerInfo('dense', ('layers', 2), 'kernel', (4, 3), True, ('__call__',))
+  estimate = perturbkit.nnx.kfac_estimator(
+      'softmax_cross_entropy', perturbkit.KFACLayers({'layers/2': by_hand}, {}),
+      fisher='empirical')
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nnx.Linear'):
+    estimate(model, x, y)
+
+  _, _, stats = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
+                                              fisher='empirical')(model, x, y)
+  first, last = model.layers[0], model.layers[2]
+  z = x @ first.kernel[...] + first.bias[...][None]
+  g = jax.grad(lambda z: -jnp.sum(jnp.take_along_axis(
+      jax.nn.log_softmax(last(jnp.tanh(z))), y[:, None], axis=1)))(z)
+  a = np.concatenate([np.asarray(x, np.float64), np.ones((6, 1))], axis=1)
+  g = np.asarray(g, np.float64)
+  np.testing.assert_allclose(stats['layers/0'].a, a.T @ a / 6, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(stats['layers/0'].g, g.T @ g / 6, rtol=2e-5, atol=1e-6)
+
+
 class _RematBlock(nnx.Module):
   def __init__(self, rngs):
     self.up = nnx.Linear(6, 8, rngs=rngs)

@@ -45,7 +45,13 @@ whose params every iteration shares, see below) and layers whose weights are als
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to
 the fallback transform; selecting one explicitly raises
-``KFACUnsupportedLayerError``. So are layers with a call every example shares: a
+``KFACUnsupportedLayerError``. A rule is the math of the library layer's own
+``__call__``: a subclass of ``nn.Dense``, ``nn.Conv`` or ``nn.Embed`` (``nnx.Linear``,
+``nnx.Conv``, ``nnx.Embed``) that keeps it is preconditioned like the layer, one that
+overrides ``__call__`` (a LoRA adapter, an input transform around
+``super().__call__``) is skipped, with the reason: make the layer a submodule your
+module calls instead, and K-FAC preconditions that submodule while the module's own
+params go to the fallback. So are layers with a call every example shares: a
 position table the model looks up itself (Whisper's encoder ``jnp.arange``,
 CLIP's vision ``(1, patches)`` id buffer) has one output for the whole batch, the
 gradient at it is summed over the examples, and factors from it would be

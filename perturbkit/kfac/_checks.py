@@ -63,6 +63,16 @@ def refuse_outside_reads(reads: dict[str, set[str]], builder: str) -> None:
                 'function, which leaves such a layer to the fallback')
 
 
+def refuse_override(name: str, reason: str | None, builder: str) -> None:
+  """Raises :class:`KFACUnsupportedLayerError` for a layer whose class overrides the library
+  layer's ``__call__`` (``reason`` from ``_rules.override_reason``; ``None`` passes);
+  ``builder`` names the ``kfac_layers`` that would have skipped it."""
+  if reason is not None:
+    raise KFACUnsupportedLayerError(
+        name, reason, exclude=f'by building the layers with `{builder}` on this model, which '
+                              'leaves such a layer to the fallback')
+
+
 def check_norm_call(name: str, kwargs: dict, shape: tuple[int, ...], examples: int) -> None:
   """Raises :class:`KFACUnsupportedLayerError` for a LayerNorm/RMSNorm call its rule does not
   cover: called with a ``mask`` (the rule normalises over every feature), or on an input of

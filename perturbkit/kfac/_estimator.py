@@ -25,12 +25,14 @@ from flax import traverse_util
 
 from perturbkit.linen._driver import value_and_grad
 from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
-                                     check_norm_call, refuse_outside_reads, signature)
+                                     check_norm_call, refuse_outside_reads, refuse_override,
+                                     signature)
 from perturbkit.errors import KFACOutputError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
-from perturbkit.kfac._rules import LayerFactors, batch_factors, call_input, factor_shapes
+from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, factor_shapes,
+                                    linen_override_reason)
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
 from perturbkit.core._varying import typed_like
@@ -208,8 +210,9 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       another shape, or other calls than the model makes (checked once per
       input signature, while tracing).
     KFACUnsupportedLayerError: a layer's params are also read outside its
-      calls by this ``predict_fn`` (layers built by hand or for another
-      predict function; ``kfac_layers`` skips such layers).
+      calls by this ``predict_fn``, or its class overrides the ``__call__`` of
+      ``nn.Dense``, ``nn.Conv`` or ``nn.Embed`` (layers built by hand or for
+      another predict function; ``kfac_layers`` skips such layers).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -228,8 +231,16 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   paths = {info.path for info in layers.layers.values()}
   if not paths:
     raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
-  select = lambda module, method_name: method_name == '__call__' and tuple(module.path) in paths
+  names = {info.path: name for name, info in layers.layers.items()}
   checked = set()
+
+  def select(module, method_name):
+    path = tuple(module.path)
+    if method_name != '__call__' or path not in names:
+      return False
+    # Layers built by hand may name a subclass whose __call__ computes something else.
+    refuse_override(names[path], linen_override_reason(module), 'perturbkit.kfac_layers')
+    return True
 
   def check_layers(variables, inputs):
     """The layers' kernels and calls against the model, once per input signature."""

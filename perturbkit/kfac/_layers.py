@@ -3,7 +3,7 @@
 A K-FAC layer is a module that owns params and whose every call has a
 curvature rule (``_rules``: Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``,
 LayerNorm and RMSNorm). A module that owns params but has no rule (BatchNorm, a
-grouped Conv, ``Embed.attend``, a layer inside a lifted transform that does not
+grouped Conv, ``Embed.attend``, a subclass of a layer that overrides its ``__call__``, a layer inside a lifted transform that does not
 stack its params and its calls per iteration, the root's own ``self.param``) is
 listed in ``KFACLayers.skipped`` with the reason; its params go to the fallback
 transform. A layer of blocks stacked in ``nn.scan`` (params and points stacked
@@ -123,7 +123,9 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     inputs: An example batch, as ``predict_fn`` takes it.
     filter: Which calls to precondition (default: every call with a rule:
       Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``, LayerNorm and RMSNorm
-      over the last axis). A call it selects that has no rule is an error.
+      over the last axis; a subclass of ``nn.Dense``, ``nn.Conv`` or ``nn.Embed``
+      only where it keeps the layer's ``__call__``). A call it selects that has
+      no rule is an error.
 
   Returns:
     A :class:`KFACLayers`.

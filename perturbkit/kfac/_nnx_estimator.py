@@ -17,14 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.core._varying import typed_like
-from perturbkit.kfac._checks import check_kernel_shapes, refuse_outside_reads, signature
+from perturbkit.kfac._checks import (check_kernel_shapes, refuse_outside_reads, refuse_override,
+                                     signature)
 from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
                                         split_output)
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import as_output_loss, mean_loss
 from perturbkit.nnx._calls import path_of, submodules
 from perturbkit.nnx._driver import value_and_grad
-from perturbkit.kfac._nnx_layers import call_model, outside_reads
+from perturbkit.kfac._nnx_layers import call_model, nnx_override_reason, outside_reads
 
 
 def kfac_estimator(loss: Any, layers: KFACLayers, *,
@@ -99,6 +100,9 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
       weight = getattr(modules.get(info.path), info.param, None)
       shapes[name] = None if weight is None else jnp.shape(weight[...])
     check_kernel_shapes(layers, shapes)
+    for name, info in layers.layers.items():
+      # Layers built by hand may name a subclass whose __call__ computes something else.
+      refuse_override(name, nnx_override_reason(modules[info.path]), 'perturbkit.nnx.kfac_layers')
     reads = outside_reads(model, inputs, predict,
                           {info.path: name for name, info in layers.layers.items()})
     refuse_outside_reads(reads, 'perturbkit.nnx.kfac_layers')

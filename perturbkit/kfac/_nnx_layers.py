@@ -7,8 +7,9 @@ The NNX counterpart of ``_kfac_layers``: every submodule call of
 ``nnx.Linear`` is ``'dense'``, ``nnx.Conv`` ``'conv'``, ``nnx.Embed``
 ``'embed'``, ``nnx.LayerNorm`` and ``nnx.RMSNorm`` ``'norm'``, with the same
 param names (``kernel``/``bias``/``embedding``/``scale``) and the same factors
-as their Linen twins (``_rules``). Others are listed in ``KFACLayers.skipped``
-with the reason.
+as their Linen twins (``_rules``); a subclass of ``nnx.Linear``, ``nnx.Conv`` or
+``nnx.Embed`` only where it keeps the layer's ``__call__``. Others are listed in
+``KFACLayers.skipped`` with the reason.
 
 So is a layer whose params the model also reads outside its own calls (a tied
 LM head ``h @ self.embed.embedding[...].T``, a kernel reused by hand, a loss
@@ -33,7 +34,8 @@ from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers, stacked_iterations
 from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
-                                    flax_norm_layer, flax_norm_weight, hashable, norm_reason)
+                                    flax_norm_layer, flax_norm_weight, hashable, norm_reason,
+                                    override_reason)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, own_class, submodules
 from perturbkit.nnx._driver import check_module, discover, flat_state
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
@@ -63,11 +65,24 @@ def _is_norm(module: Any) -> bool:
   return own_class(module) in (nnx.LayerNorm, nnx.RMSNorm)
 
 
+_NNX_BASES = ((nnx.Linear, 'nnx.Linear'), (nnx.Conv, 'nnx.Conv'), (nnx.Embed, 'nnx.Embed'))
+
+
+def nnx_override_reason(module: nnx.Module) -> str | None:
+  """:func:`override_reason` for an NNX module (``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``),
+  instrumented or not."""
+  return override_reason(own_class(module), _NNX_BASES,
+                         '`self.layer = {base}(...)` in `__init__`')
+
+
 def unsupported_reason(call: Call) -> str | None:
   """Why an NNX call has no K-FAC rule, or ``None`` when it has one."""
   module, name = call.module, type(call.module).__name__
   if not isinstance(module, (nnx.Linear, nnx.Conv, nnx.Embed)) and not _is_norm(module):
     return f'{name} has no K-FAC rule'
+  overridden = nnx_override_reason(module)
+  if overridden is not None:
+    return overridden
   if call.method_name != '__call__':
     return f'{name}.{call.method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nnx.Conv) and module.feature_group_count != 1:
@@ -259,8 +274,10 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     predict: ``(model, inputs) -> output`` (default ``model(inputs)``), e.g.
       ``lambda m, x: m(x, train=True)``.
     filter: Which calls to precondition (default: every Linear, Conv, Embed,
-      LayerNorm and RMSNorm call; see ``perturbkit.nnx.filters``). A call it
-      selects that has no rule is an error.
+      LayerNorm and RMSNorm call, and those of a subclass of ``nnx.Linear``,
+      ``nnx.Conv`` or ``nnx.Embed`` that keeps the layer's ``__call__``; see
+      ``perturbkit.nnx.filters``). A call it selects that has no rule is an
+      error.
 
   Returns:
     A :class:`perturbkit.KFACLayers` keyed by the module path joined with

@@ -127,12 +127,46 @@ def norm_reason(name: str, reduction_axes: Any, feature_axes: Any, axis_name: An
   return None
 
 
+def override_reason(cls: type, bases: tuple[tuple[type, str], ...], submodule: str
+                    ) -> str | None:
+  """Why a subclass of a layer with a rule does not get it, or ``None`` when it does.
+
+  A rule is the math of the library class's own ``__call__``. A subclass that overrides
+  it may compute anything around it (scale the input, add a LoRA adapter's
+  ``x @ a @ b``, call ``super().__call__`` twice), so its calls' inputs and output
+  gradients are not that layer's ``a`` and ``g``; one that only changes fields or
+  adds other methods keeps the rule.
+
+  Args:
+    cls: The module's class, as the model defines it.
+    bases: ``(class, 'nn.Dense')`` for each library class with a rule.
+    submodule: How the fix creates a submodule of that class, with ``{base}`` for its
+      name (Linen: under ``nn.compact``; NNX: in ``__init__``).
+  """
+  for base, base_name in bases:
+    if issubclass(cls, base) and cls.__call__ is not base.__call__:
+      fix = submodule.format(base=base_name)
+      return (f'{cls.__name__} overrides {base_name}.__call__, so its calls need not compute '
+              f'{base_name}\'s own math (an input transform, a LoRA adapter and a second '
+              'super().__call__ all change the factors) and no K-FAC rule applies to it; to '
+              f'precondition its kernel, make the {base_name} a submodule that your module '
+              f'calls ({fix}) instead of subclassing it; left as it is, its params go to the '
+              'fallback transform')
+  return None
+
+
+_LINEN_BASES = ((nn.Dense, 'nn.Dense'), (nn.Conv, 'nn.Conv'), (nn.Embed, 'nn.Embed'))
+
+
 def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
   """Why a call has no K-FAC rule, or ``None`` when it has one."""
   name = type(module).__name__
   if not (isinstance(module, (nn.Dense, nn.Conv, nn.Embed)) or is_hf_conv1d(module)
           or _is_norm(module)):
     return f'{name} has no K-FAC rule'
+  overridden = linen_override_reason(module)
+  if overridden is not None:
+    return overridden
   if method_name != '__call__':
     return f'{name}.{method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nn.Conv) and module.feature_group_count != 1:
@@ -140,6 +174,13 @@ def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
   if _is_flax_norm(module):
     return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None
+
+
+def linen_override_reason(module: nn.Module) -> str | None:
+  """:func:`override_reason` for a Linen module (``nn.Dense``, ``nn.Conv``, ``nn.Embed``)."""
+  return override_reason(type(module), _LINEN_BASES,
+                         '`{base}(...)(x)` under `nn.compact`, or `self.layer = {base}(...)` '
+                         'in `setup`')
 
 
 def weight_name(module: nn.Module) -> str:
