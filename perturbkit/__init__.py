@@ -118,6 +118,7 @@ from perturbkit.errors import InputMismatchError
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.errors import InterventionParamsError
 from perturbkit.errors import InvalidOptionError
+from perturbkit.errors import KFACExamplesError
 from perturbkit.errors import KFACLossError
 from perturbkit.errors import KFACLossShapeError
 from perturbkit.errors import KFACOutputError
@@ -228,6 +229,7 @@ __all__ = [
     'InterleavedClippingError',
     'InterventionParamsError',
     'InvalidOptionError',
+    'KFACExamplesError',
     'KFACLossError',
     'KFACLossShapeError',
     'KFACOutputError',

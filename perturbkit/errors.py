@@ -36,9 +36,11 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 examples that check runs it on, e.g. a model with a hard-coded batch size) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
 a plain integer random seed).
 
-K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACOutputError``,
-``KFACLossError``, ``KFACLossShapeError`` (a loss function that does not return one
-loss per example), ``KFACTargetsError`` (targets that do not fit the output loss).
+K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACExamplesError`` (a
+layer's input without the batch's examples where its rule needs them, e.g. an interleaved
+step whose first argument is not the batch), ``KFACOutputError``, ``KFACLossError``,
+``KFACLossShapeError`` (a loss function that does not return one loss per example),
+``KFACTargetsError`` (targets that do not fit the output loss).
 
 Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
@@ -476,6 +478,14 @@ class KFACShapeError(PerturbkitError, ValueError):
         f'K-FAC layer {layer!r}: {detail}. The K-FAC state was built for another model '
         '(or the model changed). Call `perturbkit.kfac_layers(...)` again on the current '
         'model and re-create the preconditioner and its state with `tx.init(params)`.')
+
+
+class KFACExamplesError(PerturbkitError, ValueError):
+  """A K-FAC layer's input does not have the batch's examples where its rule needs them."""
+
+  def __init__(self, layer: str, detail: str, fix: str):
+    super().__init__(f'K-FAC layer {layer!r}: {detail}, so its factors would be averaged over '
+                     f'another number of examples than the batch has. {fix}')
 
 
 class KFACOutputError(PerturbkitError, TypeError):

@@ -122,6 +122,35 @@ def test_a_segment_on_flattened_rows_takes_the_batchs_examples():
   chex.assert_trees_all_close(states[1].params, states[0].params, rtol=1e-5, atol=1e-7)
 
 
+def test_a_step_whose_first_argument_is_not_the_batch_is_refused():
+  """The examples are the first axis of the step's first array argument: a shared argument
+  of shape ``(3,)`` passed first would scale ``A`` by 8/3 and ``G`` by (3/8)², silently.
+  Refused, with the fix; passed after the batch, the factors are ``E[ã ãᵀ]`` and ``E[g gᵀ]``
+  of the hand-written MLP."""
+  from test_kfac import dense_reference, hand_factors, hand_mlp
+  predict, _, variables, xs, ys = problem(1)
+  x, y, scale = xs[0], ys[0], jnp.ones((3,))
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  optimizer = segment_optimizer(layers, damping=DAMPING, inverse_every=1)
+  loss = lambda v, x, y, scale: optax.softmax_cross_entropy_with_integer_labels(
+      predict(v, x), y).mean() * jnp.mean(scale)
+  first = perturbkit.interleaved(lambda v, scale, x, y: loss(v, x, y, scale), optimizer,
+                                 propagate='original')
+  with pytest.raises(perturbkit.KFACExamplesError, match=r'Pass the batch first') as info:
+    first.step(first.init(variables, scale, x, y), scale, x, y)
+  assert 'not the (or a multiple of the) 3 examples' in str(info.value)
+
+  last = perturbkit.interleaved(loss, optimizer, propagate='original')
+  state, _ = jax.jit(last.step)(last.init(variables, x, y, scale), x, y, scale)
+  inputs, gs = hand_factors(hand_mlp, variables['params'], x, lambda logits: y,
+                            [(8, 6), (8, 5), (8, 4)])
+  for i in range(3):
+    a, g = dense_reference(inputs[i], gs[i], 8)
+    factors = state.opt_state[f'Dense_{i}'][0].factors['segment']
+    np.testing.assert_allclose(factors.a, a, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(factors.g, g, rtol=2e-5, atol=1e-6)
+
+
 def hand_updated_sweep(params, x, y, factors, decay):
   """One update-then-propagate K-FAC step, by hand. ``factors[i]`` is the running
   ``(A, G)`` of layer ``i`` or ``None``; inverses are refreshed every step."""

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.errors import KFACExamplesError, KFACUnsupportedLayerError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner
 from perturbkit.kfac._rules import (LayerFactors, LayerInfo, batch_factors, factor_shapes,
@@ -28,26 +28,58 @@ _NAME = 'segment'
 
 
 def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: jax.Array,
-                    examples: int | None = None) -> LayerFactors:
+                    examples: int | None = None, name: str | None = None) -> LayerFactors:
   """The layer's factors from its call's input and the cotangent at its output.
 
   The cotangent is that of the MEAN loss over the batch's ``examples``, so it is
   scaled by their number to give per-example gradients (as the estimator's
   ``fisher='empirical'`` does). The sweep gives ``examples``; without it, the
   input's first axis is taken (wrong for a call on ``(examples * tokens, d)``
-  rows).
+  rows). ``name`` is the layer's, for errors (default: its path).
+
+  Raises:
+    KFACExamplesError: the input does not have the ``examples`` on its first axis
+      (:func:`check_examples`).
   """
+  name = name or '/'.join(info.path) or _NAME
   leaves = jax.tree.leaves(segment_inputs)
   if len(leaves) != 1 or not isinstance(segment_output_grad, jax.Array):
     raise KFACUnsupportedLayerError(
-        '/'.join(info.path) or _NAME,
+        name,
         f'the segment has {len(leaves)} floating-point inputs and an output of type '
         f'{type(segment_output_grad).__name__}; a K-FAC segment is one call with one input '
         'array and one output array')
   x = leaves[0]
   if examples is None:
     examples = x.shape[0] if x.ndim > 1 else 1
+  check_examples(info.kind, name, x.shape, examples)
   return batch_factors(info, [x], [segment_output_grad[None] * examples], examples)
+
+
+def check_examples(kind: str, name: str, shape: tuple[int, ...], examples: int) -> None:
+  """Raises :class:`KFACExamplesError` unless the input of segment ``name`` (a layer of
+  ``kind``), of ``shape``, has the batch's ``examples`` on its first axis: exactly for a
+  norm (its diagonal groups the rows by example), a multiple of them for a Dense or Conv
+  (its rows may be ``(examples * tokens, d)``).
+
+  The examples come from the first axis of the step's first array argument; when that
+  argument is not the batch (class weights passed first), the factors would be scaled by
+  the wrong count, silently.
+  """
+  if len(shape) < 2:
+    return  # one example, with no batch axis
+  rows = shape[0]
+  if rows == examples or (kind != 'norm' and examples > 0 and rows % examples == 0):
+    return
+  want = 'the' if kind == 'norm' else 'the (or a multiple of the)'
+  raise KFACExamplesError(
+      name,
+      f'its segment\'s input has shape {tuple(shape)}, whose first axis is not {want} '
+      f'{examples} examples interleaved counts, the first axis of the step\'s first array '
+      'argument',
+      'Pass the batch first: the loss function takes `(variables, x, y, ...)` with the '
+      'examples on axis 0 of `x`, and arguments shared by every example (class weights, '
+      'a mask over the classes) after it.')
 
 
 def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95,
@@ -63,7 +95,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   segment_output_grad, segment_examples)`` forms ``A`` from the call's input and
   ``G`` from the per-example cotangent at its output (the loss is taken to be a
   mean over the batch's ``segment_examples`` examples, the first axis of the
-  step's first array argument), and then acts as :func:`kfac_preconditioner` on
+  step's first array argument, so the loss function must take the batch first:
+  ``(variables, x, y, class_weights)``), and then acts as :func:`kfac_preconditioner` on
   this one layer: EMA of the factors taken every ``stats_every`` updates,
   damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``
   (``∇θ / (F + λ)`` for a norm's diagonal).
@@ -87,6 +120,9 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   Raises:
     InvalidOptionError: ``damping``, ``decay``, ``inverse_every`` or
       ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
+    KFACExamplesError: the segment's input does not have the ``segment_examples``
+      on its first axis (a multiple of them for a Dense or Conv on ``(examples *
+      tokens, d)`` rows): the step's first array argument is not the batch.
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
       one of the segment's floating-point inputs), or the segment is not one
       call with one input and one output array holding exactly the layer's
@@ -148,7 +184,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
     stats = jax.lax.cond(state.stats_due,
                          lambda: segment_factors(info, segment_inputs, segment_output_grad,
-                                                 segment_examples),
+                                                 segment_examples, '/'.join(layer.path)),
                          lambda: zeros)
     return inner.update(updates, state, params, kfac_stats={_NAME: stats})
 
