@@ -118,13 +118,16 @@ from perturbkit.errors import InputMismatchError
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.errors import InterventionParamsError
 from perturbkit.errors import InvalidOptionError
+from perturbkit.errors import KFACExactFisherError
 from perturbkit.errors import KFACExamplesError
 from perturbkit.errors import KFACLossError
 from perturbkit.errors import KFACLossShapeError
+from perturbkit.errors import KFACNoLayersError
 from perturbkit.errors import KFACOutputError
 from perturbkit.errors import KFACShapeError
 from perturbkit.errors import KFACTargetsError
 from perturbkit.errors import KFACUnsupportedLayerError
+from perturbkit.errors import KFACUpdateArgsError
 from perturbkit.errors import MetricGapError
 from perturbkit.errors import LossNotCallableError
 from perturbkit.errors import MissingHasAuxError
@@ -229,13 +232,16 @@ __all__ = [
     'InterleavedClippingError',
     'InterventionParamsError',
     'InvalidOptionError',
+    'KFACExactFisherError',
     'KFACExamplesError',
     'KFACLossError',
     'KFACLossShapeError',
+    'KFACNoLayersError',
     'KFACOutputError',
     'KFACShapeError',
     'KFACTargetsError',
     'KFACUnsupportedLayerError',
+    'KFACUpdateArgsError',
     'MetricGapError',
     'LossNotCallableError',
     'MissingHasAuxError',

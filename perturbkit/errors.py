@@ -36,11 +36,14 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 examples that check runs it on, e.g. a model with a hard-coded batch size) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
 a plain integer random seed).
 
-K-FAC: ``KFACUnsupportedLayerError``, ``KFACShapeError``, ``KFACExamplesError`` (a
+K-FAC: ``KFACUnsupportedLayerError``, ``KFACNoLayersError`` (no layer to precondition,
+e.g. a bare ``nn.Dense`` as the whole model), ``KFACShapeError``, ``KFACExamplesError`` (a
 layer's input without the batch's examples where its rule needs them, e.g. an interleaved
-step whose first argument is not the batch), ``KFACOutputError``, ``KFACLossError``,
-``KFACLossShapeError`` (a loss function that does not return one loss per example),
-``KFACTargetsError`` (targets that do not fit the output loss).
+step whose first argument is not the batch), ``KFACOutputError``,
+``KFACExactFisherError``, ``KFACUpdateArgsError`` (a K-FAC transform's ``update`` without
+its extra arguments), ``KFACLossError``, ``KFACLossShapeError`` (a loss function that does
+not return one loss per example), ``KFACTargetsError`` (targets that do not fit the output
+loss).
 
 Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
@@ -442,6 +445,19 @@ class KFACUnsupportedLayerError(PerturbkitError, TypeError):
         f'go to the fallback transform) or exclude the call, e.g. {exclude}.')
 
 
+class KFACNoLayersError(PerturbkitError, ValueError):
+  """K-FAC was given no layer to precondition."""
+
+  def __init__(self, function: str, skipped: dict):
+    super().__init__(
+        f'{function} has no K-FAC layers to estimate: every module that owns params was '
+        f'skipped, with the reasons {skipped}. Fix what a reason says: a model that is one '
+        'layer (`model = nn.Dense(3)`) must be wrapped in a module (`nn.Sequential('
+        '[nn.Dense(3)])`, NNX: `nnx.Sequential(nnx.Linear(...))`), with the variables and '
+        'the layers built from that model; or train without K-FAC (a plain optax '
+        'optimizer) where no layer has a rule.')
+
+
 class KFACLossError(PerturbkitError, ValueError):
   """The loss given to K-FAC has no predictive distribution to sample from."""
 
@@ -500,6 +516,24 @@ class KFACOutputError(PerturbkitError, TypeError):
     super().__init__(
         f'For K-FAC, predict_fn must return one floating-point array (the logits or '
         f'predictions), got {got}. {hint}')
+
+
+class KFACExactFisherError(PerturbkitError, ValueError):
+  """``fisher='exact'`` for an output that is not ``(batch, k)``."""
+
+  def __init__(self, shape: tuple):
+    super().__init__(
+        f"fisher='exact' takes the expectation over every output unit, one backward lane "
+        f'each, and needs an output of shape (batch, k); got {tuple(shape)}. Use '
+        "fisher='sampled' (the same Fisher in expectation, one lane) or fisher='empirical' "
+        'for outputs with more axes, such as a sequence\'s logits.')
+
+
+class KFACUpdateArgsError(PerturbkitError, TypeError):
+  """A K-FAC transform's ``update`` was called without the arguments it needs."""
+
+  def __init__(self, detail: str):
+    super().__init__(detail)
 
 
 class PerExampleError(PerturbkitError, ValueError):

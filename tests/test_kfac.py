@@ -705,6 +705,38 @@ def test_a_subclass_keeping_call_and_a_dense_submodule_have_the_dense_factors():
   assert_factors(stats, 'layers_2/Dense_0', *dense_reference(inputs[1], gs[1], 6))
 
 
+def test_a_bare_layer_as_the_model_is_refused_with_the_fix_that_works():
+  """A model that is one ``nn.Dense`` owns its params at the root: no layer, a named error
+  that says to wrap it; wrapped, its factors are ``E[ã ãᵀ]`` and ``E[g gᵀ]`` by hand."""
+  x = jax.random.normal(jax.random.key(1), (4, 5))
+  y = jnp.arange(4) % 3
+  _, predict, layers = setup(nn.Dense(3), x)
+  assert layers.layers == {}
+  assert 'wrap it in a module, e.g. `nn.Sequential([nn.Dense(3)])`' in layers.skipped['<root>']
+  with pytest.raises(perturbkit.KFACNoLayersError, match=r'must be wrapped in a module'):
+    perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+
+  variables, predict, layers = setup(nn.Sequential([nn.Dense(3)]), x)
+  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                          fisher='empirical')(variables, x, y)
+  logits = predict(variables, x)
+  g = jax.grad(cross_entropy_sum)(logits, y)  # per example: each row is one example's
+  assert_factors(stats, 'layers_0', *dense_reference(x, np.asarray(g, np.float64), 4))
+
+
+def test_misused_estimator_options_are_named_errors():
+  x = jnp.ones((2, 5, 3))
+  variables, predict, layers = setup(MLP(), x)
+  with pytest.raises(perturbkit.InvalidOptionError, match="fisher='fast'.*'empirical'"):
+    perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='fast')
+  exact = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='exact')
+  with pytest.raises(perturbkit.KFACExactFisherError, match=r"\(2, 5, 4\).*fisher='sampled'"):
+    exact(variables, x, jnp.zeros((2, 5), jnp.int32))
+  sampled = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  with pytest.raises(perturbkit.PRNGKeyError, match=r'jax\.random\.key\(seed\)'):
+    sampled(variables, x, jnp.zeros((2, 5), jnp.int32))
+
+
 def test_loss_without_distribution_names_what_to_pass():
   x = jnp.ones((2, 3))
   variables, predict, layers = setup(MLP(), x)
@@ -751,7 +783,7 @@ def test_state_of_another_model_is_a_shape_error():
   bad = {**stats, 'Dense_1': perturbkit.LayerFactors(jnp.zeros((3, 3)), stats['Dense_1'].g)}
   with pytest.raises(perturbkit.KFACShapeError, match='Dense_1'):
     tx.update(grads, tx.init(variables['params']), kfac_stats=bad)
-  with pytest.raises(TypeError, match='kfac_stats'):
+  with pytest.raises(perturbkit.KFACUpdateArgsError, match='kfac_stats=stats'):
     tx.update(grads, tx.init(variables['params']))
 
 

@@ -234,7 +234,7 @@ def test_amortised_segment_statistics_and_errors():
     perturbkit.kfac_segment(embed)
   alone = perturbkit.kfac_segment(layers.layers['Dense_0'])
   w = variables['params']['Dense_0']
-  with pytest.raises(TypeError, match='segment_inputs'):
+  with pytest.raises(perturbkit.KFACUpdateArgsError, match='segment_inputs'):
     alone.update(w, alone.init(w), w)
   # A coarser segment than the layer (here: the whole model) is named, not half-handled.
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='one Dense, Conv or norm call'):

@@ -330,6 +330,21 @@ def test_a_linear_subclass_overriding_call_is_skipped_or_refused_and_one_keeping
   np.testing.assert_allclose(stats['layers/0'].g, g.T @ g / 6, rtol=2e-5, atol=1e-6)
 
 
+def test_a_bare_linear_as_the_model_and_a_linen_model_are_named_errors():
+  x = jnp.ones((4, 5))
+  layers = perturbkit.nnx.kfac_layers(nnx.Linear(5, 3, rngs=nnx.Rngs(0)), x)
+  assert layers.layers == {}
+  assert 'e.g. `nnx.Sequential(nnx.Linear(5, 3, rngs=rngs))`' in layers.skipped['<root>']
+  with pytest.raises(perturbkit.KFACNoLayersError, match='must be wrapped in a module'):
+    perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
+  model = nnx.Sequential(nnx.Linear(5, 3, rngs=nnx.Rngs(0)))
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy',
+                                           perturbkit.nnx.kfac_layers(model, x))
+  linen = nn.Dense(3)
+  with pytest.raises(perturbkit.WrongFrontEndError, match='perturbkit.kfac_estimator'):
+    estimate(linen.init(jax.random.key(0), x), x, jnp.zeros((4,), jnp.int32), jax.random.key(1))
+
+
 class _RematBlock(nnx.Module):
   def __init__(self, rngs):
     self.up = nnx.Linear(6, 8, rngs=rngs)

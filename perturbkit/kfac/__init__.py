@@ -51,7 +51,10 @@ the fallback transform; selecting one explicitly raises
 overrides ``__call__`` (a LoRA adapter, an input transform around
 ``super().__call__``) is skipped, with the reason: make the layer a submodule your
 module calls instead, and K-FAC preconditions that submodule while the module's own
-params go to the fallback. So are layers with a call every example shares: a
+params go to the fallback. K-FAC finds its layers among submodule calls, so a model
+that is one layer (``nn.Dense(3)`` as the whole model) has none: its params are the
+root's, ``layers.skipped['<root>']`` says to wrap it (``nn.Sequential([nn.Dense(3)])``),
+and an estimator given no layer raises ``KFACNoLayersError``. So are layers with a call every example shares: a
 position table the model looks up itself (Whisper's encoder ``jnp.arange``,
 CLIP's vision ``(1, patches)`` id buffer) has one output for the whole batch, the
 gradient at it is summed over the examples, and factors from it would be

@@ -27,7 +27,8 @@ from perturbkit.linen._driver import value_and_grad
 from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
                                      check_norm_call, refuse_outside_reads, refuse_override,
                                      signature)
-from perturbkit.errors import KFACOutputError
+from perturbkit.errors import (KFACExactFisherError, KFACNoLayersError, KFACOutputError,
+                               PRNGKeyError)
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
@@ -99,8 +100,7 @@ def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
     lanes = jax.grad(lambda z: jnp.sum(loss.nll(z, sampled)))(output)[None]
   else:
     if output.ndim != 2:
-      raise ValueError("fisher='exact' needs an output of shape (batch, k), got "
-                       f'{output.shape}.')
+      raise KFACExactFisherError(output.shape)
     lanes = loss.fisher_sqrt(output)
   return value, jnp.concatenate([true_grad[None], lanes.astype(true_grad.dtype)])
 
@@ -148,10 +148,10 @@ def lane_stats(run_lane: Callable[[jax.Array], tuple], layers: KFACLayers, fishe
 
 
 def require_key(fisher: str, key: jax.Array | None, first: str):
-  """Raises ``TypeError`` for ``fisher='sampled'`` without a PRNG key."""
+  """Raises :class:`PRNGKeyError` for ``fisher='sampled'`` without a PRNG key."""
   if fisher == 'sampled' and key is None:
-    raise TypeError(f"fisher='sampled' needs a PRNG key: estimate({first}, inputs, targets, "
-                    'key).')
+    raise PRNGKeyError(f"fisher='sampled' (drawing the Fisher's labels from the model) in "
+                       f'estimate({first}, inputs, targets, key)', 'no key')
 
 
 def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
@@ -203,6 +203,11 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     averages them over its ``axis_name``).
 
   Raises:
+    KFACNoLayersError: ``layers`` has no layer (every module that owns params was
+      skipped, e.g. a bare ``nn.Dense`` as the whole model: wrap it in a module).
+    InvalidOptionError: ``fisher`` is none of the three.
+    KFACExactFisherError: ``fisher='exact'`` for an output that is not ``(batch, k)``.
+    PRNGKeyError: ``fisher='sampled'`` and no ``key``.
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
     KFACOutputError: ``predict_fn`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
@@ -230,7 +235,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   output_loss = as_output_loss(loss, fisher)
   paths = {info.path for info in layers.layers.values()}
   if not paths:
-    raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
+    raise KFACNoLayersError('perturbkit.kfac_estimator', layers.skipped)
   names = {info.path: name for name, info in layers.layers.items()}
   checked = set()
 

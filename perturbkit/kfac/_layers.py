@@ -43,6 +43,15 @@ _UNREACHED = ('its calls run inside a lifted transform that does not map the "pe
               'cannot be read')
 
 
+def root_reason(layer: str, wrapped: str) -> str:
+  """Why the root module's own params have no factors; ``layer`` is a one-layer model in the
+  front end's words (``'nn.Dense(3)'``) and ``wrapped`` the same wrapped in a module."""
+  return ('they are the root module\'s own params (a model that is one layer, such as '
+          f'`{layer}`, or a param of the top module itself), and K-FAC finds its layers among '
+          'the calls of submodules; to precondition a one-layer model, wrap it in a module, '
+          f'e.g. `{wrapped}`')
+
+
 def outside_reason(what: set[str]) -> str:
   return ('its params are also read outside its calls (by ' + ', '.join(sorted(what)) +
           '), e.g. tied weights such as an LM head on the transposed embedding: K-FAC '
@@ -214,6 +223,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
           iterations=iterations.get(owner, 0))
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
+    elif not owner:
+      skipped[name] = root_reason('nn.Dense(3)', 'nn.Sequential([nn.Dense(3)])')
     else:
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(predict_fn, variables, inputs,

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from perturbkit.core._validate import positive
-from perturbkit.errors import KFACLossError, KFACLossShapeError, KFACTargetsError
+from perturbkit.errors import (InvalidOptionError, KFACLossError, KFACLossShapeError,
+                               KFACTargetsError)
 
 FISHER_KINDS = ('sampled', 'empirical', 'exact')
 
@@ -178,9 +179,10 @@ def as_output_loss(loss: Any, fisher: str) -> OutputLoss:
   Raises:
     KFACLossError: ``loss`` names no predictive distribution and the Fisher
       needs one.
+    InvalidOptionError: ``fisher`` is not one of ``FISHER_KINDS``.
   """
   if fisher not in FISHER_KINDS:
-    raise ValueError(f'fisher must be one of {FISHER_KINDS}, got {fisher!r}.')
+    raise InvalidOptionError('fisher', fisher, ' or '.join(map(repr, FISHER_KINDS)))
   if isinstance(loss, OutputLoss):
     resolved = loss
   else:

@@ -24,7 +24,8 @@ from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, 
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import as_output_loss, mean_loss
 from perturbkit.nnx._calls import path_of, submodules
-from perturbkit.nnx._driver import value_and_grad
+from perturbkit.errors import KFACNoLayersError
+from perturbkit.nnx._driver import check_module, value_and_grad
 from perturbkit.kfac._nnx_layers import call_model, nnx_override_reason, outside_reads
 
 
@@ -62,6 +63,9 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     under ``nnx.jit``.
 
   Raises:
+    KFACNoLayersError: ``layers`` has no layer (e.g. a bare ``nnx.Linear`` as the
+      whole model: wrap it in a module).
+    WrongFrontEndError: ``estimate`` was given a Linen module or variables.
     KFACLossError: ``loss`` has no distribution to sample from.
     KFACOutputError: ``predict`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
@@ -85,7 +89,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   predict = call_model if predict is None else predict
   paths = {info.path for info in layers.layers.values()}
   if not paths:
-    raise ValueError(f'No K-FAC layers to estimate (skipped: {layers.skipped}).')
+    raise KFACNoLayersError('perturbkit.nnx.kfac_estimator', layers.skipped)
   select = lambda module, method_name: method_name == '__call__' and path_of(module) in paths
   checked = set()
 
@@ -135,8 +139,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
 
   def estimate(model: nnx.Module, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
-    if not isinstance(model, nnx.Module):
-      raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+    check_module(model, 'perturbkit.nnx.kfac_estimator')
     if with_stats is not False:
       require_key(fisher, key, 'model')
     check_layers(model, inputs)

@@ -32,7 +32,8 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
-from perturbkit.kfac._layers import KFACLayers, outside_reason, skip_layers, stacked_iterations
+from perturbkit.kfac._layers import (KFACLayers, outside_reason, root_reason, skip_layers,
+                                    stacked_iterations)
 from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
                                     flax_norm_layer, flax_norm_weight, hashable, norm_reason,
                                     override_reason)
@@ -357,6 +358,9 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
           iterations=iterations.get(owner, 0))
     elif owner in unselected:
       skipped[name] = 'not selected by the filter'
+    elif not owner:
+      skipped[name] = root_reason('nnx.Linear(5, 3, rngs=rngs)',
+                                  'nnx.Sequential(nnx.Linear(5, 3, rngs=rngs))')
     else:
       skipped[name] = 'its params are not used through a call of its own'
   reads = outside_reads(model, inputs, predict, {info.path: segment_name(info.path)

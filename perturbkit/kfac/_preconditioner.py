@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit.errors import KFACShapeError
+from perturbkit.errors import KFACShapeError, KFACUpdateArgsError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._rules import LayerFactors, LayerInfo, factor_shapes, precondition
 from perturbkit.core._validate import fraction, positive, positive_int
@@ -180,6 +180,7 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     InvalidOptionError: ``damping`` is not a finite number > 0, ``decay`` not in
       ``[0, 1)``, or ``inverse_every``/``stats_every`` not an integer >= 1.
     KFACShapeError: the params, gradients or factors do not match ``layers``.
+    KFACUpdateArgsError: ``update`` is called without ``kfac_stats=``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -223,9 +224,9 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     del extra_args
     check_unchecked(axis_name, 'perturbkit.kfac_preconditioner')
     if kfac_stats is None:
-      raise TypeError('The K-FAC preconditioner needs the batch factors: '
-                      'tx.update(grads, state, params, kfac_stats=stats), with stats from '
-                      'perturbkit.kfac_estimator.')
+      raise KFACUpdateArgsError('The K-FAC preconditioner needs the batch factors: call '
+                                'tx.update(grads, state, params, kfac_stats=stats), with stats '
+                                'from perturbkit.kfac_estimator.')
     _check_stats(layers, kfac_stats)
     per_layer, rest = _split(updates, layers)
     _check_params(layers, per_layer)

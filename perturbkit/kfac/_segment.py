@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from perturbkit.errors import KFACExamplesError, KFACUnsupportedLayerError
+from perturbkit.errors import KFACExamplesError, KFACUnsupportedLayerError, KFACUpdateArgsError
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner
 from perturbkit.kfac._rules import (LayerFactors, LayerInfo, batch_factors, factor_shapes,
@@ -123,6 +123,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     KFACExamplesError: the segment's input does not have the ``segment_examples``
       on its first axis (a multiple of them for a Dense or Conv on ``(examples *
       tokens, d)`` rows): the step's first array argument is not the batch.
+    KFACUpdateArgsError: ``update`` is called without the sweep's extra arguments
+      (outside :func:`interleaved`).
     KFACUnsupportedLayerError: the layer is an Embed (its integer input is not
       one of the segment's floating-point inputs), or the segment is not one
       call with one input and one output array holding exactly the layer's
@@ -177,9 +179,10 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
              **extra_args: Any) -> tuple[Any, Any]:
     del extra_args
     if segment_inputs is None or segment_output_grad is None:
-      raise TypeError('kfac_segment is the optimizer of a segment of perturbkit.interleaved, '
-                      'whose sweep passes segment_inputs= and segment_output_grad=. For a '
-                      'whole model use kfac_preconditioner with kfac_estimator.')
+      raise KFACUpdateArgsError(
+          'kfac_segment is the optimizer of a segment of perturbkit.interleaved, whose sweep '
+          'passes segment_inputs= and segment_output_grad=. For a whole model use '
+          'kfac_preconditioner with kfac_estimator.')
     check_segment(updates)
     zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
     stats = jax.lax.cond(state.stats_due,
