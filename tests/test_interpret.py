@@ -969,6 +969,24 @@ def test_position_out_of_range(mlp):
     perturbkit.attribution_patching(metric, axis=3)(variables, x, corrupted)
 
 
+@pytest.mark.parametrize('transform', ['jit', 'vmap'])
+def test_traced_positions_out_of_range_give_nan_and_in_range_ones_the_edit_by_hand(mlp,
+                                                                                  transform):
+  model, variables, x, _, _ = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  positions = [[1], [-1], [5], [-6], [7]]  # tokens: 5, so the last three are out of range
+  run = lambda p: edited(variables, {'Dense_1/__call__': interpret.zero_ablate(positions=p,
+                                                                               axis=1)}, x)
+  stack = jnp.array(positions)
+  got = jax.vmap(run)(stack) if transform == 'vmap' else jnp.stack([jax.jit(run)(p)
+                                                                    for p in stack])
+  for (p,), out in zip(positions[:2], got[:2]):
+    want = mlp_by_hand(variables['params'], x, lambda n, h: h.at[:, p].set(0.0)
+                       if n == 'Dense_1/__call__' else h)
+    chex.assert_trees_all_close(out, want, **TOL)
+  assert bool(jnp.isnan(got[2:]).all()), got[2:]
+
+
 class _Pooled(nn.Module):
   """Token outputs ``(batch, 5, 8)``, attention-like ``(output, weights)`` with the weights
   ``(batch, 2 heads, 5, 5)``, and a pooler ``(batch, 6)``: axis 1 is tokens, heads, features."""

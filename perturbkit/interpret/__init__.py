@@ -21,7 +21,9 @@ it. The functions here are written once over those points; the Linen ones take
   of it (``view=(-1, tokens, heads, head_dim)``, ``axis=2``: one attention
   head of a ``(batch, tokens, heads * head_dim)`` output); they are pytrees of arrays, so
   ``jax.vmap`` runs a stack of them at once and ``jax.grad`` differentiates
-  through them.
+  through them. Positions outside the axis raise ``PositionOutOfRangeError``,
+  except traced ones (under ``jax.jit``, or stacked under ``jax.vmap``): there
+  one outside the axis turns the edited output, and so the result, into NaN.
 * ``activation_patching(fn, axis=..., batch_size=...)(variables, clean,
   corrupted)``: for each call (and position), the metric of the corrupted run
   with that output patched from the clean run, minus the corrupted metric;

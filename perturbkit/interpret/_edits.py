@@ -12,6 +12,14 @@ shape again. Each kind of edit is one choice
 of ``scale`` and ``shift``; where an edit applies, the result is computed without
 mixing in the old value (``jnp.where``), so replacing an output by itself, or
 scaling it by 1, leaves it bit for bit unchanged.
+
+Positions outside the axis raise ``PositionOutOfRangeError`` where they are
+known while tracing. Traced positions (edits passed through ``jax.jit``, or a
+stack of positions under ``jax.vmap``) cannot be checked then: an active edit
+with one outside the axis turns the whole edited output into NaN (the fill
+values of ``jnp.take(..., mode='fill')`` for other dtypes), so the model's
+output and any metric show it rather than a dropped edit that looks like a
+zero effect. Negative positions inside the axis count from its end.
 """
 import dataclasses
 import functools
@@ -44,7 +52,9 @@ class Edit:
     shift: Added after scaling; broadcasts to the output. For a call whose
       output is a pytree, ``scale`` and ``shift`` are either arrays that apply
       to every floating-point leaf or pytrees of the output's structure.
-    positions: Integer indices along ``axis`` (``None``: the whole output).
+    positions: Integer indices along ``axis`` (``None``: the whole output);
+      negative ones count from the end. Traced ones outside the axis make
+      the edited output NaN (see the module docstring).
     active: A boolean; ``False`` leaves the output as it is (activation
       patching switches the edits of a stack on one call at a time).
     axis: The axis ``positions`` index (``None`` without positions).
@@ -95,13 +105,22 @@ def replace(value: Any, *, positions: Any = None, axis: int | None = None,
   Args:
     value: An array that broadcasts to the output (a cached output, another
       run's activation), or a pytree like the output.
-    positions: Integer indices along ``axis``; ``None`` for the whole output.
+    positions: Integer indices along ``axis`` (negative ones count from its
+      end); ``None`` for the whole output. The other edits take them too.
+      Positions outside the axis raise ``PositionOutOfRangeError`` when the
+      edit runs; traced positions (the edit passed through ``jax.jit``, or a
+      stack of positions under ``jax.vmap``) cannot be checked while tracing,
+      and one outside the axis turns the whole edited output into NaN.
     axis: The axis the positions index.
     view: Edit the output reshaped to this shape (see :class:`Edit`); the
       other edits take it too.
 
   Returns:
     The edit.
+
+  Raises:
+    InvalidOptionError: ``positions`` without ``axis`` or the other way round,
+      or positions that are not integers.
 
   Example:
     >>> import jax.numpy as jnp
@@ -117,6 +136,9 @@ def add(delta: Any, *, positions: Any = None, axis: int | None = None,
         view: tuple[int, ...] | None = None) -> Edit:
   """Adds ``delta`` to the output (at ``positions`` along ``axis``), a steering vector.
 
+  Positions as for :func:`replace`: out of range, an error, or NaN in the
+  edited output where they are traced (under ``jax.jit`` or ``jax.vmap``).
+
   Example:
     >>> import jax.numpy as jnp
     >>> from perturbkit import interpret
@@ -130,6 +152,9 @@ def scale(factor: Any, *, positions: Any = None, axis: int | None = None,
           view: tuple[int, ...] | None = None) -> Edit:
   """Multiplies the output (at ``positions`` along ``axis``) by ``factor``.
 
+  Positions as for :func:`replace`: out of range, an error, or NaN in the
+  edited output where they are traced (under ``jax.jit`` or ``jax.vmap``).
+
   Example:
     >>> import jax.numpy as jnp
     >>> from perturbkit import interpret
@@ -142,6 +167,9 @@ def scale(factor: Any, *, positions: Any = None, axis: int | None = None,
 def zero_ablate(*, positions: Any = None, axis: int | None = None,
                 view: tuple[int, ...] | None = None) -> Edit:
   """Sets the output (at ``positions`` along ``axis``) to zero.
+
+  Positions as for :func:`replace`: out of range, an error, or NaN in the
+  edited output where they are traced (under ``jax.jit`` or ``jax.vmap``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -166,6 +194,8 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
   on a batch; its mean over the examples (``over=0``, kept as an axis of 1)
   broadcasts to the output for any batch size. With ``view``, the reference
   is viewed the same way before the mean (``over`` counts the view's axes).
+  Positions as for :func:`replace`: out of range, an error, or NaN in the
+  edited output where they are traced (under ``jax.jit`` or ``jax.vmap``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -189,16 +219,45 @@ def _broadcast(value: jax.Array, shape: tuple, where: str, field: str) -> jax.Ar
   return jnp.broadcast_to(value, shape)
 
 
-def _position_mask(positions: jax.Array, axis: int, shape: tuple, where: str) -> jax.Array:
+def _position_mask(positions: jax.Array, axis: int, shape: tuple,
+                   where: str) -> tuple[jax.Array, jax.Array | None]:
+  """The positions as a mask broadcasting to ``shape``, and whether one is outside the axis.
+
+  Known positions are checked now; traced ones (under ``jax.jit``, or a stack
+  of them under ``jax.vmap``) cannot be, so the second value is a traced
+  boolean, ``True`` where some position is out of range (``None``: checked).
+  """
   if not -len(shape) <= axis < len(shape):
     raise PositionOutOfRangeError(where, _listed(positions), axis, shape)
   size = shape[axis]
-  if not isinstance(positions, jax.core.Tracer):
+  outside = None
+  if isinstance(positions, jax.core.Tracer):
+    outside = jnp.any((positions < -size) | (positions >= size))
+  else:
     given = np.asarray(positions)
     if given.size and (given.min() < -size or given.max() >= size):
       raise PositionOutOfRangeError(where, _listed(positions), axis, shape)
+  # In range, jnp's negative indices count from the end; out of range, the scatter drops them.
   selected = jnp.zeros(size, bool).at[positions].set(True)
-  return selected.reshape([size if i == axis % len(shape) else 1 for i in range(len(shape))])
+  return (selected.reshape([size if i == axis % len(shape) else 1 for i in range(len(shape))]),
+          outside)
+
+
+def _poison(dtype) -> jax.Array:
+  """What a traced out-of-range position turns an output of ``dtype`` into.
+
+  NaN for floating-point outputs, as ``jnp.take(..., mode='fill')`` fills an
+  out-of-range gather: it reaches the model's output and every metric after it,
+  where a dropped edit would look like a real zero effect. Other dtypes take
+  that mode's fill values too (their smallest value, ``True`` for booleans).
+  """
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.array(jnp.nan, dtype)
+  if jnp.issubdtype(dtype, jnp.bool_):
+    return jnp.array(True)
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.array(jnp.iinfo(dtype).max, dtype)
+  return jnp.array(jnp.iinfo(dtype).min, dtype)
 
 
 def _listed(positions) -> Any:
@@ -237,9 +296,15 @@ def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.
                    jnp.zeros((), jnp.result_type(output)))
   target = (scale_value * kept + _broadcast(shift, shape, where, 'shift')).astype(output.dtype)
   mask = jnp.asarray(edit.active, bool)
+  outside = None
   if edit.positions is not None:
-    mask = mask & _position_mask(edit.positions, edit.axis, shape, where)
-  return jnp.where(mask, target, output)
+    selected, outside = _position_mask(edit.positions, edit.axis, shape, where)
+    mask = mask & selected
+  edited = jnp.where(mask, target, output)
+  if outside is None:
+    return edited
+  # A traced position outside the axis poisons the whole output (of an active edit) loudly.
+  return jnp.where(outside & jnp.asarray(edit.active, bool), _poison(output.dtype), edited)
 
 
 def _like(value: Any, output: Any) -> list:
@@ -266,7 +331,11 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
     EditViewError: the edit's ``view`` holds another number of elements than
       the output.
     PositionOutOfRangeError: a position (known while tracing) is outside the
-      axis, or the output (or its view) has no such axis.
+      axis, or the output (or its view) has no such axis. A traced position
+      outside the axis (under ``jax.jit``, or a stack of positions under
+      ``jax.vmap``) cannot raise: it turns the whole edited output into NaN
+      (floating point; other dtypes take ``jnp.take(..., mode='fill')``'s
+      fill values).
 
   Example:
     >>> import jax.numpy as jnp

@@ -89,7 +89,8 @@ def run_with_edits(fn: Callable[..., Any], *,
   ``replace``, ``add``, ``scale``, ``zero_ablate`` and ``mean_ablate``, each
   optionally only at ``positions`` along an ``axis``. Edits are pytrees of
   arrays: ``jax.vmap`` over a stack of them runs many interventions at once,
-  and ``jax.grad`` differentiates through their values. Replacing an output
+  and ``jax.grad`` differentiates through their values (under ``jax.jit`` or
+  ``jax.vmap``, a position outside the axis gives NaN, see Raises). Replacing an output
   by its cached value gives exactly the unedited run.
 
   Args:
@@ -102,7 +103,11 @@ def run_with_edits(fn: Callable[..., Any], *,
   Raises:
     UnknownEditPathError: an edit at a path no selected call has.
     EditShapeError: an edit's value does not broadcast to the call's output.
-    PositionOutOfRangeError: a position outside the call's output along the axis.
+    PositionOutOfRangeError: a position outside the call's output along the
+      axis. Traced positions (edits passed through ``jax.jit``, or a stack of
+      positions under ``jax.vmap``) cannot be checked while tracing: one
+      outside the axis makes that call's output, and so the returned output,
+      NaN instead of silently dropping the edit.
     EditViewError: an edit's ``view`` does not hold its call's output.
 
   Example:
