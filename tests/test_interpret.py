@@ -585,8 +585,49 @@ def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(
 
   gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
   chex.assert_trees_all_close(gxa.clean_metric, metric_of(a_corrupted[2]), **TOL)
-  for i in (0, 2):
-    chex.assert_trees_all_close(gxa.effects[i], per_token(a_corrupted[i] * grads[i]), **TOL)
+  for i in range(3):  # the masked scores (gradient exactly 0) contribute 0, no 0 * inf
+    chex.assert_trees_all_close(gxa.effects[i], per_token(jnp.where(
+        finite[i], a_corrupted[i] * grads[i], 0.0)), **TOL)
+
+
+def test_integrated_gradients_through_masked_infinite_scores(mlp):
+  """Zero baseline against ``-inf`` masked scores: at every Gauss-Legendre node (inside
+  ``(0, 1)``) the masked entries are ``-inf`` with gradient 0, so they contribute 0, and each
+  call's effects equal ``(a - b) . mean_alpha grad`` by hand over the finite entries; the
+  effects sum to the metric change with the masked entries kept infinite. The trapezoid rule's
+  first node is the baseline itself, so there the scores' effects at tokens with masked entries
+  are NaN, never a number."""
+  _, _, x, _, _ = mlp
+  model = MaskedAttention()
+  variables = model.init(jax.random.key(0), x)
+  params = variables['params']
+
+  def by_hand(scores_of=lambda s: s, delta=0.0):
+    h = nn.Dense(4).apply({'params': params['Dense_0']}, x)
+    scores = scores_of(MaskedScores().apply({}, h)) + delta
+    return metric_of(nn.Dense(2).apply({'params': params['Dense_1']},
+                                       jax.nn.softmax(scores, -1) @ h))
+
+  h = nn.Dense(4).apply({'params': params['Dense_0']}, x)
+  a = MaskedScores().apply({}, h)
+  finite = jnp.isfinite(a)
+  nodes, weights = np.polynomial.legendre.leggauss(16)
+  want = 0.0
+  for alpha, weight in zip((nodes + 1) / 2, weights / 2):
+    on_path = lambda s, alpha=alpha: jnp.where(finite, alpha * s, -jnp.inf)
+    grad = jax.grad(lambda d: by_hand(on_path, d))(jnp.zeros_like(a))
+    want = want + weight * per_token(jnp.where(finite, a * grad, 0.0))
+  metric = lambda v, x: metric_of(model.apply(v, x))
+  result = perturbkit.layer_integrated_gradients(metric, axis=1)(variables, x)
+  assert result.paths[1] == 'MaskedScores_0/__call__'
+  chex.assert_trees_all_close(result.effects[1], want, rtol=1e-4, atol=1e-6)
+  kept = by_hand(lambda s: jnp.where(finite, 0.0, -jnp.inf))
+  np.testing.assert_allclose(result.effects[1].sum(), by_hand() - kept, rtol=1e-3, atol=1e-5)
+  trapezoid = perturbkit.layer_integrated_gradients(metric, axis=1, method='riemann_trapezoid')(
+      variables, x)
+  masked = ~finite.all(axis=(0, 2))  # the tokens whose scores hold masked entries
+  assert bool(masked.any()) and bool(jnp.isnan(trapezoid.effects[1, masked]).all())
+  assert bool(jnp.isfinite(trapezoid.effects[jnp.array([0, 2])]).all())
 
 
 def test_edits_and_patching_of_a_model_with_infinite_outputs_are_exact(mlp):

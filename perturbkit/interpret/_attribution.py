@@ -39,6 +39,10 @@ def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
   the gradient with respect to ``o`` is the incoming ``g``, with respect to
   ``s`` the per-position sum of ``g * d`` (both in at least float32; ``d`` made
   in the backward pass), and with respect to ``d`` zero (``spread(0) * g``).
+  An entry whose gradient is exactly 0 adds 0 to that sum, also where ``d`` is
+  infinite (``o`` itself at a masked ``-inf`` attention score, whose gradient
+  is ``-0``): ``0 * inf`` would be ``nan``. Elsewhere an infinite ``d`` gives
+  an infinite (or ``nan``) effect, as it should.
   """
 
   def along(s: jax.Array, d: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -55,6 +59,8 @@ def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
   def backward(residuals, g):
     o, s, r = residuals
     d = direction(o, r)
+    # Only infinite d is replaced, so finite values (and their derivatives) stay exact.
+    d = jnp.where((g == 0) & jnp.isinf(d), jnp.zeros((), d.dtype), d)
     shape = viewed_shape(jnp.shape(g), view, name)
     _, transpose = jax.vjp(lambda s: along(s, d, shape), s)
     (ds,) = transpose(widened(viewed(g, view, name)).astype(jnp.result_type(s, d)))

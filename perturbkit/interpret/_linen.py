@@ -286,7 +286,10 @@ def grad_times_activation(fn: Callable[..., Any], *, filter: CallFilter | bool |
   The first-order effect of zero-ablating each call's output (at each
   position along ``axis``), with the sign flipped: attribution patching from
   a zero baseline, the gradient taken at ``inputs``. One forward and one
-  backward pass.
+  backward pass. An entry whose gradient is exactly 0 contributes 0, also
+  where the output is infinite (a masked ``-inf`` attention score: its
+  gradient is 0, and ``0 * inf`` is not taken); an infinite entry with a
+  nonzero gradient makes the effect infinite (or NaN).
 
   Args:
     fn: ``(variables, inputs) -> metric``.
@@ -350,6 +353,18 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
   :func:`activation_patching`'s runs do: per group of neighbouring calls, the
   model before the group once and the rest as a ``jax.vmap``, ``batch_size``
   at a time. Jittable.
+
+  Infinite entries: where ``a`` and ``b`` are the same infinity (a masked
+  ``-inf`` score on ``inputs`` and on ``baseline``), ``a - b`` is 0 and the
+  entry does not move. Where only one is infinite (masked scores against the
+  zero baseline), the path jumps there from ``b`` to infinity at once: an entry
+  whose gradient is 0 at every node contributes 0 (a masked score, at
+  ``'gauss_legendre'``'s nodes, all inside ``(0, 1)``), and completeness then
+  holds with those entries kept infinite at the baseline, i.e. the jump is not
+  counted. A nonzero gradient at some node (``'riemann_trapezoid'``'s first
+  node is ``b`` itself, where ``0 * inf`` enters the model) makes the call's
+  effects infinite or NaN. For completeness against a baseline, pass baseline
+  inputs whose run masks the same entries.
 
   Args:
     fn: ``(variables, inputs) -> metric``.
