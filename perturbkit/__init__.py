@@ -105,6 +105,7 @@ from perturbkit.interpret import (activation_patching, attribution_patching, Cac
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import AxisLengthMismatchError
+from perturbkit.errors import BranchCallsMismatchError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import EditShapeError
@@ -219,6 +220,7 @@ __all__ = [
     'ActivationsUnavailableError',
     'AmbiguousInputError',
     'AxisLengthMismatchError',
+    'BranchCallsMismatchError',
     'CallStructureMismatchError',
     'CheckedShardMapError',
     'EditShapeError',

@@ -17,7 +17,9 @@ devices twice).
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
 message lists the calls seen), ``PerturbationStructureError``,
-``NonDifferentiableOutputError``, ``PerturbationsNotAppliedError`` (the loss did
+``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch`` whose branches call
+different submodules), ``NonDifferentiableOutputError``,
+``PerturbationsNotAppliedError`` (the loss did
 not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.apply``),
@@ -124,6 +126,20 @@ class PerturbationStructureError(PerturbkitError, ValueError):
         f'The perturbations do not match the model call: {detail}. Create them with '
         '`wrapped.init(...)["perturbations"]` for the same inputs, shapes and filter as the '
         'call that uses them.')
+
+
+class BranchCallsMismatchError(PerturbkitError, TypeError):
+  """The branches of an ``nn.cond``/``nn.switch`` make different selected calls."""
+
+  def __init__(self, transform, names):
+    modules = ', '.join(repr(p) for p in sorted({n.rsplit('/', 1)[0] for n in names}))
+    super().__init__(
+        f'Selected calls inside {transform} ([{_listed(names)}]) differ between its branches '
+        '(a different submodule in each), so the branches would create different '
+        "'perturbations' and Flax cannot join them. Either exclude the calls inside the "
+        'branches with the filter, e.g. `filter=perturbkit.filters.negate('
+        f'perturbkit.filters.by_path({modules}))`, or compute every branch and select the '
+        f'result with `jnp.where(pred, a(x), b(x))` instead of {transform}.')
 
 
 class NonDifferentiableOutputError(PerturbkitError, TypeError):

@@ -311,6 +311,25 @@ class MappedDense(nn.Module):
     return dense(4, name='dense')(x)
 
 
+class BranchedDense(nn.Module):
+  """``nn.cond`` (or ``nn.switch``) between two Dense submodules on the sign of ``x.sum()``."""
+  switch: bool = False
+
+  def setup(self):
+    self.emb, self.a, self.b, self.out = nn.Dense(4), nn.Dense(4), nn.Dense(4), nn.Dense(1)
+
+  def __call__(self, x):
+    h = self.emb(x)
+    if self.is_initializing():  # both branches' params, as Flax's cond requires
+      self.a(h), self.b(h)
+    branches = [lambda m, h: m.a(h), lambda m, h: m.b(h)]
+    if self.switch:
+      h = nn.switch((x.sum() > 0).astype(jnp.int32), branches[::-1], self, h)
+    else:
+      h = nn.cond(x.sum() > 0, *branches, self, h)
+    return self.out(h)
+
+
 class Cell(nn.Module):
   """A scan body: carry -> tanh(Dense(carry)), also emitted as the step's output.
 

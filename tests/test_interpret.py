@@ -1400,3 +1400,33 @@ def test_calls_inside_mapping_transforms_are_points_per_member_or_named_errors()
   with pytest.raises(perturbkit.ActivationsUnavailableError, match='return_activations'):
     perturbkit.nnx.value_and_grad(lambda m, x: m(x).sum(), return_inputs=True)(
         nnx_models.VmapBroadcast(mapped=True, rngs=nnx.Rngs(0)), jnp.ones((2, 4)))
+
+
+@pytest.mark.parametrize('switch', [False, True])
+def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_works(switch):
+  """The branches of ``nn.cond``/``nn.switch`` make different calls: every function says so,
+  naming the transform and the filter that works; with that filter the calls outside the
+  branches are cached, equal to the model written by hand."""
+  model = models.BranchedDense(switch=switch)
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = model.init(jax.random.key(0), x)
+  metric = lambda v, x: model.apply(v, x).mean()
+  transform = 'nn.switch' if switch else 'nn.cond'
+  calls = [lambda: perturbkit.run_with_cache(model.apply)(variables, x),
+           lambda: perturbkit.run_with_edits(model.apply)(variables, {}, x),
+           lambda: perturbkit.activation_patching(metric)(variables, x, -x),
+           lambda: perturbkit.value_and_grad(metric)(variables, x)]
+  for call in calls:
+    with pytest.raises(perturbkit.BranchCallsMismatchError,
+                       match=rf"{transform}.*a/__call__.*by_path\('a', 'b'\).*jnp.where"):
+      call()
+  outside = filters.negate(filters.by_path('a', 'b'))
+  _, cache = perturbkit.run_with_cache(model.apply, filter=outside)(variables, x)
+  params = variables['params']
+  dense = lambda name, h: nn.Dense(params[name]['bias'].shape[0]).apply(
+      {'params': params[name]}, h)
+  h = dense('emb', x)
+  chex.assert_trees_all_close(cache.outputs['emb']['__call__'], h, **TOL)
+  branch = 'a' if float(x.sum()) > 0 else 'b'
+  chex.assert_trees_all_close(cache.outputs['out']['__call__'], dense('out', dense(branch, h)),
+                              **TOL)

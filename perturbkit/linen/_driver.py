@@ -25,7 +25,8 @@ from flax import nnx, traverse_util
 from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
-from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
+from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
+                                NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
@@ -43,6 +44,19 @@ from perturbkit.core._types import CallFilter, Variables
 # inputs: Flax carries a mutable collection out of the transform, which a Python-side
 # record of the values traced inside it could not leave.
 CAPTURES = 'perturbkit_captures'
+
+
+def branching_transform(module: nn.Module) -> str | None:
+  """``'nn.cond'`` or ``'nn.switch'`` where ``module`` runs in a branch of one, else ``None``.
+
+  Flax names each lifted transform in the debug path of the scopes it makes
+  (``'cond(Block_0)'``, ``'switch()'``: ``flax.core.lift.pack``'s ``name``).
+  """
+  for part in module.scope.debug_path:
+    for name in ('cond', 'switch'):
+      if part.startswith(name + '('):
+        return f'nn.{name}'
+  return None
 
 
 def _captures_name(key: str) -> str:
@@ -165,11 +179,15 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   reached: dict[tuple, None] = {}  # in call order: the program does not depend on hashing
   calls: set[tuple] = set()
   missed: list[str] = []
+  in_branches: list[tuple[str, str]] = []  # (transform, call) of points made in a branch
 
   def on_point(call, output, applied):
     path = call.path + (call.key,)
     if applied:
       reached[path] = None
+      branching = branching_transform(call.module)
+      if branching:
+        in_branches.append((branching, call.name))
       if lifted is not None and inside_lifted_transform(call.module):
         lifted.add(path)
         part = differentiable_part(output)
@@ -190,8 +208,17 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     unbound, own = module.unbind()
     own = {c: t for c, t in own.items() if c != COLLECTION}
     reached.clear()
-    out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
-                             mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
+    in_branches.clear()
+    try:
+      out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
+                               mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
+    except TypeError as error:
+      # jax.lax.cond's TypeError for branches that return other trees: here the points
+      # made in one branch and not the other.
+      if in_branches:
+        raise BranchCallsMismatchError(in_branches[0][0],
+                                       sorted({name for _, name in in_branches})) from error
+      raise
     created = new.get(COLLECTION, {})
     calls.update(reached)
     markers = {path[:-1] + (marker_name(path[-1]),): path for path in reached}
@@ -465,6 +492,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     NotVariablesError: the first argument is not Linen variables with ``'params'``.
     NoPerturbationPointsError: the filter selects no call.
     PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
+    BranchCallsMismatchError: the branches of an ``nn.cond``/``nn.switch``
+      make different selected calls.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -524,7 +553,11 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     two leading axes, outer then inner). Without it the calls inside cannot
     carry a perturbation; perturbkit then says so with an
     ``UnperturbedCallsWarning`` naming them, instead of silently dropping them
-    as plain Flax does.
+    as plain Flax does. ``nn.cond``/``nn.switch`` work when every branch makes
+    the same selected calls; where the branches call different submodules,
+    their perturbations differ and ``BranchCallsMismatchError`` says so
+    (exclude those calls with the filter, or compute every branch and pick
+    the result with ``jnp.where``).
 
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner
