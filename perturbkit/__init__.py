@@ -130,6 +130,7 @@ from perturbkit.errors import KFACTargetsError
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.errors import KFACUpdateArgsError
 from perturbkit.errors import MetricGapError
+from perturbkit.errors import MetricSignatureError
 from perturbkit.errors import LossNotCallableError
 from perturbkit.errors import MissingHasAuxError
 from perturbkit.errors import NonDifferentiableOutputError
@@ -138,6 +139,7 @@ from perturbkit.errors import NonScalarLossError
 from perturbkit.errors import NonScalarMetricError
 from perturbkit.errors import NoPerturbationPointsError
 from perturbkit.errors import NotAnOptimizerError
+from perturbkit.errors import NotEditsError
 from perturbkit.errors import NotVariablesError
 from perturbkit.errors import OptaxPrivacyError
 from perturbkit.errors import OptimizerStateError
@@ -245,6 +247,7 @@ __all__ = [
     'KFACUnsupportedLayerError',
     'KFACUpdateArgsError',
     'MetricGapError',
+    'MetricSignatureError',
     'LossNotCallableError',
     'MissingHasAuxError',
     'NonDifferentiableOutputError',
@@ -253,6 +256,7 @@ __all__ = [
     'NonScalarMetricError',
     'NoPerturbationPointsError',
     'NotAnOptimizerError',
+    'NotEditsError',
     'NotVariablesError',
     'OptaxPrivacyError',
     'OptimizerStateError',

@@ -47,12 +47,14 @@ its extra arguments), ``KFACLossError``, ``KFACLossShapeError`` (a loss function
 not return one loss per example), ``KFACTargetsError`` (targets that do not fit the output
 loss).
 
-Interventions and attribution (``perturbkit.interpret``): ``UnknownEditPathError``
+Interventions and attribution (``perturbkit.interpret``): ``NotEditsError`` (edits
+that are not a dict ``{path: edit}``), ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
 broadcast to the call's output), ``EditViewError`` (an edit's ``view`` of another size than
 the call's output), ``PositionOutOfRangeError``, ``AxisLengthMismatchError`` (without
 ``positions``, calls of other lengths along the swept axis), ``NonScalarMetricError``
-(a subclass of ``NonScalarLossError``) and ``CallStructureMismatchError`` (clean and
+(a subclass of ``NonScalarLossError``), ``MetricSignatureError`` (a function that
+does not take ``(variables, inputs)``) and ``CallStructureMismatchError`` (clean and
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
 ``InterventionParamsError`` (learnable interventions given params of another
@@ -295,11 +297,15 @@ class UnperturbedCallsWarning(UserWarning):
   def __init__(self, names, nnx: bool = False):
     if nnx:
       where = ('an NNX transform that broadcasts the module\'s state (nnx.scan, nnx.vmap, '
-               '...) or carries the module from step to step (nnx.scan with it in the carry, '
-               'as nnx.RNN does with its cell: one point for every step would sum the steps)')
-      fix = ('let the transform map the perturbations, e.g. `nnx.scan(f, in_axes=(nnx.'
-             'StateAxes({nnx.Perturbation: 0, ...: None}), nnx.Carry))`; the call that '
-             'runs the transform (an nnx.RNN) has its own point, every step included')
+               '...) or carries the module from step to step (nnx.fori_loop, '
+               'nnx.while_loop, or nnx.scan with it in the carry, as nnx.RNN does with its '
+               'cell: one point for every step would sum the steps)')
+      fix = ('with nnx.scan or nnx.vmap, let the transform map the perturbations, e.g. '
+             '`nnx.scan(f, in_axes=(nnx.StateAxes({nnx.Perturbation: 0, ...: None}), '
+             'nnx.Carry))`; nnx.fori_loop and nnx.while_loop cannot map the module\'s state: '
+             'write the loop as a Python `for` loop (one point per iteration) or as such an '
+             'nnx.scan; the call that runs the transform (an nnx.RNN) has its own point, every '
+             'step included')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
                '"perturbations" collection')
@@ -400,12 +406,12 @@ class KFACTargetsError(PerturbkitError, ValueError):
 
 
 class InvalidOptionError(PerturbkitError, ValueError):
-  """A numeric option is outside the range where it means anything."""
+  """An option has a value it cannot take (a number out of range, a missing companion)."""
 
   def __init__(self, name: str, value: object, allowed: str):
     super().__init__(
-        f'{name}={value!r} is not a valid value: {name} must be {allowed}. Pass a value in '
-        'that range where the option is given.')
+        f'{name}={value!r} is not a valid value: {name} must be {allowed}. Change the '
+        'option where it is given.')
 
 
 class ReductionMismatchError(PerturbkitError, ValueError):
@@ -772,6 +778,17 @@ class UnmappedPerturbationError(PerturbkitError, ValueError):
         'exclude the calls with the filter.')
 
 
+class NotEditsError(PerturbkitError, TypeError):
+  """The edits are not a dict ``{call path: edit}`` of ``perturbkit.interpret`` edits."""
+
+  def __init__(self, where, got):
+    super().__init__(
+        f"Got a {got} for {where}, but edits are a dict from a call's path to an edit, "
+        "{'Dense_0/__call__': edit} or nested like run_with_cache's outputs "
+        "({'Dense_0': {'__call__': edit}}), each edit built with perturbkit.interpret.replace, "
+        'add, scale, zero_ablate or mean_ablate.')
+
+
 class UnknownEditPathError(PerturbkitError, KeyError):
   """An edit names a path that no selected call has."""
 
@@ -872,6 +889,18 @@ class NonScalarMetricError(NonScalarLossError):
         self, f'The metric function given to {function} must return a real scalar, but it '
         f'returned {got}. Reduce the model\'s output to one number, e.g. the mean logit '
         'difference `jnp.mean(logits[:, -1, right] - logits[:, -1, wrong])`.')
+
+
+class MetricSignatureError(PerturbkitError, TypeError):
+  """The function given to an interpret function cannot take the arguments it is called with."""
+
+  def __init__(self, function, fn, signature, called, cause):
+    super().__init__(
+        f'{function} calls the function it was given as {called}, but '
+        f'{getattr(fn, "__qualname__", fn)!r} takes {signature} ({cause}). Give a function of '
+        'the model and ONE pytree of inputs, e.g. `lambda v, xs: metric(v, *xs)` called with '
+        '`(x, y)` as the clean (and corrupted) inputs, or bind the other arguments with '
+        '`functools.partial`.')
 
 
 class CallStructureMismatchError(PerturbkitError, ValueError):

@@ -1239,13 +1239,40 @@ def test_sweep_positions_that_are_no_indices_are_refused_where_given(sweep):
   metric = lambda v, x: 0.0
   for options, name in [(dict(axis=1, positions=[1.5]), 'positions'),
                         (dict(axis=1, positions=[]), 'positions'),
+                        (dict(axis=1, positions=[[0, 1]]), 'positions'),
                         (dict(positions=[1]), 'axis'),
                         (dict(axis=1.0), 'axis'),
                         (dict(axis=True), 'axis')]:
     with pytest.raises(perturbkit.InvalidOptionError, match=rf'^{name}='):
       make(metric, **options)
+  with pytest.raises(perturbkit.InvalidOptionError, match='not .*0, 1.*]]'):
+    make(metric, axis=1, positions=[[0, 1]])
+  with pytest.raises(perturbkit.InvalidOptionError, match='an int whenever positions are given'):
+    make(metric, positions=[1])
   # Integer positions of any integer type are fine.
   make(metric, axis=1, positions=np.array([0, 3], np.int32))
+
+
+def test_edits_that_are_no_dict_nested_positions_and_metrics_of_other_arguments(mlp):
+  """Edits as a list, an array as an edit, nested positions in an edit, and a metric of
+  ``(variables, x, y)`` given to patching (which passes one input): named errors saying what
+  each must be, not Python's own errors from inside."""
+  model, variables, x, corrupted, metric = mlp
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.NotEditsError, match=r'a list for the edits.*a dict'):
+    edited(variables, [interpret.zero_ablate()], x)
+  with pytest.raises(perturbkit.NotEditsError, match=r"edit at 'Dense_0/__call__'.*a dict"):
+    edited(variables, {'Dense_0/__call__': jnp.zeros(8)}, x)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'^positions=\[\[0, 1\]\].*flat'):
+    edited(variables, {'Dense_0/__call__': interpret.zero_ablate(positions=[[0, 1]], axis=1)}, x)
+  two = lambda v, x, y: metric(v, x)
+  for make in (perturbkit.activation_patching, perturbkit.attribution_patching):
+    with pytest.raises(perturbkit.MetricSignatureError,
+                       match=r'fn\(variables, inputs\).*\(v, x, y\).*ONE pytree'):
+      make(two)(variables, x, corrupted)
+  with pytest.raises(perturbkit.MetricSignatureError, match=r'fn\(model, inputs\)'):
+    perturbkit.nnx.grad_times_activation(lambda m, x, y: m(x).mean())(
+        nnx.Linear(3, 1, rngs=nnx.Rngs(0)), x)
 
 
 @pytest.mark.parametrize('transform', ['remat', 'jit'])
@@ -1430,3 +1457,21 @@ def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_
   branch = 'a' if float(x.sum()) > 0 else 'b'
   chex.assert_trees_all_close(cache.outputs['out']['__call__'], dense('out', dense(branch, h)),
                               **TOL)
+
+
+def test_nnx_fori_loop_warning_advises_a_python_loop_not_state_axes():
+  """``nnx.fori_loop`` carries the module, so its calls get no point; the warning's advice
+  must fit a loop that cannot map state (a Python loop), not only ``nnx.scan``'s."""
+
+  class Looped(nnx.Module):
+    def __init__(self, rngs):
+      self.layer, self.out = nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+      _, h = nnx.fori_loop(0, 2, lambda i, c: (c[0], jnp.tanh(c[0].layer(c[1]))), (self, x))
+      return self.out(h)
+
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'nnx\.fori_loop.*nnx\.fori_loop and nnx\.while_loop cannot map.*'
+                          r'Python `for` loop'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x).sum())(Looped(nnx.Rngs(0)), jnp.ones((2, 3)))

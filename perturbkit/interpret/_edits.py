@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
-from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError,
+from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError, NotEditsError,
                                PositionOutOfRangeError, UnknownEditPathError)
 
 
@@ -227,6 +227,10 @@ def _position_mask(positions: jax.Array, axis: int, shape: tuple,
   of them under ``jax.vmap``) cannot be, so the second value is a traced
   boolean, ``True`` where some position is out of range (``None``: checked).
   """
+  if jnp.ndim(positions) > 1:
+    raise InvalidOptionError('positions', _listed(positions), 'integer indices along the axis '
+                             '(one flat list, e.g. [0, 1]; a stack of them for jax.vmap is '
+                             'mapped, not nested)')
   if not -len(shape) <= axis < len(shape):
     raise PositionOutOfRangeError(where, _listed(positions), axis, shape)
   size = shape[axis]
@@ -352,6 +356,9 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
 def flat_edits(edits: Mapping[Any, Any], prefix: str = '') -> dict[str, Edit]:
   """``{'Dense_0': {'__call__': e}}`` or ``{'Dense_0/__call__': e}`` as ``{'Dense_0/__call__': e}``."""
+  if not isinstance(edits, Mapping):
+    raise NotEditsError('the edits' if not prefix else f'the edits at {prefix!r}',
+                        type(edits).__name__)
   flat = {}
   for key, value in edits.items():
     name = f'{prefix}/{key}' if prefix else str(key)
@@ -360,8 +367,7 @@ def flat_edits(edits: Mapping[Any, Any], prefix: str = '') -> dict[str, Edit]:
     elif isinstance(value, Mapping):
       flat.update(flat_edits(value, name))
     else:
-      raise TypeError(f'The edit at {name!r} is {type(value).__name__}; build edits with '
-                      'perturbkit.interpret.replace, add, scale, zero_ablate or mean_ablate.')
+      raise NotEditsError(f'the edit at {name!r}', type(value).__name__)
   return flat
 
 

@@ -1,4 +1,5 @@
 """What the interpret functions share: tracing a function's points, nesting, the metric check."""
+import inspect
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 from perturbkit.core._loss import describe, point_options
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._types import CallFilter
-from perturbkit.errors import NonScalarMetricError
+from perturbkit.errors import MetricSignatureError, NonScalarMetricError
 
 
 class Tracer(Protocol):
@@ -26,10 +27,36 @@ def trace(tracer: Tracer, fn: Callable[..., Any], model: Any, args: tuple, kwarg
   ``split_iterations``: a call inside a scan is one point per iteration
   (``'__call__[0]'``, ...), which the edits and patching address; ``False``: one
   point, stacked per iteration like its gradient (the cache).
+
+  Raises:
+    MetricSignatureError: ``fn`` cannot take ``(model, *args, **kwargs)``.
   """
+  check_signature(fn, model, args, kwargs, function)
   points, strict = point_options(filter, None)
   return tracer(fn, model, args, kwargs, filter=points, strict=strict, function=function,
                 split_iterations=split_iterations)
+
+
+def check_signature(fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict,
+                    function: str):
+  """Raises ``MetricSignatureError`` unless ``fn(model, *args, **kwargs)`` binds.
+
+  Checked before tracing, so that a function of other arguments (a metric of
+  ``(variables, x, y)`` given to patching, which passes one input) gets a
+  message about its signature rather than Python's ``TypeError`` from deep inside.
+  """
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # no signature to read (some builtins): let the call tell
+    return
+  try:
+    signature.bind(model, *args, **kwargs)
+  except TypeError as cause:
+    first = 'model' if '.nnx.' in function else 'variables'
+    called = (f'fn({first}, inputs)' if len(args) == 1 and not kwargs else
+              f'fn({first}, *args, **kwargs) with {len(args)} positional input(s) and '
+              f'keywords {sorted(kwargs)}')
+    raise MetricSignatureError(function, fn, f'{signature}', called, cause) from None
 
 
 def nest(flat: Mapping[tuple, Any]) -> dict:

@@ -20,7 +20,8 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
 
   Raises:
     InvalidOptionError: ``axis`` is not an int, or ``positions`` are given
-      without ``axis``, are empty, or are not integers (``1.5`` is no index).
+      without ``axis``, are empty, nested (``[[0, 1]]``), or are not integers
+      (``1.5`` is no index).
   """
   if axis is not None and (isinstance(axis, bool) or not isinstance(axis, (int, np.integer))):
     raise InvalidOptionError('axis', axis, 'an int (1 for the tokens of (batch, tokens, '
@@ -28,13 +29,16 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
   if positions is None:
     return None
   if axis is None:
-    raise InvalidOptionError('axis', axis, 'given when positions are (an int axis such as 1 '
-                             'for tokens, with positions=[...])')
-  flat = np.asarray(positions).reshape(-1)
-  if flat.size == 0 or not np.issubdtype(flat.dtype, np.integer):
-    raise InvalidOptionError('positions', positions, 'a non-empty sequence of integer '
-                             'indices along the axis')
-  return tuple(int(p) for p in flat)
+    raise InvalidOptionError('axis', axis, 'an int whenever positions are given (e.g. axis=1 '
+                             'for the tokens of (batch, tokens, features) outputs)')
+  try:
+    given = np.asarray(positions)
+  except ValueError:  # ragged nesting
+    given = np.asarray(positions, dtype=object)
+  if given.ndim > 1 or given.size == 0 or not np.issubdtype(given.dtype, np.integer):
+    raise InvalidOptionError('positions', positions, 'a non-empty flat sequence of integer '
+                             'indices along the axis (e.g. [0, 1], not [[0, 1]])')
+  return tuple(int(p) for p in given.reshape(-1))
 
 
 def sweep_positions(traced: TracedPoints, axis: int | None, positions: Sequence[int] | None,
