@@ -361,18 +361,10 @@ def whole_batch_norms(local_norms: PyTree, axis_name: str) -> PyTree:
                       local_norms)
 
 
-def device_mean(tree: PyTree, axis_name: str | None) -> PyTree:
-  """``tree``'s floating-point leaves averaged over ``axis_name`` (``pmean``); other leaves
-  (counts, flags) as this device has them. Unchanged without an axis.
-
-  The loss and its aux are averaged as the gradients are: a data-parallel step
-  minimises the mean of the devices' losses.
-  """
-  if axis_name is None:
-    return tree
-  return jax.tree.map(
-      lambda leaf: jax.lax.pmean(leaf, axis_name)
-      if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) else leaf, tree)
+def device_mean(loss: jax.Array, axis_name: str | None) -> jax.Array:
+  """The loss averaged over ``axis_name`` (``pmean``), as the gradients are: a data-parallel
+  step minimises the mean of the devices' losses. Unchanged without an axis."""
+  return loss if axis_name is None else jax.lax.pmean(loss, axis_name)
 
 
 def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swept: Mapping,

@@ -244,10 +244,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       same steps), and ``'activation_grad_norm'`` is the norm of the whole
       batch's activation gradient, ``sqrt(psum(|g_d|^2)) / D`` for ``D``
       devices with output cotangents ``g_d`` of their own losses, not a
-      device's own norm. The floating-point leaves of ``'aux'`` are averaged
-      over the devices as the loss is (the whole batch's value for a mean over
-      the batch; a sum over the batch comes back divided by ``D``); its
-      integer and boolean leaves are each device's own.
+      device's own norm. ``'aux'`` is each device's own, from its shard (what
+      it means over the devices is the loss's to say: ``jax.lax.pmean`` a mean
+      in the loss, or return what ``out_specs`` should gather).
     * Per-example clipping (DP-SGD) cannot be combined with it: see
       ``perturbkit.dp_sgd`` (``InterleavedClippingError``); optax's own DP
       transformation as the optimizer raises ``OptaxPrivacyError``.
@@ -390,7 +389,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     (loss, (aux, mutated)), (grads, carried) = jax.value_and_grad(
         differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
     new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept, axis_name)
-    loss, aux = device_mean((loss, aux), axis_name)
+    loss = device_mean(loss, axis_name)
     global_norm = metrics['global_grad_norm']
     kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
     new_variables = {**variables, **mutated, 'params': new_params}

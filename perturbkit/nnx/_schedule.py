@@ -130,7 +130,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
       differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
   new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept,
                                               settings.axis_name)
-  loss, aux = device_mean((loss, aux), settings.axis_name)
+  loss = device_mean(loss, settings.axis_name)
   global_norm = metrics['global_grad_norm']
   kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, grad_norm)
   metrics = {'loss': loss, **metrics}
