@@ -41,7 +41,7 @@ def segment_factors(info: LayerInfo, segment_inputs: Any, segment_output_grad: j
     KFACExamplesError: the input does not have the ``examples`` on its first axis
       (:func:`check_examples`).
   """
-  name = name or '/'.join(info.path) or _NAME
+  name = name or '/'.join(map(str, info.path)) or _NAME
   leaves = jax.tree.leaves(segment_inputs)
   if len(leaves) != 1 or not isinstance(segment_output_grad, jax.Array):
     raise KFACUnsupportedLayerError(
@@ -153,7 +153,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   """
   if layer.kind not in ('dense', 'conv', 'norm'):
     raise KFACUnsupportedLayerError(
-        '/'.join(layer.path), f'a K-FAC segment needs a Dense, Conv or norm call, not '
+        '/'.join(map(str, layer.path)), f'a K-FAC segment needs a Dense, Conv or norm call, not '
         f'{layer.kind!r} (an Embed takes integer inputs, which do not reach the segment '
         'optimizer); give this segment another optimizer, or precondition it with '
         'kfac_preconditioner')
@@ -166,7 +166,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     if not isinstance(params, Mapping) or set(params) != leaves:
       got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
       raise KFACUnsupportedLayerError(
-          '/'.join(layer.path), f'its segment holds the params {got}, not exactly the layer\'s '
+          '/'.join(map(str, layer.path)), f'its segment holds the params {got}, not exactly the layer\'s '
           f'{sorted(leaves)}; a K-FAC segment is one Dense, Conv or norm call (the default '
           'layer-wise segments of interleaved, segments=None)')
 
@@ -187,7 +187,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
     stats = jax.lax.cond(state.stats_due,
                          lambda: segment_factors(info, segment_inputs, segment_output_grad,
-                                                 segment_examples, '/'.join(layer.path)),
+                                                 segment_examples, '/'.join(map(str, layer.path))),
                          lambda: zeros)
     return inner.update(updates, state, params, kfac_stats={_NAME: stats})
 
