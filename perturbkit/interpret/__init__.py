@@ -80,11 +80,13 @@ Conventions
   (``jnp.where``): replacing an output by its cached value is exactly the
   unedited run, and ``replace`` gives exactly the value given, also where the
   old value is infinite (a masked ``-inf`` attention score: no ``0 * inf``).
-* In the attributions, an entry whose gradient is exactly 0 contributes 0,
-  also where its output (or its difference from the baseline) is infinite,
-  as at masked ``-inf`` scores; an infinite entry with a nonzero gradient
-  gives an infinite or NaN effect (``layer_integrated_gradients`` explains
-  its paths through infinite entries).
+* In gradient x activation and integrated gradients, an entry whose gradient
+  is exactly 0 contributes 0, also where its output (or its difference from
+  the baseline) is infinite, as at masked ``-inf`` scores; in attribution
+  patching, an entry that is the same infinity in both runs (a score masked
+  in both) contributes 0. An infinite entry with a nonzero gradient gives an
+  infinite or NaN effect (``layer_integrated_gradients`` explains its paths
+  through infinite entries).
 * The metric is ``fn``'s output and must be a real scalar (reduce the batch,
   e.g. the mean logit difference); patching changes every example of the batch
   at once, and the attributions sum over the batch and every axis but ``axis``.

@@ -23,15 +23,21 @@ class Direction(NamedTuple):
   ``along(o, r)`` for each leaf ``o`` of the output and the leaf ``r`` of
   ``reference(path, output)``: computed in the backward pass, from values the
   forward pass keeps, so that no direction is stored between the two.
+  ``infinite``: whether ``along`` can be infinite where the output's gradient is
+  0 (the output itself, or its difference from a finite baseline, at a masked
+  ``-inf`` score); such entries then add 0 instead of ``0 * inf``. Attribution
+  patching's difference of two runs is 0 where both are the same infinity, so
+  it needs no such guard, and its backward pass stays as short as it is.
   """
   reference: Callable[[tuple, Any], Any]
   along: Callable[[jax.Array, jax.Array], jax.Array]
+  infinite: bool = False
 
 
 def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
                  view: tuple[int, ...] | None, name: str,
-                 direction: Callable[[jax.Array, jax.Array], jax.Array]
-                 ) -> Callable[..., jax.Array]:
+                 direction: Callable[[jax.Array, jax.Array], jax.Array],
+                 infinite: bool = False) -> Callable[..., jax.Array]:
   """``(o, s, r) -> o + spread(s) * d``, ``d = direction(o, r)``, at ``s = 0``: ``o`` itself.
 
   Differentiated at zero scalars ``s`` only: the output is ``o`` exactly (no
@@ -39,10 +45,10 @@ def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
   the gradient with respect to ``o`` is the incoming ``g``, with respect to
   ``s`` the per-position sum of ``g * d`` (both in at least float32; ``d`` made
   in the backward pass), and with respect to ``d`` zero (``spread(0) * g``).
-  An entry whose gradient is exactly 0 adds 0 to that sum, also where ``d`` is
-  infinite (``o`` itself at a masked ``-inf`` attention score, whose gradient
-  is ``-0``): ``0 * inf`` would be ``nan``. Elsewhere an infinite ``d`` gives
-  an infinite (or ``nan``) effect, as it should.
+  With ``infinite``, an entry whose gradient is exactly 0 adds 0 to that sum,
+  also where ``d`` is infinite (``o`` itself at a masked ``-inf`` attention
+  score, whose gradient is ``-0``): ``0 * inf`` would be ``nan``. Elsewhere an
+  infinite ``d`` gives an infinite (or ``nan``) effect, as it should.
   """
 
   def along(s: jax.Array, d: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -59,8 +65,8 @@ def _moved_along(axis: int | None, positions: tuple[int, ...] | None,
   def backward(residuals, g):
     o, s, r = residuals
     d = direction(o, r)
-    # Only infinite d is replaced, so finite values (and their derivatives) stay exact.
-    d = jnp.where((g == 0) & jnp.isinf(d), jnp.zeros((), d.dtype), d)
+    if infinite:  # only infinite d is replaced: finite values (and derivatives) stay exact
+      d = jnp.where((g == 0) & jnp.isinf(d), jnp.zeros((), d.dtype), d)
     shape = viewed_shape(jnp.shape(g), view, name)
     _, transpose = jax.vjp(lambda s: along(s, d, shape), s)
     (ds,) = transpose(widened(viewed(g, view, name)).astype(jnp.result_type(s, d)))
@@ -111,7 +117,7 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
         return output
       name = point_name(path)
 
-      moved = _moved_along(axis, positions, view, name, direction.along)
+      moved = _moved_along(axis, positions, view, name, direction.along, direction.infinite)
       move = lambda path, out: jax.tree.map(lambda o, r: moved(o, s[path], r), out,
                                             direction.reference(path, out))
       return on_leaves(move, leaves)(path, output)
@@ -179,7 +185,7 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
   def attribute(model, inputs) -> PatchingResult:
     traced = trace(tracer, fn, model, (inputs,), {}, filter, function)
     where = sweep_positions(traced, axis, positions, view, leaves)
-    itself = Direction(lambda _, output: output, lambda o, _: widened(o))
+    itself = Direction(lambda _, output: output, lambda o, _: widened(o), infinite=True)
     metric, effects = first_order_effects(traced, inputs, itself, axis, where, view, function,
                                           leaves=leaves)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)

@@ -119,7 +119,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     baselines = {p: chosen(baselines[p], leaves) for p in paths}
     deltas = {p: difference(outputs[p], baselines[p]) for p in paths}
 
-    along_delta = Direction(lambda path, _: deltas[path], lambda _, delta: delta)
+    along_delta = Direction(lambda path, _: deltas[path], lambda _, delta: delta, infinite=True)
 
     def job(group, call, alpha):
       group_paths = [paths[i] for i in group]
