@@ -1,11 +1,13 @@
 """value_and_grad against hand-written ``self.perturb`` twins, per-layer VJPs and JVPs."""
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import models
+from explicit_deltas import at, explicit_deltas, points_of, zeros
 import perturbkit
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -290,3 +292,41 @@ def test_apply_with_every_collection_mutable_returns_only_the_callers_collection
   (out, updates), _ = jax.jit(perturbkit.run_with_cache(
       lambda v, x: model.apply(v, x, mutable=True)))(variables, x)
   chex.assert_trees_all_close((out, updates), model.apply(variables, x, mutable=True), **TOL)
+
+
+class TanhBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(4)(x))
+
+
+class CalledTwice(nn.Module):
+  """One block called twice, wrapped in a lifted transform (``None``: unwrapped)."""
+  wrap: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    block = {None: TanhBlock, 'remat': nn.remat(TanhBlock),
+             'vmap': nn.vmap(TanhBlock, variable_axes={'params': None, 'perturbations': 0},
+                             split_rngs={'params': False})}[self.wrap](name='block')
+    return block(1.5 * block(x))
+
+
+@pytest.mark.parametrize('wrap', ['remat', 'vmap'])
+def test_a_lifted_module_called_twice_gets_a_point_per_call(wrap):
+  """As the unwrapped twin with explicit deltas: not one point with both calls' sum."""
+  x = jax.random.normal(jax.random.key(1), (3, 4))
+  variables = CalledTwice().init(jax.random.key(0), x)
+  loss_of = lambda model: lambda v, x: jnp.sum(jnp.sin(model.apply(v, x)))
+  _, grads = jax.jit(perturbkit.value_and_grad(loss_of(CalledTwice(wrap))))(variables, x)
+  shapes = points_of(loss_of(CalledTwice()), variables, x)
+
+  def with_deltas(deltas):
+    with explicit_deltas(deltas):
+      return loss_of(CalledTwice())(variables, x)
+  want = jax.grad(with_deltas)(zeros(shapes))
+  assert len(want) == 4  # block and its Dense, each called twice
+  for name, (g,) in want.items():
+    np.testing.assert_allclose(at(grads['perturbations'], name), g, **TOL)
+  first, second = want[('block', '__call__')][0], want[('block', '__call__#1')][0]
+  assert float(jnp.abs(first - second).max()) > 1e-2

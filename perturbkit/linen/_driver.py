@@ -544,7 +544,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   Lifted transforms:
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style
     modules need nothing (``return_activations`` and ``return_inputs`` of the
-    calls inside ``nn.remat`` and ``nn.jit`` too). Inside
+    calls inside ``nn.remat`` and ``nn.jit`` too). A module wrapped in
+    ``nn.remat`` or ``nn.vmap`` and called twice gets a point per call, as
+    unwrapped; one wrapped in ``nn.jit`` and called twice in one step gets one
+    point, the sum of both calls' gradients (Flax reuses the first call's
+    trace, so the second call is never seen): wrap the whole step in
+    ``jax.jit`` instead. Inside
     ``nn.scan``/``nn.vmap``, Flax only passes collections listed in
     ``variable_axes``: add ``'perturbations': 0`` there to get per-iteration
     gradients stacked along the scan axis (checked against a hand-unrolled

@@ -7,13 +7,19 @@ around the call (add a perturbation, insert a hook, replace it by a segment).
 
 Each selected call gets a stable name within its module's scope, the *point key*:
 ``'__call__'`` for the first call of ``__call__``, ``'__call__#1'`` for the second,
-and so on. Calls are counted per module scope, so lifted transforms that trace a
-body more than once name its calls the same way each time; the counts of one
+and so on. A lifted transform runs its body in scopes of its own. ``nn.remat``
+(``nn.checkpoint``) and ``nn.vmap`` trace it once per call, so their traces
+count on from the calls before them, and a second call of the same lifted
+module gets the next keys (``'__call__#1'``). Others may trace a body more than
+once for one call (``nn.scan``, and any transform around or inside one): each
+of their traces counts from the start of its own scopes, so its traces name
+their calls the same way. The counts of one
 ``apply`` are carried over to the next ``apply`` inside the same block, so a loss
 that runs the model twice gets distinct points for the two runs.
 """
 import contextlib
 import dataclasses
+import re
 import threading
 from typing import Any, Callable, Iterator
 
@@ -64,6 +70,25 @@ RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple,
 
 
 
+class _Frame:
+  """One trace of a lifted call (or the apply itself, or a nested ``apply``): the counts its
+  keys start from."""
+
+  def __init__(self, start: dict[tuple[Path, str], int]):
+    self.start = start
+
+
+# Lifted transforms that trace their body once per call (Flax's debug paths name them).
+_TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap'})
+
+
+def _traced_once(module: nn.Module) -> bool:
+  """Whether the lifted trace ``module`` tops runs once per call: every transform around it
+  (``'remat(scan(layers))'`` names two) traces its body once."""
+  names = re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
+  return bool(names) and set(names) <= _TRACED_ONCE
+
+
 class _State:
   """Counters and flags of one ``intercept`` block; dropped when the block ends."""
 
@@ -73,7 +98,8 @@ class _State:
     self.transparent = transparent
     self.offsets: dict[tuple[Path, str], int] = {}
     self.apply_counts: dict[tuple[Path, str], int] = {}
-    self.scope_counts: dict[Any, dict[str, int]] = {}
+    self.trace_counts: dict[Any, dict[tuple[Path, str], int]] = {}  # by the trace's root scope
+    self.frames = [_Frame({})]  # the traces running, innermost last
     self.roots_active = 0
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
@@ -82,13 +108,22 @@ class _State:
     for k, n in self.apply_counts.items():
       self.offsets[k] = self.offsets.get(k, 0) + n
     self.apply_counts.clear()
-    self.scope_counts.clear()
+    self.trace_counts.clear()
+    self.frames = [_Frame({})]
+
+  @contextlib.contextmanager
+  def trace(self, start: dict[tuple[Path, str], int]) -> Iterator[None]:
+    self.frames.append(_Frame(dict(start)))
+    try:
+      yield
+    finally:
+      self.frames.pop()
 
   def next_key(self, module: nn.Module, method_name: str) -> str:
-    counts = self.scope_counts.setdefault(module.scope, {})
-    n = counts.get(method_name, 0)
-    counts[method_name] = n + 1
+    counts = self.trace_counts.setdefault(module.scope.root, dict(self.frames[-1].start))
     k = (tuple(module.path), method_name)
+    n = counts.get(k, 0)
+    counts[k] = n + 1
     self.apply_counts[k] = max(self.apply_counts.get(k, 0), n + 1)
     return point_key(method_name, self.offsets.get(k, 0) + n)
 
@@ -147,8 +182,9 @@ def intercept(filter: CallFilter, on_call: Handler,
       return next_fun(*args, **kwargs)
     run = lambda: next_fun(*args, **kwargs)
     if not module.path:
-      if state.roots_active:
-        return run()
+      if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
+        with state.trace({}):
+          return run()
       state.start_apply()
       state.roots_active += 1
       try:
@@ -159,6 +195,12 @@ def intercept(filter: CallFilter, on_call: Handler,
         return on_root(module, method, run, args, kwargs)
       finally:
         state.roots_active -= 1
+    if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
+      with state.trace(state.apply_counts if _traced_once(module) else {}):
+        return _call(module, method_name, run, args, kwargs)
+    return _call(module, method_name, run, args, kwargs)
+
+  def _call(module, method_name, run, args, kwargs):
     outside = not state.roots_active
     if outside and module.scope.root is not state.rootless_scope:
       # Outside every method call of the model (a `bind`-bound module's child, or a
