@@ -112,6 +112,7 @@ from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesCoupledError
+from perturbkit.errors import ReplayInCheckedShardMapError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import FeatureMapShapeError
 from perturbkit.errors import HasAuxOutputError
@@ -229,6 +230,7 @@ __all__ = [
     'EditViewError',
     'ExamplesAxisError',
     'ExamplesCoupledError',
+    'ReplayInCheckedShardMapError',
     'ExamplesMixedError',
     'FeatureMapShapeError',
     'HasAuxOutputError',

@@ -15,6 +15,7 @@ preconditioner) would count the devices twice there, so they refuse it with
 (``conftest.py``).
 """
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -154,6 +155,31 @@ def test_kfac_statistics_and_per_example_norms_per_device():
                               on_shards(stats, variables, features, labels), **TOL)
   norms = perturbkit.per_example_grad_norms(cross_entropy_of(predict))
   chex.assert_trees_all_close(on_devices(norms, variables, features, labels),
+                              on_shards(norms, variables, features, labels), **TOL)
+
+
+class GroupNormed(nn.Module):
+  """A Dense, then a GroupNorm: a layer without a rule, replayed per example."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5)(nn.GroupNorm(num_groups=2)(nn.Dense(4)(x)))
+
+
+def test_layers_replayed_per_example_are_refused_under_check_vma():
+  """Their replay's gradient of the replicated params would be summed over the devices;
+  with check_vma=False each device's norms are its shard's."""
+  _, _, _, features, labels = dense_problem()
+  model = GroupNormed()
+  variables = model.init(jax.random.key(0), features)
+  norms = perturbkit.per_example_grad_norms(cross_entropy_of(model.apply))
+  with pytest.raises(perturbkit.ReplayInCheckedShardMapError, match='GroupNorm_0'):
+    on_devices(norms, variables, features, labels)
+  private = perturbkit.private_grad(cross_entropy_of(model.apply), clip_norm=1.0,
+                                    noise_multiplier=0.0)
+  with pytest.raises(perturbkit.ReplayInCheckedShardMapError):
+    on_devices(lambda v, x, y: private(v, jax.random.key(0), x, y), variables, features, labels)
+  chex.assert_trees_all_close(on_devices(norms, variables, features, labels, check_vma=False),
                               on_shards(norms, variables, features, labels), **TOL)
 
 

@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 
+from perturbkit.core._varying import varying_axes
 from perturbkit.per_example._calls import Use, float_part
-from perturbkit.errors import RandomCallError
+from perturbkit.errors import RandomCallError, ReplayInCheckedShardMapError
 
 
 class Pair(NamedTuple):
@@ -74,7 +75,18 @@ def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
   transient memory is one layer's gradient per example. The array inputs
   computed from the batched arguments (``Use.sources``, from the traced loss) are
   split along axis 0; the others are passed whole to every example.
+
+  Raises:
+    ReplayInCheckedShardMapError: inside ``jax.shard_map`` with ``check_vma=True``,
+      where the examples vary over the devices and the params do not: the VJP
+      would sum each example's gradient over the devices.
   """
+  arrays_in = [x for x in jax.tree.leaves((pair.args, pair.kwargs, pair.grad))
+               if isinstance(x, jax.Array)]
+  summed = (frozenset().union(*map(varying_axes, arrays_in))
+            - frozenset().union(*map(varying_axes, jax.tree.leaves(params))))
+  if summed:
+    raise ReplayInCheckedShardMapError('/'.join(pair.use.path + (pair.use.key,)), summed)
   leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
   arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
   batched = [kind == 'example' for kind in pair.use.sources]
