@@ -498,16 +498,18 @@ def dp_batch():
   return x, jnp.arange(8) % 3, jax.random.key(5)
 
 
-def test_shard_map_adds_noise_once():
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_shard_map_adds_noise_once(reduction):
   """Four devices with two examples each give the one-device gradient and metrics, noise
-  included."""
+  included (the loss the whole batch's: the devices' mean, or for a sum their sum)."""
   model = models.MLP(out=3)
   x, y, key = dp_batch()
   variables = model.init(jax.random.key(1), x)
-  loss_fn = classification_loss(model)
-  single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, **DP_OPTIONS))(
-      variables, key, x, y)
-  run = on_4_devices(perturbkit.private_grad(loss_fn, axis_name='data', **DP_OPTIONS))
+  loss_fn = classification_loss(model, reduction)
+  single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, reduction=reduction,
+                                                           **DP_OPTIONS))(variables, key, x, y)
+  run = on_4_devices(perturbkit.private_grad(loss_fn, reduction=reduction, axis_name='data',
+                                             **DP_OPTIONS))
   grads, metrics = run(variables, key, x, y)
   chex.assert_trees_all_close(grads, single, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)

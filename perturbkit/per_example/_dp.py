@@ -271,14 +271,15 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     check_reduction(variables, args, kwargs, result.num_examples)
     return privatize(result, variables['params'], key, clip_norm=clip_norm,
                      noise_multiplier=noise_multiplier, axis_name=axis_name,
-                     dense_method=dense_method)
+                     dense_method=dense_method, reduction=reduction)
 
   return run
 
 
 def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
               noise_multiplier: float, axis_name: str | None, dense_method: str,
-              as_grads: Callable[[Any], Any] = lambda tree: tree) -> tuple[Any, dict]:
+              as_grads: Callable[[Any], Any] = lambda tree: tree,
+              reduction: str = 'mean') -> tuple[Any, dict]:
   """The DP-SGD gradient and metrics of one pass (either front end's).
 
   Args:
@@ -292,6 +293,8 @@ def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
     as_grads: Turns the clipped sum (shaped like ``params``) into the tree the
       front end returns (an ``nnx.State`` for NNX) before the noise is added, so
       that the noise's keys follow that tree's leaves.
+    reduction: The loss's, so that ``metrics['loss']`` over the devices is the whole
+      batch's: the devices' mean for a mean, their sum for a sum.
 
   Returns:
     ``(grads, metrics)`` as :func:`private_grad` documents them.
@@ -307,7 +310,9 @@ def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
   loss = result.loss
   if axis_name is not None:
     summed, count, dropped = jax.lax.psum((summed, count, dropped), axis_name)
-    clipped, loss = jax.lax.pmean((clipped, loss), axis_name)
+    clipped = jax.lax.pmean(clipped, axis_name)
+    whole = jax.lax.psum if reduction == 'sum' else jax.lax.pmean
+    loss = whole(loss, axis_name)
   noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
   grads = jax.tree.map(lambda s: (s / count).astype(s.dtype), noised)
   return grads, {'loss': loss, 'per_example_norms': norms, 'fraction_clipped': clipped,

@@ -181,7 +181,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     template = nnx.state(model, nnx.Param)
     return privatize(result, params_tree(template), key, clip_norm=clip_norm,
                      noise_multiplier=noise_multiplier, axis_name=axis_name,
-                     dense_method=dense_method,
+                     dense_method=dense_method, reduction=reduction,
                      as_grads=lambda tree: with_values(template, tree))
 
   return run
