@@ -572,6 +572,18 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ``notebooks/03_nested_gradients.ipynb`` and ``tests/test_nested.py``. A
     perturbkit function called inside another one's loss is a different
     matter: see "Threads and nesting" in ``help(perturbkit)``.
+
+    The inner step should update ``variables['params']`` only
+    (``{**v, 'params': new_params}``): the variables the loss is given also
+    hold the zero ``'perturbations'``, and an update of the whole tree moves
+    them off zero. In a Python loop each inner call has a point of its own,
+    which such an update leaves at zero; in a ``jax.lax`` loop
+    (``fori_loop``, ``scan``, ``while_loop``) written in the loss, every
+    iteration runs the same calls, with the same points, so a moved point
+    changes the model's output. Those iterations also share one point per
+    call, whose gradient is the sum over the iterations; for a gradient per
+    iteration, use ``nn.scan`` with ``'perturbations'`` in ``variable_axes``
+    or a Python loop.
   """
   check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
   points, strict = point_options(filter, strict)
