@@ -515,6 +515,26 @@ def test_shard_map_adds_noise_once(reduction):
   chex.assert_trees_all_close(metrics, single_metrics, rtol=1e-5, atol=1e-7)
 
 
+def test_shard_map_noise_comes_from_the_first_devices_key():
+  """A key folded with the device index (as for dropout) draws the first device's noise on
+  every device: the replicated gradient is the one device's with that key."""
+  model = models.MLP(out=3)
+  x, y, key = dp_batch()
+  variables = model.init(jax.random.key(1), x)
+  dp = perturbkit.private_grad(classification_loss(model), axis_name='data', **DP_OPTIONS)
+
+  def per_device(v, k, x, y):  # every device's own result, stacked
+    grads, _ = dp(v, jax.random.fold_in(k, jax.lax.axis_index('data')), x, y)
+    return jax.tree.map(lambda g: g[None], grads)
+  grads = jax.jit(jax.shard_map(per_device, mesh=data_mesh(4),
+                                in_specs=(P(), P(), P('data'), P('data')),
+                                out_specs=P('data'), check_vma=False))(variables, key, x, y)
+  single, _ = jax.jit(perturbkit.private_grad(classification_loss(model), **DP_OPTIONS))(
+      variables, jax.random.fold_in(key, 0), x, y)
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda g: jnp.stack([g] * 4), single),
+                              rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize('kind', ['mlp', 'scanned'])
 def test_nnx_shard_map_adds_noise_once(kind):
   """The NNX front end, the model going in as ``(graphdef, state)`` merged on each device:

@@ -223,9 +223,10 @@ it).
 
 Data parallel: with ``axis_name``, each device clips its own examples, the
 clipped sums and example counts are ``psum``-ed, and the noise is drawn after the
-psum from ``key``, which must be the same on every device (``in_specs=P()`` for
-it): every device draws the same ξ, so the noise is added once, not once per
-device (``tests/test_per_example.py``, 4 host devices = 1 device). Under
+psum from ``key``, which should be the same on every device (``in_specs=P()`` for
+it; the first device's key is used on every device, so a key folded with the
+device index does not make the replicas drift apart): every device draws the
+same ξ, so the noise is added once, not once per device (``tests/test_per_example.py``, 4 host devices = 1 device). Under
 ``jax.shard_map`` this needs ``check_vma=False`` (with JAX's default
 ``check_vma=True`` it raises ``CheckedShardMapError``). Without ``axis_name``,
 inside ``shard_map(check_vma=True)`` JAX sums the clipped gradients over the

@@ -9,9 +9,9 @@ other layers replay only their own call). The norms come from
 
 Data parallel (``shard_map``): each device clips its own examples; the clipped
 sums and example counts are ``psum``-ed over ``axis_name``, and the Gaussian
-noise ``σC·ξ`` is drawn AFTER the psum from the ``key`` argument, which must be
-the same on every device (replicated, e.g. ``in_specs=P()``). Every device then
-draws the same ``ξ``, so the noise enters once, not once per device, and the
+noise ``σC·ξ`` is drawn AFTER the psum from the ``key`` argument of the first
+device along ``axis_name`` (pass it replicated, e.g. ``in_specs=P()``). Every
+device then draws the same ``ξ``, so the noise enters once, not once per device, and the
 result is replicated.
 
 The interleaved schedule is not supported: clipping needs each example's norm
@@ -168,6 +168,21 @@ def add_noise(key: jax.Array, tree: Any, stddev: jax.Array) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
+def first_device_key(key: jax.Array, axis_name: Any) -> jax.Array:
+  """The key of the first device along ``axis_name``, on every device.
+
+  The noise of a data-parallel step is drawn once for the whole batch, after
+  the psum, so every device must draw the same; a key that differs per device
+  (folded with the device index, as for dropout) would give each device other
+  noise and let the replicated params drift apart.
+  """
+  typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  data = jax.random.key_data(key) if typed else key
+  first = jax.lax.all_gather(data, axis_name)
+  first = first.reshape((-1,) + data.shape)[0]
+  return jax.random.wrap_key_data(first, impl=jax.random.key_impl(key)) if typed else first
+
+
 def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
   """The noise :func:`add_noise` adds to a tree shaped like ``like``."""
   return add_noise(key, jax.tree.map(jnp.zeros_like, like), stddev)
@@ -225,8 +240,10 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     reduction: ``'mean'`` or ``'sum'``.
     batch_axes: The examples axis of each positional argument (see
       :func:`per_example_grad_norms`).
-    axis_name: The data-parallel axis under ``shard_map``/``pmap``; ``key`` must
-      then be the same on every device.
+    axis_name: The data-parallel axis under ``shard_map``/``pmap``; the noise is
+      then drawn from the first device's ``key`` on every device (pass the same
+      key everywhere; one folded with the device index is replaced by the first
+      device's, so the replicated params stay the same on every device).
     dense_method: ``'auto'``, ``'ghost'`` or ``'direct'`` for Dense/Conv norms.
 
   Returns:
@@ -311,6 +328,7 @@ def privatize(result: Pass, params: Any, key: jax.Array, *, clip_norm: float,
   if axis_name is not None:
     summed, count, dropped = jax.lax.psum((summed, count, dropped), axis_name)
     clipped = jax.lax.pmean(clipped, axis_name)
+    key = first_device_key(key, axis_name)
     whole = jax.lax.psum if reduction == 'sum' else jax.lax.pmean
     loss = whole(loss, axis_name)
   noised = add_noise(key, summed, jnp.asarray(noise_multiplier * clip_norm, jnp.float32))
@@ -382,8 +400,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
 
   Each step takes :func:`private_grad`'s clipped, noised mean gradient and
   applies ``optimizer`` to it. ``key`` must differ from step to step (e.g.
-  ``jax.random.fold_in(key, state.step)``) and, with ``axis_name``, be the
-  same on every device.
+  ``jax.random.fold_in(key, state.step)``); with ``axis_name``, the first
+  device's key draws the noise for every device.
 
   Examples with a non-finite gradient are dropped from the clipped sum
   (``metrics['dropped']``; see :func:`private_grad` for what that means for the

@@ -139,8 +139,8 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     noise_multiplier: ``σ``; the noise's standard deviation is ``σC``.
     reduction: ``'mean'`` or ``'sum'``.
     batch_axes: The examples axis of each positional argument.
-    axis_name: The data-parallel axis under ``shard_map``; ``key`` must then be the
-      same on every device.
+    axis_name: The data-parallel axis under ``shard_map``; the first device's
+      ``key`` then draws the noise for every device.
     dense_method: ``'auto'``, ``'ghost'`` or ``'direct'``.
 
   Returns:
