@@ -158,6 +158,26 @@ def test_kfac_statistics_and_per_example_norms_per_device():
                               on_shards(norms, variables, features, labels), **TOL)
 
 
+def test_sampled_fisher_draws_each_devices_labels_from_its_own_key():
+  """With the key replicated, each device folds its index into it: device i's statistics are
+  one device's on its shard with ``fold_in(key, i)``, and devices holding the same examples
+  draw other labels."""
+  variables, predict, layers, features, labels = dense_problem()
+  features = jnp.tile(features[:2], (SHARDS, 1))  # every device holds the same two examples
+  labels = jnp.tile(labels[:2], SHARDS)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  key = jax.random.key(7)
+  stats = lambda v, x, y: estimate(v, x, y, key, with_stats=jnp.asarray(True))[2]
+  got = on_devices(stats, variables, features, labels)
+  size = len(features) // SHARDS
+  want = [jax.jit(lambda v, x, y, k: estimate(v, x, y, k, with_stats=jnp.asarray(True))[2])(
+      variables, features[i * size:(i + 1) * size], labels[i * size:(i + 1) * size],
+      jax.random.fold_in(key, i)) for i in range(SHARDS)]
+  chex.assert_trees_all_close(got, jax.tree.map(lambda *r: jnp.stack(r), *want), **TOL)
+  g = got['Dense_1'].g
+  assert float(jnp.abs(g[0] - g[1]).max()) > 1e-4
+
+
 class GroupNormed(nn.Module):
   """A Dense, then a GroupNorm: a layer without a rule, replayed per example."""
 

@@ -36,7 +36,7 @@ from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, fac
                                     linen_override_reason)
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
-from perturbkit.core._varying import typed_like
+from perturbkit.core._varying import typed_like, varying_axes
 
 
 def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
@@ -87,6 +87,16 @@ def split_output(result: Any, has_aux: bool) -> tuple[jax.Array, Any]:
   return output, aux
 
 
+def own_key(key: jax.Array, output: jax.Array) -> jax.Array:
+  """``key`` folded with this device's index along each ``jax.shard_map`` axis ``output``
+  varies over (its shard of the batch), so that devices holding other examples draw their
+  labels from other random bits; unchanged outside ``shard_map`` or with ``check_vma=False``,
+  where no value says which axes split the batch."""
+  for axis in sorted(varying_axes(output)):
+    key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+  return key
+
+
 def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
                 key: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """``(mean loss, (1 + L, *output.shape) cotangents)``: the training lane, then the
@@ -96,7 +106,7 @@ def cotangents(loss: OutputLoss, fisher: str, output: jax.Array, targets: Any,
     return value, true_grad[None]
   if fisher == 'sampled':
     require_key(fisher, key, 'variables')
-    sampled = jax.lax.stop_gradient(loss.sample(key, output))
+    sampled = jax.lax.stop_gradient(loss.sample(own_key(key, output), output))
     lanes = jax.grad(lambda z: jnp.sum(loss.nll(z, sampled)))(output)[None]
   else:
     if output.ndim != 2:
@@ -177,7 +187,10 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       ``(output, targets) -> (batch,)`` per-example loss.
     layers: From :func:`kfac_layers`.
     fisher: ``'sampled'`` (labels drawn from the model: the Fisher; one more
-      backward lane), ``'empirical'`` (the true targets; no extra work) or
+      backward lane; inside ``jax.shard_map`` with ``check_vma=True`` each
+      device folds its index into ``key``, so its examples draw their own
+      labels; with ``check_vma=False`` pass each device its own key,
+      ``jax.random.fold_in(key, jax.lax.axis_index('data'))``), ``'empirical'`` (the true targets; no extra work) or
       ``'exact'`` (the expectation over labels, one lane per output unit; for
       ``(batch, k)`` outputs).
     has_aux: ``predict_fn`` returns ``(output, aux)``, e.g. ``model.apply(v, x,
