@@ -108,6 +108,7 @@ from perturbkit.errors import AxisLengthMismatchError
 from perturbkit.errors import BranchCallsMismatchError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
+from perturbkit.errors import UnboundAxisError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
@@ -226,6 +227,7 @@ __all__ = [
     'BranchCallsMismatchError',
     'CallStructureMismatchError',
     'CheckedShardMapError',
+    'UnboundAxisError',
     'EditShapeError',
     'EditViewError',
     'ExamplesAxisError',

@@ -10,7 +10,7 @@ the function), ``NonScalarLossError``, ``MissingHasAuxError`` (the loss returned
 round), ``NotVariablesError``, ``InvalidOptionError`` (a numeric option out of
 range), ``NotAnOptimizerError``, ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
-inputs of other shapes), ``CheckedShardMapError`` (``axis_name`` given inside
+inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
 devices twice).
 
@@ -973,6 +973,19 @@ class ResultValuesError(PerturbkitError, TypeError):
         'the result the jitted function returns (outside jax.jit and jax.vmap), and for a '
         'result with a leading batch axis pick one first: '
         '`jax.tree.map(lambda x: x[i], result)`.')
+
+
+class UnboundAxisError(PerturbkitError, NameError):
+  """The loss uses a collective over a mesh axis outside the ``shard_map`` that binds it."""
+
+  def __init__(self, where, detail):
+    super().__init__(
+        f'{where} runs the loss once to find its layer calls, and the loss uses a mesh axis '
+        f'that only exists inside jax.shard_map ({detail}); a BatchNorm(axis_name=...) does '
+        'this. Call it inside the same jax.shard_map as the step, e.g. '
+        '`jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(), P(\'data\'), '
+        'P(\'data\')), out_specs=P(), check_vma=False))(variables, x, y)` (for NNX, build '
+        'the optimizer inside an nnx.shard_map).')
 
 
 class CheckedShardMapError(PerturbkitError, ValueError):

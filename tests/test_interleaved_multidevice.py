@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import nnx_models
 import perturbkit
-from host_devices import sharded_nnx_step, sharded_step
+from host_devices import data_mesh, sharded_nnx_step, sharded_step
 from multiprocess_child import problem
 
 
@@ -122,3 +124,34 @@ def test_every_metric_equals_single_device_on_both_front_ends():
   assert_own_aux(n8.pop('aux'), make()(x[:shard]) - y[:shard])
   assert_own_aux(n1.pop('aux'), make()(x) - y)
   chex.assert_trees_all_close(n8, n1, rtol=1e-5, atol=1e-6)
+
+
+class SyncedNorm(nn.Module):
+  """BatchNorm whose statistics are the whole batch's (``axis_name='data'``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.BatchNorm(use_running_average=False, axis_name='data')(nn.Dense(6)(x))
+    return nn.Dense(2)(nn.relu(h))
+
+
+def test_init_of_a_model_with_collectives_runs_in_the_steps_shard_map():
+  """Outside the shard_map its axis is unbound: a named error saying where to call init;
+  inside it, the state is the one-device init's."""
+  _, _, x, y = problem()
+  model = SyncedNorm()
+  mesh_init = jax.jit(jax.shard_map(lambda x: model.init(jax.random.key(0), x),
+                                    mesh=data_mesh(), in_specs=P('data'), out_specs=P(),
+                                    check_vma=False))
+  variables = mesh_init(x)
+
+  def loss_fn(v, x, y):
+    out, updates = model.apply(v, x, mutable=['batch_stats'])
+    return jnp.mean((out - y) ** 2), updates
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), has_aux=True, axis_name='data')
+  with pytest.raises(perturbkit.UnboundAxisError, match='inside the same jax.shard_map'):
+    tx.init(variables, x, y)
+  init = jax.jit(jax.shard_map(tx.init, mesh=data_mesh(), in_specs=(P(), P('data'), P('data')),
+                               out_specs=P(), check_vma=False))
+  state = init(variables, x, y)
+  chex.assert_trees_all_close(state.params, variables['params'])

@@ -13,12 +13,13 @@ from the device's own data must start with the body's type. Outside
 ``shard_map`` (or with ``check_vma=False``) no value varies and these are the
 identity.
 """
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from perturbkit.errors import CheckedShardMapError
+from perturbkit.errors import CheckedShardMapError, UnboundAxisError
 
 
 def manual_axes() -> frozenset[str]:
@@ -68,6 +69,18 @@ def check_unchecked(axis_name: Any, function: str) -> None:
   for name in (axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)):
     if name in manual and name in varying_axes(jax.lax.axis_index(name)):
       raise CheckedShardMapError(function, name)
+
+
+@contextlib.contextmanager
+def explaining_unbound_axes(where: str) -> Iterator[None]:
+  """Turns JAX's error for a collective over an axis no ``shard_map`` binds here (the loss run
+  outside the step's ``shard_map``) into an :class:`UnboundAxisError` saying where to run."""
+  try:
+    yield
+  except NameError as error:
+    if 'unbound axis name' not in str(error):
+      raise
+    raise UnboundAxisError(where, str(error).splitlines()[0]) from error
 
 
 def typed_like(value: Any, make: Callable[[], Any]) -> Any:

@@ -31,7 +31,7 @@ from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, ba
                                init_opt_state, input_mismatch, input_shapes)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
-from perturbkit.core._varying import check_unchecked
+from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
@@ -321,7 +321,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
           'Segments are calls, which are only known by tracing the loss: pass example '
           'arguments, `init(variables, *args)` / `segments(variables, *args)`, the same '
           'arguments as `step` takes after the state.')
-    with suspended():
+    with suspended(), explaining_unbound_axes('perturbkit.interleaved(...).init'):
       return _segmentation.choose(loss_fn, _plain(variables), args, segments)
 
   def init(variables: Variables, *args) -> InterleavedState:

@@ -32,7 +32,7 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
                                     input_shapes)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
-from perturbkit.core._varying import check_unchecked
+from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
 
@@ -89,7 +89,8 @@ def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
         'Segments are calls, which are only known by tracing the loss: pass example '
         'arguments, `init(model, *args)` / `segments(model, *args)`, the same arguments '
         'as the loss takes after the model.')
-  return _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt, spec)
+  with explaining_unbound_axes('perturbkit.nnx.InterleavedOptimizer(...)'):
+    return _nnx_segmentation.choose(settings.loss_fn, model, args, settings.wrt, spec)
 
 
 def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: jax.Array,
