@@ -118,7 +118,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       (default); if false, the step is applied as it is and only
       ``metrics['nonfinite'][name]`` reports it.
     hooks: Backward hooks (:func:`perturbkit.backward_hook`), the same as
-      passing ``with_hooks(loss_fn, *hooks)`` as the loss: a hooked call's hook
+      passing ``with_hooks(loss_fn, *hooks)`` as the loss (with ``axis_name``,
+      a hook sees its device's gradient of its own loss: for a mean loss over
+      ``D`` devices, ``D`` times the whole batch's, so a hook that is not
+      linear, a clip, acts at that scale): a hooked call's hook
       transforms the cotangent its segment's ``dw`` and input cotangent see,
       also for calls inside a segment (matched by their full path) and in the
       ``'updated'`` replay.
@@ -236,8 +239,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       non-finite steps (``'segment_skipped'[name]``, ``'skipped'``, or
       ``'nonfinite'[name]`` with ``skip_nonfinite=False``), and ``'aux'`` with
       ``has_aux``.
-    * With ``axis_name``, every metric is the whole batch's, equal to one
-      device on it (the step minimises the mean of the devices' losses, which
+    * With ``axis_name``, every metric but ``'aux'`` is the whole batch's,
+      equal to one device on it (the step minimises the mean of the devices' losses, which
       for a mean loss over equal shards is the whole batch's loss): ``'loss'``
       is averaged over the devices, the gradient norms are those of the
       averaged gradients, the flags come from these (every device skips the
