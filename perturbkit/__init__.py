@@ -161,6 +161,7 @@ from perturbkit.errors import SegmentationError
 from perturbkit.errors import SharedCallError
 from perturbkit.errors import SharedSegmentError
 from perturbkit.errors import StateMismatchError
+from perturbkit.errors import TransformTracedOnceError
 from perturbkit.errors import UncoveredParamsError
 from perturbkit.errors import UninitializedStateError
 from perturbkit.errors import UnknownEditPathError
@@ -280,6 +281,7 @@ __all__ = [
     'SharedCallError',
     'SharedSegmentError',
     'StateMismatchError',
+    'TransformTracedOnceError',
     'UncoveredParamsError',
     'UninitializedStateError',
     'UnknownEditPathError',

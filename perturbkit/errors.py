@@ -172,6 +172,20 @@ class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
         + advice)
 
 
+class TransformTracedOnceError(PerturbationsNotAppliedError):
+  """A module inside ``nnx.remat``/``nnx.jit`` is called more than once through one wrapper."""
+
+  def __init__(self, missing):
+    PerturbkitError.__init__(
+        self, f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
+        'Each is a later call of a module through the same nnx.remat or nnx.jit function '
+        '(e.g. `f = nnx.remat(g)` called twice on the module). JAX traces such a function '
+        'once and replays that trace for the next call with the same shapes, so the later '
+        'call would apply the first call\'s perturbation and its own never runs. Wrap each '
+        'call in its own transform, e.g. `nnx.remat(g)(self.block, x)` at every call site '
+        'instead of one shared `f`, or exclude the calls with the filter.')
+
+
 class OutsideApplyError(PerturbkitError, TypeError):
   """A Linen submodule was called outside a method call of the model (``bind``, ``nn.apply``)."""
 

@@ -263,6 +263,40 @@ def test_remat_equals_the_plain_call():
   chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
 
 
+class _TransformedTwice(nnx.Module):
+  """The block called twice through ``transform``: one shared wrapper, or one per call."""
+
+  def __init__(self, transform, shared, *, rngs):
+    self.transform, self.shared = transform, shared
+    self.block = M.Block(4, rngs=rngs)
+
+  def __call__(self, x):
+    call = lambda block, x: block(x)
+    first = self.transform(call)
+    second = first if self.shared else self.transform(call)
+    return second(self.block, first(self.block, x) * 1.5)
+
+
+@pytest.mark.parametrize('transform', [nnx.remat, nnx.jit])
+def test_module_called_twice_through_one_transform(transform):
+  x = M.random_batch((2, 4))
+  # JAX replays one wrapper's trace for the second call: named, not blamed on the loss.
+  with pytest.raises(perturbkit.TransformTracedOnceError, match='its own transform'):
+    perturbkit.nnx.value_and_grad(M.mse)(_TransformedTwice(transform, True, rngs=nnx.Rngs(0)), x)
+  model = _TransformedTwice(transform, False, rngs=nnx.Rngs(0))
+  _, grads = perturbkit.nnx.value_and_grad(M.mse)(model, x)
+  linear = model.block.linear
+
+  def explicit(d):
+    h = jnp.tanh(linear(x) + d['block']['linear']['__call__']) + d['block']['__call__']
+    h = jnp.tanh(linear(h * 1.5) + d['block']['linear']['__call__#1'])
+    return M.mse(lambda h: h, h + d['block']['__call__#1'])
+
+  want = jax.grad(explicit)(jax.tree.map(jnp.zeros_like, grads['perturbations']))
+  _not_vacuous(want)
+  chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
+
+
 def test_vmap_with_broadcast_state_is_refused_not_summed():
   model, x = M.VmapBroadcast(rngs=nnx.Rngs(0)), M.random_batch((3, 4))
   with pytest.raises(perturbkit.nnx.UnmappedPerturbationError, match='block/linear/__call__'):

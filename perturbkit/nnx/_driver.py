@@ -38,8 +38,8 @@ from perturbkit.core._iterations import (Stacking, edit_output, iteration_key, m
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
-                               PerturbationsNotAppliedError, UnmappedPerturbationError,
-                               UnperturbedCallsWarning)
+                               PerturbationsNotAppliedError, TransformTracedOnceError,
+                               UnmappedPerturbationError, UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
@@ -460,6 +460,12 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
         raise
   missing = sorted(expected[k].where for k in set(expected) - applied)
   if missing:
+    # A later call inside a transform whose earlier call (same module, same method) was
+    # applied: JAX replayed the transform's cached trace of the first call.
+    replayed = {(path, key.split('#')[0]) for path, key in applied}
+    if all(expected[k].copied and '#' in k[1] and (k[0], k[1].split('#')[0]) in replayed
+           for k in set(expected) - applied):
+      raise TransformTracedOnceError(missing)
     raise PerturbationsNotAppliedError(missing, nnx=True)
   if sown:
     _read_sown(captured, sown, flat_state(state), per_iteration)
