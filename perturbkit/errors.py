@@ -100,7 +100,13 @@ class NonScalarLossError(PerturbkitError, TypeError):
 class NoPerturbationPointsError(PerturbkitError, ValueError):
   """The filter selected no submodule call."""
 
-  def __init__(self, seen, nnx: bool = False):
+  def __init__(self, seen, nnx: bool = False, copies=()):
+    if copies:
+      super().__init__(
+          'No selected call got a perturbation point, so there is no activation gradient to '
+          f'compute: the calls [{_listed(copies, 12)}] ran on a copy of the model that the '
+          f'loss made, whose calls perturbkit does not see. {_COPY_FIX}')
+      return
     advice = ('Check the filter (path filters for NNX models are in perturbkit.nnx.filters), '
               'and make sure the loss function calls the model it receives as its first '
               'argument.' if nnx else
@@ -109,6 +115,14 @@ class NoPerturbationPointsError(PerturbkitError, ValueError):
     super().__init__(
         'The filter selected no submodule call, so there is no activation gradient to '
         f'compute. Calls seen: [{_listed(seen, 12) or "none"}]. {advice}')
+
+
+# How an NNX loss that runs a copy of the model can run the model itself.
+_COPY_FIX = ('A copy made with `nnx.clone(model)`, or with `nnx.merge` of the whole state of '
+             '`nnx.split(model)`, has its own perturbation state. Call the model the loss is '
+             'given, or split off only the parameters and merge them with the rest: '
+             '`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, then '
+             '`nnx.merge(graphdef, new_params, rest)`.')
 
 
 class UnmatchedFilterError(PerturbkitError, ValueError):
@@ -309,7 +323,13 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
 class UnperturbedCallsWarning(UserWarning):
   """Selected calls inside a lifted transform that cannot carry perturbations."""
 
-  def __init__(self, names, nnx: bool = False):
+  def __init__(self, names, nnx: bool = False, copies: bool = False):
+    if copies:
+      super().__init__(
+          f'{len(names)} selected call(s) ran on a copy of the model that the loss made, so '
+          f'they get no perturbation point and no activation gradient: [{_listed(names)}]. '
+          f'{_COPY_FIX} To silence this, exclude the calls with the filter.')
+      return
     if nnx:
       where = ('an NNX transform that broadcasts the module\'s state (nnx.scan, nnx.vmap, '
                '...) or carries the module from step to step (nnx.fori_loop, '

@@ -769,6 +769,19 @@ def test_named_errors_nnx():
     perturbkit.nnx.value_and_grad(M.mse)(M.MLP(rngs=nnx.Rngs(0)), x)
 
 
+@pytest.mark.parametrize('copy', ['clone', 'split_all'])
+def test_loss_that_runs_a_copy_of_the_model_is_named(copy):
+  def loss(model, x):
+    if copy == 'clone':
+      return M.mse(nnx.clone(model), x)
+    graphdef, state = nnx.split(model)  # the whole state, as an inner step over it would
+    return jax.value_and_grad(lambda state: M.mse(nnx.merge(graphdef, state), x))(state)[0]
+
+  with pytest.warns(perturbkit.UnperturbedCallsWarning, match='copy of the model'):
+    with pytest.raises(perturbkit.NoPerturbationPointsError, match='nnx.split.model, nnx.Param'):
+      perturbkit.nnx.value_and_grad(loss)(M.MLP(rngs=nnx.Rngs(0)), M.random_batch((4, 3)))
+
+
 def test_shared_type_filters():
   model, x = M.MLP(rngs=nnx.Rngs(0)), M.random_batch((4, 3))
   _, grads = perturbkit.nnx.value_and_grad(M.mse, filter=perturbkit.filters.by_type(nnx.Linear))(

@@ -185,6 +185,9 @@ class _Discovery:
   shapes: dict[PointPath, jax.ShapeDtypeStruct]
   seen: list[str]
   unreachable: list[str]
+  # Calls whose points went into a copy of the model that the loss made (``nnx.clone``,
+  # ``nnx.merge`` of the whole state): its perturbation state never comes back.
+  copies: list[str] = dataclasses.field(default_factory=list)
   # The outside shape of the axis marker next to each point made inside a transform
   # (core/_iterations.marker), by point path: where the transform stacks it.
   marked: dict[PointPath, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -292,7 +295,7 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   marked = {markers[p]: tuple(shapes.pop(p).shape) for p in list(shapes) if p in markers}
   ours = {p for point in found for p in point.leaf_paths()}
   reached = [p for p in found if all(q in shapes for q in p.leaf_paths())]
-  unreachable = sorted({p.where for p in found if p not in reached} | set(missed))
+  copies = sorted({p.where for p in found if p not in reached})
   # A point made inside an NNX transform has the shape of the output seen
   # there when the transform broadcasts the perturbation: fine under nnx.remat,
   # a sum over examples under nnx.vmap. Only a second run can tell them apart.
@@ -304,7 +307,16 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     except Exception as e:  # pylint: disable=broad-except
       raise UnmappedPerturbationError(suspects) from e
   hand_placed = [p for p in shapes if p not in ours]
-  return _Discovery(reached, hand_placed, shapes, seen, unreachable, marked)
+  return _Discovery(reached, hand_placed, shapes, seen, sorted(set(missed)), copies, marked)
+
+
+def warn_unperturbed(found: _Discovery, stacklevel: int):
+  """Warns about the selected calls that got no point, by why."""
+  if found.unreachable:
+    warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=stacklevel)
+  if found.copies:
+    warnings.warn(UnperturbedCallsWarning(found.copies, nnx=True, copies=True),
+                  stacklevel=stacklevel)
 
 
 def point_order(found: _Discovery) -> list[PointPath]:
@@ -568,10 +580,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     check_module(model, 'perturbkit.nnx.value_and_grad')
     found = discover(loss_fn, model, args, kwargs, points=points, hooks=hooks,
                      strict=strict, has_aux=has_aux)
-    if found.unreachable:
-      warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=2)
+    warn_unperturbed(found, stacklevel=3)
     if not found.points and not found.hand_placed:
-      raise NoPerturbationPointsError(found.seen, nnx=True)
+      raise NoPerturbationPointsError(found.seen, nnx=True, copies=found.copies)
     order = point_order(found)
 
     def differentiable(model, perturbations, args, kwargs):

@@ -1,5 +1,4 @@
 """An NNX function's selected calls as :class:`TracedPoints`, for the families to run."""
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -10,9 +9,8 @@ from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._trees import get_in
 from perturbkit.core._types import CallFilter
-from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
-                               UnperturbedCallsWarning)
-from perturbkit.nnx._driver import check_module, discover, perturbed_call
+from perturbkit.errors import ActivationsUnavailableError, NoPerturbationPointsError
+from perturbkit.nnx._driver import check_module, discover, perturbed_call, warn_unperturbed
 
 
 def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
@@ -50,10 +48,9 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   """
   check_module(model, function)
   found = discover(fn, model, args, kwargs, points=filter, strict=strict, scalar=False)
-  if found.unreachable:
-    warnings.warn(UnperturbedCallsWarning(found.unreachable, nnx=True), stacklevel=3)
+  warn_unperturbed(found, stacklevel=4)
   if not found.points:
-    raise NoPerturbationPointsError(found.seen, nnx=True)
+    raise NoPerturbationPointsError(found.seen, nnx=True, copies=found.copies)
   paths = tuple(p.path + (p.key,) for p in found.points)
   # From the abstract values discovery found (their devices' varying axes too).
   shapes = {path: PointShape.of(jax.tree.unflatten(p.structure,
