@@ -100,7 +100,16 @@ class NonScalarLossError(PerturbkitError, TypeError):
 class NoPerturbationPointsError(PerturbkitError, ValueError):
   """The filter selected no submodule call."""
 
-  def __init__(self, seen, nnx: bool = False, copies=()):
+  def __init__(self, seen, nnx: bool = False, copies=(), lifted=()):
+    seen = list(dict.fromkeys(seen))  # a lifted transform may trace its body twice
+    if lifted:
+      super().__init__(
+          'No selected call got a perturbation point, so there is no activation gradient to '
+          f'compute: the calls [{_listed(lifted, 12)}] run inside a lifted transform (nn.scan, '
+          'nn.vmap, ...) that does not map the "perturbations" collection. Add '
+          '`"perturbations": 0` to its `variable_axes` (e.g. `nn.scan(Block, variable_axes='
+          '{"params": 0, "perturbations": 0}, ...)`), or select calls outside it.')
+      return
     if copies:
       super().__init__(
           'No selected call got a perturbation point, so there is no activation gradient to '

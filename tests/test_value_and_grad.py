@@ -253,6 +253,19 @@ def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():
   chex.assert_trees_all_close(grads['params'], want_params, **TOL)
 
 
+def test_only_calls_in_an_unmapped_scan_names_variable_axes_once_each():
+  model = models.Scanned(map_perturbations=False)
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  variables = model.init(jax.random.key(0), x)
+  vg = perturbkit.value_and_grad(lambda v, x: models.scalar(model.apply(v, x)),
+                                 filter=perturbkit.filters.by_path('scan*'))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning):
+    with pytest.raises(perturbkit.NoPerturbationPointsError,
+                       match='"perturbations": 0` to its `variable_axes`') as error:
+      vg(variables, x)
+  assert str(error.value).count('scan/__call__') == 1
+
+
 def test_pytree_outputs_with_int_leaves_pass_through():
   case, variables, x, key = _setup('pytree_outputs')
   loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x)), case.model.apply(v, x)[1])

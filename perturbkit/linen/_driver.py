@@ -602,11 +602,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     expected: set[tuple] = set()
     matched: set[int] = set()
     lifted: set[tuple] = set()
+    unperturbed: list[str] = []
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
                                   strict=strict, hooks=hooks, point_paths=expected,
-                                  hooks_matched=matched, lifted=lifted)
+                                  hooks_matched=matched, lifted=lifted, unreachable=unperturbed)
+    if unperturbed:
+      warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=3)
     if not points_found:
-      raise NoPerturbationPointsError(seen)
+      raise NoPerturbationPointsError(seen, lifted=unperturbed)
     check_matched(hooks, matched, seen)
 
     def differentiable(params, perturbations):

@@ -1,11 +1,13 @@
 """A Linen function's selected calls as :class:`TracedPoints`, for the families to run."""
+import warnings
 from typing import Any, Callable
 
 from perturbkit.core._iterations import index_entries, leaf_shapes_of, per_iteration, stackings_of
 from perturbkit.core._points import PointShape
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.core._types import CallFilter, Variables
-from perturbkit.errors import ActivationsUnavailableError, NoPerturbationPointsError
+from perturbkit.errors import (ActivationsUnavailableError, NoPerturbationPointsError,
+                               UnperturbedCallsWarning)
 from perturbkit.linen._driver import check_variables, discover, nested, perturbed_apply
 from perturbkit.linen._interceptor import suspended
 
@@ -45,10 +47,14 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   inside: dict[tuple, PointShape] = {}
   marked: dict[tuple, tuple[int, ...]] = {}
   with suspended():
+    unperturbed: list[str] = []
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
-                           point_paths=expected, lifted=lifted, inside=inside, marked=marked)
+                           point_paths=expected, lifted=lifted, inside=inside, marked=marked,
+                           unreachable=unperturbed)
+  if unperturbed:
+    warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=2)
   if not expected:
-    raise NoPerturbationPointsError(seen)
+    raise NoPerturbationPointsError(seen, lifted=unperturbed)
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
   paths = tuple(sorted(expected, key=lambda p: first.get(point_name(p), len(seen))))
   shapes: dict[tuple, PointShape] = {p: found[p] for p in paths}
