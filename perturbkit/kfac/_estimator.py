@@ -190,7 +190,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       backward lane; inside ``jax.shard_map`` with ``check_vma=True`` each
       device folds its index into ``key``, so its examples draw their own
       labels; with ``check_vma=False`` pass each device its own key,
-      ``jax.random.fold_in(key, jax.lax.axis_index('data'))``), ``'empirical'`` (the true targets; no extra work) or
+      ``jax.random.fold_in(key, jax.lax.axis_index('data'))``),
+      ``'empirical'`` (the true targets; no extra work) or
       ``'exact'`` (the expectation over labels, one lane per output unit; for
       ``(batch, k)`` outputs).
     has_aux: ``predict_fn`` returns ``(output, aux)``, e.g. ``model.apply(v, x,

@@ -70,14 +70,6 @@ RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple,
 
 
 
-class _Frame:
-  """One trace of a lifted call (or the apply itself, or a nested ``apply``): the counts its
-  keys start from."""
-
-  def __init__(self, start: dict[tuple[Path, str], int]):
-    self.start = start
-
-
 # Lifted transforms that trace their body once per call (Flax's debug paths name them).
 _TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap'})
 
@@ -99,7 +91,9 @@ class _State:
     self.offsets: dict[tuple[Path, str], int] = {}
     self.apply_counts: dict[tuple[Path, str], int] = {}
     self.trace_counts: dict[Any, dict[tuple[Path, str], int]] = {}  # by the trace's root scope
-    self.frames = [_Frame({})]  # the traces running, innermost last
+    # For each trace running (the apply, a lifted call's trace, a nested apply), innermost
+    # last: the counts its keys start from.
+    self.starts: list[dict[tuple[Path, str], int]] = [{}]
     self.roots_active = 0
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
@@ -109,18 +103,18 @@ class _State:
       self.offsets[k] = self.offsets.get(k, 0) + n
     self.apply_counts.clear()
     self.trace_counts.clear()
-    self.frames = [_Frame({})]
+    self.starts = [{}]
 
   @contextlib.contextmanager
   def trace(self, start: dict[tuple[Path, str], int]) -> Iterator[None]:
-    self.frames.append(_Frame(dict(start)))
+    self.starts.append(dict(start))
     try:
       yield
     finally:
-      self.frames.pop()
+      self.starts.pop()
 
   def next_key(self, module: nn.Module, method_name: str) -> str:
-    counts = self.trace_counts.setdefault(module.scope.root, dict(self.frames[-1].start))
+    counts = self.trace_counts.setdefault(module.scope.root, dict(self.starts[-1]))
     k = (tuple(module.path), method_name)
     n = counts.get(k, 0)
     counts[k] = n + 1

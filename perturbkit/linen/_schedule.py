@@ -27,8 +27,8 @@ from perturbkit.core._points import COLLECTION
 from perturbkit.linen._segments import segmented_loss, with_iteration_state
 from perturbkit.core._sweep import Interleaved
 from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
-                               check_opt_state, check_optimizer, clip_scale, device_mean, finish, group,
-                               init_opt_state, input_mismatch, input_shapes)
+                               check_opt_state, check_optimizer, clip_scale, device_mean,
+                               finish, group, init_opt_state, input_mismatch, input_shapes)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes

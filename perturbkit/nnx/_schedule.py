@@ -398,9 +398,9 @@ class InterleavedOptimizer(nnx.Pytree):
     Returns:
       The metrics: ``loss``, ``grad_norm``, ``activation_grad_norm``,
       ``global_grad_norm``, ``nonfinite``, ``skipped``, ``segment_skipped``
-      (and ``aux`` with ``has_aux``); with ``axis_name``, the whole batch's,
-      as one device on it reports them (see "metrics" in
-      ``help(perturbkit.interleaved)``).
+      (and ``aux`` with ``has_aux``); with ``axis_name``, every one but
+      ``aux`` is the whole batch's, as one device on it reports them (see
+      "metrics" in ``help(perturbkit.interleaved)``).
     """
     _check_model(model)
     with explaining_inputs(dict(self.example_shapes), args, _OPTIMIZER_CALL):

@@ -402,11 +402,7 @@ def _slice(eqn, states):
     start = p['start_indices'][s.axis]
     if p['strides'] is not None and p['strides'][s.axis] != 1:
       return _rearranged(eqn, states, s)
-    if start == 0:
-      return _keep(states, s)
-    base, offset = _offset(s.order)
-    return _combine(states, s.axis, blocks=s.blocks,
-                    order=('offset', base, offset + start, _where(eqn)))
+    return _combine(states, s.axis, blocks=s.blocks, order=_shifted(s.order, start, eqn))
   return _combine(states, s.axis)
 
 
@@ -415,6 +411,12 @@ def _offset(order: Any) -> tuple[Any, int]:
   if isinstance(order, tuple) and order[0] == 'offset':
     return order[1], order[2]
   return order, 0
+
+
+def _shifted(order: Any, by: int, eqn) -> Any:
+  """The order of the rows from row ``by`` on of rows in ``order``: ``order`` itself for 0."""
+  base, offset = _offset(order)
+  return ('offset', base, offset + by, _where(eqn)) if offset + by else base
 
 
 def _dynamic_slice(eqn, states):
@@ -435,13 +437,9 @@ def _split(eqn, states) -> list[State]:
   s = states[0]
   if not isinstance(s.axis, int) or eqn.params['axis'] != s.axis:
     return [_keep(states, s)] * len(eqn.outvars)
-  base, offset = _offset(s.order)
-  pieces = []
-  for size in eqn.params['sizes']:
-    pieces.append(_combine(states, s.axis, blocks=s.blocks,
-                           order=('offset', base, offset, _where(eqn)) if offset else base))
-    offset += size
-  return pieces
+  starts = np.cumsum((0,) + tuple(eqn.params['sizes'][:-1]))
+  return [_combine(states, s.axis, blocks=s.blocks, order=_shifted(s.order, int(start), eqn))
+          for start in starts]
 
 
 def _rev(eqn, states):
