@@ -113,7 +113,6 @@ from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesCoupledError
-from perturbkit.errors import ReplayInCheckedShardMapError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import FeatureMapShapeError
 from perturbkit.errors import HasAuxOutputError
@@ -233,7 +232,6 @@ __all__ = [
     'EditViewError',
     'ExamplesAxisError',
     'ExamplesCoupledError',
-    'ReplayInCheckedShardMapError',
     'ExamplesMixedError',
     'FeatureMapShapeError',
     'HasAuxOutputError',

@@ -31,7 +31,7 @@ and what to change),
 
 Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 ``ExamplesMixedError`` (``ExamplesCoupledError`` for DP-SGD), ``ExamplesAxisError``,
-``ReplayInCheckedShardMapError``, ``AmbiguousInputError``,
+``AmbiguousInputError``,
 ``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
 ``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``; also
 ``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
@@ -635,20 +635,6 @@ class ExamplesCoupledError(ExamplesMixedError):
         'divide by a fixed number (the expected token count); normalize inputs per example '
         "or with fixed statistics, not with their batch's. `per_example_grad_norms` accepts "
         'such a loss: its norms are those with the batch quantity held fixed.')
-
-
-class ReplayInCheckedShardMapError(PerExampleError):
-  """A layer replayed per example inside ``jax.shard_map`` with ``check_vma=True``."""
-
-  def __init__(self, where, axes):
-    super().__init__(
-        f'The per-example gradients of {where} come from replaying its call on each example, '
-        f'inside jax.shard_map with check_vma=True (JAX\'s default) over {sorted(axes)}. There '
-        "JAX's reverse mode sums the gradient of the replicated params over the devices, so "
-        "each example's gradient would be added to those of the other devices' examples at "
-        'the same position, and its norm would be wrong. Pass check_vma=False to '
-        'jax.shard_map (with axis_name= for DP-SGD, to average over the devices); layers with '
-        'a rule of their own (Dense, Conv, Embed, LayerNorm) work under either.')
 
 
 class ExamplesAxisError(PerExampleError):

@@ -186,30 +186,47 @@ class GroupNormed(nn.Module):
     return nn.Dense(5)(nn.GroupNorm(num_groups=2)(nn.Dense(4)(x)))
 
 
-def test_layers_replayed_per_example_are_refused_under_check_vma():
-  """Their replay's gradient of the replicated params would be summed over the devices;
-  with check_vma=False each device's norms are its shard's."""
-  _, _, _, features, labels = dense_problem()
-  model = GroupNormed()
-  variables = model.init(jax.random.key(0), features)
-  norms = perturbkit.per_example_grad_norms(cross_entropy_of(model.apply))
-  with pytest.raises(perturbkit.ReplayInCheckedShardMapError, match='GroupNorm_0'):
-    on_devices(norms, variables, features, labels)
-  private = perturbkit.private_grad(cross_entropy_of(model.apply), clip_norm=1.0,
-                                    noise_multiplier=0.0)
-  with pytest.raises(perturbkit.ReplayInCheckedShardMapError):
-    on_devices(lambda v, x, y: private(v, jax.random.key(0), x, y), variables, features, labels)
+class TokenDense(nn.Module):
+  """Dense layers over 16 tokens, averaged: their per-example gradients (smaller than the
+  tokens' arrays) are kept for the clipped sum."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(5)(jnp.tanh(nn.Dense(4)(x.reshape(x.shape[0], 16, -1)))).mean(1)
+
+
+def private_problem(name):
+  """``(variables, loss, features, labels)`` for DP-SGD: the clipped sum through one VJP per
+  layer (the MLP), through a layer replayed per example (GroupNorm), or from kept
+  per-example gradients (both GroupNorm's and the token Dense layers')."""
+  variables, predict, _, features, labels = dense_problem()
+  if name != 'mlp':
+    features = jax.random.normal(jax.random.key(3), (8, 48))
+    model = GroupNormed() if name == 'group_norm' else TokenDense()
+    variables, predict = model.init(jax.random.key(0), features), model.apply
+  return variables, cross_entropy_of(predict), features, labels
+
+
+def test_layers_replayed_per_example_are_each_devices_own_under_check_vma():
+  """GroupNorm has no rule: its call is replayed per example, with the params typed to vary
+  like the examples, so that each device's norms are its shard's (not summed over the
+  devices), under check_vma=True as under check_vma=False."""
+  variables, loss, features, labels = private_problem('group_norm')
+  norms = perturbkit.per_example_grad_norms(loss)
+  want = on_shards(norms, variables, features, labels)
+  chex.assert_trees_all_close(on_devices(norms, variables, features, labels), want, **TOL)
   chex.assert_trees_all_close(on_devices(norms, variables, features, labels, check_vma=False),
-                              on_shards(norms, variables, features, labels), **TOL)
+                              want, **TOL)
 
 
-def test_private_grad_without_axis_name_sums_the_devices_and_noises_once():
+@pytest.mark.parametrize('name', ['mlp', 'group_norm', 'token_dense'])
+def test_private_grad_without_axis_name_sums_the_devices_and_noises_once(name):
   """DP-SGD without axis_name: JAX sums the clipped gradients over the devices, as it sums
-  jax.grad's; the noise is added once and the count is the device's own. Every device gets
+  jax.grad's (and the clipped sums made from kept per-example gradients are summed
+  likewise); the noise is added once and the count is the device's own. Every device gets
   the shards' clipped means, scaled back to sums and added, plus one shard's noise, over one
   shard's count."""
-  variables, predict, _, features, labels = dense_problem()
-  cross_entropy = cross_entropy_of(predict)
+  variables, cross_entropy, features, labels = private_problem(name)
 
   def private(noise_multiplier):
     dp = perturbkit.private_grad(cross_entropy, clip_norm=0.2,

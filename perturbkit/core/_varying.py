@@ -46,6 +46,14 @@ def vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
   return jax.lax.pcast(x, tuple(sorted(missing)), to='varying')
 
 
+def summed_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` summed over the devices along the axes it varies over and ``like`` does not: what
+  JAX's reverse mode does to the gradient of a value the same on every device (``like``), for
+  a gradient made another way (from per-example gradients, which vary with the examples)."""
+  axes = varying_axes(x) - varying_axes(like)
+  return jax.lax.psum(x, tuple(sorted(axes))) if axes else x
+
+
 def vary_like(x: jax.Array, *like: Any) -> jax.Array:
   """``x``, typed to vary over the axes each of ``like`` varies over."""
   return vary(x, frozenset().union(*map(varying_axes, like)))

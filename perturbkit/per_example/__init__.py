@@ -152,10 +152,6 @@ What is refused, and why
   layer's activations (or an input computed from the batch) do not carry them on
   axis 0, or carry them in another order (rows reversed, rolled or shifted
   along the examples axis before the layer).
-* ``ReplayInCheckedShardMapError``: a layer without a rule of its own (it is
-  replayed per example: GroupNorm, a custom layer) inside ``jax.shard_map``
-  with ``check_vma=True``, where JAX would sum each example's gradient with
-  the other devices' examples'; pass ``check_vma=False``.
 * ``AmbiguousInputError``, ``SharedCallError``: see "Which inputs are
   per-example".
 * ``UncoveredParamsError``: params that no call and no apply in the loss uses.

@@ -43,7 +43,7 @@ from perturbkit.per_example._rules import LayerNorms
 from perturbkit.core._sweep import guarded_step
 from perturbkit.core._types import Path
 from perturbkit.core._validate import non_negative, positive
-from perturbkit.core._varying import check_unchecked
+from perturbkit.core._varying import check_unchecked, summed_like
 from perturbkit.core._naming import named_after
 
 
@@ -93,7 +93,9 @@ def weighted_sum(result: Pass, norms: dict[Path, LayerNorms], weights: jax.Array
   for layer in result.layers:
     kept = norms[layer.path].per_example
     if kept is not None:
-      total = {k: jnp.tensordot(weights.astype(v.dtype), _finite_rows(v, kept_rows), axes=1)
+      # Like the VJPs below, summed over the devices where the params are the same on each.
+      total = {k: summed_like(jnp.tensordot(weights.astype(v.dtype), _finite_rows(v, kept_rows),
+                                            axes=1), layer.direct[k])
                for k, v in kept.items()}
     else:
       total = {k: jnp.zeros_like(v) for k, v in layer.direct.items()}

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from perturbkit.core._varying import varying_axes
+from perturbkit.core._varying import vary_like
 from perturbkit.per_example._calls import Use, float_part
-from perturbkit.errors import RandomCallError, ReplayInCheckedShardMapError
+from perturbkit.errors import RandomCallError
 
 
 class Pair(NamedTuple):
@@ -76,17 +76,15 @@ def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
   computed from the batched arguments (``Use.sources``, from the traced loss) are
   split along axis 0; the others are passed whole to every example.
 
-  Raises:
-    ReplayInCheckedShardMapError: inside ``jax.shard_map`` with ``check_vma=True``,
-      where the examples vary over the devices and the params do not: the VJP
-      would sum each example's gradient over the devices.
+  Inside ``jax.shard_map`` with ``check_vma=True`` the examples vary over the
+  devices and replicated params do not, so JAX's reverse mode would sum each
+  example's gradient with those of the other devices' examples at its position.
+  The replay therefore differentiates a copy of the params typed to vary like the
+  examples: each device gets its own examples' gradients, as the rules give them.
   """
   arrays_in = [x for x in jax.tree.leaves((pair.args, pair.kwargs, pair.grad))
                if isinstance(x, jax.Array)]
-  summed = (frozenset().union(*map(varying_axes, arrays_in))
-            - frozenset().union(*map(varying_axes, jax.tree.leaves(params))))
-  if summed:
-    raise ReplayInCheckedShardMapError('/'.join(pair.use.path + (pair.use.key,)), summed)
+  params = jax.tree.map(lambda p: vary_like(p, *arrays_in), params)
   leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
   arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
   batched = [kind == 'example' for kind in pair.use.sources]
