@@ -167,6 +167,14 @@ from perturbkit.errors import UnknownEditPathError
 from perturbkit.errors import UnmatchedFilterError
 from perturbkit.errors import UnperturbedCallsWarning
 from perturbkit.errors import WrongFrontEndError
+from perturbkit.errors import BoundModuleError
+from perturbkit.errors import FilterError
+from perturbkit.errors import HookFunctionError
+from perturbkit.errors import KFACFactorShapeError
+from perturbkit.errors import KFACLayerInfoError
+from perturbkit.errors import NoHooksError
+from perturbkit.errors import NotAModuleError
+from perturbkit.errors import NotInterventionsError
 
 __all__ = [
     # Namespaces
@@ -286,4 +294,12 @@ __all__ = [
     'UnmatchedFilterError',
     'UnperturbedCallsWarning',
     'WrongFrontEndError',
+    'BoundModuleError',
+    'FilterError',
+    'HookFunctionError',
+    'KFACFactorShapeError',
+    'KFACLayerInfoError',
+    'NoHooksError',
+    'NotAModuleError',
+    'NotInterventionsError',
 ]

@@ -7,8 +7,9 @@ Any function: ``LossNotCallableError`` (the loss's value was passed instead of
 the function), ``NonScalarLossError``, ``MissingHasAuxError`` (the loss returned
 ``(loss, aux)`` without ``has_aux=True``), ``HasAuxOutputError``,
 ``WrongFrontEndError`` (a Linen function given an NNX model, or the other way
-round), ``NotVariablesError``, ``InvalidOptionError`` (a numeric option out of
-range), ``NotAnOptimizerError``, ``UninitializedStateError`` and
+round), ``NotAModuleError`` (something other than a Flax module where the model
+goes), ``NotVariablesError``, ``InvalidOptionError`` (an option out of its range,
+or not one of its allowed values), ``NotAnOptimizerError``, ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
 inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
@@ -16,7 +17,10 @@ devices twice).
 
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
-message lists the calls seen), ``PerturbationStructureError``,
+message lists the calls seen), ``FilterError`` (a filter of a type it cannot be),
+``NoHooksError`` and ``HookFunctionError`` (``with_hooks`` without hooks; a hook
+that is not callable or returns another structure), ``BoundModuleError``
+(``wrap`` given a bound module), ``PerturbationStructureError``,
 ``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch`` whose branches call
 different submodules), ``NonDifferentiableOutputError``,
 ``PerturbationsNotAppliedError`` (the loss did
@@ -43,7 +47,9 @@ K-FAC: ``KFACUnsupportedLayerError``, ``KFACNoLayersError`` (no layer to precond
 e.g. a bare ``nn.Dense`` as the whole model), ``KFACShapeError``, ``KFACExamplesError`` (a
 layer's input without the batch's examples where its rule needs them, e.g. an interleaved
 step whose first argument is not the batch), ``KFACOutputError``,
-``KFACExactFisherError``, ``KFACUpdateArgsError`` (a K-FAC transform's ``update`` without
+``KFACExactFisherError``, ``KFACFactorShapeError`` (``damped_inverse`` given a factor
+that is not square), ``KFACLayerInfoError`` (a hand-built ``LayerInfo`` without
+what its rule needs), ``KFACUpdateArgsError`` (a K-FAC transform's ``update`` without
 its extra arguments), ``KFACLossError``, ``KFACLossShapeError`` (a loss function that does
 not return one loss per example), ``KFACTargetsError`` (targets that do not fit the output
 loss).
@@ -59,7 +65,8 @@ does not take ``(variables, inputs)``) and ``CallStructureMismatchError`` (clean
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
 ``InterventionParamsError`` (learnable interventions given params of another
-structure), ``MetricGapError`` (``PatchingResult.normalized()`` with equal clean and
+structure), ``NotInterventionsError`` (interventions that are not a dict of
+``perturbkit.interpret`` interventions), ``MetricGapError`` (``PatchingResult.normalized()`` with equal clean and
 corrupted metrics) and ``ResultValuesError`` (``PatchingResult.top()``/``plot()`` on
 traced or batched values).
 
@@ -1029,3 +1036,85 @@ class CheckedShardMapError(PerturbkitError, ValueError):
         'and the result would count the devices twice. Pass check_vma=False to '
         'jax.shard_map: jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=..., '
         'check_vma=False).')
+
+
+class NotAModuleError(PerturbkitError, TypeError):
+  """A function that takes a Flax module was given something else."""
+
+  def __init__(self, function: str, want: str, got: str, fix: str):
+    super().__init__(f'{function} takes {want}, but it was given {got}. {fix}')
+
+
+class BoundModuleError(PerturbkitError, ValueError):
+  """``perturbkit.wrap`` was given a bound Linen module (one with variables attached)."""
+
+  def __init__(self, name: str):
+    super().__init__(
+        f'perturbkit.wrap takes an unbound module, but this {name} is bound to variables '
+        '(`model.bind(variables)`, or `self.submodule` inside a method). Wrap the unbound '
+        'module, `perturbkit.wrap(module.unbind()[0])`, and pass the variables to the '
+        "wrapped module's `init`/`apply`.")
+
+
+class NoHooksError(PerturbkitError, ValueError):
+  """``with_hooks`` was called without any hook."""
+
+  def __init__(self, function: str):
+    super().__init__(
+        f'{function}(fun, *hooks) needs at least one hook, made with '
+        '`perturbkit.backward_hook(fn, filter)`, e.g. '
+        f"`{function}(loss_fn, perturbkit.backward_hook(lambda g: 0 * g, "
+        "perturbkit.filters.by_path('Dense_0')))`; without hooks call `fun` itself.")
+
+
+class HookFunctionError(PerturbkitError, TypeError):
+  """A backward hook's function is not callable, or returns another structure than it got."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f'{detail}. A backward hook is a function `g -> new g` (the cotangent at the '
+        'call\'s output, in the structure of that output), e.g. '
+        '`perturbkit.backward_hook(lambda g: jnp.clip(g, -1, 1), filter)`.')
+
+
+class FilterError(PerturbkitError, TypeError):
+  """A call filter, or an argument of a filter constructor, of a type it cannot be."""
+
+  def __init__(self, function: str, want: str, got: object):
+    super().__init__(
+        f'{function} takes {want}, but it was given {got!r:.80}. Examples: '
+        "`filters.by_type(nn.Dense, nn.Conv)`, `filters.by_path('encoder/*', 'Dense_0')`, "
+        "`filter=['Dense_*']`, or a function `(module, method_name) -> bool`.")
+
+
+class NotInterventionsError(PerturbkitError, TypeError):
+  """The interventions are not a dict ``{name: intervention}`` of ``perturbkit.interpret``'s."""
+
+  def __init__(self, function: str, got: object):
+    super().__init__(
+        f'{function} takes a dict of named interventions, e.g. '
+        "{'steer': perturbkit.interpret.steering_vector('Dense_1/__call__', (8,))}, each "
+        'built with perturbkit.interpret (steering_vector, low_rank_intervention, ...), '
+        f'but it was given {got!r:.120}.')
+
+
+class KFACFactorShapeError(PerturbkitError, ValueError):
+  """``damped_inverse`` was given a factor that is neither a vector nor a square matrix."""
+
+  def __init__(self, shape: tuple):
+    super().__init__(
+        f'damped_inverse takes one square factor (d, d) or a diagonal given as a vector (d,), '
+        f'but it was given shape {tuple(shape)}. The factors of a layer stacked per iteration '
+        '(LayerInfo.iterations, a layer in nn.scan) have the iterations in front: invert '
+        'each, `jax.lax.map(lambda f: damped_inverse(f, damping), factor)`.')
+
+
+class KFACLayerInfoError(PerturbkitError, ValueError):
+  """A ``LayerInfo`` (built by hand) that lacks what its layer's rule needs."""
+
+  def __init__(self, layer: str, detail: str):
+    super().__init__(
+        f'K-FAC layer {layer!r}: {detail}. Build the layers with perturbkit.kfac_layers '
+        '(or perturbkit.nnx.kfac_layers), which records it; to change one layer, '
+        "`layers.layers[name]._replace(...)` the LayerInfo that kfac_layers made.")
+

@@ -50,13 +50,15 @@ def test_selects_expected_points_with_reference_values(name, filter, expected):
 def test_filter_spellings():
   assert perturbkit.filters.as_filter(None) is filters.all_calls
   assert perturbkit.filters.as_filter(True) is filters.all_calls
-  with pytest.raises(ValueError, match='pass None or True'):
+  with pytest.raises(perturbkit.InvalidOptionError, match='None or True to select every call'):
     filters.as_filter(False)
-  with pytest.raises(TypeError, match='path patterns'):
+  with pytest.raises(perturbkit.FilterError, match='path patterns'):
     filters.as_filter(3)
-  with pytest.raises(TypeError, match='module classes'):
+  with pytest.raises(perturbkit.FilterError, match='module classes'):
     filters.by_type('Dense')
-  with pytest.raises(TypeError, match='string patterns'):
+  with pytest.raises(perturbkit.FilterError, match='string patterns'):
     filters.by_path(nn.Dense)
-  with pytest.raises(ValueError, match='min_depth'):
+  with pytest.raises(perturbkit.InvalidOptionError, match='1 <= min_depth <= max_depth'):
     filters.by_depth(0)
+  with pytest.raises(perturbkit.InvalidOptionError, match='1 <= min_depth <= max_depth'):
+    filters.by_depth(2, min_depth=3)

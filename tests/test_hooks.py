@@ -116,13 +116,15 @@ def test_hook_on_pytree_output_gets_none_for_int_leaves():
 
 
 def test_hook_errors():
-  with pytest.raises(TypeError, match='must be callable'):
+  with pytest.raises(perturbkit.HookFunctionError, match='must be callable'):
     perturbkit.backward_hook(3.0)
-  with pytest.raises(ValueError, match='at least one hook'):
+  with pytest.raises(perturbkit.NoHooksError, match='at least one hook'):
     perturbkit.with_hooks(lambda v: v)
+  with pytest.raises(perturbkit.NoHooksError, match='perturbkit.nnx.with_hooks'):
+    perturbkit.nnx.with_hooks(lambda m: m)
   model = models.MLP()
   x = jnp.ones((2, 5))
   variables = model.init(jax.random.key(0), x)
   bad = perturbkit.backward_hook(lambda g: (g, g), filters.by_path('Dense_2'))
-  with pytest.raises(TypeError, match='structure it received'):
+  with pytest.raises(perturbkit.HookFunctionError, match='structure it received'):
     jax.grad(perturbkit.with_hooks(lambda v: models.scalar(model.apply(v, x)), bad))(variables)

@@ -341,7 +341,7 @@ def test_intervention_errors(mlp):
     perturbkit.run_with_interventions(model.apply, wrong)(variables, {'steer': jnp.zeros(8)}, x)
   with pytest.raises(perturbkit.EditShapeError, match=r'\(3,\)'):
     run(variables, {'steer': jnp.zeros(3)}, x)
-  with pytest.raises(TypeError, match='dict of named interventions'):
+  with pytest.raises(perturbkit.NotInterventionsError, match='dict of named interventions'):
     perturbkit.run_with_interventions(model.apply, [steer['steer']])
   with pytest.raises(perturbkit.InvalidOptionError, match='axis'):
     interpret.steering_vector('Dense_1/__call__', (8,), positions=[1])

@@ -116,3 +116,21 @@ def test_nnx_estimator_refuses_a_penalized_predict_and_another_model():
     nnx.jit(plain)(NNXNet(6, nnx.Rngs(0)), X, Y, jax.random.key(0))
   _, _, stats = nnx.jit(plain)(model, X, Y, jax.random.key(0))
   assert stats['hidden'].a.shape == (4, 4)
+
+
+def test_hand_built_layer_infos_without_their_rule_s_needs_are_refused_where_given():
+  """A kind without a rule, a Conv without its geometry: refused by the estimators and by
+  kfac_segment when they are made, not deep in tracing."""
+  model = nn.Sequential([nn.Dense(4), jnp.tanh, nn.Dense(3)])
+  variables = model.init(jax.random.key(0), X)
+  layers = perturbkit.kfac_layers(model.apply, variables, X)
+  dense = layers.layers['layers_0']
+  for info, match in [(dense._replace(kind='linear'), r"'layers_0'.*LayerInfo.kind is 'linear'"),
+                      (dense._replace(kind='conv'), r"'layers_0'.*needs LayerInfo.conv")]:
+    by_hand = layers._replace(layers={**layers.layers, 'layers_0': info})
+    with pytest.raises(perturbkit.KFACLayerInfoError, match=match):
+      perturbkit.kfac_estimator(model.apply, 'softmax_cross_entropy', by_hand)
+    with pytest.raises(perturbkit.KFACLayerInfoError, match=match):
+      perturbkit.nnx.kfac_estimator('softmax_cross_entropy', by_hand)
+    with pytest.raises(perturbkit.KFACLayerInfoError, match=match):
+      perturbkit.kfac_segment(info)

@@ -231,7 +231,7 @@ def test_scanned_layers_without_per_iteration_factors_are_skipped_or_refused(cas
 
 def test_damped_inverse_of_stacked_factors_says_to_map_it_over_the_iterations(setup):
   stacked = jnp.stack([jnp.eye(3), 2 * jnp.eye(3)])
-  with pytest.raises(ValueError, match=r'jax\.lax\.map'):
+  with pytest.raises(perturbkit.KFACFactorShapeError, match=r'jax\.lax\.map'):
     perturbkit.damped_inverse(stacked, 1.0)
   inverses = jax.lax.map(lambda f: perturbkit.damped_inverse(f, 1.0), stacked)
   np.testing.assert_allclose(inverses[1], jnp.eye(3) / 3.0, rtol=1e-6)

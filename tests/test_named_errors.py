@@ -162,6 +162,17 @@ def test_nnx_model_to_linen_functions(nnx_model):
   chex.assert_trees_all_close(nnx_models.pure(grads['params']), nnx_models.pure(want), **TOL)
 
 
+def test_not_a_module_to_nnx_functions():
+  """Neither an NNX nor a Linen model (an int, a list holding the model): NotAModuleError."""
+  model = nnx_models.MLP(rngs=nnx.Rngs(0))
+  for given in (3, [model]):
+    with pytest.raises(perturbkit.NotAModuleError, match='nnx.Module as its first argument'):
+      perturbkit.nnx.value_and_grad(nnx_models.mse)(given, X)
+  with pytest.raises(perturbkit.NotAModuleError, match=r'perturbkit\.nnx\.dp_sgd'):
+    perturbkit.nnx.dp_sgd(nnx_models.mse, optax.sgd(0.1), clip_norm=1.0,
+                          noise_multiplier=1.0).init(3)
+
+
 def test_linen_model_to_nnx_functions(linen):
   model, variables = linen
   with pytest.raises(perturbkit.WrongFrontEndError, match='use perturbkit.value_and_grad'):

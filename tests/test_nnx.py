@@ -762,7 +762,7 @@ def test_named_errors_nnx():
     perturbkit.nnx.value_and_grad(
         lambda m, x: jnp.mean(nnx.capture(m, nnx.Intermediate)(x)[0] ** 2))(
             M.MLP(rngs=nnx.Rngs(0)), x)
-  with pytest.raises(TypeError, match='nnx.Module'):
+  with pytest.raises(perturbkit.NotAModuleError, match='nnx.Module'):
     perturbkit.nnx.with_hooks(lambda x: x, perturbkit.backward_hook(lambda g: g))(x)
   with warnings.catch_warnings():
     warnings.simplefilter('error')

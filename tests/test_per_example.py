@@ -724,7 +724,7 @@ def test_interleaved_and_clipping_do_not_combine():
   with pytest.raises(perturbkit.InterleavedClippingError, match='interleaved'):
     perturbkit.dp_sgd(loss_fn, perturbkit.interleaved(loss_fn, optax.sgd(0.1)), clip_norm=1.0,
                       noise_multiplier=1.0)
-  with pytest.raises(TypeError, match='GradientTransformation'):
+  with pytest.raises(perturbkit.NotAnOptimizerError, match='GradientTransformation'):
     perturbkit.dp_sgd(loss_fn, optax.sgd, clip_norm=1.0, noise_multiplier=1.0)
 
 
@@ -733,7 +733,7 @@ def test_bad_options():
   x = jnp.ones((2, 5))
   variables = model.init(jax.random.key(0), x)
   loss_fn = lambda v, x: jnp.mean(model.apply(v, x))
-  with pytest.raises(ValueError, match='dense_method'):
+  with pytest.raises(perturbkit.InvalidOptionError, match='dense_method'):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, dense_method='fast'), variables, x)
-  with pytest.raises(ValueError, match='reduction'):
+  with pytest.raises(perturbkit.InvalidOptionError, match="reduction='max'"):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, reduction='max'), variables, x)

@@ -177,6 +177,26 @@ def test_segments_depth(mlp, value):
     perturbkit.nnx.interleaved(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), segments=value)
 
 
+@pytest.mark.parametrize('value', ['new', None, 1])
+def test_propagate(mlp, value):
+  nnx_loss = lambda model, x: jnp.mean(model(x) ** 2)
+  with raises_invalid('propagate', value):
+    perturbkit.interleaved(mlp[2], optax.sgd(0.1), propagate=value)
+  with raises_invalid('propagate', value):
+    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), propagate=value)
+  with raises_invalid('propagate', value):
+    perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                        nnx_loss, jnp.ones((3, 2)), propagate=value)
+
+
+@pytest.mark.parametrize('value', ['Dense_0', ['Dense_0']])
+def test_segments_neither_a_depth_nor_a_filter(mlp, value):
+  with raises_invalid('segments', value):
+    perturbkit.interleaved(mlp[2], optax.sgd(0.1), segments=value)
+  with raises_invalid('segments', value):
+    perturbkit.nnx.interleaved(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), segments=value)
+
+
 @pytest.mark.parametrize('name', ['rtol', 'atol'])
 def test_check_per_example_tolerances(name):
   with raises_invalid(name, -1.0):

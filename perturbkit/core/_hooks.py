@@ -14,6 +14,7 @@ from perturbkit.core import filters as _filters
 from perturbkit.errors import UnmatchedFilterError
 from perturbkit.core._points import differentiable_part, has_differentiable_leaf, merge
 from perturbkit.core._types import CallFilter
+from perturbkit.errors import HookFunctionError
 
 
 class Hook(NamedTuple):
@@ -66,7 +67,7 @@ def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = N
     ...                                 perturbkit.filters.by_path('Dense_0'))
   """
   if not callable(fn):
-    raise TypeError(f'A hook function must be callable, got {fn!r}.')
+    raise HookFunctionError(f'A hook function must be callable, got {fn!r:.60}')
   return Hook(_filters.as_filter(filter), fn)
 
 
@@ -85,9 +86,9 @@ def _bwd(fn, residual, g):
   del residual
   out = fn(g)
   if jax.tree.structure(out) != jax.tree.structure(g):
-    raise TypeError(
+    raise HookFunctionError(
         f'A backward hook must return a cotangent of the structure it received '
-        f'({jax.tree.structure(g)}), got {jax.tree.structure(out)}.')
+        f'({jax.tree.structure(g)}), got {jax.tree.structure(out)}')
   return (out,)
 
 

@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import flax.linen as nn
 
 from perturbkit.core._types import CallFilter
+from perturbkit.errors import FilterError, InvalidOptionError
 
 
 def all_calls(module: nn.Module, method_name: str) -> bool:
@@ -59,7 +60,7 @@ def by_type(*types: type) -> CallFilter:
     True
   """
   if not types or not all(isinstance(t, type) for t in types):
-    raise TypeError(f'by_type takes module classes, got {types!r}.')
+    raise FilterError('filters.by_type', 'module classes', types)
   return lambda module, method_name: isinstance(module, types)
 
 
@@ -124,7 +125,7 @@ def by_path(*patterns: str) -> CallFilter:
     >>> f = filters.by_path('encoder/*')
   """
   if not patterns or not all(isinstance(p, str) for p in patterns):
-    raise TypeError(f'by_path takes string patterns, got {patterns!r}.')
+    raise FilterError('filters.by_path', 'string patterns', patterns)
 
   def selected(module, method_name):
     path = path_string(module)
@@ -150,7 +151,8 @@ def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
     >>> two_levels = filters.by_depth(2)
   """
   if min_depth < 1 or max_depth < min_depth:
-    raise ValueError(f'Need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}.')
+    raise InvalidOptionError('min_depth, max_depth', (min_depth, max_depth),
+                             'integers with 1 <= min_depth <= max_depth')
 
   def selected(module, method_name):
     path = module_path(module)
@@ -215,11 +217,11 @@ def as_filter(filter: CallFilter | bool | Sequence[str] | None) -> CallFilter:
   if filter is None or filter is True:
     return all_calls
   if filter is False:
-    raise ValueError('filter=False selects nothing; pass None or True to select every call.')
+    raise InvalidOptionError('filter', False, 'None or True to select every call (False '
+                             'selects nothing), a call filter, or a list of path patterns')
   if callable(filter):
     return filter
   if isinstance(filter, (list, tuple)) and all(isinstance(p, str) for p in filter):
     return by_path(*filter)
-  raise TypeError(
-      f'A filter is a callable (module, method_name) -> bool, True, or a list of path '
-      f'patterns; got {filter!r}.')
+  raise FilterError('filter=', 'a callable (module, method_name) -> bool, True, or a list of '
+                    'path patterns', filter)

@@ -16,6 +16,7 @@ from perturbkit.core._naming import named_after
 from perturbkit.errors import InterventionParamsError, UnknownEditPathError
 from perturbkit.interpret._edits import add, apply_edit, scale
 from perturbkit.interpret._points import Tracer, trace
+from perturbkit.errors import NotInterventionsError
 
 
 class Intervention(NamedTuple):
@@ -164,9 +165,7 @@ def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
   """The front-end-neutral :func:`perturbkit.run_with_interventions` (``freeze`` per API)."""
   if not isinstance(interventions, Mapping) or not all(
       isinstance(i, Intervention) for i in interventions.values()):
-    raise TypeError(f'{function} takes a dict of named interventions, e.g. '
-                    "{'steer': perturbkit.interpret.steering_vector('Dense_1/__call__', (8,))}"
-                    f', got {interventions!r}.')
+    raise NotInterventionsError(function, interventions)
 
   @named_after(fn)
   def run(model, params, *args, **kwargs):

@@ -12,9 +12,10 @@ from typing import Any
 
 import jax
 
-from perturbkit.errors import KFACShapeError, KFACUnsupportedLayerError
+from perturbkit.errors import KFACLayerInfoError, KFACShapeError, KFACUnsupportedLayerError
 from perturbkit.kfac._examples import grouping_reason
 from perturbkit.kfac._layers import KFACLayers, outside_reason
+from perturbkit.kfac._rules import LayerInfo
 
 
 def signature(tree: Any) -> tuple:
@@ -28,6 +29,22 @@ def abstract(tree: Any) -> Any:
   """The tree with every array replaced by its ``ShapeDtypeStruct``."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                       if hasattr(x, 'shape') and hasattr(x, 'dtype') else x, tree)
+
+
+KINDS = ('dense', 'conv', 'embed', 'norm')
+
+
+def check_layer_info(name: str, info: LayerInfo) -> None:
+  """Raises :class:`KFACLayerInfoError` where a (hand-built) ``LayerInfo`` lacks what its
+  rule needs: a known ``kind``, a Conv's geometry, a norm's geometry (a norm with a scale)."""
+  if info.kind not in KINDS:
+    raise KFACLayerInfoError(name, f'LayerInfo.kind is {info.kind!r}, not one of {KINDS}')
+  if info.kind == 'conv' and info.conv is None:
+    raise KFACLayerInfoError(name, "a 'conv' LayerInfo needs LayerInfo.conv, the "
+                                   "convolution's geometry (strides, padding, dilation)")
+  if info.kind == 'norm' and info.param != 'bias' and info.norm is None:
+    raise KFACLayerInfoError(name, "a 'norm' LayerInfo with a scale needs LayerInfo.norm, how "
+                                   'the layer normalises (LayerNorm or RMSNorm, its epsilon)')
 
 
 def check_kernel_shapes(layers: KFACLayers, shapes: dict[str, tuple | None]) -> None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from perturbkit.linen._driver import value_and_grad
-from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
+from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes, check_layer_info,
                                      check_norm_call, refuse_outside_reads, refuse_override,
                                      signature)
 from perturbkit.errors import (KFACExactFisherError, KFACNoLayersError, KFACOutputError,
@@ -220,6 +220,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     KFACNoLayersError: ``layers`` has no layer (every module that owns params was
       skipped, e.g. a bare ``nn.Dense`` as the whole model: wrap it in a module).
     InvalidOptionError: ``fisher`` is none of the three.
+    KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
+      known ``kind``, a Conv's or a norm's geometry).
     KFACExactFisherError: ``fisher='exact'`` for an output that is not ``(batch, k)``.
     PRNGKeyError: ``fisher='sampled'`` and no ``key``.
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
@@ -250,6 +252,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   paths = {info.path for info in layers.layers.values()}
   if not paths:
     raise KFACNoLayersError('perturbkit.kfac_estimator', layers.skipped)
+  for name, info in layers.layers.items():
+    check_layer_info(name, info)
   names = {info.path: name for name, info in layers.layers.items()}
   checked = set()
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.core._varying import typed_like
-from perturbkit.kfac._checks import (check_kernel_shapes, refuse_outside_reads, refuse_override,
-                                     signature)
+from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, refuse_outside_reads,
+                                     refuse_override, signature)
 from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
                                         split_output)
 from perturbkit.kfac._layers import KFACLayers
@@ -65,6 +65,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   Raises:
     KFACNoLayersError: ``layers`` has no layer (e.g. a bare ``nnx.Linear`` as the
       whole model: wrap it in a module).
+    KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
+      known ``kind``, a Conv's or a norm's geometry).
     WrongFrontEndError: ``estimate`` was given a Linen module or variables.
     KFACLossError: ``loss`` has no distribution to sample from.
     KFACOutputError: ``predict`` returns something else than one
@@ -90,6 +92,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   paths = {info.path for info in layers.layers.values()}
   if not paths:
     raise KFACNoLayersError('perturbkit.nnx.kfac_estimator', layers.skipped)
+  for name, info in layers.layers.items():
+    check_layer_info(name, info)
   select = lambda module, method_name: method_name == '__call__' and path_of(module) in paths
   checked = set()
 

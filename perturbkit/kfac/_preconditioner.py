@@ -27,6 +27,7 @@ from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._rules import LayerFactors, LayerInfo, factor_shapes, precondition
 from perturbkit.core._validate import fraction, positive, positive_int
 from perturbkit.core._varying import check_unchecked
+from perturbkit.errors import KFACFactorShapeError
 
 
 
@@ -59,8 +60,8 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   Raises:
     InvalidOptionError: a concrete ``damping`` that is not a finite number > 0 (the
       damped factor would not be positive definite).
-    ValueError: ``factor`` is neither a vector nor a square matrix (stacked factors:
-      ``jax.lax.map`` it).
+    KFACFactorShapeError: ``factor`` is neither a vector nor a square matrix (stacked
+      factors: ``jax.lax.map`` it).
 
   Example:
     >>> import jax.numpy as jnp
@@ -72,11 +73,7 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   if factor.ndim == 1:
     return 1.0 / (jnp.maximum(factor, 0.0) + damping)
   if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
-    raise ValueError(
-        f'damped_inverse takes one square factor or a diagonal, got shape {factor.shape}. '
-        'The factors of a layer stacked per iteration (LayerInfo.iterations, a layer in '
-        'nn.scan) have the iterations in front: invert each, '
-        '`jax.lax.map(lambda f: damped_inverse(f, damping), factor)`.')
+    raise KFACFactorShapeError(factor.shape)
   # F is PSD, so F + damping·I is positive definite: Cholesky is enough, and several
   # times cheaper than an eigendecomposition.
   eye = jnp.eye(factor.shape[0], dtype=factor.dtype)

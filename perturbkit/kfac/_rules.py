@@ -40,6 +40,7 @@ from perturbkit.core._conv_patches import conv_patches as patches_of
 from perturbkit.kfac._scale_shift import (NormGeometry, diagonal_factors, diagonal_shapes,
                                           precondition_diagonal)
 from perturbkit.linen._hf_modules import hf_rms_norm_epsilon, is_hf_conv1d
+from perturbkit.errors import KFACUnsupportedLayerError
 
 KINDS = ('dense', 'conv', 'embed', 'norm')
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -331,8 +332,10 @@ def call_input(args: tuple, kwargs: dict) -> jax.Array:
   for name in _INPUT_NAMES:
     if name in kwargs:
       return kwargs[name]
-  raise TypeError(f'A layer call with its input under none of the names {_INPUT_NAMES}: '
-                  f'keywords {sorted(kwargs)}.')
+  raise KFACUnsupportedLayerError(
+      f'with the keywords {sorted(kwargs)} and no positional argument',
+      f'its input is under none of the names {_INPUT_NAMES} its rule looks for (pass the '
+      'input positionally)')
 
 
 def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[jax.Array],

@@ -5,6 +5,7 @@ from typing import Any, Callable
 from perturbkit.core import filters as _filters
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
 from perturbkit.linen._interceptor import intercept
+from perturbkit.errors import NoHooksError
 
 
 def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
@@ -43,7 +44,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     0.0
   """
   if not hooks:
-    raise ValueError('with_hooks needs at least one hook from perturbkit.backward_hook.')
+    raise NoHooksError('perturbkit.with_hooks')
 
   @functools.wraps(fun)
   def hooked(*args, **kwargs):

@@ -32,6 +32,7 @@ from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, ba
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
+from perturbkit.errors import InvalidOptionError
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
@@ -304,9 +305,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   """
   interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
-    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+    raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
-    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+    raise InvalidOptionError('segments', segments,
+                             'None, an int depth >= 1 or a call filter '
+                             '(module, method_name) -> bool')
   check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
   check_optimizer(optimizer)
   if hooks:

@@ -11,6 +11,7 @@ from perturbkit.errors import (PerturbationStructureError, UnmatchedFilterError,
 from perturbkit.linen._interceptor import intercept
 from perturbkit.core._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit.core._types import CallFilter
+from perturbkit.errors import BoundModuleError, NotAModuleError
 
 
 def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
@@ -149,9 +150,11 @@ def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
         'NNX models need no wrapping: `perturbkit.nnx.value_and_grad(loss_fn)(model, *args)` '
         'gives the activation gradients of the unmodified model.')
   if not isinstance(module, nn.Module):
-    raise TypeError(f'wrap takes a flax.linen.Module, got {type(module).__name__}.')
+    raise NotAModuleError('perturbkit.wrap', 'a flax.linen.Module',
+                          f'{module!r:.60} ({type(module).__name__})',
+                          'Pass the model, e.g. `perturbkit.wrap(nn.Dense(3))`, not its variables.')
   if module.scope is not None:
-    raise ValueError('wrap takes an unbound module; call `module.unbind()` first.')
+    raise BoundModuleError(type(module).__name__)
   if strict is None:
     strict = filter is not None and filter is not True
   return Perturbed(module, _filters.as_filter(filter), strict)

@@ -45,6 +45,7 @@ from perturbkit.core._points import (array_part, differentiable_part, has_differ
                                with_stacked_axis)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
+from perturbkit.errors import NoHooksError, NotAModuleError
 
 # One entry of the flat perturbation list: module path + perturb name.
 PointPath = tuple[str | int, ...]
@@ -59,7 +60,7 @@ def check_module(model: Any, function: str):
 
   Raises:
     WrongFrontEndError: ``model`` is a Linen module or Linen variables.
-    TypeError: ``model`` is anything else that is not an ``nnx.Module``.
+    NotAModuleError: ``model`` is anything else that is not an ``nnx.Module``.
   """
   if isinstance(model, nnx_bridge.ToNNX):
     # Its calls are Linen calls, which an NNX function cannot see; Flax's nnx.capture,
@@ -81,7 +82,10 @@ def check_module(model: Any, function: str):
         function, got,
         f'For a Linen model use {function.replace("perturbkit.nnx.", "perturbkit.", 1)}, '
         'whose loss function takes the variables and calls `model.apply(variables, ...)`.')
-  raise TypeError(f'The first argument must be the nnx.Module, got {type(model).__name__}.')
+  raise NotAModuleError(function, 'the nnx.Module as its first argument',
+                        f'{model!r:.60} ({type(model).__name__})',
+                        'Pass the model object itself, e.g. `nnx.Linear(3, 1, rngs=nnx.Rngs(0))`, '
+                        'not its state or its output.')
 
 
 def _is_inexact(leaf: Any) -> bool:
@@ -666,7 +670,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     0.0
   """
   if not hooks:
-    raise ValueError('with_hooks needs at least one hook from perturbkit.backward_hook.')
+    raise NoHooksError('perturbkit.nnx.with_hooks')
   selected = _filters.any_of(*(h.filter for h in hooks))
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
@@ -682,8 +686,10 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
       if isinstance(leaf, nnx.Module) and not any(leaf is m for m in models):
         models.append(leaf)
     if not models:
-      raise TypeError('with_hooks: none of the arguments is an nnx.Module; pass the model '
-                      'to the function instead of closing over it.')
+      raise NotAModuleError('The function perturbkit.nnx.with_hooks returns',
+                            'the nnx.Module among its arguments', 'none',
+                            'Pass the model to the function instead of closing over it: '
+                            '`hooked(model, x)`, with `loss_fn(model, x)`.')
     with instrument(models, handler, transparent=True):
       return fun(*args, **kwargs)
 

@@ -33,6 +33,7 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
+from perturbkit.errors import InvalidOptionError
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
 
@@ -241,9 +242,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   """
   interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
-    raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+    raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   if segments is not None and not isinstance(segments, int) and not callable(segments):
-    raise TypeError(f'segments must be None, an int depth or a call filter, got {segments!r}.')
+    raise InvalidOptionError('segments', segments,
+                             'None, an int depth >= 1 or a call filter '
+                             '(module, method_name) -> bool')
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
@@ -361,7 +364,7 @@ class InterleavedOptimizer(nnx.Pytree):
     """
     interleaved_options(segments, clip_global_norm)
     if propagate not in ('updated', 'original'):
-      raise ValueError(f"propagate must be 'updated' or 'original', got {propagate!r}.")
+      raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,

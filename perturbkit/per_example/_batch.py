@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from perturbkit.errors import ExamplesAxisError
+from perturbkit.errors import InvalidOptionError
 
 BatchAxes = int | None | tuple
 
@@ -61,7 +62,7 @@ def reduction_scale(reduction: str, num_examples: int) -> float:
     return float(num_examples)
   if reduction == 'sum':
     return 1.0
-  raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+  raise InvalidOptionError('reduction', reduction, "'mean' or 'sum'")
 
 
 def reduce(values: Any, reduction: str) -> Any:

@@ -19,6 +19,7 @@ from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, per_argument, reduce
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.core._validate import non_negative
+from perturbkit.errors import InvalidOptionError
 
 
 def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
@@ -243,7 +244,7 @@ def reduction_checker(loss_fn: Callable[..., Any], reduction: str, batch_axes: B
   ``batch_axes``: another function built from the same loss skips it.
   """
   if reduction not in ('mean', 'sum'):
-    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}.")
+    raise InvalidOptionError('reduction', reduction, "'mean' or 'sum'")
   setting = (reduction, repr(batch_axes))
   owner = loss_fn if loss is None else loss
   unshared: set[tuple[str, str]] = set()

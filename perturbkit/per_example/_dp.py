@@ -45,6 +45,7 @@ from perturbkit.core._types import Path
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._varying import check_unchecked, summed_like
 from perturbkit.core._naming import named_after
+from perturbkit.errors import NotAnOptimizerError
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -378,7 +379,7 @@ def check_optimizer(optimizer: Any) -> None:
 
   Raises:
     InterleavedClippingError: ``optimizer`` is a trainer (``perturbkit.interleaved(...)``).
-    TypeError: anything else without ``init`` and ``update``.
+    NotAnOptimizerError: anything else without ``init`` and ``update``.
   """
   if not (callable(getattr(optimizer, 'init', None))
           and callable(getattr(optimizer, 'update', None))):
@@ -386,8 +387,7 @@ def check_optimizer(optimizer: Any) -> None:
       raise InterleavedClippingError(
           f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
           '`perturbkit.interleaved(...)`) as its optimizer')
-    raise TypeError(f'optimizer must be an optax.GradientTransformation (init and update), '
-                    f'got {optimizer!r}.')
+    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})')
 
 
 def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,

@@ -15,6 +15,7 @@ from perturbkit.per_example._rules import (DENSE_METHODS, LayerNorms, embed_rule
                                            heads_use_ghost, kind_of, layer_norms,
                                            per_example_sq)
 from perturbkit.core._types import Path
+from perturbkit.errors import InvalidOptionError
 
 
 class PerExampleNorms(NamedTuple):
@@ -48,7 +49,8 @@ def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
 def _unscaled_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
   """Every layer's :class:`LayerNorms` from the pairs' gradients as they are."""
   if dense_method not in DENSE_METHODS:
-    raise ValueError(f'dense_method must be one of {DENSE_METHODS}, got {dense_method!r}.')
+    raise InvalidOptionError('dense_method', dense_method,
+                             f'one of {DENSE_METHODS}')
   out = {}
   for layer in result.layers:
     heads = [tied_head(r, layer.path, layer.direct) for r in layer.reads]
