@@ -175,6 +175,7 @@ from perturbkit.errors import KFACLayerInfoError
 from perturbkit.errors import NoHooksError
 from perturbkit.errors import NotAModuleError
 from perturbkit.errors import NotInterventionsError
+from perturbkit.errors import PrivateAccumulationError
 
 __all__ = [
     # Namespaces
@@ -302,4 +303,5 @@ __all__ = [
     'NoHooksError',
     'NotAModuleError',
     'NotInterventionsError',
+    'PrivateAccumulationError',
 ]

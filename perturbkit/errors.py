@@ -37,7 +37,8 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 ``ExamplesMixedError`` (``ExamplesCoupledError`` for DP-SGD), ``ExamplesAxisError``,
 ``AmbiguousInputError``,
 ``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
-``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``; also
+``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``,
+``PrivateAccumulationError`` (``dp_sgd`` given ``optax.MultiSteps``); also
 ``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
 ``reduction`` says), ``ReductionCheckError`` (the loss cannot run on the one or two
 examples that check runs it on, e.g. a model with a hard-coded batch size) and ``PRNGKeyError`` (a key that is not a JAX PRNG key, e.g.
@@ -1118,3 +1119,18 @@ class KFACLayerInfoError(PerturbkitError, ValueError):
         '(or perturbkit.nnx.kfac_layers), which records it; to change one layer, '
         "`layers.layers[name]._replace(...)` the LayerInfo that kfac_layers made.")
 
+
+class PrivateAccumulationError(PerExampleError):
+  """DP-SGD given ``optax.MultiSteps``: each step's batch is noised on its own."""
+
+  def __init__(self, where: str):
+    super().__init__(
+        f'{where} was given optax.MultiSteps (gradient accumulation). Each DP-SGD step clips '
+        "and noises its own batch's mean gradient, so the update applied every k steps "
+        'averages k independently noised means: its noise is σC/(√k·B), √k times the '
+        'σC/(k·B) of one DP-SGD step on the k-times larger batch that accumulation stands '
+        'for. Pass the optimizer without MultiSteps and the larger batch whole (spread over '
+        'devices with axis_name); or accumulate yourself: average the clipped means of '
+        '`perturbkit.private_grad(loss_fn, clip_norm=C, noise_multiplier=0.0)` over the k '
+        'batches, add `σ·C/(k·B) * jax.random.normal(key, shape)` to each leaf once, and '
+        'apply the optimizer to that.')

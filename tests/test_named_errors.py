@@ -438,6 +438,24 @@ def test_multisteps_points_to_its_gradient_transformation(linen):
   assert not np.allclose(params['Dense_0']['kernel'], variables['params']['Dense_0']['kernel'])
 
 
+def test_multisteps_is_refused_by_dp_sgd(linen, nnx_model):
+  """DP-SGD under ``optax.MultiSteps`` would average k separately noised means (√k times the
+  noise of one step on the k-times larger batch): both spellings are refused, on both front
+  ends."""
+  model, variables = linen
+  multi = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  options = dict(clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.PrivateAccumulationError, match=r'√k times'):
+    perturbkit.dp_sgd(_linen_loss(model), multi, **options)
+  with pytest.raises(perturbkit.PrivateAccumulationError, match='perturbkit.nnx.dp_sgd'):
+    perturbkit.nnx.dp_sgd(nnx_models.mse, multi, **options)
+  chained = optax.chain(optax.clip(1.0), multi.gradient_transformation())
+  with pytest.raises(perturbkit.PrivateAccumulationError, match='private_grad'):
+    perturbkit.dp_sgd(_linen_loss(model), chained, **options).init(variables)
+  with pytest.raises(perturbkit.PrivateAccumulationError, match='private_grad'):
+    perturbkit.nnx.dp_sgd(nnx_models.mse, chained, **options).init(nnx_model)
+
+
 def test_a_model_with_a_hard_coded_batch_size_fails_the_reduction_check_by_name():
   """The reduction check runs the loss on 1 and 2 examples; a reshape to a fixed batch size
   fails there with ``ReductionCheckError``; taking the size from the input, as the message

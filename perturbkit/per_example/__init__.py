@@ -245,6 +245,14 @@ Combinations that are refused:
   already clipped and noised) or to ``interleaved`` (Linen or NNX; batch
   gradients) it would clip rows of the weight gradients; ``init`` raises
   ``OptaxPrivacyError`` (``tests/test_optax_privacy.py``).
+* Gradient accumulation, ``optax.MultiSteps`` (the object or its
+  ``gradient_transformation()``), as ``dp_sgd``'s optimizer: each step clips and
+  noises its own batch's mean, so the update applied every ``k`` steps averages
+  ``k`` independently noised means, with ``√k`` times the noise of one DP-SGD
+  step on the ``k``-times larger batch that accumulation stands for (the
+  accounting of ``k`` steps still holds; the training is not what it looks
+  like). ``dp_sgd`` raises ``PrivateAccumulationError``, whose message says how to
+  accumulate with ``private_grad`` and add the noise once.
 
 Privacy accounting (ε) is not part of perturbkit.
 ``notebooks/07_private_training.ipynb`` reports ε at δ = 10⁻⁵ with

@@ -33,6 +33,7 @@ from perturbkit.errors import PRNGKeyError
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
+from perturbkit.per_example._accumulation import refuse_accumulation, refuse_accumulation_state
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.per_example._norms import all_layer_norms, flat_squares
@@ -374,13 +375,16 @@ class PrivateTraining(NamedTuple):
         '`perturbkit.interleaved`')
 
 
-def check_optimizer(optimizer: Any) -> None:
-  """Raises unless ``optimizer`` is an optax gradient transformation.
+def check_optimizer(optimizer: Any, where: str = 'perturbkit.dp_sgd') -> None:
+  """Raises unless ``optimizer`` is an optax gradient transformation, other than
+  ``optax.MultiSteps``.
 
   Raises:
     InterleavedClippingError: ``optimizer`` is a trainer (``perturbkit.interleaved(...)``).
+    PrivateAccumulationError: ``optimizer`` is an ``optax.MultiSteps``.
     NotAnOptimizerError: anything else without ``init`` and ``update``.
   """
+  refuse_accumulation(optimizer, where)
   if not (callable(getattr(optimizer, 'init', None))
           and callable(getattr(optimizer, 'update', None))):
     if callable(getattr(optimizer, 'step', None)):
@@ -435,6 +439,10 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     OptaxPrivacyError: (from ``init``) ``optimizer`` contains
       ``optax.contrib.differentially_private_aggregate``, which expects
       per-example gradients.
+    PrivateAccumulationError: ``optimizer`` is ``optax.MultiSteps`` (or, from
+      ``init``, contains its ``gradient_transformation()``): each step's batch is
+      noised on its own, so the accumulated update has ``√k`` times the noise of
+      a DP-SGD step on the ``k``-times larger batch.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -458,6 +466,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     opt_state = optimizer.init(variables['params'])
     refuse_optax_privacy(opt_state, '`perturbkit.dp_sgd`',
                          'the mean gradient dp_sgd has already clipped and noised')
+    refuse_accumulation_state(opt_state, 'perturbkit.dp_sgd')
     return PrivateState(jnp.zeros((), jnp.int32), dict(variables), opt_state)
 
   def step(state: PrivateState, key: jax.Array, *args, **kwargs):

@@ -15,6 +15,7 @@ import optax
 from flax import nnx, traverse_util
 
 from perturbkit.core._optax_privacy import refuse_optax_privacy
+from perturbkit.per_example._accumulation import refuse_accumulation_state
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._naming import named_after
 from perturbkit.nnx._driver import check_module
@@ -236,6 +237,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
       ``perturbkit.nnx.interleaved(...)``.
     WrongFrontEndError: (from ``init``) the model is Linen variables.
     OptaxPrivacyError: (from ``init``) ``optimizer`` contains optax's own DP aggregate.
+    PrivateAccumulationError: ``optimizer`` is (or, from ``init``, contains)
+      ``optax.MultiSteps``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -251,7 +254,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> int(state.step), metrics['per_example_norms'].shape, bool(metrics['skipped'])
     (1, (4,), False)
   """
-  check_optimizer(optimizer)
+  check_optimizer(optimizer, 'perturbkit.nnx.dp_sgd')
   grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
                          reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,
                          dense_method=dense_method)
@@ -261,6 +264,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     opt_state = optimizer.init(nnx.state(model, nnx.Param))
     refuse_optax_privacy(opt_state, '`perturbkit.nnx.dp_sgd`',
                          'the mean gradient dp_sgd has already clipped and noised')
+    refuse_accumulation_state(opt_state, 'perturbkit.nnx.dp_sgd')
     graphdef, variables = nnx.split(model)
     return NNXPrivateState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state)
 
