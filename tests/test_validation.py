@@ -223,3 +223,109 @@ def test_typed_and_raw_keys_draw_the_same_noise(mlp):
   typed, _ = dp(variables, jax.random.key(5), x, y)
   raw, _ = dp(variables, jax.random.PRNGKey(5), x, y)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), typed, raw)
+
+
+BAD_STATIC_COUNT = [0, -3, 2.0, True, np.bool_(True), jnp.asarray(3), 'x']
+
+
+@pytest.mark.parametrize('value', BAD_STATIC_COUNT)
+def test_sizes_and_steps_are_python_ints(value):
+  """A bool is no batch size (True was taken for 1), a JAX array no number of steps (a traced
+  one failed deep in the quadrature): both are refused where they are given."""
+  fn = lambda v, x: 0.0
+  for function in (perturbkit.activation_patching, perturbkit.layer_integrated_gradients,
+                   perturbkit.nnx.activation_patching):
+    with raises_invalid('batch_size', value):
+      function(fn, batch_size=value)
+  with raises_invalid('steps', value):
+    perturbkit.layer_integrated_gradients(fn, steps=value)
+  with raises_invalid('max_depth', value):
+    perturbkit.filters.by_depth(value)
+  with raises_invalid('min_depth', value):
+    perturbkit.nnx.filters.by_depth(3, min_depth=value)
+
+
+def test_traced_steps_are_refused_where_given():
+  with pytest.raises(perturbkit.InvalidOptionError, match='a Python int >= 1'):
+    jax.jit(lambda s: perturbkit.layer_integrated_gradients(lambda v, x: 0.0, steps=s))(3)
+  perturbkit.layer_integrated_gradients(lambda v, x: 0.0, steps=np.int64(3), batch_size=None)
+
+
+@pytest.mark.parametrize('value', [1.5, True, 'x', jnp.asarray(1)])
+def test_edit_axes_are_ints(value):
+  for make in (perturbkit.interpret.replace, perturbkit.interpret.add,
+               perturbkit.interpret.scale):
+    with raises_invalid('axis', value):
+      make(jnp.zeros(3), positions=[0], axis=value)
+  with raises_invalid('axis', value):
+    perturbkit.interpret.zero_ablate(positions=[0], axis=value)
+  with raises_invalid('axis', value):
+    perturbkit.interpret.gates('Dense_0/__call__', (3,), positions=[0], axis=value)
+  with raises_invalid('over', value):
+    perturbkit.interpret.mean_ablate(jnp.zeros((2, 3)), over=value)
+  with raises_invalid('over', (0, value)):
+    perturbkit.interpret.mean_ablate(jnp.zeros((2, 3)), over=(0, value))
+
+
+def test_edit_axes_in_range_are_accepted():
+  edit = perturbkit.interpret.replace(jnp.zeros(2), positions=[-1], axis=np.int64(-2))
+  got = perturbkit.interpret.apply_edit(edit, jnp.ones((1, 3, 2)))
+  np.testing.assert_array_equal(got, [[[1, 1], [1, 1], [0, 0]]])
+  mean = perturbkit.interpret.mean_ablate(jnp.arange(6.0).reshape(2, 3), over=(0, 1))
+  np.testing.assert_allclose(perturbkit.interpret.apply_edit(mean, jnp.zeros((4, 3))),
+                             np.full((4, 3), 2.5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('value', [['a'], 'a'])
+def test_edit_positions_that_are_strings(value):
+  with raises_invalid('positions', value):
+    perturbkit.interpret.replace(jnp.zeros(3), positions=value, axis=1)
+
+
+@pytest.mark.parametrize('value', [math.nan, math.inf, -math.inf, True, 'x', jnp.ones(2)])
+def test_gate_init_logit(value):
+  with raises_invalid('init_logit', value):
+    perturbkit.interpret.gates('Dense_0/__call__', (3,), init_logit=value)
+
+
+@pytest.mark.parametrize('value', [1.5, True, 'x', (0, 1.5), (0, False), jnp.asarray(0)])
+def test_batch_axes(value):
+  loss_fn = lambda v, x: jnp.mean(v * x)
+  options = dict(clip_norm=1.0, noise_multiplier=1.0)
+  with raises_invalid('batch_axes', value):
+    perturbkit.per_example_grad_norms(loss_fn, batch_axes=value)
+  with raises_invalid('batch_axes', value):
+    perturbkit.private_grad(loss_fn, batch_axes=value, **options)
+  with raises_invalid('batch_axes', value):
+    perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), batch_axes=value, **options)
+  with raises_invalid('batch_axes', value):
+    perturbkit.nnx.per_example_grad_norms(loss_fn, batch_axes=value)
+  with raises_invalid('batch_axes', value):
+    perturbkit.check_per_example(loss_fn, 1.0, jnp.ones(3), batch_axes=value)
+
+
+@pytest.mark.parametrize('value', ['fast', None, 0])
+def test_dense_method_is_checked_where_given(value):
+  loss_fn = lambda v, x: jnp.mean(v * x)
+  options = dict(clip_norm=1.0, noise_multiplier=1.0)
+  with raises_invalid('dense_method', value):
+    perturbkit.per_example_grad_norms(loss_fn, dense_method=value)
+  with raises_invalid('dense_method', value):
+    perturbkit.private_grad(loss_fn, dense_method=value, **options)
+  with raises_invalid('dense_method', value):
+    perturbkit.nnx.per_example_grad_norms(loss_fn, dense_method=value)
+  with raises_invalid('dense_method', value):
+    perturbkit.nnx.dp_sgd(loss_fn, optax.sgd(0.1), dense_method=value, **options)
+
+
+@pytest.mark.parametrize('value', ['max', None])
+def test_check_per_example_reduction(value):
+  """An unknown reduction was only looked at after the check ran (a per-example loss was then
+  reported as mixing its examples)."""
+  with raises_invalid('reduction', value):
+    perturbkit.check_per_example(lambda v, x: jnp.mean(v * x), 1.0, jnp.ones(3),
+                                 reduction=value)
+  with raises_invalid('reduction', value):
+    perturbkit.nnx.check_per_example(lambda m, x: jnp.mean(m(x)),
+                                     nnx.Linear(1, 1, rngs=nnx.Rngs(0)), jnp.ones((3, 1)),
+                                     reduction=value)

@@ -69,6 +69,39 @@ def positive_int(name: str, value: Any) -> Any:
   return _integer(name, value, 1, 'an integer >= 1')
 
 
+def finite(name: str, value: Any) -> Any:
+  """``value`` if it is a finite number (of any sign)."""
+  allowed = 'a finite number'
+  number = _number(name, value, allowed)
+  if number is not None and not math.isfinite(number):
+    raise InvalidOptionError(name, value, allowed)
+  return value
+
+
+def _python_int(value: Any) -> bool:
+  """Whether ``value`` is a Python or NumPy integer (not a bool, float or JAX array)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def count(name: str, value: Any, low: int = 1) -> Any:
+  """``value`` if it is a Python (or NumPy) integer >= ``low``: a size or a number of steps,
+  which shapes depend on, so a JAX array (concrete or traced) is refused too."""
+  if not (_python_int(value) and value >= low):
+    raise InvalidOptionError(name, value, f'a Python int >= {low} (not a float, bool or JAX '
+                                          'array)')
+  return value
+
+
+def axes(name: str, value: Any, tuples: bool = False) -> Any:
+  """``value`` if it is an int axis (negative ones count from the end), or with ``tuples`` a
+  tuple of them; a float, a bool or a JAX array is refused."""
+  given = value if tuples and isinstance(value, tuple) else (value,)
+  if not given or not all(_python_int(a) for a in given):
+    raise InvalidOptionError(name, value, 'an int axis (negative counts from the end)' +
+                             (' or a tuple of them' if tuples else ''))
+  return value
+
+
 def interleaved_options(segments: Any, clip_global_norm: Any) -> None:
   """The numeric options of the interleaved schedule: a ``segments`` depth, ``clip_global_norm``."""
   if isinstance(segments, (numbers.Real, np.ndarray, jax.Array)):

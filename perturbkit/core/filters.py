@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import flax.linen as nn
 
 from perturbkit.core._types import CallFilter
+from perturbkit.core._validate import count
 from perturbkit.errors import FilterError, InvalidOptionError
 
 
@@ -150,7 +151,9 @@ def by_depth(max_depth: int, min_depth: int = 1) -> CallFilter:
     >>> from perturbkit import filters
     >>> two_levels = filters.by_depth(2)
   """
-  if min_depth < 1 or max_depth < min_depth:
+  count('max_depth', max_depth)
+  count('min_depth', min_depth)
+  if max_depth < min_depth:
     raise InvalidOptionError('min_depth, max_depth', (min_depth, max_depth),
                              'integers with 1 <= min_depth <= max_depth')
 

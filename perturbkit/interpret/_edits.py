@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
+from perturbkit.core._validate import axes
 from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError, NotEditsError,
                                PositionOutOfRangeError, UnknownEditPathError)
 
@@ -90,7 +91,16 @@ def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
   if (positions is None) != (axis is None):
     raise InvalidOptionError('axis', axis, 'given exactly when positions are (an int axis '
                              'such as 1 for tokens, with positions=[...])')
+  if axis is not None:
+    axes('axis', axis)
   if positions is not None:
+    if not isinstance(positions, jax.Array):  # a list, a NumPy array: strings are refused here
+      try:
+        kind = np.asarray(positions).dtype.kind
+      except ValueError:  # ragged
+        kind = 'O'
+      if kind not in 'iu':
+        raise InvalidOptionError('positions', positions, 'integer indices along the axis')
     positions = jnp.asarray(positions)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
       raise InvalidOptionError('positions', positions, 'integer indices along the axis')
@@ -119,8 +129,8 @@ def replace(value: Any, *, positions: Any = None, axis: int | None = None,
     The edit.
 
   Raises:
-    InvalidOptionError: ``positions`` without ``axis`` or the other way round,
-      or positions that are not integers.
+    InvalidOptionError: ``positions`` without ``axis`` or the other way round, an
+      ``axis`` that is not an int, or positions that are not integers.
 
   Example:
     >>> import jax.numpy as jnp
@@ -204,6 +214,7 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
     >>> interpret.apply_edit(interpret.mean_ablate(reference), jnp.zeros((3, 2))).tolist()
     [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
   """
+  axes('over', over, tuples=True)
   view = checked_view(view)
   mean = jax.tree.map(lambda r: jnp.mean(viewed(r, view, 'the mean-ablation reference'),
                                          axis=over, keepdims=True), reference)

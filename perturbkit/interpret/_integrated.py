@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._traced_points import TracedPoints, point_name
-from perturbkit.core._validate import positive_int
+from perturbkit.core._validate import count
 from perturbkit.core._naming import named_after
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import Direction, difference, first_order_effects
@@ -57,7 +57,7 @@ def quadrature(method: str, steps: int) -> tuple[np.ndarray, np.ndarray]:
   """
   if method not in METHODS:
     raise InvalidOptionError('method', method, ' or '.join(map(repr, METHODS)))
-  positive_int('steps', steps)
+  count('steps', steps)
   if method == 'gauss_legendre':
     nodes, weights = np.polynomial.legendre.leggauss(int(steps))
     return (nodes + 1) / 2, weights / 2

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._naming import named_after
+from perturbkit.core._validate import finite
 from perturbkit.errors import InterventionParamsError, UnknownEditPathError
 from perturbkit.interpret._edits import add, apply_edit, scale
 from perturbkit.interpret._points import Tracer, trace
@@ -86,6 +87,10 @@ def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions
   Returns:
     The intervention; its params are the logits.
 
+  Raises:
+    InvalidOptionError: ``init_logit`` is not a finite number, or the positions
+      and axis are not those of :func:`perturbkit.interpret.replace`.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from perturbkit import interpret
@@ -93,6 +98,7 @@ def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions
     >>> gate.apply(jnp.array([30.0, -30.0]), jnp.ones((1, 2))).tolist()
     [[1.0, 0.0]]
   """
+  finite('init_logit', init_logit)
   shape = tuple(shape)
   scale(jnp.ones(shape), positions=positions, axis=axis)  # checks the options now
   return Intervention(

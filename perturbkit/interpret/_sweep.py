@@ -19,15 +19,17 @@ from tqdm.auto import tqdm
 
 from perturbkit.core._varying import manual_axes, typed_like
 from perturbkit.errors import InvalidOptionError
+from perturbkit.core._validate import count
 
 # The most groups of calls a sweep is cut into (see ``sweep``).
 GROUPS = 8
 
 
 def check_batch_size(batch_size: int | None) -> None:
-  """Raises ``InvalidOptionError`` unless ``batch_size`` is a positive int or ``None``."""
-  if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-    raise InvalidOptionError('batch_size', batch_size, 'a positive int or None')
+  """Raises ``InvalidOptionError`` unless ``batch_size`` is a positive int (not a bool, a float
+  or a JAX array) or ``None``."""
+  if batch_size is not None:
+    count('batch_size', batch_size)
 
 
 def check_progress(progress: Any) -> None:

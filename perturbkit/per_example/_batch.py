@@ -15,6 +15,24 @@ from perturbkit.errors import InvalidOptionError
 BatchAxes = int | None | tuple
 
 
+def check_batch_axes(batch_axes: Any) -> None:
+  """Raises :class:`InvalidOptionError` unless ``batch_axes`` is an int, ``None``, or a
+  tuple (or list) of them; checked where it is given (the number of entries is checked
+  against the arguments when they come)."""
+  entry = lambda a: a is None or (isinstance(a, int) and not isinstance(a, bool))
+  if not (entry(batch_axes) or (isinstance(batch_axes, (tuple, list))
+                                and all(entry(a) for a in batch_axes))):
+    raise InvalidOptionError('batch_axes', batch_axes,
+                             "an int (the examples' axis of every argument), None, or a tuple "
+                             'with one int or None per positional argument, as in jax.vmap')
+
+
+def check_reduction_option(reduction: Any) -> None:
+  """Raises :class:`InvalidOptionError` unless ``reduction`` is ``'mean'`` or ``'sum'``."""
+  if reduction not in ('mean', 'sum') or not isinstance(reduction, str):
+    raise InvalidOptionError('reduction', reduction, "'mean' or 'sum'")
+
+
 def per_argument(batch_axes: BatchAxes, num_args: int) -> tuple:
   """``batch_axes`` as one entry (int or None) per positional argument."""
   if batch_axes is None or isinstance(batch_axes, int):

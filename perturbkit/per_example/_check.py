@@ -16,10 +16,10 @@ from flax import nnx
 
 from perturbkit.errors import PerturbkitError, ReductionCheckError, ReductionMismatchError
 from perturbkit.linen._driver import check_variables
-from perturbkit.per_example._batch import BatchAxes, per_argument, reduce
+from perturbkit.per_example._batch import (BatchAxes, check_batch_axes, check_reduction_option,
+                                           per_argument, reduce)
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.core._validate import non_negative
-from perturbkit.errors import InvalidOptionError
 
 
 def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
@@ -63,6 +63,8 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
     check_variables(variables, 'perturbkit.check_per_example')
   non_negative('rtol', rtol)
   non_negative('atol', atol)
+  check_reduction_option(reduction)
+  check_batch_axes(batch_axes)
   axes = per_argument(batch_axes, len(args))
   whole = float(_compiled(loss_fn, variables, *args))
 
@@ -243,8 +245,8 @@ def reduction_checker(loss_fn: Callable[..., Any], reduction: str, batch_axes: B
   The check runs once per user loss (``loss``, default ``loss_fn``), ``reduction`` and
   ``batch_axes``: another function built from the same loss skips it.
   """
-  if reduction not in ('mean', 'sum'):
-    raise InvalidOptionError('reduction', reduction, "'mean' or 'sum'")
+  check_reduction_option(reduction)
+  check_batch_axes(batch_axes)
   setting = (reduction, repr(batch_axes))
   owner = loss_fn if loss is None else loss
   unshared: set[tuple[str, str]] = set()

@@ -36,7 +36,7 @@ from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation, refuse_accumulation_state
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.errors import InterleavedClippingError
-from perturbkit.per_example._norms import all_layer_norms, flat_squares
+from perturbkit.per_example._norms import all_layer_norms, check_dense_method, flat_squares
 from perturbkit.per_example._pass import Pass, run_pass
 from perturbkit.per_example._reads import at_path
 from perturbkit.per_example._replay import Pair, weighted_grad
@@ -281,6 +281,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   """
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
+  check_dense_method(dense_method)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
   @named_after(loss_fn)

@@ -26,7 +26,7 @@ from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._dp import (PrivateTraining, check_key, check_optimizer, finite_step,
                                         privatize)
 from perturbkit.per_example._nnx_pass import run_nnx_pass
-from perturbkit.per_example._norms import PerExampleNorms, norms_of_pass
+from perturbkit.per_example._norms import PerExampleNorms, check_dense_method, norms_of_pass
 
 
 def keyed_like_state(norms: PerExampleNorms, model: nnx.Module) -> PerExampleNorms:
@@ -111,6 +111,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> norms.by_param['layers'][0]['kernel']  # keyed as nnx.state(model, nnx.Param)
     Array([1., 2.], dtype=float32)
   """
+  check_dense_method(dense_method)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
   @functools.wraps(loss_fn)
@@ -170,6 +171,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   """
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
+  check_dense_method(dense_method)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
   @named_after(loss_fn)

@@ -40,6 +40,12 @@ def _scaled(norms: LayerNorms, scale: float) -> LayerNorms:
                     None if kept is None else {k: v * scale for k, v in kept.items()})
 
 
+def check_dense_method(dense_method: Any) -> None:
+  """Raises :class:`InvalidOptionError` unless ``dense_method`` is one of ``DENSE_METHODS``."""
+  if not isinstance(dense_method, str) or dense_method not in DENSE_METHODS:
+    raise InvalidOptionError('dense_method', dense_method, f'one of {DENSE_METHODS}')
+
+
 def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
   """Every layer's :class:`LayerNorms` (of each example's own term), by module path."""
   return {path: _scaled(norms, result.scale)
@@ -48,9 +54,7 @@ def all_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
 
 def _unscaled_layer_norms(result: Pass, dense_method: str) -> dict[Path, LayerNorms]:
   """Every layer's :class:`LayerNorms` from the pairs' gradients as they are."""
-  if dense_method not in DENSE_METHODS:
-    raise InvalidOptionError('dense_method', dense_method,
-                             f'one of {DENSE_METHODS}')
+  check_dense_method(dense_method)
   out = {}
   for layer in result.layers:
     heads = [tied_head(r, layer.path, layer.direct) for r in layer.reads]
@@ -170,6 +174,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> norms.total  # ‖(x_i, 1)‖
     Array([1.4142135, 2.236068 ], dtype=float32)
   """
+  check_dense_method(dense_method)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
   @functools.wraps(loss_fn)
