@@ -170,6 +170,65 @@ def test_whole_blocks_as_segments_step_iteration_by_iteration(variables):
                               for i in range(L)], rtol=1e-4)
 
 
+class MaskedBlock(nn.Module):
+  """A residual block that zeroes the update at padded positions of an integer mask."""
+
+  @nn.compact
+  def __call__(self, h, mask):
+    return h + jnp.tanh(nn.Dense(h.shape[-1])(h)) * (mask[..., None] > 0), None
+
+
+class MaskedNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask):
+    stack = nn.scan(MaskedBlock, variable_axes={'params': 0}, split_rngs={'params': True},
+                    in_axes=nn.broadcast, length=L)
+    return stack(name='blocks')(x, mask)[0]
+
+
+MASK_X = jax.random.normal(jax.random.key(3), (2, 5, 4))
+MASK = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], jnp.int32)
+
+
+def masked_loss(out):
+  return jnp.mean(jnp.sin(3 * out))
+
+
+@jax.jit
+def masked_reference(dense):
+  """One update-then-propagate SGD step (lr 0.5) of ``L`` masked blocks, written out with one
+  ``jax.vjp`` per block; ``dense`` holds the blocks' kernels and biases stacked ``(L, ...)``."""
+  def block(w, h):
+    return h + jnp.tanh(h @ w['kernel'] + w['bias'][None, None]) * (MASK[..., None] > 0)
+
+  ws = [jax.tree.map(lambda a, i=i: a[i], dense) for i in range(L)]
+  inputs = [MASK_X]
+  for w in ws:
+    inputs.append(block(w, inputs[-1]))
+  loss, g = jax.value_and_grad(masked_loss)(inputs.pop())
+  for i in reversed(range(L)):
+    dw = jax.vjp(block, ws[i], inputs[i])[1](g)[0]
+    ws[i] = jax.tree.map(lambda a, b: a - 0.5 * b, ws[i], dw)
+    g = jax.vjp(lambda h, w=ws[i]: block(w, h), inputs[i])[1](g)[0]
+  return loss, jax.tree.map(lambda *a: jnp.stack(a), *ws)
+
+
+def test_whole_blocks_taking_an_integer_mask_step_as_a_hand_coded_backward():
+  """A scanned block given an integer array (an attention mask) as a segment: its replays
+  take the mask as an input (they closed over the scan body's tracer, and the step failed)."""
+  model = MaskedNet()
+  variables = model.init(jax.random.key(4), MASK_X, MASK)
+  loss_fn = lambda v, x, mask: masked_loss(model.apply(v, x, mask))
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.5), segments=1)
+  assert dict(tx.segments(variables, MASK_X, MASK).iterations) == {'blocks': L}
+  state, metrics = jax.jit(tx.step)(tx.init(variables, MASK_X, MASK), MASK_X, MASK)
+  loss, dense = masked_reference(variables['params']['blocks']['Dense_0'])
+  np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
+  chex.assert_trees_all_close(state.params, {'blocks': {'Dense_0': dense}}, **TOL)
+  assert not np.allclose(dense['kernel'], variables['params']['blocks']['Dense_0']['kernel'],
+                         atol=1e-3)
+
+
 def test_dropout_and_batch_norm_inside_a_scan_over_remat_step_as_the_model_runs():
   """Dropout masks split per iteration and BatchNorm statistics stacked per iteration: with
   ``propagate='original'`` the step is ``jax.grad`` and optax of the model as it runs (the
@@ -416,3 +475,41 @@ def test_nnx_kfac_segments_precondition_each_iteration_as_its_unrolled_block():
   chex.assert_trees_all_close(nnx_unrolled(nnx.state(state.model(), nnx.Param)),
                               nnx.to_pure_dict(nnx.state(twin_state.model(), nnx.Param)), **TOL)
   assert state.opt_state['blocks/up'][0].factors['segment'].a.shape == (L, 7, 7)
+
+
+class NNXMaskedBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, h, mask):
+    return h + jnp.tanh(self.lin(h)) * (mask[..., None] > 0)
+
+
+class NNXMaskedNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return NNXMaskedBlock(rngs)
+
+    self.blocks = create(rngs)
+
+  def __call__(self, x, mask):
+    @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+    def body(h, block, mask):
+      return block(h, mask)
+
+    return body(x, self.blocks, mask)
+
+
+def test_nnx_whole_blocks_taking_an_integer_mask_step_as_a_hand_coded_backward():
+  """As the Linen test above, for ``nnx.scan``: the replays take the mask as an input."""
+  model = NNXMaskedNet(nnx.Rngs(4))
+  tx = perturbkit.nnx.interleaved(lambda m, x, mask: masked_loss(m(x, mask)), optax.sgd(0.5),
+                                  segments=perturbkit.nnx.filters.by_type(NNXMaskedBlock))
+  assert dict(tx.segments(model, MASK_X, MASK).iterations) == {'blocks': L}
+  state, metrics = jax.jit(tx.step)(tx.init(model, MASK_X, MASK), MASK_X, MASK)
+  loss, dense = masked_reference(nnx.to_pure_dict(nnx.state(model, nnx.Param))['blocks']['lin'])
+  np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
+  got = nnx.to_pure_dict(nnx.state(state.model(), nnx.Param))
+  chex.assert_trees_all_close(got, {'blocks': {'lin': dense}}, **TOL)

@@ -13,6 +13,8 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
 * the default (layer-wise) segments: which calls, what goes to REST, and that steps train;
 * BERT with Hugging Face's gradient checkpointing (every layer in ``nn.remat``): the same
   activation gradients as the plain model on the same variables.
+* the same checkpointed BERT with dropout on and each layer a segment, ``propagate='updated'``:
+  one step equals a per-layer reference run on the plain model at the layers' own paths.
 """
 import dataclasses
 from typing import Any, Callable
@@ -336,3 +338,82 @@ def test_bert_with_gradient_checkpointing_gives_the_plain_models_gradients():
   params = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch)))(
       variables['params'])
   chex.assert_trees_all_close(grads['params'], params, **TOL)
+
+
+def _bert_reference_step(plain, mask, key):
+  """One update-then-propagate SGD step on BERT with each layer a segment, dropout on.
+
+  Every piece runs on the plain (not checkpointed) module through ``method``, at the path it
+  has in the whole model, so its dropout draws the same masks as the whole model does; the
+  embeddings and the pooler belong to no layer and are updated at the end.
+  """
+  def run(params, name, *inputs, method):
+    return plain.apply({'params': {**params, **name}}, *inputs, method=method,
+                       rngs={'dropout': key})
+
+  def run_layer(params, i, w, h):
+    layers = {**params['encoder']['layer'], str(i): w}
+    return run(params, {'encoder': {'layer': layers}}, h, method=lambda m, h: m.encoder.layer
+               .layers[i](h, mask, None, None, None, False, False, False)[0])
+
+  def embed(params, e, ids, positions):
+    return run(params, {'embeddings': e}, ids, positions, method=lambda m, ids, p: m.embeddings(
+        ids, jnp.zeros_like(ids), p, mask, deterministic=False))
+
+  def head(params, pooler, h, target):
+    pooled = run(params, {'pooler': pooler}, h, method=lambda m, h: m.pooler(h))
+    return jnp.mean((h - target) ** 2) + jnp.mean(pooled ** 2)
+
+  sgd = lambda w, g: jax.tree.map(lambda a, b: a - LR * b, w, g)
+
+  def step(params, ids, positions, target):
+    n = len(params['encoder']['layer'])
+    layers = [params['encoder']['layer'][str(i)] for i in range(n)]
+    h0, embed_vjp = jax.vjp(lambda e: embed(params, e, ids, positions), params['embeddings'])
+    inputs = [h0]
+    for i, w in enumerate(layers):
+      inputs.append(run_layer(params, i, w, inputs[-1]))
+    loss, (g_pooler, g) = jax.value_and_grad(lambda p, h: head(params, p, h, target),
+                                             argnums=(0, 1))(params['pooler'], inputs.pop())
+    new_layers = list(layers)
+    for i in reversed(range(n)):
+      _, vjp_old = jax.vjp(lambda w, h: run_layer(params, i, w, h), layers[i], inputs[i])
+      dw, g_at_old = vjp_old(g)
+      new_layers[i] = sgd(layers[i], dw)
+      _, vjp_new = jax.vjp(lambda h: run_layer(params, i, new_layers[i], h), inputs[i])
+      (g,) = vjp_new(g)
+    moved = jnp.max(jnp.abs(g - g_at_old)) / jnp.max(jnp.abs(g))
+    (g_embed,) = embed_vjp(g)
+    return loss, {'embeddings': sgd(params['embeddings'], g_embed),
+                  'encoder': {'layer': {str(i): w for i, w in enumerate(new_layers)}},
+                  'pooler': sgd(params['pooler'], g_pooler)}, moved
+
+  return step
+
+
+def test_bert_checkpointed_layer_segments_with_dropout_updated_equals_per_layer_reference():
+  """Each BERT layer, run by Hugging Face's gradient checkpointing inside ``nn.remat`` and
+  given the integer attention mask, is a segment, with dropout on: the replays inside the
+  rematerialized layer draw the model's own masks (they closed over the mask's tracer of
+  the remat trace, and the step failed with an UnexpectedTracerError)."""
+  import transformers as T
+  plain = hf_models.hf_model('bert')
+  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
+  ids, mask, positions, target = hf_models.CASES['bert'].make(plain.module)[1]
+  key = jax.random.key(3)
+
+  def loss_fn(variables, ids, mask, positions, target, key):
+    out = checkpointed.module.apply(variables, ids, mask, jnp.zeros_like(ids), positions,
+                                    deterministic=False, rngs={'dropout': key})
+    return jnp.mean((out.last_hidden_state - target) ** 2) + jnp.mean(out.pooler_output ** 2)
+
+  batch = (ids, mask, positions, target, key)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(LR),
+                              segments=perturbkit.filters.by_path('encoder/layer/*[0-9]'))
+  state, metrics = jax.jit(tx.step)(tx.init(plain.variables, *batch), *batch)
+  assert set(metrics['grad_norm']) - {perturbkit.REST} == {'encoder/layer/0', 'encoder/layer/1'}
+  loss, params, moved = jax.jit(_bert_reference_step(plain.module, mask, key))(
+      plain.variables['params'], ids, positions, target)
+  chex.assert_trees_all_close(metrics['loss'], loss, **TOL)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+  assert float(moved) > 1e-3, float(moved)

@@ -71,6 +71,28 @@ def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
   return [leaves[i] for i in where], rebuild
 
 
+def split_arrays(tree: Any) -> tuple[list, list, Callable[[list, list], Any]]:
+  """The floating-point array leaves of ``tree``, its other array leaves, and a function
+  putting both back.
+
+  A segment's replay takes the other arrays (integer masks, token ids, booleans) as an
+  input rather than closing over them: inside ``nn.remat`` or ``nn.scan`` they are tracers
+  of the lifted transform's trace, which a later trace (the backward pass) cannot read.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  floats = [i for i, leaf in enumerate(leaves) if is_inexact_array(leaf)]
+  others = [i for i, leaf in enumerate(leaves)
+            if isinstance(leaf, (jax.Array, np.ndarray)) and not is_inexact_array(leaf)]
+
+  def rebuild(dynamic: list, fixed: list) -> Any:
+    full = list(leaves)
+    for i, value in zip(floats + others, list(dynamic) + list(fixed)):
+      full[i] = value
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in floats], [leaves[i] for i in others], rebuild
+
+
 def _is_primal(x: Any) -> bool:
   return isinstance(x, CustomVJPPrimal)
 

@@ -16,7 +16,7 @@ from perturbkit.linen._interceptor import Call, intercept, open_hooks, replaying
 from perturbkit.core._points import COLLECTION
 from perturbkit.core._segment_choice import note_segment_call, sliced_iterations
 from perturbkit.core._trees import get_in
-from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
+from perturbkit.core._segment_vjp import Backward, segment_call, split_arrays
 
 
 def _write_back(scope, collection: str, tree: Any):
@@ -49,13 +49,13 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
       c: flax.core.unfreeze(v) for c, v in variables.items() if c not in ('params', COLLECTION)})
   mutable = [c for c in others if module.is_mutable_collection(c)]
   rngs = dict(module.scope.rngs)
-  dynamic, rebuild = split_floats((call.args, call.kwargs))
+  dynamic, fixed, rebuild = split_arrays((call.args, call.kwargs))
   # Taken now: the backward pass may replay the call after the hook blocks closed.
   hooks = open_hooks()
 
   def pure(w, dyn, context):
-    others, rngs = context
-    args, kwargs = rebuild(dyn)
+    others, rngs, fixed = context
+    args, kwargs = rebuild(dyn, fixed)
     with replaying(call.path, hooks):
       out, state = unbound.apply({'params': w, **others}, *args, rngs=rngs, mutable=mutable,
                                  method=call.method_name, **kwargs)
@@ -64,7 +64,7 @@ def run_segment(call: Call, backward: Backward, carrier: Any,
   params = {k: v for k, v in flax.core.unfreeze(variables.get('params', {})).items()
             if k != ITERATION_STATE}
   out, state = segment_call('/'.join(call.path), pure, params, dynamic, carrier, backward,
-                            axis_name, (others, rngs))
+                            axis_name, (others, rngs, fixed))
   for collection, tree in state.items():
     _write_back(module.scope, collection, tree)
   return out

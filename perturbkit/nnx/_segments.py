@@ -22,7 +22,7 @@ from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
                                    replay_instrumented, submodules)
 from perturbkit.core._segment_choice import note_segment_call, sliced_iterations
-from perturbkit.core._segment_vjp import Backward, segment_call, split_floats
+from perturbkit.core._segment_vjp import Backward, segment_call, split_arrays
 
 
 def segment_name(path: NNXPath) -> str:
@@ -97,10 +97,11 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
   # New variables: the write-back below changes the module's own ones, and the
   # backward replay must see the state as it was when the segment ran.
   others = jax.tree.map(lambda leaf: leaf, others)
-  dynamic, rebuild = split_floats((call.args, call.kwargs))
+  dynamic, fixed, rebuild = split_arrays((call.args, call.kwargs))
 
-  def pure(w, dyn, others):
-    args, kwargs = rebuild(dyn)
+  def pure(w, dyn, context):
+    others, fixed = context
+    args, kwargs = rebuild(dyn, fixed)
     # copy=True: the call must not write into the running model's variables.
     replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
     with replay_instrumented(replica, inner_hooks):
@@ -110,7 +111,7 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     return out, nnx.state(replica, nnx.Not(wrt))
 
   out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
-                                 carrier, backward, axis_name, others)
+                                 carrier, backward, axis_name, (others, fixed))
   nnx.update(module, new_others)
   return out
 
