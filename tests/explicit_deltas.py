@@ -23,15 +23,22 @@ def explicit_deltas(deltas: dict | None = None, shapes: dict | None = None):
   """Adds ``deltas[path + (key,)][i]`` to the i-th float leaf of every submodule call's output.
 
   ``key`` is the method name, then ``'#1'``, ``'#2'``... for later calls of the same method of
-  the same module. With ``shapes``, records the float leaves' shapes under the same names.
+  the same module; a call made while the same method of the same module runs
+  (``super().__call__``) is part of that call and gets no delta. With ``shapes``, records the
+  float leaves' shapes under the same names.
   """
   counts: dict = {}
+  running: set = set()
 
   def interceptor(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
     module, method = context.module, context.method_name
-    if not _is_model_call(module, method):
-      return out
+    if not _is_model_call(module, method) or (id(module), method) in running:
+      return next_fun(*args, **kwargs)
+    running.add((id(module), method))
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      running.discard((id(module), method))
     path = tuple(module.path)
     n = counts.get((path, method), 0)
     counts[(path, method)] = n + 1

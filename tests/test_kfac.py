@@ -650,8 +650,8 @@ class LoRA(nn.Module):
 
 @pytest.mark.parametrize('subclass', [ScaledInputDense, models.LoRADense])
 def test_a_dense_subclass_overriding_call_is_skipped_or_refused(subclass):
-  """Its calls need not be a Dense's (the inner ``super().__call__`` is a second call of the
-  same module): skipped with the fix, refused when a filter or hand-built layers select it."""
+  """Its calls need not be a Dense's (the kernel may multiply something other than the call's
+  input): skipped with the fix, refused when a filter or hand-built layers select it."""
   x = jax.random.normal(jax.random.key(1), (6, 3))
   model = nn.Sequential([nn.Dense(4), nn.tanh, subclass(3)])
   variables, predict, layers = setup(model, x)
@@ -660,8 +660,7 @@ def test_a_dense_subclass_overriding_call_is_skipped_or_refused(subclass):
   assert 'make the nn.Dense a submodule' in layers.skipped['layers_2']
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nn.Dense.__call__'):
     perturbkit.kfac_layers(predict, variables, x, filter=perturbkit.filters.by_type(nn.Dense))
-  by_hand = perturbkit.LayerInfo('dense', ('layers_2',), 'kernel', (4, 3), True,
-                                 ('__call__', '__call__#1'))
+  by_hand = perturbkit.LayerInfo('dense', ('layers_2',), 'kernel', (4, 3), True, ('__call__',))
   estimate = perturbkit.kfac_estimator(
       predict, 'softmax_cross_entropy', perturbkit.KFACLayers({'layers_2': by_hand}, {}),
       fisher='empirical')

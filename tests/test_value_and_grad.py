@@ -8,6 +8,7 @@ import pytest
 
 import models
 from explicit_deltas import at, explicit_deltas, points_of, zeros
+import hand_lora
 import perturbkit
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -343,3 +344,31 @@ def test_a_lifted_module_called_twice_gets_a_point_per_call(wrap):
     np.testing.assert_allclose(at(grads['perturbations'], name), g, **TOL)
   first, second = want[('block', '__call__')][0], want[('block', '__call__#1')][0]
   assert float(jnp.abs(first - second).max()) > 1e-2
+
+
+def test_super_call_inside_a_dense_subclass_is_part_of_its_call():
+  """A LoRA ``nn.Dense`` whose ``__call__`` runs ``super().__call__``: one point per layer, its
+  output, as NNX gives (the inner call used to be a point ``'__call__#1'`` of its own, and a
+  hook on the layer ran twice on it), against a hand-written explicit-delta twin."""
+  model = models.LoRANet()
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  y = jax.random.normal(jax.random.key(2), (4, 2))
+  variables = model.init(jax.random.key(0), x)
+  loss = lambda v, x: jnp.mean((model.apply(v, x) - y) ** 2)
+  _, grads = jax.jit(perturbkit.value_and_grad(loss))(variables, x)
+
+  def twin(params, deltas, scale=1.0):
+    out_scale = lambda h: h * scale + jax.lax.stop_gradient(h * (1 - scale))  # a 'scale' hook
+    h = jnp.tanh(hand_lora.lora(params['hidden'], x) + deltas['hidden'])
+    return jnp.mean((out_scale(hand_lora.lora(params['head'], h) + deltas['head']) - y) ** 2)
+
+  deltas = {'hidden': jnp.zeros((4, 6)), 'head': jnp.zeros((4, 2))}
+  want = jax.jit(jax.grad(twin, argnums=(0, 1)))(variables['params'], deltas)
+  chex.assert_trees_all_close(grads['perturbations'],
+                              {k: {'__call__': v} for k, v in want[1].items()}, **TOL)
+  chex.assert_trees_all_close(grads['params'], want[0], **TOL)
+  double = perturbkit.backward_hook(lambda g: 2 * g, perturbkit.filters.by_path('head'))
+  hooked = jax.jit(jax.grad(perturbkit.with_hooks(loss, double)))(variables, x)
+  chex.assert_trees_all_close(hooked['params'],
+                              jax.jit(jax.grad(twin), static_argnums=2)(variables['params'],
+                                                                        deltas, 2.0), **TOL)

@@ -520,7 +520,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     * ``grads['perturbations']['Dense_0']['__call__']`` sits next to
       ``grads['params']['Dense_0']``.
     * A module called twice gets ``'__call__'`` and ``'__call__#1'``; other
-      methods get their own name (``'encode'``).
+      methods get their own name (``'encode'``). A call of a method made while
+      the same method of the same module runs (``super().__call__(x)`` in a
+      LoRA-style subclass of ``nn.Dense``) is part of that call, not a point:
+      the layer has one point, its whole output, as in NNX.
     * Pytree outputs get one perturbation per floating-point leaf, and a user's
       own pytree node is never rebuilt with anything but arrays: tuples, lists
       and dicts keep their shape (``None`` where a leaf is not a float array);

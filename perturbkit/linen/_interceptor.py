@@ -7,7 +7,10 @@ around the call (add a perturbation, insert a hook, replace it by a segment).
 
 Each selected call gets a stable name within its module's scope, the *point key*:
 ``'__call__'`` for the first call of ``__call__``, ``'__call__#1'`` for the second,
-and so on. A lifted transform runs its body in scopes of its own. ``nn.remat``
+and so on. A call of a method made while the same method of the same module runs
+(``super().__call__(x)`` in a subclass of ``nn.Dense``, a LoRA layer) is part of
+that call: it passes through with no key of its own, as it does in NNX, where
+such a call is never intercepted. A lifted transform runs its body in scopes of its own. ``nn.remat``
 (``nn.checkpoint``) and ``nn.vmap`` trace it once per call, so their traces
 count on from the calls before them, and a second call of the same lifted
 module gets the next keys (``'__call__#1'``). Others may trace a body more than
@@ -95,6 +98,9 @@ class _State:
     # last: the counts its keys start from.
     self.starts: list[dict[tuple[Path, str], int]] = [{}]
     self.roots_active = 0
+    # (module, method name) of the calls running now: a call of the same method of the same
+    # module inside one of them (``super().__call__`` in a subclass) is part of it.
+    self.running: set[tuple[int, str]] = set()
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
 
@@ -195,6 +201,16 @@ def intercept(filter: CallFilter, on_call: Handler,
     return _call(module, method_name, run, args, kwargs)
 
   def _call(module, method_name, run, args, kwargs):
+    running = (id(module), method_name)
+    if running in state.running:  # `super().__call__` inside the module's own call
+      return run()
+    state.running.add(running)
+    try:
+      return _new_call(module, method_name, run, args, kwargs)
+    finally:
+      state.running.discard(running)
+
+  def _new_call(module, method_name, run, args, kwargs):
     outside = not state.roots_active
     if outside and module.scope.root is not state.rootless_scope:
       # Outside every method call of the model (a `bind`-bound module's child, or a

@@ -503,7 +503,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   submodule call: a nested dict keyed like the params state (attribute names,
   integer indices for ``nnx.List`` items), ending in the call's point key,
   ``'__call__'``, then ``'__call__#1'`` for a second call, e.g.
-  ``grads['perturbations']['layers'][0]['__call__']``. A pytree output gets
+  ``grads['perturbations']['layers'][0]['__call__']``. ``super().__call__(x)``
+  inside a subclass's call is part of that call (one point, the whole output). A pytree output gets
   one array per floating-point leaf, in the output's structure (``None`` for
   other leaves). Hand-placed ``self.perturb(name, x)`` points appear under
   their names. Inside ``nnx.scan`` over stacked modules the gradients are per
