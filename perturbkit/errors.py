@@ -541,9 +541,9 @@ class KFACLossError(PerturbkitError, ValueError):
         f"(fisher={fisher!r}): it does not name a predictive distribution. Pass "
         "`perturbkit.categorical_output()` (or 'softmax_cross_entropy', "
         '`optax.softmax_cross_entropy_with_integer_labels`) for logits, '
-        "`perturbkit.gaussian_output(variance)` (or 'squared_error', `optax.l2_loss`) for "
-        "regression, or use `fisher='empirical'` with a per-example loss "
-        '`(output, targets) -> losses of shape (batch,)`.')
+        "`perturbkit.gaussian_output(variance)` (or `optax.l2_loss`, 'squared_error' for "
+        "`optax.squared_error`) for regression, or use `fisher='empirical'` with a per-example "
+        'loss `(output, targets) -> losses of shape (batch,)`.')
 
 
 class KFACLossShapeError(PerturbkitError, ValueError):

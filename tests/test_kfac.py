@@ -354,6 +354,23 @@ def test_single_dense_gaussian_kfac_is_the_exact_fisher():
   np.testing.assert_allclose(g_mean, np.eye(3) / variance, atol=0.3)
 
 
+@pytest.mark.parametrize('loss, optax_loss', [('squared_error', optax.squared_error),
+                                               ('gaussian', optax.l2_loss)])
+def test_named_squared_losses_have_their_hessian_as_g(loss, optax_loss):
+  """A linear last layer's exact ``G`` is the mean Hessian of the per-example loss at its output:
+  ``'squared_error'`` is ``optax.squared_error``'s ``(y - t)²`` (``2I``; it used to give
+  ``optax.l2_loss``'s ``I``, half the Fisher of the loss it names)."""
+  model = nn.Sequential([nn.Dense(3)])
+  x = jax.random.normal(jax.random.key(1), (6, 4))
+  y = jax.random.normal(jax.random.key(2), (6, 3))
+  variables, predict, layers = setup(model, x)
+  estimate = perturbkit.kfac_estimator(predict, loss, layers, fisher='exact')
+  _, _, stats = jax.jit(estimate)(variables, x, y)
+  output = predict(variables, x)
+  hessians = jax.vmap(jax.hessian(lambda o, t: optax_loss(o, t).sum()))(output, y)
+  np.testing.assert_allclose(stats['layers_0'].g, hessians.mean(0), rtol=1e-5, atol=1e-6)
+
+
 def test_exact_categorical_g_is_the_expectation_over_labels():
   model = nn.Sequential([nn.Dense(4)])
   x = jax.random.normal(jax.random.key(1), (5, 3))

@@ -181,10 +181,11 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   Args:
     predict_fn: ``(variables, inputs) -> output`` of the unmodified model.
     loss: The predictive distribution: :func:`categorical_output`,
-      :func:`gaussian_output`, ``'softmax_cross_entropy'``, ``'squared_error'``,
-      ``optax.softmax_cross_entropy_with_integer_labels``, ``optax.l2_loss`` or
-      ``optax.squared_error``; with ``fisher='empirical'`` also any
-      ``(output, targets) -> (batch,)`` per-example loss.
+      :func:`gaussian_output`, ``'softmax_cross_entropy'``,
+      ``optax.softmax_cross_entropy_with_integer_labels``, ``'gaussian'`` or
+      ``optax.l2_loss`` (``½(y - t)²``, variance 1), ``'squared_error'`` or
+      ``optax.squared_error`` (``(y - t)²``, variance ½); with ``fisher='empirical'``
+      also any ``(output, targets) -> (batch,)`` per-example loss.
     layers: From :func:`kfac_layers`.
     fisher: ``'sampled'`` (labels drawn from the model: the Fisher; one more
       backward lane; inside ``jax.shard_map`` with ``check_vma=True`` each

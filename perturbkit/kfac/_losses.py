@@ -165,10 +165,11 @@ def _known() -> dict[Any, Callable[[], OutputLoss]]:
       'softmax_cross_entropy': categorical_output,
       'categorical': categorical_output,
       optax.softmax_cross_entropy_with_integer_labels: categorical_output,
-      'squared_error': gaussian_output,
       'gaussian': gaussian_output,
       optax.l2_loss: gaussian_output,
-      # (y - t)**2 is the Gaussian negative log-likelihood with variance 1/2.
+      # (y - t)**2 is the Gaussian negative log-likelihood with variance 1/2; the name means
+      # what optax.squared_error computes (½(y - t)**2 is 'gaussian', optax.l2_loss).
+      'squared_error': lambda: gaussian_output(0.5),
       optax.squared_error: lambda: gaussian_output(0.5),
   }
 

@@ -40,7 +40,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
 
   Args:
     loss: The predictive distribution, as for :func:`perturbkit.kfac_estimator`:
-      ``'softmax_cross_entropy'``, ``'squared_error'``,
+      ``'softmax_cross_entropy'``, ``'gaussian'`` (``½(y - t)²``), ``'squared_error'``
+      (``(y - t)²``, as ``optax.squared_error``),
       :func:`perturbkit.categorical_output`, :func:`perturbkit.gaussian_output`,
       the matching optax losses; with ``fisher='empirical'`` also any
       ``(output, targets) -> (batch,)`` per-example loss.
