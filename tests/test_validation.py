@@ -189,12 +189,24 @@ def test_propagate(mlp, value):
                                         nnx_loss, jnp.ones((3, 2)), propagate=value)
 
 
-@pytest.mark.parametrize('value', ['Dense_0', ['Dense_0']])
+@pytest.mark.parametrize('value', ['Dense_0', ['Dense_0'], True, jnp.asarray(2)])
 def test_segments_neither_a_depth_nor_a_filter(mlp, value):
+  nnx_loss = lambda m, x: jnp.mean(m(x))
   with raises_invalid('segments', value):
     perturbkit.interleaved(mlp[2], optax.sgd(0.1), segments=value)
   with raises_invalid('segments', value):
-    perturbkit.nnx.interleaved(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), segments=value)
+    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), segments=value)
+  with raises_invalid('segments', value):
+    perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                                        nnx_loss, jnp.ones((3, 2)), segments=value)
+
+
+def test_a_numpy_depth_is_the_int_depth(mlp):
+  _, variables, loss_fn, x, y = mlp
+  want = perturbkit.interleaved(loss_fn, optax.sgd(0.1), segments=1).segments(variables, x, y)
+  got = perturbkit.interleaved(loss_fn, optax.sgd(0.1), segments=np.int64(1)).segments(
+      variables, x, y)
+  assert got == want and want.segments
 
 
 @pytest.mark.parametrize('name', ['rtol', 'atol'])

@@ -102,9 +102,14 @@ def axes(name: str, value: Any, tuples: bool = False) -> Any:
   return value
 
 
-def interleaved_options(segments: Any, clip_global_norm: Any) -> None:
-  """The numeric options of the interleaved schedule: a ``segments`` depth, ``clip_global_norm``."""
-  if isinstance(segments, (numbers.Real, np.ndarray, jax.Array)):
-    positive_int('segments', segments)
+def interleaved_options(segments: Any, clip_global_norm: Any) -> Any:
+  """The options of the interleaved schedule: ``segments`` (returned, a depth as a Python
+  int) and ``clip_global_norm``."""
   if clip_global_norm is not None:
     positive('clip_global_norm', clip_global_norm)
+  if segments is None or (callable(segments) and not isinstance(segments, jax.Array)):
+    return segments
+  if not (_python_int(segments) and segments >= 1):
+    raise InvalidOptionError('segments', segments, 'None, an int depth >= 1 or a call filter '
+                             '(module, method_name) -> bool')
+  return int(segments)

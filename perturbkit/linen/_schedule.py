@@ -303,13 +303,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     (``tests/test_interleaved_multidevice.py``). A perturbkit function called
     inside the loss: "Threads and nesting" in ``help(perturbkit)``.
   """
-  interleaved_options(segments, clip_global_norm)
+  segments = interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
-  if segments is not None and not isinstance(segments, int) and not callable(segments):
-    raise InvalidOptionError('segments', segments,
-                             'None, an int depth >= 1 or a call filter '
-                             '(module, method_name) -> bool')
   check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
   check_optimizer(optimizer)
   if hooks:

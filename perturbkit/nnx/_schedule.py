@@ -240,13 +240,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     ['layers/0', 'layers/2']
     >>> nnx.update(model, state.variables)  # back into the model object
   """
-  interleaved_options(segments, clip_global_norm)
+  segments = interleaved_options(segments, clip_global_norm)
   if propagate not in ('updated', 'original'):
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
-  if segments is not None and not isinstance(segments, int) and not callable(segments):
-    raise InvalidOptionError('segments', segments,
-                             'None, an int depth >= 1 or a call filter '
-                             '(module, method_name) -> bool')
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
@@ -362,7 +358,7 @@ class InterleavedOptimizer(nnx.Pytree):
       skip_nonfinite: Keep a group's variables when its gradient is not finite.
       hooks: Backward hooks, see :func:`interleaved`.
     """
-    interleaved_options(segments, clip_global_norm)
+    segments = interleaved_options(segments, clip_global_norm)
     if propagate not in ('updated', 'original'):
       raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
