@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import perturbkit
 from perturbkit import demo
 
 CHANCE = 0.1
@@ -62,5 +63,5 @@ def test_original_schedule_matches_standard_run(quick_results):
 
 
 def test_rejects_batch_larger_than_training_set(tmp_path):
-  with pytest.raises(ValueError, match='batch-size'):
+  with pytest.raises(perturbkit.InvalidOptionError, match='--batch-size=100000 .* at most the 640'):
     demo.main(['--quick', '--batch-size', '100000', '--out', str(tmp_path)])

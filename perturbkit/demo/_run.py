@@ -312,8 +312,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = shrink(data, train=640, test=200)
   steps_per_epoch = len(data.x_train) // args.batch_size
   if steps_per_epoch < 1:
-    raise ValueError(f'--batch-size {args.batch_size} exceeds the {len(data.x_train)} '
-                     'training images.')
+    raise perturbkit.InvalidOptionError(
+        '--batch-size', args.batch_size,
+        f'at most the {len(data.x_train)} training images (with --quick)' if args.quick else
+        f'at most the {len(data.x_train)} training images')
   histories, _ = run_all(args, data)
   results = {name: summarize(h, args.batch_size, steps_per_epoch)
              for name, h in histories.items()}
