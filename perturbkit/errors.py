@@ -237,7 +237,8 @@ class SegmentationError(PerturbkitError, ValueError):
 
 
 class SharedSegmentError(SegmentationError):
-  """A segment's params are used other than by one call of the segment's module."""
+  """A segment's params are used other than by one call of the segment's module, or its
+  call runs a module with params outside it (one handed to it as an attribute)."""
 
   def __init__(self, path, why='it is called more than once in one step (shared weights)'):
     super().__init__(

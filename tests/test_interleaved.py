@@ -370,6 +370,56 @@ def test_shared_segment_is_rejected():
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
+class Scaled(nn.Module):
+  """A learned scale on a module handed to it as an attribute (the embedding it shares)."""
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, ids):
+    return self.embed(ids) * self.param('scale', nn.initializers.ones, (4,))[None, None]
+
+
+class HandedEmbedding(nn.Module):
+  def setup(self):
+    self.shared = nn.Embed(10, 4)
+    self.scaled = Scaled(self.shared)
+    self.head = nn.Dense(1)
+
+  def __call__(self, ids):
+    return self.head(self.scaled(ids))
+
+
+def test_a_segment_running_a_module_handed_to_it_is_refused_or_left_to_rest():
+  """``scaled`` runs ``shared``, which lies outside it: its replay could not see the
+  embedding (Flax's ScopeParamNotFoundError). Chosen, it is refused by name; by default it
+  goes to REST, and ``shared`` (called inside it) and ``head`` step as a hand-coded backward."""
+  model, lr = HandedEmbedding(), 0.5
+  ids = jnp.array([[1, 2, 3], [4, 5, 1]])
+  v = model.init(jax.random.key(0), ids)
+  loss_fn = lambda v, ids: jnp.mean(jnp.sin(3 * model.apply(v, ids)))
+  chosen = perturbkit.interleaved(loss_fn, optax.sgd(lr),
+                                  segments=perturbkit.filters.by_path('scaled'))
+  with pytest.raises(perturbkit.SharedSegmentError, match="'scaled'.*runs 'shared'"):
+    chosen.init(v, ids)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr))
+  listing = tx.segments(v, ids)
+  assert listing.segments == ('shared', 'head') and list(listing.rest) == ['scaled']
+  state, _ = jax.jit(tx.step)(tx.init(v, ids), ids)
+
+  p = v['params']
+  e = p['shared']['embedding'][ids]
+  h = e * p['scaled']['scale'][None, None]
+  g_out = jax.grad(lambda out: jnp.mean(jnp.sin(3 * out)))(dense(p['head'], h))
+  d_head = jax.vjp(dense, p['head'], h)[1](g_out)[0]
+  new_head = sgd_step(p['head'], d_head, lr)
+  g_h = jax.vjp(lambda h: dense(new_head, h), h)[1](g_out)[0]
+  g_scale = jnp.sum(g_h * e, axis=(0, 1))                   # REST: updated at the end
+  g_table = jnp.zeros((10, 4)).at[ids].add(g_h * p['scaled']['scale'][None, None])
+  want = {'head': new_head, 'scaled': {'scale': p['scaled']['scale'] - lr * g_scale},
+          'shared': {'embedding': p['shared']['embedding'] - lr * g_table}}
+  chex.assert_trees_all_close(state.params, want, **TOL)
+
+
 def test_scan_segment_with_params_stacked_along_another_axis_is_rejected():
   """A scan stacking the params along axis 1 hands each iteration a slice that no segment can
   update in place (along axis 0, each iteration is a segment: tests/test_interleaved_scan.py)."""

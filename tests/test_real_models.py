@@ -13,6 +13,7 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
 * the default (layer-wise) segments: which calls, what goes to REST, and that steps train;
 * BERT with Hugging Face's gradient checkpointing (every layer in ``nn.remat``): the same
   activation gradients as the plain model on the same variables.
+* BART's decoder (handed the shared embedding) chosen as a segment: a named error;
 * the same checkpointed BERT with dropout on and each layer a segment, ``propagate='updated'``:
   one step equals a per-layer reference run on the plain model at the layers' own paths.
 """
@@ -314,6 +315,31 @@ def test_gpt2_chosen_segment_holding_the_tied_embedding_raises():
   tx = perturbkit.interleaved(loss_fn, optax.sgd(LR), segments=1)
   with case.strictness(), pytest.raises(perturbkit.SharedSegmentError, match="'transformer'"):
     tx.init(hf.variables, *batch)
+
+
+def test_bart_decoder_chosen_as_a_segment_runs_the_shared_embedding_and_raises():
+  """BART hands its encoder and decoder the model's shared embedding (``model/shared``) as an
+  attribute: the decoder's call runs a module outside it, whose params its replay cannot see
+  (it failed inside Flax with ScopeParamNotFoundError), so choosing it is an error that
+  names both."""
+  import transformers as T
+  # BART adds its final logits bias (rank 2) to rank-3 logits in its own code.
+  with jax.numpy_rank_promotion('allow'):
+    config = T.BartConfig(vocab_size=hf_models.VOCAB, d_model=16, encoder_layers=1,
+                          decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                          encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16)
+    hf = T.FlaxBartForConditionalGeneration(config, _do_init=False)
+    variables = hf_models.filled_variables(hf)
+    ids, mask, positions = hf_models._tokens()
+
+    def loss_fn(variables, ids, mask, positions):
+      logits = hf.module.apply(variables, ids, mask, ids, mask, positions, positions).logits
+      return hf_models._next_token_loss(logits, ids)
+
+    decoder = perturbkit.interleaved(loss_fn, optax.sgd(LR),
+                                     segments=perturbkit.filters.by_path('model/decoder'))
+    with pytest.raises(perturbkit.SharedSegmentError, match="'model/decoder'.*'model/shared'"):
+      decoder.segments(variables, ids, mask, positions)
 
 
 def test_bert_with_gradient_checkpointing_gives_the_plain_models_gradients():

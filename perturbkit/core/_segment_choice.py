@@ -77,6 +77,9 @@ class CallRecord(NamedTuple):
     nested: The call is made while a call of the same module runs (a method
       calling another of its own methods, or ``super().__call__``): it is part
       of that call, not a second use of the module's params.
+    within: The modules whose calls are running when this one starts, outermost
+      first (Linen: a module handed to another as an attribute runs inside that
+      one's call, but its params are not the caller's).
   """
   path: Path
   transformed: bool
@@ -84,6 +87,7 @@ class CallRecord(NamedTuple):
   key: str = '__call__'
   iterations: int = 0
   nested: bool = False
+  within: tuple[Path, ...] = ()
 
 
 def leading_length(tree: Any) -> int | None:
@@ -139,6 +143,9 @@ class OpenCalls:
   def nested(self, path: Path) -> bool:
     return path in self.paths
 
+  def running(self) -> tuple[Path, ...]:
+    return tuple(self.paths)
+
   def around(self, path: Path, run: Callable[[], Any]) -> Any:
     self.paths.append(path)
     try:
@@ -188,6 +195,31 @@ def direct_leaf_owners(params: Any, names: Mapping[Path, str]) -> dict[int, str]
 
 def _nearest_ancestor(path: Path, chosen: set) -> Path | None:
   return next((path[:n] for n in range(1, len(path)) if path[:n] in chosen), None)
+
+
+def _foreign_calls(chosen: set[Path], calls: list[CallRecord],
+                   owners: list[Path]) -> dict[Path, Path]:
+  """For each segment whose call runs a module with params that lies outside it (a
+  module handed to it as an attribute), the first such module.
+
+  The segment's replay sees only the params under its own path, and its step would
+  not update the other module's, so such a segment cannot be one.
+  """
+  holding = {p[:n] for p in owners for n in range(1, len(p) + 1)}
+  foreign: dict[Path, Path] = {}
+  for c in calls:
+    if c.path not in holding:
+      continue
+    for s in c.within:
+      if s in chosen and c.path[:len(s)] != s:
+        foreign.setdefault(s, c.path)
+  return foreign
+
+
+def _foreign_reason(module: Path) -> str:
+  return (f'its call runs {name_of(module)!r}, a module outside it (handed to it as an '
+          'attribute, as a shared embedding is), whose params are neither its own nor '
+          'updated by its step')
 
 
 def _outside_reason(what: set[str]) -> str:
@@ -252,6 +284,11 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   else:
     chosen, rest = _user_choice(spec, calls, owners, count, transformed, at_depth, by_name,
                                 in_transform_error), {}
+  for path, module in _foreign_calls(chosen, calls, owners).items():
+    if spec is not None:
+      raise SharedSegmentError(name_of(path), _foreign_reason(module))
+    chosen.discard(path)
+    rest[name_of(path)] = ('outside', _foreign_reason(module))
   in_order = lambda paths: sorted(paths, key=lambda p: first[p])
   scanned = lambda paths: {name_of(p): iterations[p] for p in paths if p in iterations}
   reads = outside_reads(in_order(chosen), scanned(chosen))

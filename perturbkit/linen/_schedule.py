@@ -103,7 +103,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       also inside ``nn.scan`` (see "Blocks in ``nn.scan``"); params that
       cannot be updated inside the sweep (a module called twice, tied weights
       read outside their call, params stacked other than along their first
-      axis) go to ``REST`` or to the nearest enclosing call, with the reason
+      axis, a call running a module handed to it as an attribute) go to
+      ``REST`` or to the nearest enclosing call, with the reason
       listed by ``segments(...)`` (if none is left, :class:`NoSegmentError`
       says what to change). An ``int`` depth or a call filter (e.g.
       ``filters.by_type(Block)``) chooses coarser segments; for those a shared
@@ -198,6 +199,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     * A call a module makes inside its own call (a method calling another of
       its methods, or ``super().__call__(x)`` in a subclass such as a LoRA
       ``nn.Dense``) is part of that call, not a second use of its params.
+    * A segment's call may run only modules inside it: one handed a module
+      that lies elsewhere in the model as an attribute (BART's encoder and
+      decoder run the model's shared embedding ``model/shared``) would replay
+      without that module's params and could not update them, so the default
+      leaves it to ``REST`` and choosing it raises ``SharedSegmentError``
+      naming both; its layers can still be segments.
     * When no module is left to be a segment, ``NoSegmentError`` says why and
       what to change: a loss that applies the model twice (siamese) calls
       every layer twice, so apply it once on the inputs concatenated along the

@@ -53,7 +53,7 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     sliced = params_sliced(call, params)
     calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
                             call.key, stacked_iterations(call, params) if sliced else 0,
-                            open_calls.nested(call.path)))
+                            open_calls.nested(call.path), open_calls.running()))
     return open_calls.around(call.path, run)
 
   def traced(variables, *args):
