@@ -53,6 +53,8 @@ downloaded):
 * param gradients against ``jax.grad``;
 * ``propagate='original'`` against ``jax.grad`` + optax;
 * GPT-2 block segments against a hand-coded per-block backward;
+* BERT under Hugging Face's gradient checkpointing with dropout on, each layer a
+  segment, against a per-layer backward run on the plain model;
 * the layer-wise default segments (GPT-2 14, BERT 21, ViT 19, ResNet 13,
   Llama 21, CLIP 40, Whisper 48; GPT-2's tied ``wte`` and Whisper's tied decoder
   embedding in ``REST``) lowering the loss.
