@@ -108,6 +108,7 @@ from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import AxisLengthMismatchError
 from perturbkit.errors import BranchCallsMismatchError
+from perturbkit.errors import BranchesUnseparatedError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
@@ -236,6 +237,7 @@ __all__ = [
     'AmbiguousInputError',
     'AxisLengthMismatchError',
     'BranchCallsMismatchError',
+    'BranchesUnseparatedError',
     'CallStructureMismatchError',
     'CheckedShardMapError',
     'UnboundAxisError',

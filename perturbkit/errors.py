@@ -22,7 +22,8 @@ message lists the calls seen), ``FilterError`` (a filter of a type it cannot be)
 that is not callable or returns another structure), ``BoundModuleError``
 (``wrap`` given a bound module), ``PerturbationStructureError``,
 ``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch`` whose branches call
-different submodules), ``NonDifferentiableOutputError``,
+different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
+module, given different branch functions), ``NonDifferentiableOutputError``,
 ``PerturbationsNotAppliedError`` (the loss did
 not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
@@ -169,11 +170,28 @@ class BranchCallsMismatchError(PerturbkitError, TypeError):
     modules = ', '.join(repr(p) for p in sorted({n.rsplit('/', 1)[0] for n in names}))
     super().__init__(
         f'Selected calls inside {transform} ([{_listed(names)}]) differ between its branches '
-        '(a different submodule in each), so the branches would create different '
+        '(a different submodule in each, or the same one called a different number of '
+        'times), so the branches would create different '
         "'perturbations' and Flax cannot join them. Either exclude the calls inside the "
         'branches with the filter, e.g. `filter=perturbkit.filters.negate('
         f'perturbkit.filters.by_path({modules}))`, or compute every branch and select the '
         f'result with `jnp.where(pred, a(x), b(x))` instead of {transform}.')
+
+
+class BranchesUnseparatedError(PerturbkitError, ValueError):
+  """Two ``nn.switch`` (``nn.cond``) calls in a row on one module cannot be told apart."""
+
+  def __init__(self, transform, names):
+    modules = ', '.join(repr(p) for p in sorted({n.rsplit('/', 1)[0] for n in names}))
+    super().__init__(
+        f'The selected calls [{_listed(names)}] inside {transform} would share their points '
+        f'with the calls of the {transform} run right before it on the same module: no call '
+        'of the model runs between the two, and the second one is given branch functions '
+        'the first one was not, so nothing tells where the first ends (its gradients would '
+        'be summed). Define the branch functions once and give the same ones to every '
+        f'{transform} (e.g. outside a Python loop), or exclude the calls with the filter, '
+        'e.g. `filter=perturbkit.filters.negate('
+        f'perturbkit.filters.by_path({modules}))`.')
 
 
 class NonDifferentiableOutputError(PerturbkitError, TypeError):

@@ -330,6 +330,44 @@ class BranchedDense(nn.Module):
     return self.out(h)
 
 
+def _plain_branch(module, h, delta):
+  return module.a(h) + delta
+
+
+def _doubled_branch(module, h, delta):
+  return 2.0 * (module.a(-h) + delta)
+
+
+class BranchesAround(nn.Module):
+  """Dense ``a`` called before, inside the branches of two ``nn.cond`` (``nn.switch``) in a
+  row, and after them; ``deltas[i]`` is added after a's i-th call (both branches of a
+  conditional share one), so the model is its own explicit-delta twin. The branches are
+  named functions of the module, passed the delta; under a parent with ``nested``, ``a``
+  under ``nn.remat`` with ``remat``."""
+  switch: bool = False
+  nested: bool = False
+  remat: bool = False
+  features: int = 4
+
+  def setup(self):
+    if self.nested:
+      self.block = BranchesAround(self.switch, remat=self.remat, features=self.features)
+    else:
+      self.a = (nn.remat(nn.Dense) if self.remat else nn.Dense)(self.features)
+
+  def __call__(self, x, pred, deltas):
+    if self.nested:
+      return self.block(x, pred, deltas)
+    branches = (_plain_branch, _doubled_branch)
+    h = self.a(x) + deltas[0]
+    for delta in deltas[1:3]:
+      if self.switch:
+        h = nn.switch(pred.astype(jnp.int32), branches, self, h, delta)
+      else:
+        h = nn.cond(pred, *branches, self, h, delta)
+    return self.a(h) + deltas[3]
+
+
 class Cell(nn.Module):
   """A scan body: carry -> tanh(Dense(carry)), also emitted as the step's output.
 

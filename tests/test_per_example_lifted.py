@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import hf_models
+import models
 import perturbkit
 from test_per_example import assert_norms_equal, reference_grads
 
@@ -165,6 +166,18 @@ def test_nested_apply_on_per_example_params_inside_its_owners_call():
 def test_lifted_transforms_equal_vmap_grad(model):
   variables = model.init(jax.random.key(2), X)
   assert_matches_vmap_grad(_loss(model), variables, X)
+
+
+def test_branches_of_a_cond_on_the_root_are_part_of_its_apply():
+  """Flax runs the branches of ``nn.cond`` on a copy of the root, in a root scope of its
+  own: part of the model's apply (its calls replayed as lifted ones), not a nested apply
+  to replay by the branch function's name, which the module has no method of."""
+  model = models.BranchesAround()
+  loss = lambda v, x: jnp.mean(jnp.sum(jnp.sin(
+      model.apply(v, x, jnp.array(False), [x * 0.0] * 4)), axis=-1))
+  variables = model.init(jax.random.key(2), X, jnp.array(True), [X] * 4)
+  _, norms = perturbkit.per_example_grad_norms(loss)(variables, X)
+  assert_norms_equal(norms, reference_grads(loss, variables, X), TOL)
 
 
 def test_wav2vec2_weight_norm_positional_conv():

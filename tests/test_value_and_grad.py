@@ -372,3 +372,74 @@ def test_super_call_inside_a_dense_subclass_is_part_of_its_call():
   chex.assert_trees_all_close(hooked['params'],
                               jax.jit(jax.grad(twin), static_argnums=2)(variables['params'],
                                                                         deltas, 2.0), **TOL)
+
+
+@pytest.mark.parametrize('switch,nested,remat', [(False, False, False), (True, True, True)])
+def test_calls_in_branches_get_one_point_per_call_of_the_model(switch, nested, remat):
+  """A Dense (under ``nn.remat``) called before, in the branches of two ``nn.cond``
+  (``nn.switch``) in a row and after them: four points, the branches of one conditional
+  sharing one, each equal to the gradient of its explicit delta in the branch that ran (not
+  the sum of calls that share a key with one outside, nor a point for the branch function
+  itself), and its output there."""
+  model = models.BranchesAround(switch=switch, nested=nested, remat=remat)
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  deltas = [jnp.zeros((2, 4))] * 4
+  variables = model.init(jax.random.key(0), x, jnp.array(True), deltas)
+  params = variables['params']['block'] if nested else variables['params']
+  dense = lambda h: nn.Dense(4).apply({'params': params['a']}, h)
+  for pred in (jnp.array(True), jnp.array(False)):
+    loss = lambda v, x, d, pred=pred: jnp.sum(jnp.sin(model.apply(v, x, pred, d)))
+    _, grads, acts = perturbkit.value_and_grad(loss, return_activations=True)(
+        variables, x, deltas)
+    want = jax.grad(loss, argnums=2)(variables, x, deltas)
+    got = grads['perturbations']['block'] if nested else grads['perturbations']
+    assert list(got['a']) == ['__call__', '__call__#1', '__call__#2', '__call__#3']
+    assert set(got) == ({'a', '__call__'} if nested else {'a'})  # the block's own call
+    plain = bool(pred) != switch  # nn.switch's branch 1 (pred True) doubles
+    outputs = [dense(x)]
+    h = outputs[0]
+    for _ in range(2):
+      outputs.append(dense(h if plain else -h))
+      h = outputs[-1] if plain else 2.0 * outputs[-1]
+    outputs.append(dense(h))
+    acts = acts['block'] if nested else acts
+    for i, key in enumerate(got['a']):
+      np.testing.assert_allclose(got['a'][key], want[i], **TOL)
+      np.testing.assert_allclose(acts['a'][key], outputs[i], **TOL)
+
+
+def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error():
+  """Branch functions made anew for each ``nn.switch`` in a loop: nothing tells the second
+  switch from more branches of the first, whose points it would share; a named error says
+  so, and the functions made once give each its own points."""
+
+  class Looped(nn.Module):
+    once: bool = False
+
+    def setup(self):
+      self.a = nn.Dense(3)
+
+    def __call__(self, x, index):
+      made = [lambda m, h: m.a(h), lambda m, h: -m.a(h)]
+      for _ in range(2):
+        branches = made if self.once else [lambda m, h: m.a(h), lambda m, h: -m.a(h)]
+        x = nn.switch(index, branches, self, x)
+      return x
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Looped().init(jax.random.key(0), x, 0)
+  loss_of = lambda model: lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, jnp.int32(1))))
+  with pytest.raises(perturbkit.BranchesUnseparatedError,
+                     match=r"a/__call__.*nn.switch.*same ones to every nn.switch.*by_path\('a'\)"):
+    perturbkit.value_and_grad(loss_of(Looped()))(variables, x)
+  with pytest.raises(perturbkit.BranchesUnseparatedError):
+    perturbkit.wrap(Looped()).init(jax.random.key(0), x, 0)
+  _, grads = perturbkit.value_and_grad(loss_of(Looped(once=True)))(variables, x)
+  dense = lambda h: nn.Dense(3).apply({'params': variables['params']['a']}, h)
+
+  def twin(deltas):  # branch 1 twice, a delta after each call of the Dense
+    h = -(dense(x) + deltas[0])
+    return jnp.sum(jnp.sin(-(dense(h) + deltas[1])))
+  want = jax.grad(twin)([jnp.zeros((2, 3))] * 2)
+  np.testing.assert_allclose(grads['perturbations']['a']['__call__'], want[0], **TOL)
+  np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)

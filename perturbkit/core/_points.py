@@ -115,11 +115,14 @@ def inside_lifted_transform(module: nn.Module) -> bool:
 
   Flax binds a transformed module's body directly to a scope rather than to a
   parent module; the root (and ``wrap``'s inner module) is the only other
-  module bound that way, at the empty path.
+  module bound that way, at the empty path. A transform of a function of the
+  root (``nn.cond(pred, f, g, self, x)`` in the root's method) binds a copy of
+  the root at the empty path too, to a scope whose debug path names the
+  transform (``'cond()'``).
   """
   while isinstance(module.parent, nn.Module):
     module = module.parent
-  return bool(module.path)
+  return bool(module.path) or bool(module.scope is not None and module.scope.debug_path)
 
 
 def collection_visible(module: nn.Module) -> bool:

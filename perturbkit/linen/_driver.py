@@ -31,6 +31,7 @@ from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchE
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
 from perturbkit.core._iterations import edit_output, iteration_key, marker, marker_name
+from perturbkit.linen._branches import branching_transform, check_branch_point
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
@@ -44,19 +45,6 @@ from perturbkit.core._types import CallFilter, Variables
 # inputs: Flax carries a mutable collection out of the transform, which a Python-side
 # record of the values traced inside it could not leave.
 CAPTURES = 'perturbkit_captures'
-
-
-def branching_transform(module: nn.Module) -> str | None:
-  """``'nn.cond'`` or ``'nn.switch'`` where ``module`` runs in a branch of one, else ``None``.
-
-  Flax names each lifted transform in the debug path of the scopes it makes
-  (``'cond(Block_0)'``, ``'switch()'``: ``flax.core.lift.pack``'s ``name``).
-  """
-  for part in module.scope.debug_path:
-    for name in ('cond', 'switch'):
-      if part.startswith(name + '('):
-        return f'nn.{name}'
-  return None
 
 
 def _captures_name(key: str) -> str:
@@ -241,6 +229,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
 
   def recording(call, run):
     seen.append(call.name)
+    if filter(call.module, call.method_name):
+      check_branch_point(call)
     if hooks_matched is not None:
       hooks_matched.update(
           i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
@@ -494,6 +484,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
     BranchCallsMismatchError: the branches of an ``nn.cond``/``nn.switch``
       make different selected calls.
+    BranchesUnseparatedError: two ``nn.switch`` in a row on one module, the
+      second given branch functions the first was not.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -562,10 +554,13 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     carry a perturbation; perturbkit then says so with an
     ``UnperturbedCallsWarning`` naming them, instead of silently dropping them
     as plain Flax does. ``nn.cond``/``nn.switch`` work when every branch makes
-    the same selected calls; where the branches call different submodules,
-    their perturbations differ and ``BranchCallsMismatchError`` says so
-    (exclude those calls with the filter, or compute every branch and pick
-    the result with ``jnp.where``).
+    the same selected calls: the branches share their points, so each holds
+    the gradient of the call in the branch that ran, keyed on from the calls
+    before the conditional (``'a/__call__#1'`` for a Dense ``a`` called once
+    before it). Where the branches call different submodules (or one a
+    different number of times), their perturbations differ and
+    ``BranchCallsMismatchError`` says so (exclude those calls with the filter,
+    or compute every branch and pick the result with ``jnp.where``).
 
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner

@@ -16,7 +16,11 @@ count on from the calls before them, and a second call of the same lifted
 module gets the next keys (``'__call__#1'``). Others may trace a body more than
 once for one call (``nn.scan``, and any transform around or inside one): each
 of their traces counts from the start of its own scopes, so its traces name
-their calls the same way. The counts of one
+their calls the same way. ``nn.cond``, ``nn.switch`` and ``nn.while_loop`` run
+functions of the module that calls them, each in a trace of its own: every
+function of one transform counts on from the calls before the transform, so
+that the branches name the same calls alike and never like a call outside,
+and the calls after it count on from every branch. The counts of one
 ``apply`` are carried over to the next ``apply`` inside the same block, so a loss
 that runs the model twice gets distinct points for the two runs.
 """
@@ -73,8 +77,56 @@ RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple,
 
 
 
+# Lifted transforms that run functions of the module that calls them (the branches of a
+# conditional, a loop's condition and body), each function traced once, by the number
+# of functions one call of the transform runs (None: as many as it is given).
+_FUNCTION_TRANSFORMS = {'cond': 2, 'switch': None, 'while_loop': 2}
+
 # Lifted transforms that trace their body once per call (Flax's debug paths name them).
-_TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap'})
+_TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap', *_FUNCTION_TRANSFORMS})
+
+
+def function_transform(module: nn.Module) -> str | None:
+  """``'cond'``, ``'switch'`` or ``'while_loop'`` where ``module`` is the module such a
+  transform passes to the function it runs (Flax names the transform last in the
+  scope's debug path, ``'cond(block)'``), else ``None``."""
+  if module.scope is None or module.scope.parent is not None or not module.scope.debug_path:
+    return None
+  name = str(module.scope.debug_path[-1]).split('(', 1)[0]
+  return name if name in _FUNCTION_TRANSFORMS else None
+
+
+@dataclasses.dataclass
+class _Group:
+  """The functions of one call of a function transform seen so far (its branches)."""
+  where: tuple  # the transform and the module it runs on: its scope's debug path
+  start: dict[tuple[Path, str], int]
+  functions: list[Any]
+
+  def takes(self, where: tuple, function: Any) -> bool:
+    """Whether ``function``, run on ``where``, is another function of this call."""
+    most = _FUNCTION_TRANSFORMS[str(where[-1]).split('(', 1)[0]]
+    return (where == self.where and all(f is not function for f in self.functions)
+            and (most is None or len(self.functions) < most))
+
+
+@dataclasses.dataclass
+class _Trace:
+  """One trace running (the apply, a lifted call's trace, a nested apply)."""
+  start: dict[tuple[Path, str], int]  # the counts its keys start from
+  # Its start and every call counted in it or in a trace inside it: where a transform
+  # traced once inside it counts on from.
+  seen: dict[tuple[Path, str], int] = dataclasses.field(default_factory=dict)
+  # The least counts of its calls after a function transform ran in it: past every branch.
+  floor: dict[tuple[Path, str], int] = dataclasses.field(default_factory=dict)
+  # The function transform that ran last in it, while no call of its own followed.
+  group: _Group | None = None
+
+
+def _raise_to(counts: dict[tuple[Path, str], int], others: dict[tuple[Path, str], int]):
+  """Each of ``counts`` at least as high as in ``others``."""
+  for k, n in others.items():
+    counts[k] = max(counts.get(k, 0), n)
 
 
 def _traced_once(module: nn.Module) -> bool:
@@ -94,9 +146,8 @@ class _State:
     self.offsets: dict[tuple[Path, str], int] = {}
     self.apply_counts: dict[tuple[Path, str], int] = {}
     self.trace_counts: dict[Any, dict[tuple[Path, str], int]] = {}  # by the trace's root scope
-    # For each trace running (the apply, a lifted call's trace, a nested apply), innermost
-    # last: the counts its keys start from.
-    self.starts: list[dict[tuple[Path, str], int]] = [{}]
+    self.traces: list[_Trace] = [_Trace({})]  # innermost last
+    self.function_roots: set[Any] = set()  # the root scopes of the functions running
     self.roots_active = 0
     # (module, method name) of the calls running now: a call of the same method of the same
     # module inside one of them (``super().__call__`` in a subclass) is part of it.
@@ -109,21 +160,47 @@ class _State:
       self.offsets[k] = self.offsets.get(k, 0) + n
     self.apply_counts.clear()
     self.trace_counts.clear()
-    self.starts = [{}]
+    self.traces = [_Trace({})]
 
   @contextlib.contextmanager
   def trace(self, start: dict[tuple[Path, str], int]) -> Iterator[None]:
-    self.starts.append(dict(start))
+    self.traces.append(_Trace(dict(start), dict(start)))
     try:
       yield
     finally:
-      self.starts.pop()
+      _raise_to(self.traces[-2].seen, self.traces.pop().seen)
+
+  def run_function(self, module: nn.Module, function: Any, run: Callable[[], Any]) -> Any:
+    """Runs a function of a function transform (a branch) as a trace of its own.
+
+    It is another function of the transform the last one was (the same
+    keys) when it comes right after it, runs on the same module and is not
+    one of its functions yet; otherwise it starts a new call of a transform,
+    which counts on from every call before.
+    """
+    outer = self.traces[-1]
+    where = tuple(module.scope.debug_path)
+    if outer.group is None or not outer.group.takes(where, function):
+      outer.group = _Group(where, dict(outer.seen), [])
+    group = outer.group
+    group.functions.append(function)
+    self.function_roots.add(module.scope.root)
+    try:
+      with self.trace(group.start):
+        return run()
+    finally:
+      self.function_roots.discard(module.scope.root)
+      _raise_to(outer.floor, outer.seen)
+      outer.group = group  # the calls inside ran in the function's own trace
 
   def next_key(self, module: nn.Module, method_name: str) -> str:
-    counts = self.trace_counts.setdefault(module.scope.root, dict(self.starts[-1]))
+    trace = self.traces[-1]
+    trace.group = None  # a call between two function transforms: the next is a new one
+    counts = self.trace_counts.setdefault(module.scope.root, dict(trace.start))
     k = (tuple(module.path), method_name)
-    n = counts.get(k, 0)
+    n = max(counts.get(k, 0), trace.floor.get(k, 0))
     counts[k] = n + 1
+    trace.seen[k] = max(trace.seen.get(k, 0), n + 1)
     self.apply_counts[k] = max(self.apply_counts.get(k, 0), n + 1)
     return point_key(method_name, self.offsets.get(k, 0) + n)
 
@@ -178,9 +255,14 @@ def intercept(filter: CallFilter, on_call: Handler,
 
   def interceptor(next_fun, args, kwargs, context):
     module, method_name = context.module, context.method_name
+    run = lambda: next_fun(*args, **kwargs)
+    if (not state.suspended and state.roots_active and method_name != 'setup'
+        and function_transform(module) and module.scope.root not in state.function_roots):
+      # A branch of nn.cond/nn.switch (a function of nn.while_loop) on its module: the
+      # module running its own code, no call of the model.
+      return state.run_function(module, getattr(context.orig_method, 'func', None), run)
     if state.suspended or not _is_method_call(module, method_name):
       return next_fun(*args, **kwargs)
-    run = lambda: next_fun(*args, **kwargs)
     if not module.path:
       if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
         with state.trace({}):
@@ -196,7 +278,7 @@ def intercept(filter: CallFilter, on_call: Handler,
       finally:
         state.roots_active -= 1
     if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
-      with state.trace(state.apply_counts if _traced_once(module) else {}):
+      with state.trace(state.traces[-1].seen if _traced_once(module) else {}):
         return _call(module, method_name, run, args, kwargs)
     return _call(module, method_name, run, args, kwargs)
 

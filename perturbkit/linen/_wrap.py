@@ -8,6 +8,7 @@ from flax import nnx
 from perturbkit.core import filters as _filters
 from perturbkit.errors import (PerturbationStructureError, UnmatchedFilterError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
+from perturbkit.linen._branches import check_branch_point
 from perturbkit.linen._interceptor import intercept
 from perturbkit.core._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit.core._types import CallFilter
@@ -28,6 +29,8 @@ def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
       seen.append(call.name)
     if not filter(call.module, call.method_name):
       return run()
+    if call.module.is_initializing():
+      check_branch_point(call)
     output = run()
     out, was_applied = add_perturbation(call.module, call.key, output, call.name, strict=strict)
     if was_applied and applied is not None:

@@ -16,6 +16,7 @@ import jax
 from flax.linen.module import TestScope as SetupCheckScope
 
 from perturbkit.core._points import COLLECTION
+from perturbkit.linen._interceptor import function_transform
 
 # ``(index, module, method_name, args, kwargs, run) -> output`` for each outermost nested apply.
 NestedHandler = Callable[[int, nn.Module, str, tuple, dict, Callable[[], Any]], Any]
@@ -63,9 +64,10 @@ def nested_applies(on_nested: NestedHandler,
     module, method_name = context.module, context.method_name
     run = lambda: next_fun(*args, **kwargs)
     # Submodule calls, and a root calling its own methods, are part of the running apply;
+    # so is a branch of nn.cond/nn.switch on the root (a copy of it, in a scope of its own);
     # a lifted module's check of its ``setup`` (run on a ``TestScope``) is no apply at all.
     if (module.scope is None or module.path or method_name == 'setup'
-        or isinstance(module.scope, SetupCheckScope)
+        or isinstance(module.scope, SetupCheckScope) or function_transform(module)
         or any(module.scope is scope for scope in roots)):
       return run()
     roots.append(module.scope)
