@@ -133,6 +133,7 @@ from perturbkit.errors import KFACShapeError
 from perturbkit.errors import KFACTargetsError
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.errors import KFACUpdateArgsError
+from perturbkit.errors import MapVariablesInitError
 from perturbkit.errors import MetricGapError
 from perturbkit.errors import MetricSignatureError
 from perturbkit.errors import LossNotCallableError
@@ -262,6 +263,7 @@ __all__ = [
     'KFACTargetsError',
     'KFACUnsupportedLayerError',
     'KFACUpdateArgsError',
+    'MapVariablesInitError',
     'MetricGapError',
     'MetricSignatureError',
     'LossNotCallableError',

@@ -23,7 +23,8 @@ that is not callable or returns another structure), ``BoundModuleError``
 (``wrap`` given a bound module), ``PerturbationStructureError``,
 ``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch`` whose branches call
 different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
-module, given different branch functions), ``NonDifferentiableOutputError``,
+module, given different branch functions), ``MapVariablesInitError``
+(``nn.map_variables(..., init=True)``), ``NonDifferentiableOutputError``,
 ``PerturbationsNotAppliedError`` (the loss did
 not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
@@ -192,6 +193,19 @@ class BranchesUnseparatedError(PerturbkitError, ValueError):
         f'{transform} (e.g. outside a Python loop), or exclude the calls with the filter, '
         'e.g. `filter=perturbkit.filters.negate('
         f'perturbkit.filters.by_path({modules}))`.')
+
+
+class MapVariablesInitError(PerturbkitError, ValueError):
+  """``nn.map_variables(..., init=True)`` in a model run with a mutable collection."""
+
+  def __init__(self, flax_message):
+    super().__init__(
+        'A call inside nn.map_variables found its mapped collection empty while the model '
+        "ran with perturbkit's 'perturbations' collection mutable (Flax: "
+        f'{flax_message.splitlines()[0]}). nn.map_variables(..., init=True) initializes its '
+        'variables again in every apply that has a mutable collection, where the mapped '
+        'collection cannot be written. Pass `init=self.is_initializing()` instead of '
+        '`init=True`: the same in `model.init`, and no initialization in `model.apply`.')
 
 
 class NonDifferentiableOutputError(PerturbkitError, TypeError):

@@ -268,6 +268,36 @@ def test_submodule_called_outside_a_method_of_the_model():
   assert float(jnp.abs(grads['params']['encoder']['kernel']).max()) == 0.0
 
 
+class _Doubled(nn.Module):
+  """A Dense whose params are doubled by ``nn.map_variables``, then a head."""
+  init_always: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    init = True if self.init_always else self.is_initializing()
+    dense = nn.map_variables(nn.Dense, 'params', lambda p: jax.tree.map(lambda w: 2.0 * w, p),
+                             init=init)
+    return nn.Dense(1, name='out')(jnp.tanh(dense(4, name='dense')(x)))
+
+
+def test_map_variables_initializing_in_every_apply():
+  """``nn.map_variables(..., init=True)`` initializes again in an apply with a mutable
+  collection, which perturbkit's discovery has: a named error with the fix, whose result
+  equals the explicit-delta twin written by hand."""
+  variables = _Doubled().init(jax.random.key(0), X)
+  loss_of = lambda model: lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  with pytest.raises(perturbkit.MapVariablesInitError, match=r'init=self.is_initializing\(\)'):
+    perturbkit.value_and_grad(loss_of(_Doubled()))(variables, X)
+  _, grads = perturbkit.value_and_grad(loss_of(_Doubled(init_always=False)))(variables, X)
+  params = variables['params']
+
+  def twin(delta):
+    h = nn.Dense(4).apply({'params': jax.tree.map(lambda w: 2.0 * w, params['dense'])}, X)
+    return jnp.sum(nn.Dense(1).apply({'params': params['out']}, jnp.tanh(h + delta)) ** 2)
+  chex.assert_trees_all_close(grads['perturbations']['dense']['__call__'],
+                              jax.grad(twin)(jnp.zeros((X.shape[0], 4))), **TOL)
+
+
 def test_not_variables(linen):
   model, variables = linen
   with pytest.raises(perturbkit.NotVariablesError, match='pass the whole dict'):

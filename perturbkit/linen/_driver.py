@@ -26,6 +26,7 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
+                                MapVariablesInitError,
                                 NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
@@ -206,6 +207,12 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       if in_branches:
         raise BranchCallsMismatchError(in_branches[0][0],
                                        sorted({name for _, name in in_branches})) from error
+      raise
+    except flax.errors.ScopeCollectionNotFound as error:
+      # nn.map_variables(..., init=True) initializes its variables again in an apply with a
+      # mutable collection, where the mapped collection cannot be written.
+      if 'map_variables(' in str(error):
+        raise MapVariablesInitError(str(error)) from error
       raise
     created = new.get(COLLECTION, {})
     calls.update(reached)
@@ -486,6 +493,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       make different selected calls.
     BranchesUnseparatedError: two ``nn.switch`` in a row on one module, the
       second given branch functions the first was not.
+    MapVariablesInitError: ``nn.map_variables(..., init=True)`` in the model.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
