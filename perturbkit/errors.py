@@ -393,9 +393,12 @@ class UnperturbedCallsWarning(UserWarning):
              'step included')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
-               '"perturbations" collection')
+               '"perturbations" collection, or in nn.while_loop, whose iterations would share '
+               'one point')
       fix = ('add `"perturbations": <axis>` to the transform\'s `variable_axes` (e.g. '
-             '`nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`)')
+             '`nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
+             'nn.while_loop cannot map it: write the loop as such an nn.scan or as a Python '
+             '`for` loop (one point per iteration)')
     super().__init__(
         f'{len(names)} selected call(s) run inside {where}, so they get no perturbation '
         f'point and no activation gradient: [{_listed(names)}]. For per-iteration gradients '

@@ -1459,6 +1459,33 @@ def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_
                               **TOL)
 
 
+def test_calls_inside_a_while_loop_get_no_point_and_the_others_are_cached():
+  """``nn.while_loop`` hands its body the perturbations read-only, one value for every
+  iteration: its calls get no point (a warning names them and the fix, not a missing
+  perturbation), and the calls around the loop are cached as by hand."""
+
+  class Looped(nn.Module):
+    def setup(self):
+      self.a, self.out = nn.Dense(3), nn.Dense(1)
+
+    def __call__(self, x):
+      body = lambda m, c: (c[0] + 1, jnp.tanh(m.a(c[1])))
+      _, h = nn.while_loop(lambda m, c: c[0] < 2, body, self, (0, self.a(x)))
+      return self.out(h)
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  model = Looped()
+  variables = model.init(jax.random.key(0), x)
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'nn.while_loop, whose iterations.*a/__call__#1.*Python `for` loop'):
+    out, cache = perturbkit.run_with_cache(model.apply)(variables, x)
+  dense = nn.Dense(3).apply({'params': variables['params']['a']}, x)
+  chex.assert_trees_all_close(cache.outputs, {'a': {'__call__': dense},
+                                              'out': {'__call__': model.apply(variables, x)}},
+                              **TOL)
+  chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
+
+
 def test_nnx_fori_loop_warning_advises_a_python_loop_not_state_axes():
   """``nnx.fori_loop`` carries the module, so its calls get no point; the warning's advice
   must fit a loop that cannot map state (a Python loop), not only ``nnx.scan``'s."""

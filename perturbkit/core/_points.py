@@ -130,8 +130,12 @@ def collection_visible(module: nn.Module) -> bool:
 
   Inside a lifted transform (``nn.scan``, ``nn.vmap``) that does not map the
   ``'perturbations'`` collection, a variable created there would be dropped;
-  this is the test Flax's ``perturb`` itself uses.
+  this is the test Flax's ``perturb`` itself uses. Inside ``nn.while_loop``
+  every iteration would read the same perturbation (one point summing the
+  iterations' gradients), so none is added there.
   """
+  if any(str(part).startswith('while_loop(') for part in module.scope.debug_path):
+    return False
   if module.is_mutable_collection(COLLECTION):
     return True
   return COLLECTION in module.scope.root._variables  # pylint: disable=protected-access

@@ -568,7 +568,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     before it). Where the branches call different submodules (or one a
     different number of times), their perturbations differ and
     ``BranchCallsMismatchError`` says so (exclude those calls with the filter,
-    or compute every branch and pick the result with ``jnp.where``).
+    or compute every branch and pick the result with ``jnp.where``). Calls
+    inside ``nn.while_loop`` get no point (its iterations would share one),
+    with an ``UnperturbedCallsWarning``.
 
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner
