@@ -382,15 +382,17 @@ class UnperturbedCallsWarning(UserWarning):
       return
     if nnx:
       where = ('an NNX transform that broadcasts the module\'s state (nnx.scan, nnx.vmap, '
-               '...) or carries the module from step to step (nnx.fori_loop, '
+               '...), carries the module from step to step (nnx.fori_loop, '
                'nnx.while_loop, or nnx.scan with it in the carry, as nnx.RNN does with its '
-               'cell: one point for every step would sum the steps)')
+               'cell: one point for every step would sum the steps) or runs it in branches '
+               '(nnx.cond, nnx.switch: each branch would make points of its own)')
       fix = ('with nnx.scan or nnx.vmap, let the transform map the perturbations, e.g. '
              '`nnx.scan(f, in_axes=(nnx.StateAxes({nnx.Perturbation: 0, ...: None}), '
              'nnx.Carry))`; nnx.fori_loop and nnx.while_loop cannot map the module\'s state: '
              'write the loop as a Python `for` loop (one point per iteration) or as such an '
              'nnx.scan; the call that runs the transform (an nnx.RNN) has its own point, every '
-             'step included')
+             'step included; for nnx.cond or nnx.switch, compute the branches and select the '
+             'result with `jnp.where(pred, a(x), b(x))`')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
                '"perturbations" collection, or in nn.while_loop, whose iterations would share '

@@ -1486,6 +1486,27 @@ def test_calls_inside_a_while_loop_get_no_point_and_the_others_are_cached():
   chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
 
 
+def test_nnx_cond_calls_get_no_point_and_the_warning_names_the_fix():
+  """Each branch of ``nnx.cond`` would make points of its own: the calls inside get none,
+  the warning names the transform and the ``jnp.where`` fix, and the calls around it are
+  cached as by hand."""
+
+  class Branched(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.out = nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x):
+      h = nnx.cond(x.sum() > 0, lambda m, h: m.a(h), lambda m, h: -m.a(h), self, self.a(x))
+      return self.out(h)
+
+  model, x = Branched(nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (2, 3))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'a/__call__#1.*nnx\.cond or nnx\.switch.*jnp\.where'):
+    _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+  chex.assert_trees_all_close(cache.outputs, {'a': {'__call__': model.a(x)},
+                                              'out': {'__call__': model(x)}}, **TOL)
+
+
 def test_nnx_fori_loop_warning_advises_a_python_loop_not_state_axes():
   """``nnx.fori_loop`` carries the module, so its calls get no point; the warning's advice
   must fit a loop that cannot map state (a Python loop), not only ``nnx.scan``'s."""
