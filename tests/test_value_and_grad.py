@@ -411,35 +411,42 @@ def test_calls_in_branches_get_one_point_per_call_of_the_model(switch, nested, r
 def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error():
   """Branch functions made anew for each ``nn.switch`` in a loop: nothing tells the second
   switch from more branches of the first, whose points it would share; a named error says
-  so, and the functions made once give each its own points."""
+  so. The functions made once, or a call of the model between the two (under ``nn.remat``),
+  give each its own points, equal to the explicit-delta twin's gradients."""
 
   class Looped(nn.Module):
     once: bool = False
+    between: bool = False
 
     def setup(self):
-      self.a = nn.Dense(3)
+      self.a, self.r = nn.Dense(3), nn.remat(nn.Dense)(3)
 
     def __call__(self, x, index):
       made = [lambda m, h: m.a(h), lambda m, h: -m.a(h)]
       for _ in range(2):
         branches = made if self.once else [lambda m, h: m.a(h), lambda m, h: -m.a(h)]
         x = nn.switch(index, branches, self, x)
+        x = self.r(x) if self.between else x
       return x
 
   x = jax.random.normal(jax.random.key(1), (2, 3))
-  variables = Looped().init(jax.random.key(0), x, 0)
+  variables = Looped(between=True).init(jax.random.key(0), x, 0)
   loss_of = lambda model: lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, jnp.int32(1))))
   with pytest.raises(perturbkit.BranchesUnseparatedError,
                      match=r"a/__call__.*nn.switch.*same ones to every nn.switch.*by_path\('a'\)"):
     perturbkit.value_and_grad(loss_of(Looped()))(variables, x)
   with pytest.raises(perturbkit.BranchesUnseparatedError):
     perturbkit.wrap(Looped()).init(jax.random.key(0), x, 0)
-  _, grads = perturbkit.value_and_grad(loss_of(Looped(once=True)))(variables, x)
-  dense = lambda h: nn.Dense(3).apply({'params': variables['params']['a']}, h)
+  dense = lambda name, h: nn.Dense(3).apply({'params': variables['params'][name]}, h)
+  for between in (False, True):
+    _, grads = perturbkit.value_and_grad(loss_of(Looped(not between, between)))(variables, x)
 
-  def twin(deltas):  # branch 1 twice, a delta after each call of the Dense
-    h = -(dense(x) + deltas[0])
-    return jnp.sum(jnp.sin(-(dense(h) + deltas[1])))
-  want = jax.grad(twin)([jnp.zeros((2, 3))] * 2)
-  np.testing.assert_allclose(grads['perturbations']['a']['__call__'], want[0], **TOL)
-  np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)
+    def twin(deltas, between=between):  # branch 1 twice, a delta after each call of `a`
+      h = x
+      for delta in deltas:
+        h = -(dense('a', h) + delta)
+        h = dense('r', h) if between else h
+      return jnp.sum(jnp.sin(h))
+    want = jax.grad(twin)([jnp.zeros((2, 3))] * 2)
+    np.testing.assert_allclose(grads['perturbations']['a']['__call__'], want[0], **TOL)
+    np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)

@@ -164,6 +164,7 @@ class _State:
 
   @contextlib.contextmanager
   def trace(self, start: dict[tuple[Path, str], int]) -> Iterator[None]:
+    self.traces[-1].group = None  # a call between two function transforms, as in next_key
     self.traces.append(_Trace(dict(start), dict(start)))
     try:
       yield
