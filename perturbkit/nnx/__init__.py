@@ -36,8 +36,9 @@ touching the caller's model object.
   (their state mapped) the gradients, activations and inputs are per
   iteration; inside ``nnx.remat`` and ``nnx.jit`` they are as without the
   transform. Calls that a transform
-  carries from step to step (the cell of ``nnx.RNN``) or broadcasts
-  (``nnx.vmap`` with the state broadcast) get no point and are named in an
+  carries from step to step (the cell of ``nnx.RNN``, ``nnx.fori_loop``) or
+  broadcasts (``nnx.vmap`` with the state broadcast), and calls in the branches
+  of ``nnx.cond``/``nnx.switch``, get no point and are named in an
   ``UnperturbedCallsWarning``; the call that runs the transform has its point.
   A Linen module inside an NNX model through ``nnx.bridge.ToNNX`` is one call;
   a whole Linen model wrapped in ``ToNNX`` belongs to the Linen functions
