@@ -408,6 +408,32 @@ def test_calls_in_branches_get_one_point_per_call_of_the_model(switch, nested, r
       np.testing.assert_allclose(acts['a'][key], outputs[i], **TOL)
 
 
+def test_a_module_closed_over_by_both_branches_gets_a_point_per_branch():
+  """A Dense made outside ``nn.cond`` and called by both branches (bound to the module's
+  own scope, not the branch's copy) reads the perturbations from outside the conditional:
+  each branch's call has its own point, the one that ran its explicit delta's gradient and
+  the other exactly zero."""
+
+  class ClosedOver(nn.Module):
+    @nn.compact
+    def __call__(self, x, pred, deltas):
+      dense = nn.Dense(3, name='d')
+      h = dense(x)
+      return nn.cond(pred, lambda m, h: dense(h) + deltas[0], lambda m, h: -dense(h), self, h)
+
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  model, zero = ClosedOver(), [jnp.zeros((2, 3))]
+  variables = model.init(jax.random.key(0), x, True, zero)
+  loss = lambda v, x, d: jnp.sum(jnp.sin(model.apply(v, x, jnp.array(True), d)))
+  _, grads = perturbkit.value_and_grad(loss)(variables, x, zero)
+  got = grads['perturbations']['d']
+  assert list(got) == ['__call__', '__call__#1', '__call__#2']
+  np.testing.assert_allclose(got['__call__#1'], jax.grad(loss, argnums=2)(variables, x, zero)[0],
+                             **TOL)
+  assert float(jnp.abs(got['__call__#1']).max()) > 1e-2
+  np.testing.assert_array_equal(got['__call__#2'], 0.0)
+
+
 def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error():
   """Branch functions made anew for each ``nn.switch`` in a loop: nothing tells the second
   switch from more branches of the first, whose points it would share; a named error says
