@@ -352,7 +352,9 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           f'inputs) of {where}: it runs inside a transform whose intermediate values do not '
           "come out: it carries out neither a mutable collection nor the call's "
           "perturbation stacked like its output (nnx.vmap with the module's state "
-          'broadcast, nested scans that stack along other axes than the leading ones, an '
+          'broadcast, a branch of nn.cond/nn.switch calling a module made outside it rather '
+          'than through the module the transform passes it, '
+          'nested scans that stack along other axes than the leading ones, an '
           'nnx.StateAxes that stacks nnx.Perturbation along another axis than the rest of '
           "the module's state, ...). "
           'Exclude such calls with the filter, or leave return_activations off (their '
@@ -361,7 +363,9 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
       super().__init__(
           f'{function} cannot read or edit the output of {where}: it runs inside a transform '
           'whose intermediate values do not come out, neither as they are nor stacked per '
-          "iteration (nnx.vmap with the module's state broadcast, nested scans that stack "
+          "iteration (nnx.vmap with the module's state broadcast, a branch of "
+          'nn.cond/nn.switch calling a module made outside it rather than through the module '
+          'the transform passes it, nested scans that stack '
           'along other axes than the leading ones, an nnx.StateAxes that stacks '
           "nnx.Perturbation along another axis than the rest of the module's state, a "
           'transform that carries no collection out, ...). Leave such calls out with the '

@@ -412,7 +412,8 @@ def test_a_module_closed_over_by_both_branches_gets_a_point_per_branch():
   """A Dense made outside ``nn.cond`` and called by both branches (bound to the module's
   own scope, not the branch's copy) reads the perturbations from outside the conditional:
   each branch's call has its own point, the one that ran its explicit delta's gradient and
-  the other exactly zero."""
+  the other exactly zero. Its output inside the branch cannot come out: a named error, not
+  a tracer leaked out of the branch."""
 
   class ClosedOver(nn.Module):
     @nn.compact
@@ -432,6 +433,8 @@ def test_a_module_closed_over_by_both_branches_gets_a_point_per_branch():
                              **TOL)
   assert float(jnp.abs(got['__call__#1']).max()) > 1e-2
   np.testing.assert_array_equal(got['__call__#2'], 0.0)
+  with pytest.raises(perturbkit.ActivationsUnavailableError, match=r'd/__call__#1.*nn.cond'):
+    perturbkit.value_and_grad(loss, return_activations=True)(variables, x, zero)
 
 
 def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error():

@@ -325,6 +325,10 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     captures = {kind: differentiable_part(output) if kind == 'activations'
                 else array_part((call.args, call.kwargs)) for kind in kinds}
     if not inside_lifted_transform(call.module):
+      if call.in_function:
+        # A module bound outside nn.cond/nn.switch, called by a branch: no collection of
+        # its own scope can carry the branch's values out.
+        raise ActivationsUnavailableError(call.name)
       for kind, value in captures.items():
         captured[kind][path] = value
       return

@@ -50,6 +50,9 @@ class Call:
     kwargs: The call's keyword arguments.
     outside_apply: Whether the call runs outside every method call of the
       model (on a ``model.bind``-bound module, in ``nn.apply(fn, model)``).
+    in_function: Whether the call runs inside a function of ``nn.cond``,
+      ``nn.switch`` or ``nn.while_loop`` (a branch): its values are those of
+      the branch's trace, also where its module is bound outside the branch.
   """
   module: nn.Module
   method_name: str
@@ -57,6 +60,7 @@ class Call:
   args: tuple = ()
   kwargs: dict = dataclasses.field(default_factory=dict)
   outside_apply: bool = False
+  in_function: bool = False
 
   @property
   def path(self) -> Path:
@@ -303,7 +307,7 @@ def intercept(filter: CallFilter, on_call: Handler,
     key = state.next_key(module, method_name)
     if not filter(module, method_name):
       return run()
-    call = Call(module, method_name, key, args, kwargs, outside)
+    call = Call(module, method_name, key, args, kwargs, outside, bool(state.function_roots))
     if state.transparent:
       return on_call(call, run)
     if outside and not outside_apply:
