@@ -119,6 +119,7 @@ from perturbkit.errors import ExamplesCoupledError
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.errors import FeatureMapShapeError
 from perturbkit.errors import HasAuxOutputError
+from perturbkit.errors import ImageLayoutError
 from perturbkit.errors import InputMismatchError
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.errors import InterventionParamsError
@@ -249,6 +250,7 @@ __all__ = [
     'ExamplesMixedError',
     'FeatureMapShapeError',
     'HasAuxOutputError',
+    'ImageLayoutError',
     'InputMismatchError',
     'InterleavedClippingError',
     'InterventionParamsError',

@@ -28,6 +28,7 @@ import models
 import nnx_models
 import perturbkit
 import perturbkit.interpret._sweep as sweep_module
+from perturbkit.interpret import _grad_cam
 from hand_mlp import NAMES, SHAPE, metric_of
 from perturbkit import filters, interpret
 from perturbkit.demo._digits import SmallCNN
@@ -207,6 +208,17 @@ def test_grad_cam_equals_the_definition_with_vjp_gradients():
       upsampled['Conv_1/__call__'],
       jax.image.resize(want['Conv_1/__call__'], (3, 8, 8), 'bilinear'), **TOL)
 
+  # Channels-first pixel values (as Hugging Face's image processors make them), transposed
+  # inside the metric: axes 1 and 2 are (channels, height), not the images' height and width.
+  pixels = jnp.transpose(images, (0, 3, 1, 2))
+  channels_first = lambda v, x: score(model.apply(v, jnp.transpose(x, (0, 2, 3, 1))))
+  with pytest.raises(perturbkit.ImageLayoutError, match=r'Conv_1/__call__ makes a \(4, 4\) map'):
+    perturbkit.grad_cam(channels_first, upsample=True, filter=filters.by_path('Conv_1'))(
+        variables, pixels)
+  _, sized = perturbkit.grad_cam(channels_first, upsample=(8, 8),
+                                 filter=filters.by_path('Conv_1'))(variables, pixels)
+  chex.assert_trees_all_close(sized, upsampled, **TOL)
+
 
 def test_grad_cam_of_nnx_equals_its_linen_twin():
   model = nnx_models.ConvNet(rngs=nnx.Rngs(0))
@@ -230,6 +242,13 @@ def test_grad_cam_at_a_call_that_is_not_a_feature_map():
     perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1', 'Dense_0'))(variables, images)
   with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
     perturbkit.grad_cam(lambda v, x: metric(v, x[0]), upsample=True)(variables, images[None])
+  for wrong in ('yes', (8,), (8, 0), (True, True), 8):
+    with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
+      perturbkit.grad_cam(metric, upsample=wrong)
+  # A map no larger than axes 1 and 2 but of another aspect ratio: a late stage's (2, 2) map
+  # of (batch, 3, 16, 16) channels-first pixels.
+  with pytest.raises(perturbkit.ImageLayoutError, match=r'\(3, 16\)'):
+    _grad_cam.resized(jnp.ones((2, 2, 2)), jnp.ones((2, 3, 16, 16)), True, 'stage', 'grad_cam')
   _, maps = jax.jit(perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1')))(
       variables, images)
   assert list(maps) == ['Conv_1/__call__']

@@ -44,7 +44,10 @@ it. The functions here are written once over those points; the Linen ones take
   ``metric(inputs) - metric(that call at b)``.
 * ``grad_cam(fn, filter=..., upsample=False)(variables, images)``: ``(metric,
   maps)``, ``relu(sum_c mean_hw(d metric / d A)_c A_c)`` per convolution
-  (default: every ``nn.Conv``), one ``(batch, height, width)`` map each.
+  (default: every ``nn.Conv``), one ``(batch, height, width)`` map each;
+  ``upsample=True`` resizes them to axes 1 and 2 of channels-last images
+  (``ImageLayoutError`` where a map cannot come from those: channels-first
+  pixel values), ``upsample=(height, width)`` to that size.
 * ``run_with_interventions(fn, interventions)(variables, params, *args)``:
   learnable interventions, :class:`Intervention` ``(path, init, apply)``;
   ``steering_vector`` (added, optionally at positions) and ``gates``
@@ -133,7 +136,7 @@ Conventions
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``AxisLengthMismatchError``, ``NonScalarMetricError``,
-``CallStructureMismatchError``, ``FeatureMapShapeError``,
+``CallStructureMismatchError``, ``FeatureMapShapeError``, ``ImageLayoutError``,
 ``InterventionParamsError``, ``ActivationsUnavailableError`` (in ``perturbkit.errors``).
 
 Tested against (``tests/test_interpret.py``): Linen's ``capture_intermediates``

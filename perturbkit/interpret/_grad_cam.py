@@ -3,17 +3,19 @@
 For a feature map ``A`` of shape ``(batch, height, width, channels)`` and the
 metric's gradient ``G`` there, each channel's weight is the spatial mean of
 ``G``, and the map is ``relu(sum_c w_c A_c)`` per example, optionally resized
-to the input's height and width. One forward and one backward pass.
+to the images' height and width (axes 1 and 2 of channels-last images) or a given size. One forward and one backward pass.
 """
 import functools
+import operator
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
-from perturbkit.errors import FeatureMapShapeError, InvalidOptionError
+from perturbkit.errors import FeatureMapShapeError, ImageLayoutError, InvalidOptionError
 from perturbkit.interpret._cache import metric_and_grads
 from perturbkit.interpret._points import Tracer, trace
 
@@ -48,22 +50,55 @@ def class_activation_map(feature_map: jax.Array, grad: jax.Array) -> jax.Array:
   return jax.nn.relu(jnp.einsum('bhwc,bc->bhw', widened(feature_map), weights))
 
 
-def resized(cam: jax.Array, inputs: Any, function: str) -> jax.Array:
-  """``cam`` resized (bilinear) to the height and width of image ``inputs``.
+def checked_upsample(upsample: Any) -> bool | tuple[int, int]:
+  """``upsample`` checked where it is given: a bool or a ``(height, width)`` of positive ints.
 
   Raises:
-    InvalidOptionError: ``inputs`` is not one ``(batch, height, width, channels)`` array.
+    InvalidOptionError: anything else.
   """
-  if jnp.ndim(inputs) != 4:
-    raise InvalidOptionError(
-        'upsample', True, f'False in {function} unless the inputs are one '
-        f'(batch, height, width, channels) array (they have shape {jnp.shape(inputs)})')
-  return jax.image.resize(cam, (cam.shape[0], *jnp.shape(inputs)[1:3]), 'bilinear')
+  if isinstance(upsample, (bool, np.bool_)):
+    return bool(upsample)
+  try:
+    size = tuple(operator.index(n) for n in upsample if not isinstance(n, (bool, np.bool_)))
+  except TypeError:
+    size = ()
+  if len(size) != 2 or len(upsample) != 2 or min(size) < 1:
+    raise InvalidOptionError('upsample', upsample, 'True (resize each map to the height and '
+                             'width of (batch, height, width, channels) images), False, or '
+                             'the (height, width) to resize to')
+  return size
 
 
-def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, upsample: bool,
+def resized(cam: jax.Array, inputs: Any, upsample: bool | tuple[int, int], where: str,
+            function: str) -> jax.Array:
+  """``cam`` resized (bilinear) to ``upsample``'s size, or (``True``) that of image ``inputs``.
+
+  Raises:
+    InvalidOptionError: ``upsample=True`` and ``inputs`` is not one ``(batch,
+      height, width, channels)`` array.
+    ImageLayoutError: ``upsample=True`` and the map is larger than the
+      inputs' axes 1 and 2, or of an aspect ratio more than twice or less
+      than half theirs: those axes are not the images' height and width
+      (channels-first pixel values).
+  """
+  if upsample is True:
+    if jnp.ndim(inputs) != 4:
+      raise InvalidOptionError(
+          'upsample', True, f'False or a (height, width) in {function} unless the inputs are '
+          f'one (batch, height, width, channels) array (they have shape {jnp.shape(inputs)})')
+    (height, width), (rows, columns) = jnp.shape(inputs)[1:3], cam.shape[1:]
+    aspect = (height / width) / (rows / columns)
+    if rows > height or columns > width or not 0.5 <= aspect <= 2.0:
+      raise ImageLayoutError(function, where, jnp.shape(inputs), cam.shape[1:])
+    upsample = (height, width)
+  return jax.image.resize(cam, (cam.shape[0], *upsample), 'bilinear')
+
+
+def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
+             upsample: bool | tuple[int, int],
              function: str) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
   """The front-end-neutral :func:`perturbkit.grad_cam` (``tracer`` picks the API)."""
+  upsample = checked_upsample(upsample)
 
   @functools.wraps(fn)
   def cams(model, inputs) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -74,7 +109,8 @@ def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, upsample: b
     for path in traced.paths:
       (feature_map,), (grad,) = jax.tree.leaves(outputs[path]), jax.tree.leaves(grads[path])
       cam = class_activation_map(feature_map, grad)
-      maps[point_name(path)] = resized(cam, inputs, function) if upsample else cam
+      maps[point_name(path)] = (resized(cam, inputs, upsample, point_name(path), function)
+                                if upsample else cam)
     return metric, maps
 
   return cams

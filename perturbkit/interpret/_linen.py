@@ -425,7 +425,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
 
 
 def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
-             upsample: bool = False) -> Callable[..., tuple[Any, dict[str, Any]]]:
+             upsample: bool | tuple[int, int] = False
+             ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   """Grad-CAM maps of convolutions: where in the image their feature maps move the metric.
 
   For each selected call with feature map ``A`` of shape ``(batch, height,
@@ -439,7 +440,11 @@ def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
     fn: ``(variables, images) -> metric``.
     filter: The convolutions (default: every ``nn.Conv`` call;
       ``perturbkit.filters.by_path('Conv_1')`` for one).
-    upsample: Resize each map (bilinear) to the images' height and width.
+    upsample: Resize each map (bilinear) to the images' height and width,
+      axes 1 and 2 of channels-last ``(batch, height, width, channels)``
+      images (as Flax convolutions take them); or to a given ``(height,
+      width)``, whatever the inputs (channels-first pixel values, several
+      inputs).
 
   Returns:
     A function ``(variables, images) -> (metric, maps)``; ``maps`` maps each
@@ -450,7 +455,13 @@ def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
     FeatureMapShapeError: a selected call's output is not one ``(batch,
       height, width, channels)`` array.
     NonScalarMetricError: ``fn`` returned no real scalar.
-    InvalidOptionError: ``upsample`` with inputs that are not one image batch.
+    InvalidOptionError: ``upsample`` is no bool or ``(height, width)``, or
+      ``upsample=True`` with inputs that are not one image batch.
+    ImageLayoutError: ``upsample=True`` and a map larger than the inputs'
+      axes 1 and 2, or of an aspect ratio more than twice or less than half
+      theirs: those are not the images' height and width (channels-first
+      ``(batch, channels, height, width)`` pixel values, as Hugging Face's
+      image processors make them, transposed inside ``fn``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -181,7 +181,8 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
 
 
 def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
-             upsample: bool = False) -> Callable[..., tuple[Any, dict[str, Any]]]:
+             upsample: bool | tuple[int, int] = False
+             ) -> Callable[..., tuple[Any, dict[str, Any]]]:
   """Grad-CAM maps of an NNX model's convolutions: ``(model, images) -> (metric, maps)``.
 
   As :func:`perturbkit.grad_cam`, with ``fn(model, images) -> metric``; the
