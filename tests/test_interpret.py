@@ -186,6 +186,29 @@ def test_mean_ablation_vmap_over_stacked_edits_and_grad_through_them(mlp):
                      if n == 'Dense_0/__call__' else h)
   chex.assert_trees_all_close(got, want, **TOL)
 
+  # A padded reference batch: each token position averaged over the examples where it is kept,
+  # written out as a loop; a position kept nowhere gives NaN. Its mean is then put at tokens
+  # -1 and 0 only.
+  kept = np.ones(reference.shape[:2], bool)
+  kept[0, :2] = kept[1, -1] = False
+  kept[:, 1] = False
+  masked = np.full(reference.shape[1:], np.nan, np.float32)
+  for t in range(reference.shape[1]):
+    rows = [np.asarray(reference[b, t]) for b in range(reference.shape[0]) if kept[b, t]]
+    if rows:
+      masked[t] = sum(rows) / len(rows)
+  edit = interpret.mean_ablate(reference, where=jnp.asarray(kept)[:, :, None],
+                               positions=[-1, 0], axis=1)
+  got = edited(variables, {'Dense_0/__call__': edit}, x)
+  want = mlp_by_hand(params, x, lambda n, h: _on_tokens(
+      lambda h: jnp.broadcast_to(masked, h.shape), [-1, 0])(h) if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+  assert np.isnan(interpret.apply_edit(interpret.mean_ablate(reference, where=kept[:, :, None]),
+                                       reference)[:, 1]).all()
+  for wrong in (kept.astype(int)[:, :, None], kept):
+    with pytest.raises(perturbkit.InvalidOptionError, match='where'):
+      interpret.mean_ablate(reference, where=wrong)
+
   factors = jnp.array([0.0, 0.5, 3.0])
   stack = jax.vmap(lambda s: {'Dense_1/__call__': interpret.scale(s, positions=[2], axis=1)})(
       factors)

@@ -19,7 +19,9 @@ it. The functions here are written once over those points; the Linen ones take
   ``add``, ``scale``, ``zero_ablate``, ``mean_ablate``, each optionally only at
   ``positions`` along an ``axis`` (one token), of the output or of a ``view``
   of it (``view=(-1, tokens, heads, head_dim)``, ``axis=2``: one attention
-  head of a ``(batch, tokens, heads * head_dim)`` output); they are pytrees of arrays, so
+  head of a ``(batch, tokens, heads * head_dim)`` output; ``mean_ablate``'s
+  ``where=attention_mask[:, :, None].astype(bool)`` leaves a padded reference
+  batch's padding out of the mean); they are pytrees of arrays, so
   ``jax.vmap`` runs a stack of them at once and ``jax.grad`` differentiates
   through them. Positions outside the axis raise ``PositionOutOfRangeError``,
   except traced ones (under ``jax.jit``, or stacked under ``jax.vmap``): there

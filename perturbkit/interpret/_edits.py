@@ -195,8 +195,9 @@ def zero_ablate(*, positions: Any = None, axis: int | None = None,
   return _edit(0.0, 0.0, positions, axis, view)
 
 
-def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: Any = None,
-                axis: int | None = None, view: tuple[int, ...] | None = None) -> Edit:
+def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, where: Any = None,
+                positions: Any = None, axis: int | None = None,
+                view: tuple[int, ...] | None = None) -> Edit:
   """Replaces the output by the mean of ``reference`` over the axes ``over``.
 
   ``reference`` is the call's output on reference data, e.g.
@@ -207,18 +208,60 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, positions: A
   Positions as for :func:`replace`: out of range, an error, or NaN in the
   edited output where they are traced (under ``jax.jit`` or ``jax.vmap``).
 
+  Args:
+    reference: The call's output on reference data (an array, or a pytree
+      like the output).
+    over: The axes to average over.
+    where: Which entries of ``reference`` enter the mean: a boolean array
+      that broadcasts to each of its arrays (before ``view``), e.g.
+      ``attention_mask[:, :, None]`` for a ``(batch, tokens, features)``
+      reference of padded prompts, so that padding does not enter the mean of
+      a token position. Where no entry enters, the mean is NaN. ``None``:
+      every entry.
+    positions: Integer indices along ``axis`` to ablate (default: the whole
+      output).
+    axis: The axis the positions index.
+    view: Edit the output reshaped to this shape (see :class:`Edit`).
+
+  Returns:
+    The edit.
+
+  Raises:
+    InvalidOptionError: ``over`` is no int axis or tuple of them, ``where``
+      is not a boolean array that broadcasts to the reference, or the options
+      of :func:`replace`.
+
   Example:
     >>> import jax.numpy as jnp
     >>> from perturbkit import interpret
     >>> reference = jnp.array([[0.0, 2.0], [2.0, 4.0]])
     >>> interpret.apply_edit(interpret.mean_ablate(reference), jnp.zeros((3, 2))).tolist()
     [[1.0, 3.0], [1.0, 3.0], [1.0, 3.0]]
+    >>> kept = jnp.array([[True], [False]])   # the second example is padding
+    >>> interpret.apply_edit(interpret.mean_ablate(reference, where=kept),
+    ...                      jnp.zeros((1, 2))).tolist()
+    [[0.0, 2.0]]
   """
   axes('over', over, tuples=True)
   view = checked_view(view)
-  mean = jax.tree.map(lambda r: jnp.mean(viewed(r, view, 'the mean-ablation reference'),
-                                         axis=over, keepdims=True), reference)
-  return replace(mean, positions=positions, axis=axis, view=view)
+  if where is not None and jnp.result_type(where) != jnp.bool_:
+    raise InvalidOptionError('where', where, 'a boolean array broadcasting to the reference '
+                             '(True where an entry enters the mean), e.g. '
+                             'attention_mask[:, :, None].astype(bool)')
+
+  def mean(r):
+    name = 'the mean-ablation reference'
+    kept = where
+    if where is not None:
+      try:
+        kept = viewed(jnp.broadcast_to(where, jnp.shape(r)), view, name)
+      except ValueError:
+        raise InvalidOptionError('where', f'an array of shape {jnp.shape(where)}',
+                                 f'a boolean array broadcasting to the reference, of shape '
+                                 f'{jnp.shape(r)}') from None
+    return jnp.mean(viewed(r, view, name), axis=over, keepdims=True, where=kept)
+
+  return replace(jax.tree.map(mean, reference), positions=positions, axis=axis, view=view)
 
 
 def _broadcast(value: jax.Array, shape: tuple, where: str, field: str) -> jax.Array:
