@@ -1272,6 +1272,12 @@ def test_sweep_positions_that_are_no_indices_are_refused_where_given(sweep):
     make(metric, axis=1, positions=[[0, 1]])
   with pytest.raises(perturbkit.InvalidOptionError, match='an int whenever positions are given'):
     make(metric, positions=[1])
+  # A slice or a boolean mask is refused with how to write it as indices.
+  for given in (slice(1, 3), np.array([True, False, True])):
+    with pytest.raises(perturbkit.InvalidOptionError, match='range.*flatnonzero'):
+      make(metric, axis=1, positions=given)
+    with pytest.raises(perturbkit.InvalidOptionError, match='range.*flatnonzero'):
+      interpret.zero_ablate(axis=1, positions=given)
   # Integer positions of any integer type are fine.
   make(metric, axis=1, positions=np.array([0, 3], np.int32))
 

@@ -36,6 +36,10 @@ from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError
                                PositionOutOfRangeError, UnknownEditPathError)
 
 
+# How a slice or a boolean mask becomes positions, for the messages that refuse them.
+AS_INDICES = 'a slice s as range(s.start, s.stop), a boolean mask m as np.flatnonzero(m)'
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=['scale', 'shift', 'positions', 'active'],
                    meta_fields=['axis', 'view'])
@@ -100,10 +104,12 @@ def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
       except ValueError:  # ragged
         kind = 'O'
       if kind not in 'iu':
-        raise InvalidOptionError('positions', positions, 'integer indices along the axis')
+        raise InvalidOptionError('positions', positions,
+                                 f'integer indices along the axis ({AS_INDICES})')
     positions = jnp.asarray(positions)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
-      raise InvalidOptionError('positions', positions, 'integer indices along the axis')
+      raise InvalidOptionError('positions', positions,
+                               f'integer indices along the axis ({AS_INDICES})')
   return Edit(jax.tree.map(jnp.asarray, scale_value), jax.tree.map(jnp.asarray, shift),
               positions, jnp.asarray(True), axis, view)
 

@@ -9,7 +9,7 @@ from perturbkit.core._input_types import input_types, same_types
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import (AxisLengthMismatchError, CallStructureMismatchError,
                                InvalidOptionError, PositionOutOfRangeError)
-from perturbkit.interpret._edits import viewed_shape
+from perturbkit.interpret._edits import AS_INDICES, viewed_shape
 from perturbkit.interpret._leaves import check_leaves, swept
 from perturbkit.interpret._points import Tracer, trace
 
@@ -37,7 +37,8 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
     given = np.asarray(positions, dtype=object)
   if given.ndim > 1 or given.size == 0 or not np.issubdtype(given.dtype, np.integer):
     raise InvalidOptionError('positions', positions, 'a non-empty flat sequence of integer '
-                             'indices along the axis (e.g. [0, 1], not [[0, 1]])')
+                             'indices along the axis (e.g. [0, 1], not [[0, 1]]; ' + AS_INDICES +
+                             ')')
   return tuple(int(p) for p in given.reshape(-1))
 
 
