@@ -1029,8 +1029,8 @@ class ImageLayoutError(PerturbkitError, ValueError):
         f'{function}(upsample=True) resizes each map to the height and width of '
         f'(batch, height, width, channels) images, axes 1 and 2 of the inputs: {images[1:3]} '
         f'for inputs of shape {tuple(images)}. But {where} makes a {tuple(feature_map)} map, '
-        'larger than that or of another aspect ratio (more than 2x), so those axes are not the '
-        "images' height and width: channels-first (batch, channels, height, width) pixel "
+        "larger than that, so those axes are not the images' height and width: "
+        "channels-first (batch, channels, height, width) pixel "
         "values, as Hugging Face's image processors make them? Pass the images "
         'channels-last (jnp.transpose(pixels, (0, 2, 3, 1)), and drop any transpose inside '
         'the metric), or give the size to resize to: upsample=(height, width).')

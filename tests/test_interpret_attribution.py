@@ -245,10 +245,12 @@ def test_grad_cam_at_a_call_that_is_not_a_feature_map():
   for wrong in ('yes', (8,), (8, 0), (True, True), 8):
     with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
       perturbkit.grad_cam(metric, upsample=wrong)
-  # A map no larger than axes 1 and 2 but of another aspect ratio: a late stage's (2, 2) map
-  # of (batch, 3, 16, 16) channels-first pixels.
+  # A (4, 4) map of (batch, 3, 16, 16) channels-first pixels is refused; a map strided along
+  # one axis only (a spectrogram's, a signal's) is resized as it is.
   with pytest.raises(perturbkit.ImageLayoutError, match=r'\(3, 16\)'):
-    _grad_cam.resized(jnp.ones((2, 2, 2)), jnp.ones((2, 3, 16, 16)), True, 'stage', 'grad_cam')
+    _grad_cam.resized(jnp.ones((2, 4, 4)), jnp.ones((2, 3, 16, 16)), True, 'stage', 'grad_cam')
+  signal = _grad_cam.resized(jnp.ones((2, 1, 25)), jnp.ones((2, 1, 100, 1)), True, 'c', 'g')
+  chex.assert_trees_all_close(signal, jnp.ones((2, 1, 100)), **TOL)
   _, maps = jax.jit(perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1')))(
       variables, images)
   assert list(maps) == ['Conv_1/__call__']

@@ -77,8 +77,7 @@ def resized(cam: jax.Array, inputs: Any, upsample: bool | tuple[int, int], where
     InvalidOptionError: ``upsample=True`` and ``inputs`` is not one ``(batch,
       height, width, channels)`` array.
     ImageLayoutError: ``upsample=True`` and the map is larger than the
-      inputs' axes 1 and 2, or of an aspect ratio more than twice or less
-      than half theirs: those axes are not the images' height and width
+      inputs' axes 1 and 2: those axes are not the images' height and width
       (channels-first pixel values).
   """
   if upsample is True:
@@ -87,8 +86,11 @@ def resized(cam: jax.Array, inputs: Any, upsample: bool | tuple[int, int], where
           'upsample', True, f'False or a (height, width) in {function} unless the inputs are '
           f'one (batch, height, width, channels) array (they have shape {jnp.shape(inputs)})')
     (height, width), (rows, columns) = jnp.shape(inputs)[1:3], cam.shape[1:]
-    aspect = (height / width) / (rows / columns)
-    if rows > height or columns > width or not 0.5 <= aspect <= 2.0:
+    # A convolution's map is no larger than the image it comes from (strides and pooling only
+    # shrink it); axes 1 and 2 of channels-first pixels are (channels, height), and the
+    # channels (1, 3 or 4) are fewer than the rows of almost any map. The ratio of the two
+    # axes is no test: strides may differ per axis (spectrograms).
+    if rows > height or columns > width:
       raise ImageLayoutError(function, where, jnp.shape(inputs), cam.shape[1:])
     upsample = (height, width)
   return jax.image.resize(cam, (cam.shape[0], *upsample), 'bilinear')

@@ -458,8 +458,7 @@ def grad_cam(fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
     InvalidOptionError: ``upsample`` is no bool or ``(height, width)``, or
       ``upsample=True`` with inputs that are not one image batch.
     ImageLayoutError: ``upsample=True`` and a map larger than the inputs'
-      axes 1 and 2, or of an aspect ratio more than twice or less than half
-      theirs: those are not the images' height and width (channels-first
+      axes 1 and 2: those are not the images' height and width (channels-first
       ``(batch, channels, height, width)`` pixel values, as Hugging Face's
       image processors make them, transposed inside ``fn``).
 
