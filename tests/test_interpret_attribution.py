@@ -242,6 +242,9 @@ def test_grad_cam_at_a_call_that_is_not_a_feature_map():
     perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1', 'Dense_0'))(variables, images)
   with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
     perturbkit.grad_cam(lambda v, x: metric(v, x[0]), upsample=True)(variables, images[None])
+  # Several inputs (images and labels): upsample=True cannot tell the images; a size can.
+  with pytest.raises(perturbkit.InvalidOptionError, match='upsample.*structure'):
+    perturbkit.grad_cam(lambda v, xy: metric(v, xy[0]), upsample=True)(variables, (images, 0))
   for wrong in ('yes', (8,), (8, 0), (True, True), 8):
     with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
       perturbkit.grad_cam(metric, upsample=wrong)

@@ -81,10 +81,12 @@ def resized(cam: jax.Array, inputs: Any, upsample: bool | tuple[int, int], where
       (channels-first pixel values).
   """
   if upsample is True:
-    if jnp.ndim(inputs) != 4:
+    if not isinstance(inputs, (jax.Array, np.ndarray)) or inputs.ndim != 4:
+      given = (f'shape {inputs.shape}' if isinstance(inputs, (jax.Array, np.ndarray)) else
+               f'the structure {jax.tree.map(jnp.shape, inputs)}')
       raise InvalidOptionError(
           'upsample', True, f'False or a (height, width) in {function} unless the inputs are '
-          f'one (batch, height, width, channels) array (they have shape {jnp.shape(inputs)})')
+          f'one (batch, height, width, channels) array (they have {given})')
     (height, width), (rows, columns) = jnp.shape(inputs)[1:3], cam.shape[1:]
     # A convolution's map is no larger than the image it comes from (strides and pooling only
     # shrink it); axes 1 and 2 of channels-first pixels are (channels, height), and the
