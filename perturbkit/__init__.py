@@ -113,6 +113,7 @@ from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
 from perturbkit.errors import EditShapeError
+from perturbkit.errors import AmbiguousEditError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesCoupledError
@@ -244,6 +245,7 @@ __all__ = [
     'CheckedShardMapError',
     'UnboundAxisError',
     'EditShapeError',
+    'AmbiguousEditError',
     'EditViewError',
     'ExamplesAxisError',
     'ExamplesCoupledError',

@@ -60,7 +60,8 @@ loss).
 Interventions and attribution (``perturbkit.interpret``): ``NotEditsError`` (edits
 that are not a dict ``{path: edit}``), ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
-broadcast to the call's output), ``EditViewError`` (an edit's ``view`` of another size than
+broadcast to the call's output), ``AmbiguousEditError`` (one array for a call returning
+arrays of different shapes), ``EditViewError`` (an edit's ``view`` of another size than
 the call's output), ``PositionOutOfRangeError``, ``AxisLengthMismatchError`` (without
 ``positions``, calls of other lengths along the swept axis), ``NonScalarMetricError``
 (a subclass of ``NonScalarLossError``), ``MetricSignatureError`` (a function that
@@ -910,6 +911,19 @@ class EditShapeError(PerturbkitError, ValueError):
         f'to the call\'s output of shape {tuple(output_shape)}. Give an array of the '
         'output\'s shape or one that broadcasts to it (a scalar, or with 1 on the axes to '
         'share); a value cached for other inputs (another batch size or length) does not fit.')
+
+
+class AmbiguousEditError(PerturbkitError, ValueError):
+  """One array given as the edit of a call that returns several arrays of different shapes."""
+
+  def __init__(self, where, field, shape, output_shapes):
+    super().__init__(
+        f'The edit at {where} has {field} of shape {tuple(shape)}, one array, while the call '
+        f'returns {len(output_shapes)} arrays of different shapes '
+        f'{[tuple(s) for s in output_shapes]} (an attention\'s output beside its weights, '
+        'say). It would be added to (or multiply) each of them where it happens to '
+        'broadcast. Give one value per array, in the structure of the call\'s output (0 or 1 '
+        'for the arrays to leave alone), or, in the sweeps, pick the arrays with leaves=.')
 
 
 class EditViewError(PerturbkitError, ValueError):

@@ -1001,6 +1001,41 @@ def test_edit_of_another_shape(mlp):
   chex.assert_trees_all_close(got, want, **TOL)
 
 
+class _WithWeights(nn.Module):
+  """An attention-like call returning ``(output, weights)``: (B, T, D) and (B, H, T, T)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(x.shape[-1])(x)
+    weights = jax.nn.softmax(jnp.einsum('btd,bsd->bts', h, x))[:, None]
+    return jnp.einsum('bhts,bsd->btd', weights, x), weights
+
+
+class _Attends(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    out, _ = _WithWeights(name='attn')(x)
+    return jnp.sum(out ** 2)
+
+
+def test_one_array_for_a_call_returning_arrays_of_different_shapes():
+  """A (D,) steering vector at a call returning (B, T, D) and (B, H, T, T) with T == D would
+  also be added to the weights; it is refused by name, and a value per array is the fix."""
+  model, x = _Attends(), jax.random.normal(jax.random.key(1), (2, 4, 4))
+  variables = model.init(jax.random.key(0), x)
+  delta = jnp.arange(4.0)
+  edited = perturbkit.run_with_edits(model.apply)
+  with pytest.raises(perturbkit.AmbiguousEditError, match=r'shift of shape \(4,\).*\(2, 1, 4, 4\)'):
+    edited(variables, {'attn/__call__': interpret.add(delta)}, x)
+  steer = {'steer': interpret.steering_vector('attn/__call__', (4,))}
+  steered = perturbkit.run_with_interventions(model.apply, steer)
+  with pytest.raises(perturbkit.AmbiguousEditError):
+    steered(variables, interpret.init_interventions(steer), x)
+  got = edited(variables, {'attn/__call__': interpret.add((delta, 0.0))}, x)
+  out, _ = _WithWeights().apply({'params': variables['params']['attn']}, x)
+  chex.assert_trees_all_close(got, jnp.sum((out + delta[None, None]) ** 2), **TOL)
+
+
 def test_edit_view_of_another_size_and_invalid_views(mlp):
   model, variables, x, _, _ = mlp
   edited = perturbkit.run_with_edits(model.apply)

@@ -32,7 +32,7 @@ import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._validate import axes
-from perturbkit.errors import (EditShapeError, EditViewError, InvalidOptionError, NotEditsError,
+from perturbkit.errors import (AmbiguousEditError, EditShapeError, EditViewError, InvalidOptionError, NotEditsError,
                                PositionOutOfRangeError, UnknownEditPathError)
 
 
@@ -371,11 +371,17 @@ def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.
   return jnp.where(outside & jnp.asarray(edit.active, bool), _poison(output.dtype), edited)
 
 
-def _like(value: Any, output: Any) -> list:
-  """``value``'s leaves, one per leaf of ``output``: its own if it has that structure."""
+def _like(value: Any, output: Any, field: str, where: str) -> list:
+  """``value``'s leaves, one per leaf of ``output``: its own if it has that structure.
+
+  One array for several leaves of different shapes is refused: it could broadcast to
+  some by chance (a ``(T,)`` vector to ``(B, H, T, T)`` attention weights).
+  """
   leaves = jax.tree.leaves(output)
   if jax.tree.structure(value) == jax.tree.structure(output):
     return jax.tree.leaves(value)
+  if jnp.ndim(value) > 0 and len({jnp.shape(leaf) for leaf in leaves}) > 1:
+    raise AmbiguousEditError(where, field, jnp.shape(value), [jnp.shape(x) for x in leaves])
   return [value] * len(leaves)
 
 
@@ -392,6 +398,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
   Raises:
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
+    AmbiguousEditError: ``scale`` or ``shift`` is one array (not a scalar)
+      while the output holds arrays of different shapes.
     EditViewError: the edit's ``view`` holds another number of elements than
       the output.
     PositionOutOfRangeError: a position (known while tracing) is outside the
@@ -410,7 +418,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
   """
   leaves, treedef = jax.tree.flatten(output)
   edited = [_leaf(edit, leaf, s, b, where) for leaf, s, b in
-            zip(leaves, _like(edit.scale, output), _like(edit.shift, output))]
+            zip(leaves, _like(edit.scale, output, 'a scale', where),
+                     _like(edit.shift, output, 'a shift', where))]
   return jax.tree.unflatten(treedef, edited)
 
 
