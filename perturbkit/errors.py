@@ -21,8 +21,8 @@ message lists the calls seen), ``FilterError`` (a filter of a type it cannot be)
 ``NoHooksError`` and ``HookFunctionError`` (``with_hooks`` without hooks; a hook
 that is not callable or returns another structure), ``BoundModuleError``
 (``wrap`` given a bound module), ``PerturbationStructureError``,
-``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch`` whose branches call
-different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
+``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch``, or ``nnx.cond``/``nnx.switch``,
+whose branches call different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
 module, given different branch functions), ``MapVariablesInitError``
 (``nn.map_variables(..., init=True)``), ``NonDifferentiableOutputError``,
 ``PerturbationsNotAppliedError`` (the loss did
@@ -166,16 +166,18 @@ class PerturbationStructureError(PerturbkitError, ValueError):
 
 
 class BranchCallsMismatchError(PerturbkitError, TypeError):
-  """The branches of an ``nn.cond``/``nn.switch`` make different selected calls."""
+  """The branches of an ``nn.cond``/``nn.switch`` (``nnx.cond``/``nnx.switch``) make different
+  selected calls."""
 
   def __init__(self, transform, names):
     modules = ', '.join(repr(p) for p in sorted({n.rsplit('/', 1)[0] for n in names}))
     super().__init__(
         f'Selected calls inside {transform} ([{_listed(names)}]) differ between its branches '
         '(a different submodule in each, or the same one called a different number of '
-        'times), so the branches would create different '
-        "'perturbations' and Flax cannot join them. Either exclude the calls inside the "
-        'branches with the filter, e.g. `filter=perturbkit.filters.negate('
+        'times), so the branches would create different perturbations (the '
+        "'perturbations' collection, nnx.Perturbation state) and Flax cannot join them. "
+        'Either exclude the calls inside the branches with the filter, e.g. '
+        '`filter=perturbkit.filters.negate('
         f'perturbkit.filters.by_path({modules}))`, or compute every branch and select the '
         f'result with `jnp.where(pred, a(x), b(x))` instead of {transform}.')
 
@@ -390,14 +392,16 @@ class UnperturbedCallsWarning(UserWarning):
                '...), carries the module from step to step (nnx.fori_loop, '
                'nnx.while_loop, or nnx.scan with it in the carry, as nnx.RNN does with its '
                'cell: one point for every step would sum the steps) or runs it in branches '
-               '(nnx.cond, nnx.switch: each branch would make points of its own)')
+               'that cannot share their points (nnx.cond or nnx.switch with graph=False or '
+               'graph_updates=False, or an nnx.cond and an nnx.switch nested in each other)')
       fix = ('with nnx.scan or nnx.vmap, let the transform map the perturbations, e.g. '
              '`nnx.scan(f, in_axes=(nnx.StateAxes({nnx.Perturbation: 0, ...: None}), '
              'nnx.Carry))`; nnx.fori_loop and nnx.while_loop cannot map the module\'s state: '
              'write the loop as a Python `for` loop (one point per iteration) or as such an '
              'nnx.scan; the call that runs the transform (an nnx.RNN) has its own point, every '
-             'step included; for nnx.cond or nnx.switch, compute the branches and select the '
-             'result with `jnp.where(pred, a(x), b(x))`')
+             'step included; for nnx.cond or nnx.switch, run it in graph mode (the default), '
+             'write the nested one as the same kind as the outer one, or compute the branches '
+             'and select the result with `jnp.where(pred, a(x), b(x))`')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
                '"perturbations" collection, or in nn.while_loop, whose iterations would share '

@@ -16,6 +16,7 @@
 """
 import functools
 import inspect
+import warnings
 
 import chex
 import flax.linen as nn
@@ -1550,25 +1551,38 @@ def test_calls_inside_a_while_loop_get_no_point_and_the_others_are_cached():
   chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
 
 
-def test_nnx_cond_calls_get_no_point_and_the_warning_names_the_fix():
-  """Each branch of ``nnx.cond`` would make points of its own: the calls inside get none,
-  the warning names the transform and the ``jnp.where`` fix, and the calls around it are
-  cached as by hand."""
+def test_nnx_cond_calls_are_cached_and_nested_kinds_warn_naming_the_fix():
+  """A call in both branches of ``nnx.cond`` is one point: the cache holds what the branch
+  that ran gave, and the call after it counts on past both. An ``nnx.cond`` nested in an
+  ``nnx.switch`` cannot share points (Flax does not say which is inside): the warning
+  names them and the fix."""
 
   class Branched(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, nested, rngs):
+      self.nested = nested
       self.a, self.out = nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)
 
     def __call__(self, x):
-      h = nnx.cond(x.sum() > 0, lambda m, h: m.a(h), lambda m, h: -m.a(h), self, self.a(x))
-      return self.out(h)
+      cond = lambda m, h: nnx.cond(h.sum() > 0, lambda m, h: m.a(h), lambda m, h: m.a(2 * h),
+                                   m, h)
+      if self.nested:
+        h = nnx.switch(1, [cond, cond], self, self.a(x))
+      else:
+        h = cond(self, self.a(x))
+      return self.out(self.a(h))
 
-  model, x = Branched(nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (2, 3))
-  with pytest.warns(perturbkit.UnperturbedCallsWarning,
-                    match=r'a/__call__#1.*nnx\.cond or nnx\.switch.*jnp\.where'):
+  model, x = Branched(False, nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (2, 3))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', perturbkit.UnperturbedCallsWarning)
     _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
-  chex.assert_trees_all_close(cache.outputs, {'a': {'__call__': model.a(x)},
-                                              'out': {'__call__': model(x)}}, **TOL)
+  h = model.a(x)
+  branch = model.a(h) if h.sum() > 0 else model.a(2 * h)
+  chex.assert_trees_all_close(cache.outputs, {
+      'a': {'__call__': h, '__call__#1': branch, '__call__#2': model.a(branch)},
+      'out': {'__call__': model(x)}}, **TOL)
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'nnx\.cond and an nnx\.switch nested.*a/__call__#1.*same kind'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x))(Branched(True, nnx.Rngs(0)), x)
 
 
 def test_nnx_fori_loop_warning_advises_a_python_loop_not_state_axes():

@@ -297,6 +297,61 @@ def test_module_called_twice_through_one_transform(transform):
   chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
 
 
+class _Branched(nnx.Module):
+  """``a`` called before, in every branch of an ``nnx.cond`` (an ``nnx.switch`` with three
+  branches), in both branches of a second ``nnx.cond`` right after it, and after; ``d`` adds an
+  explicit delta to each call's output (the twin)."""
+
+  def __init__(self, switch, *, rngs):
+    self.switch = switch
+    self.a, self.b, self.out = (nnx.Linear(3, 3, rngs=rngs), nnx.Linear(3, 3, rngs=rngs),
+                                nnx.Linear(3, 1, rngs=rngs))
+
+  def __call__(self, x, index, d=None, other=False):
+    delta = lambda name, key: 0 if d is None else d[name][key]
+    a = lambda m, h, key: m.a(h) + delta('a', key)
+    h = a(self, x, '__call__')
+    branches = [lambda m, h: a(m, h, '__call__#1'),
+                lambda m, h: -a(m, jnp.tanh(h), '__call__#1'),
+                lambda m, h: a(m, 2 * h, '__call__#1')]
+    if other:  # a branch calling another submodule
+      branches[1] = lambda m, h: m.b(h)
+    if self.switch:
+      h = nnx.switch(index, branches, self, h)
+    else:
+      h = nnx.cond(index > 0, branches[1], branches[0], self, h)
+    # A second conditional right after the first, with no call between them.
+    h = nnx.cond(index > 1, lambda m, h: a(m, h, '__call__#2'),
+                 lambda m, h: a(m, -h, '__call__#2'), self, h)
+    return self.out(a(self, h, '__call__#3')) + delta('out', '__call__')
+
+
+@pytest.mark.parametrize('switch, index', [(False, 0), (False, 1), (True, 2)])
+def test_calls_in_branches_get_one_point_per_call_like_explicit_deltas(switch, index):
+  """The branches of ``nnx.cond``/``nnx.switch`` share one point per call, holding the
+  gradient of the branch that ran (the others add nothing), and the call after counts on
+  past them: equal to ``jax.grad`` of the model with explicit deltas added to each call."""
+  model, x = _Branched(switch, rngs=nnx.Rngs(0)), M.random_batch((2, 3))
+  index = jnp.asarray(index)
+  loss = lambda m, x, i: jnp.sum(m(x, i) ** 2)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', perturbkit.UnperturbedCallsWarning)
+    _, grads = perturbkit.nnx.value_and_grad(loss)(model, x, index)
+  zeros = jax.tree.map(jnp.zeros_like, grads['perturbations'])
+  want = nnx.grad(lambda m, d: jnp.sum(m(x, index, d) ** 2), argnums=1)(model, zeros)
+  assert set(want['a']) == {'__call__', '__call__#1', '__call__#2', '__call__#3'}
+  _not_vacuous(want)
+  chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
+  chex.assert_trees_all_close(grads['params'], nnx.grad(loss)(model, x, index), **TOL)
+
+
+def test_branches_calling_different_submodules_are_a_named_error():
+  model, x = _Branched(False, rngs=nnx.Rngs(0)), M.random_batch((2, 3))
+  with pytest.raises(perturbkit.BranchCallsMismatchError,
+                     match=r"nnx\.cond.*a/__call__#1, b/__call__.*by_path\('a', 'b'\).*jnp\.where"):
+    perturbkit.nnx.value_and_grad(lambda m, x: m(x, 1, other=True).sum())(model, x)
+
+
 def test_vmap_with_broadcast_state_is_refused_not_summed():
   model, x = M.VmapBroadcast(rngs=nnx.Rngs(0)), M.random_batch((3, 4))
   with pytest.raises(perturbkit.nnx.UnmappedPerturbationError, match='block/linear/__call__'):

@@ -35,11 +35,16 @@ touching the caller's model object.
 * Transforms and Flax's own layers: inside ``nnx.scan`` over stacked modules
   (their state mapped) the gradients, activations and inputs are per
   iteration; inside ``nnx.remat`` and ``nnx.jit`` they are as without the
-  transform. Calls that a transform
-  carries from step to step (the cell of ``nnx.RNN``, ``nnx.fori_loop``) or
-  broadcasts (``nnx.vmap`` with the state broadcast), and calls in the branches
-  of ``nnx.cond``/``nnx.switch``, get no point and are named in an
-  ``UnperturbedCallsWarning``; the call that runs the transform has its point.
+  transform. The branches of an ``nnx.cond``/``nnx.switch`` share one point
+  per call (``'__call__#1'`` in every branch), holding the gradient of the
+  branch that ran; the calls after it count on past every branch, and
+  branches that make different calls are a ``BranchCallsMismatchError``.
+  Calls that a transform carries from step to step (the cell of ``nnx.RNN``,
+  ``nnx.fori_loop``) or broadcasts (``nnx.vmap`` with the state broadcast),
+  and calls in branches that cannot share points (``graph=False``, an
+  ``nnx.cond`` and an ``nnx.switch`` nested in each other), get no point and
+  are named in an ``UnperturbedCallsWarning``; the call that runs the
+  transform has its point.
   A Linen module inside an NNX model through ``nnx.bridge.ToNNX`` is one call;
   a whole Linen model wrapped in ``ToNNX`` belongs to the Linen functions
   (``WrongFrontEndError`` says how).

@@ -24,6 +24,15 @@ classes of the objects it is given for the duration of the call. Point keys
 follow the Linen front end (``'__call__'``, ``'__call__#1'``): calls are counted
 per module path and method within one block.
 
+The branches of one ``nnx.cond`` (``nnx.switch``) share their keys: JAX traces
+every branch, each on its own copy of the model, and joins what they leave in
+the module's state, so the same call in each branch must make the same point
+(it then holds the gradient of whichever branch ran). Each branch counts from
+the counts before the conditional, and the calls after it count on past every
+branch. Flax's update context of the conditional (``'cond'``/``'switch'``,
+open while its branches run) names the conditional, and the state its branch
+merged names the branch.
+
 As in ``_interceptor``, a block is *transparent* (backward hooks: the handler
 runs the call and wraps its output) or *opaque* (its handler may run the call
 its own way, a segment replay). When an opaque handler does not run the call,
@@ -39,6 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from flax import nnx
 from flax.nnx import bridge as nnx_bridge
+from flax.nnx import graphlib
 
 from perturbkit.core._points import point_key
 from perturbkit.errors import UninstrumentableModuleError
@@ -61,6 +71,9 @@ class Call:
     copied: Whether the module is a copy an NNX transform made inside the
       model (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``), not the instance the
       block instrumented: its values there are values of the transform's trace.
+    conditional: ``'nnx.cond'`` or ``'nnx.switch'`` where the call runs in a
+      branch of one (the innermost), ``''`` where it runs in branches of both
+      kinds nested (their keys are not shared), else ``None``.
     args: The call's positional arguments.
     kwargs: The call's keyword arguments.
   """
@@ -71,6 +84,7 @@ class Call:
   copied: bool = False
   args: tuple = ()
   kwargs: dict = dataclasses.field(default_factory=dict)
+  conditional: str | None = None
 
   @property
   def name(self) -> str:
@@ -79,6 +93,44 @@ class Call:
 
 
 Handler = Callable[[Call, Callable[[], Any]], Any]
+
+# The NNX conditionals, by the tag of the update context they open around their branches.
+_CONDITIONALS = {'cond': 'nnx.cond', 'switch': 'nnx.switch'}
+
+# The branches a call runs in, outermost first: (conditional's context, branch's state).
+Branches = tuple[tuple[Any, Any], ...]
+
+
+def branches() -> tuple[str | None, Branches | None]:
+  """The conditional the current call runs in a branch of, and the branches it runs in.
+
+  ``(None, ())`` outside every ``nnx.cond``/``nnx.switch``; ``('', None)``
+  inside both kinds nested (Flax keeps one stack per kind, so their order is
+  unknown and the call is counted as any other).
+  """
+  stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+  open_ = [(tag, stacks[tag]) for tag in _CONDITIONALS if stacks.get(tag)]
+  if not open_:
+    return None, ()
+  if len(open_) > 1:
+    return '', None
+  tag, stack = open_[0]
+  return _CONDITIONALS[tag], tuple((c, getattr(c, 'outer_index_inner_ref', None)) for c in stack)
+
+
+def _raise_to(counts: dict, others: dict):
+  """Each of ``counts`` at least as high as in ``others``."""
+  for k, n in others.items():
+    counts[k] = max(counts.get(k, 0), n)
+
+
+@dataclasses.dataclass
+class _Group:
+  """One conditional whose branches are running: the counts its branches start from."""
+  context: Any  # Flax's update context of the conditional (held: its identity names it)
+  start: dict[tuple[NNXPath, str], int]
+  branch: Any  # the state the running branch merged (held: its identity names the branch)
+  high: dict[tuple[NNXPath, str], int] = dataclasses.field(default_factory=dict)
 
 
 class _Block:
@@ -89,9 +141,33 @@ class _Block:
     self.instances = instances
     self.transparent = transparent
     self.counts: dict[tuple[NNXPath, str], int] = {}
+    self.groups: list[_Group] = []  # the conditionals running, outermost first
     self.suspended = 0
 
-  def next_key(self, path: NNXPath, method_name: str) -> str:
+  def _end_group(self):
+    """The calls after the innermost conditional count on past every branch of it."""
+    _raise_to(self.counts, self.groups.pop().high)
+
+  def enter(self, running: Branches):
+    """Sets the counts for a call inside the branches ``running`` (from :func:`branches`)."""
+    kept = 0
+    while (kept < min(len(self.groups), len(running))
+           and self.groups[kept].context is running[kept][0]):
+      kept += 1
+    while len(self.groups) > kept:
+      self._end_group()
+    if kept and self.groups[-1].branch is not running[kept - 1][1]:
+      # Another branch of the same conditional: it counts from where the first one did.
+      group = self.groups[-1]
+      _raise_to(group.high, self.counts)
+      self.counts = dict(group.start)
+      group.branch = running[kept - 1][1]
+    for context, branch in running[kept:]:
+      self.groups.append(_Group(context, dict(self.counts), branch))
+
+  def next_key(self, path: NNXPath, method_name: str, running: Branches | None = ()) -> str:
+    if running is not None:
+      self.enter(running)
     n = self.counts.get((path, method_name), 0)
     self.counts[(path, method_name)] = n + 1
     return point_key(method_name, n)
@@ -188,11 +264,14 @@ def _dispatching(method_name: str, original: Callable[..., Any],
       run = lambda: original(self, *args, **kwargs)
     blocks = _THREAD.blocks
     active = []
-    for depth, path in reversed(vars(self).get(SITES_ATTR, ())):
+    sites = vars(self).get(SITES_ATTR, ())
+    conditional, running = branches() if sites else (None, ())
+    for depth, path in reversed(sites):
       if depth < len(blocks) and not blocks[depth].suspended:
         block = blocks[depth]
-        active.append((block, Call(self, method_name, path, block.next_key(path, method_name),
-                                   id(self) not in block.instances, args, kwargs)))
+        key = block.next_key(path, method_name, running)
+        active.append((block, Call(self, method_name, path, key, id(self) not in block.instances,
+                                   args, kwargs, conditional)))
     # Every transparent block would see the calls made inside this one; an
     # opaque handler that replays the module gets them for that replay.
     replay_hooks = tuple((b.on_call, c.path) for b, c in active if b.transparent)

@@ -31,8 +31,9 @@ from flax.nnx import bridge as nnx_bridge
 from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
-from perturbkit.errors import (ActivationsUnavailableError, NonDifferentiableOutputError,
-                                PerturbationStructureError, WrongFrontEndError)
+from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
+                               NonDifferentiableOutputError, PerturbationStructureError,
+                               WrongFrontEndError)
 from perturbkit.core._iterations import (Stacking, edit_output, iteration_key, marked_axes, marker,
                                          marker_name, stacking)
 from perturbkit.core._hooks import Hook, apply_hooks
@@ -202,6 +203,8 @@ class _Attempt:
   """What a discovery run that raised leaves behind, for one without points in transforms."""
   perturbed_copies: bool = False  # a point was made inside an NNX transform
   failed_in: NNXPath | None = None  # the innermost call outside transforms that raised
+  # (conditional, call name) of the points made in branches of an nnx.cond/nnx.switch.
+  in_branches: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe,
@@ -236,6 +239,8 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
       missed.append(call.name)
       return output
     attempt.perturbed_copies |= call.copied
+    if call.conditional is not None:
+      attempt.in_branches.append((call.conditional, call.name))
     names = _leaf_names(call.key, output)
     taken = [n for n in names if n in store]
     if taken:
@@ -256,7 +261,12 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
       return nnx.capture(loss_fn, nnx.Perturbation)(model, *args, **kwargs)
 
   out, state = nnx.eval_shape(traced, model, *args, **kwargs)
-  return out, flat_state(state), [p for p in found if p is not None], seen, missed
+  # The branches of an nnx.cond/nnx.switch make the same call's point once each.
+  points: dict[tuple[NNXPath, str], _Point] = {}
+  for p in found:
+    if p is not None:
+      points.setdefault((p.path, p.key), p)
+  return out, flat_state(state), list(points.values()), seen, missed
 
 
 def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
@@ -272,6 +282,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       floating-point output.
     UnmappedPerturbationError: a selected call inside ``nnx.vmap`` whose
       module state is broadcast (its gradient would be summed over the map).
+    BranchCallsMismatchError: the branches of an ``nnx.cond``/``nnx.switch``
+      make different selected calls (their points could not be joined).
   """
   run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
                           points=points, hooks=hooks, strict=strict)
@@ -281,6 +293,12 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   except Exception as error:  # pylint: disable=broad-except
     if not attempt.perturbed_copies:
       raise
+    conditionals = {c for c, _ in attempt.in_branches}
+    if isinstance(error, TypeError) and conditionals and '' not in conditionals:
+      # jax.lax.cond's TypeError for branches that return other trees: here the points
+      # made in one branch and not in another.
+      raise BranchCallsMismatchError(attempt.in_branches[-1][0],
+                                     sorted({n for _, n in attempt.in_branches})) from error
     # A transform that carries the module from step to step (nnx.scan with the module in
     # the carry, as nnx.RNN does with its cell) cannot take a new perturbation, and one
     # perturbation for every step would be a sum over the steps: those calls get none.
@@ -509,7 +527,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   other leaves). Hand-placed ``self.perturb(name, x)`` points appear under
   their names. Inside ``nnx.scan`` over stacked modules the gradients are per
   iteration, stacked along the scan axis, and so are the activations and
-  inputs that ``return_activations`` and ``return_inputs`` give.
+  inputs that ``return_activations`` and ``return_inputs`` give. The branches
+  of an ``nnx.cond``/``nnx.switch`` share one point per call, holding the
+  gradient of the branch that ran.
 
   The model's state changes as under ``nnx.value_and_grad`` (batch statistics,
   RNG counts); its classes, attributes and graphdef are never touched, also
@@ -552,6 +572,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       when differentiating.
     UnmappedPerturbationError: a selected call runs inside ``nnx.vmap`` with
       the module's state broadcast.
+    BranchCallsMismatchError: the branches of an ``nnx.cond``/``nnx.switch``
+      make different selected calls (exclude them with the filter).
     UninstrumentableModuleError: a submodule's class cannot be instrumented.
     ActivationsUnavailableError: ``return_activations`` or ``return_inputs``
       for a call inside ``nnx.vmap`` with the module's state broadcast (inside
