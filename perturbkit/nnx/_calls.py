@@ -108,7 +108,9 @@ def branches() -> tuple[str | None, Branches | None]:
   inside both kinds nested (Flax keeps one stack per kind, so their order is
   unknown and the call is counted as any other).
   """
-  stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+  # Flax internals: where a Flax version lacks them, branch calls are counted as any other
+  # (their points then differ per branch, and discovery warns about them).
+  stacks = getattr(getattr(graphlib, 'GRAPH_CONTEXT', None), 'update_context_stacks', None) or {}
   open_ = [(tag, stacks[tag]) for tag in _CONDITIONALS if stacks.get(tag)]
   if not open_:
     return None, ()
