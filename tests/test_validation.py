@@ -298,34 +298,34 @@ def test_gate_init_logit(value):
     perturbkit.interpret.gates('Dense_0/__call__', (3,), init_logit=value)
 
 
-@pytest.mark.parametrize('value', [1.5, True, 'x', (0, 1.5), (0, False), jnp.asarray(0)])
-def test_batch_axes(value):
-  loss_fn = lambda v, x: jnp.mean(v * x)
-  options = dict(clip_norm=1.0, noise_multiplier=1.0)
-  with raises_invalid('batch_axes', value):
-    perturbkit.per_example_grad_norms(loss_fn, batch_axes=value)
-  with raises_invalid('batch_axes', value):
-    perturbkit.private_grad(loss_fn, batch_axes=value, **options)
-  with raises_invalid('batch_axes', value):
-    perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), batch_axes=value, **options)
-  with raises_invalid('batch_axes', value):
-    perturbkit.nnx.per_example_grad_norms(loss_fn, batch_axes=value)
-  with raises_invalid('batch_axes', value):
-    perturbkit.check_per_example(loss_fn, 1.0, jnp.ones(3), batch_axes=value)
+PER_EXAMPLE_FACTORIES = {
+    'per_example_grad_norms': lambda loss_fn, **o: perturbkit.per_example_grad_norms(loss_fn, **o),
+    'private_grad': lambda loss_fn, **o: perturbkit.private_grad(
+        loss_fn, clip_norm=1.0, noise_multiplier=1.0, **o),
+    'dp_sgd': lambda loss_fn, **o: perturbkit.dp_sgd(
+        loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, **o),
+    'nnx.per_example_grad_norms': lambda loss_fn, **o: perturbkit.nnx.per_example_grad_norms(
+        loss_fn, **o),
+    'nnx.dp_sgd': lambda loss_fn, **o: perturbkit.nnx.dp_sgd(
+        loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, **o),
+    'check_per_example': lambda loss_fn, **o: perturbkit.check_per_example(
+        loss_fn, 1.0, jnp.ones(3), **o),
+}
 
 
-@pytest.mark.parametrize('value', ['fast', None, 0])
-def test_dense_method_is_checked_where_given(value):
+@pytest.mark.parametrize('option,value', [
+    *(('batch_axes', v) for v in [1.5, True, 'x', (0, 1.5), (0, False), jnp.asarray(0)]),
+    *(('dense_method', v) for v in ['fast', None, 0]),
+])
+def test_per_example_options_are_checked_where_given(option, value):
+  """Every per-example factory checks batch_axes and dense_method when it is made (where it
+  takes them: check_per_example has no dense_method)."""
   loss_fn = lambda v, x: jnp.mean(v * x)
-  options = dict(clip_norm=1.0, noise_multiplier=1.0)
-  with raises_invalid('dense_method', value):
-    perturbkit.per_example_grad_norms(loss_fn, dense_method=value)
-  with raises_invalid('dense_method', value):
-    perturbkit.private_grad(loss_fn, dense_method=value, **options)
-  with raises_invalid('dense_method', value):
-    perturbkit.nnx.per_example_grad_norms(loss_fn, dense_method=value)
-  with raises_invalid('dense_method', value):
-    perturbkit.nnx.dp_sgd(loss_fn, optax.sgd(0.1), dense_method=value, **options)
+  for name, factory in PER_EXAMPLE_FACTORIES.items():
+    if option == 'dense_method' and name == 'check_per_example':
+      continue
+    with raises_invalid(option, value):
+      factory(loss_fn, **{option: value})
 
 
 @pytest.mark.parametrize('value', ['max', None])
