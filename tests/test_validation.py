@@ -177,28 +177,20 @@ def test_segments_depth(mlp, value):
     perturbkit.nnx.interleaved(lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), segments=value)
 
 
-@pytest.mark.parametrize('value', ['new', None, 1])
-def test_propagate(mlp, value):
+@pytest.mark.parametrize('option,value', [
+    *(('propagate', v) for v in ['new', None, 1]),
+    *(('segments', v) for v in ['Dense_0', ['Dense_0'], True, jnp.asarray(2)]),
+])
+def test_interleaved_options_are_checked_by_every_factory(mlp, option, value):
+  """propagate, and segments that are neither a depth nor a filter, in the three factories."""
   nnx_loss = lambda model, x: jnp.mean(model(x) ** 2)
-  with raises_invalid('propagate', value):
-    perturbkit.interleaved(mlp[2], optax.sgd(0.1), propagate=value)
-  with raises_invalid('propagate', value):
-    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), propagate=value)
-  with raises_invalid('propagate', value):
+  with raises_invalid(option, value):
+    perturbkit.interleaved(mlp[2], optax.sgd(0.1), **{option: value})
+  with raises_invalid(option, value):
+    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), **{option: value})
+  with raises_invalid(option, value):
     perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-                                        nnx_loss, jnp.ones((3, 2)), propagate=value)
-
-
-@pytest.mark.parametrize('value', ['Dense_0', ['Dense_0'], True, jnp.asarray(2)])
-def test_segments_neither_a_depth_nor_a_filter(mlp, value):
-  nnx_loss = lambda m, x: jnp.mean(m(x))
-  with raises_invalid('segments', value):
-    perturbkit.interleaved(mlp[2], optax.sgd(0.1), segments=value)
-  with raises_invalid('segments', value):
-    perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), segments=value)
-  with raises_invalid('segments', value):
-    perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1),
-                                        nnx_loss, jnp.ones((3, 2)), segments=value)
+                                        nnx_loss, jnp.ones((3, 2)), **{option: value})
 
 
 def test_a_numpy_depth_is_the_int_depth(mlp):
