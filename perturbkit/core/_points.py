@@ -110,6 +110,17 @@ def leaf_dtypes(tree: Any) -> list[str]:
   return [str(getattr(leaf, 'dtype', type(leaf).__name__)) for leaf in jax.tree.leaves(tree)]
 
 
+def transform_name(part: Any) -> str:
+  """The lifted transform one part of a Linen scope's debug path names, ``''`` for none.
+
+  Flax names each lifted transform in the debug path of the scopes it makes
+  (``'cond(Block_0)'``, ``'switch()'``, ``'remat(scan(layers))'``:
+  ``flax.core.lift.pack``'s ``name``); this is the outermost one of the part.
+  """
+  text = str(part)
+  return text.split('(', 1)[0] if '(' in text else ''
+
+
 def inside_lifted_transform(module: nn.Module) -> bool:
   """Whether the call runs inside a lifted transform (``nn.remat``, ``nn.scan``, ...).
 
@@ -134,7 +145,7 @@ def collection_visible(module: nn.Module) -> bool:
   every iteration would read the same perturbation (one point summing the
   iterations' gradients), so none is added there.
   """
-  if any(str(part).startswith('while_loop(') for part in module.scope.debug_path):
+  if any(transform_name(part) == 'while_loop' for part in module.scope.debug_path):
     return False
   if module.is_mutable_collection(COLLECTION):
     return True
@@ -243,3 +254,10 @@ class PointShape(NamedTuple):
 def point_key(method_name: str, index: int) -> str:
   """The point key of the ``index``-th call of ``method_name`` (0-based)."""
   return method_name if index == 0 else f'{method_name}#{index}'
+
+
+def raise_counts(counts: dict, others: dict) -> None:
+  """Each of the call ``counts`` at least as high as in ``others`` (both front ends count on
+  past every branch of a conditional this way)."""
+  for k, n in others.items():
+    counts[k] = max(counts.get(k, 0), n)

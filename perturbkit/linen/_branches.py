@@ -1,21 +1,17 @@
 """Calls inside the branches of ``nn.cond``/``nn.switch``."""
 import flax.linen as nn
 
-from perturbkit.core._points import COLLECTION
+from perturbkit.core._points import COLLECTION, transform_name
 from perturbkit.errors import BranchesUnseparatedError
 from perturbkit.linen._interceptor import Call
 
 
 def branching_transform(module: nn.Module) -> str | None:
-  """``'nn.cond'`` or ``'nn.switch'`` where ``module`` runs in a branch of one, else ``None``.
-
-  Flax names each lifted transform in the debug path of the scopes it makes
-  (``'cond(Block_0)'``, ``'switch()'``: ``flax.core.lift.pack``'s ``name``).
-  """
+  """``'nn.cond'`` or ``'nn.switch'`` where ``module`` runs in a branch of one, else ``None``
+  (the first of them its scope's debug path names)."""
   for part in module.scope.debug_path:
-    for name in ('cond', 'switch'):
-      if part.startswith(name + '('):
-        return f'nn.{name}'
+    if (name := transform_name(part)) in ('cond', 'switch'):
+      return f'nn.{name}'
   return None
 
 

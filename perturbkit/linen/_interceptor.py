@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import flax.linen as nn
 
 from perturbkit.core.filters import linen_path_prefix, module_path
-from perturbkit.core._points import point_key
+from perturbkit.core._points import point_key, raise_counts, transform_name
 from perturbkit.core._types import CallFilter, Path
 from perturbkit.errors import OutsideApplyError
 
@@ -96,7 +96,7 @@ def function_transform(module: nn.Module) -> str | None:
   scope's debug path, ``'cond(block)'``), else ``None``."""
   if module.scope is None or module.scope.parent is not None or not module.scope.debug_path:
     return None
-  name = str(module.scope.debug_path[-1]).split('(', 1)[0]
+  name = transform_name(module.scope.debug_path[-1])
   return name if name in _FUNCTION_TRANSFORMS else None
 
 
@@ -109,7 +109,7 @@ class _Group:
 
   def takes(self, where: tuple, function: Any) -> bool:
     """Whether ``function``, run on ``where``, is another function of this call."""
-    most = _FUNCTION_TRANSFORMS[str(where[-1]).split('(', 1)[0]]
+    most = _FUNCTION_TRANSFORMS[transform_name(where[-1])]
     return (where == self.where and all(f is not function for f in self.functions)
             and (most is None or len(self.functions) < most))
 
@@ -125,12 +125,6 @@ class _Trace:
   floor: dict[tuple[Path, str], int] = dataclasses.field(default_factory=dict)
   # The function transform that ran last in it, while no call of its own followed.
   group: _Group | None = None
-
-
-def _raise_to(counts: dict[tuple[Path, str], int], others: dict[tuple[Path, str], int]):
-  """Each of ``counts`` at least as high as in ``others``."""
-  for k, n in others.items():
-    counts[k] = max(counts.get(k, 0), n)
 
 
 def _traced_once(module: nn.Module) -> bool:
@@ -173,7 +167,7 @@ class _State:
     try:
       yield
     finally:
-      _raise_to(self.traces[-2].seen, self.traces.pop().seen)
+      raise_counts(self.traces[-2].seen, self.traces.pop().seen)
 
   def run_function(self, module: nn.Module, function: Any, run: Callable[[], Any]) -> Any:
     """Runs a function of a function transform (a branch) as a trace of its own.
@@ -195,7 +189,7 @@ class _State:
         return run()
     finally:
       self.function_roots.discard(module.scope.root)
-      _raise_to(outer.floor, outer.seen)
+      raise_counts(outer.floor, outer.seen)
       outer.group = group  # the calls inside ran in the function's own trace
 
   def next_key(self, module: nn.Module, method_name: str) -> str:

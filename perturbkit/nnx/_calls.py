@@ -50,7 +50,7 @@ from flax import nnx
 from flax.nnx import bridge as nnx_bridge
 from flax.nnx import graphlib
 
-from perturbkit.core._points import point_key
+from perturbkit.core._points import point_key, raise_counts
 from perturbkit.errors import UninstrumentableModuleError
 
 SITES_ATTR = '_perturbkit_sites'
@@ -120,12 +120,6 @@ def branches() -> tuple[str | None, Branches | None]:
   return _CONDITIONALS[tag], tuple((c, getattr(c, 'outer_index_inner_ref', None)) for c in stack)
 
 
-def _raise_to(counts: dict, others: dict):
-  """Each of ``counts`` at least as high as in ``others``."""
-  for k, n in others.items():
-    counts[k] = max(counts.get(k, 0), n)
-
-
 @dataclasses.dataclass
 class _Group:
   """One conditional whose branches are running: the counts its branches start from."""
@@ -148,7 +142,7 @@ class _Block:
 
   def _end_group(self):
     """The calls after the innermost conditional count on past every branch of it."""
-    _raise_to(self.counts, self.groups.pop().high)
+    raise_counts(self.counts, self.groups.pop().high)
 
   def enter(self, running: Branches):
     """Sets the counts for a call inside the branches ``running`` (from :func:`branches`)."""
@@ -161,7 +155,7 @@ class _Block:
     if kept and self.groups[-1].branch is not running[kept - 1][1]:
       # Another branch of the same conditional: it counts from where the first one did.
       group = self.groups[-1]
-      _raise_to(group.high, self.counts)
+      raise_counts(group.high, self.counts)
       self.counts = dict(group.start)
       group.branch = running[kept - 1][1]
     for context, branch in running[kept:]:
