@@ -57,18 +57,31 @@ FORWARD_ONLY = Backward(lambda *_: (None, ()), propagate_updated=False)
 """The backward step of a segment whose forward pass alone is traced (the reads checks)."""
 
 
-def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
-  """The floating-point array leaves of ``tree`` and a function putting them back."""
+def _split(tree: Any, *kinds: Callable[[Any], bool]) -> tuple[list[list], Callable[..., Any]]:
+  """The leaves of ``tree`` of each kind (one list per predicate in ``kinds``), and a
+  function taking one list per kind and putting them back; the other leaves stay as they
+  are."""
   leaves, treedef = jax.tree.flatten(tree)
-  where = [i for i, leaf in enumerate(leaves) if is_inexact_array(leaf)]
+  where = [[i for i, leaf in enumerate(leaves) if kind(leaf)] for kind in kinds]
 
-  def rebuild(dynamic: list) -> Any:
+  def rebuild(*parts: list) -> Any:
     full = list(leaves)
-    for i, value in zip(where, dynamic):
-      full[i] = value
+    for indices, values in zip(where, parts):
+      for i, value in zip(indices, values):
+        full[i] = value
     return jax.tree.unflatten(treedef, full)
 
-  return [leaves[i] for i in where], rebuild
+  return [[leaves[i] for i in indices] for indices in where], rebuild
+
+
+def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
+  """The floating-point array leaves of ``tree`` and a function putting them back."""
+  (floats,), rebuild = _split(tree, is_inexact_array)
+  return floats, rebuild
+
+
+def _other_array(leaf: Any) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray)) and not is_inexact_array(leaf)
 
 
 def split_arrays(tree: Any) -> tuple[list, list, Callable[[list, list], Any]]:
@@ -79,18 +92,8 @@ def split_arrays(tree: Any) -> tuple[list, list, Callable[[list, list], Any]]:
   input rather than closing over them: inside ``nn.remat`` or ``nn.scan`` they are tracers
   of the lifted transform's trace, which a later trace (the backward pass) cannot read.
   """
-  leaves, treedef = jax.tree.flatten(tree)
-  floats = [i for i, leaf in enumerate(leaves) if is_inexact_array(leaf)]
-  others = [i for i, leaf in enumerate(leaves)
-            if isinstance(leaf, (jax.Array, np.ndarray)) and not is_inexact_array(leaf)]
-
-  def rebuild(dynamic: list, fixed: list) -> Any:
-    full = list(leaves)
-    for i, value in zip(floats + others, list(dynamic) + list(fixed)):
-      full[i] = value
-    return jax.tree.unflatten(treedef, full)
-
-  return [leaves[i] for i in floats], [leaves[i] for i in others], rebuild
+  (floats, others), rebuild = _split(tree, is_inexact_array, _other_array)
+  return floats, others, rebuild
 
 
 def _is_primal(x: Any) -> bool:
