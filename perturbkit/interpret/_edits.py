@@ -32,8 +32,9 @@ import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._validate import axes
-from perturbkit.errors import (AmbiguousEditError, EditShapeError, EditViewError, InvalidOptionError, NotEditsError,
-                               PositionOutOfRangeError, UnknownEditPathError)
+from perturbkit.errors import (AmbiguousEditError, EditShapeError, EditViewError,
+                               InvalidOptionError, NotEditsError, PositionOutOfRangeError,
+                               UnknownEditPathError)
 
 
 # How a slice or a boolean mask becomes positions, for the messages that refuse them.
@@ -90,6 +91,17 @@ def checked_view(view: Any) -> tuple[int, ...] | None:
   return view
 
 
+def _integer_indices(positions: Any) -> bool:
+  """Whether ``positions`` are integer indices: not strings, floats, booleans, a slice or
+  ragged lists (NumPy makes those arrays of another kind)."""
+  if isinstance(positions, jax.Array):
+    return jnp.issubdtype(positions.dtype, jnp.integer)
+  try:
+    return np.asarray(positions).dtype.kind in 'iu'
+  except ValueError:  # ragged
+    return False
+
+
 def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
   view = checked_view(view)
   if (positions is None) != (axis is None):
@@ -98,18 +110,10 @@ def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
   if axis is not None:
     axes('axis', axis)
   if positions is not None:
-    if not isinstance(positions, jax.Array):  # a list, a NumPy array: strings are refused here
-      try:
-        kind = np.asarray(positions).dtype.kind
-      except ValueError:  # ragged
-        kind = 'O'
-      if kind not in 'iu':
-        raise InvalidOptionError('positions', positions,
-                                 f'integer indices along the axis ({AS_INDICES})')
-    positions = jnp.asarray(positions)
-    if not jnp.issubdtype(positions.dtype, jnp.integer):
+    if not _integer_indices(positions):
       raise InvalidOptionError('positions', positions,
                                f'integer indices along the axis ({AS_INDICES})')
+    positions = jnp.asarray(positions)
   return Edit(jax.tree.map(jnp.asarray, scale_value), jax.tree.map(jnp.asarray, shift),
               positions, jnp.asarray(True), axis, view)
 

@@ -15,7 +15,7 @@ import jax
 from perturbkit.errors import KFACLayerInfoError, KFACShapeError, KFACUnsupportedLayerError
 from perturbkit.kfac._examples import grouping_reason
 from perturbkit.kfac._layers import KFACLayers, outside_reason
-from perturbkit.kfac._rules import LayerInfo
+from perturbkit.kfac._rules import KINDS, LayerInfo
 
 
 def signature(tree: Any) -> tuple:
@@ -29,9 +29,6 @@ def abstract(tree: Any) -> Any:
   """The tree with every array replaced by its ``ShapeDtypeStruct``."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                       if hasattr(x, 'shape') and hasattr(x, 'dtype') else x, tree)
-
-
-KINDS = ('dense', 'conv', 'embed', 'norm')
 
 
 def check_layer_info(name: str, info: LayerInfo) -> None:

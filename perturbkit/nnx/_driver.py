@@ -32,21 +32,20 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                               NonDifferentiableOutputError, PerturbationStructureError,
-                               WrongFrontEndError)
+                               CaptureConflictError, NoHooksError, NonDifferentiableOutputError,
+                               NoPerturbationPointsError, NotAModuleError,
+                               PerturbationsNotAppliedError, PerturbationStructureError,
+                               TransformTracedOnceError, UnmappedPerturbationError,
+                               UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._iterations import (Stacking, edit_output, iteration_key, marked_axes, marker,
                                          marker_name, stacking)
 from perturbkit.core._hooks import Hook, apply_hooks
 from perturbkit.nnx._calls import Call, NNXPath, instrument
-from perturbkit.errors import (CaptureConflictError, NoPerturbationPointsError,
-                               PerturbationsNotAppliedError, TransformTracedOnceError,
-                               UnmappedPerturbationError, UnperturbedCallsWarning)
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
-from perturbkit.errors import NoHooksError, NotAModuleError
 
 # One entry of the flat perturbation list: module path + perturb name.
 PointPath = tuple[str | int, ...]

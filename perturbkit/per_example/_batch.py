@@ -9,8 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from perturbkit.errors import ExamplesAxisError
-from perturbkit.errors import InvalidOptionError
+from perturbkit.errors import ExamplesAxisError, InvalidOptionError
 
 BatchAxes = int | None | tuple
 
@@ -76,11 +75,8 @@ def reduction_scale(reduction: str, num_examples: int) -> float:
   ``term_i``'s gradient divided by the number of examples, so it is multiplied
   back; for ``sum`` it is the per-example gradient already.
   """
-  if reduction == 'mean':
-    return float(num_examples)
-  if reduction == 'sum':
-    return 1.0
-  raise InvalidOptionError('reduction', reduction, "'mean' or 'sum'")
+  check_reduction_option(reduction)
+  return float(num_examples) if reduction == 'mean' else 1.0
 
 
 def reduce(values: Any, reduction: str) -> Any:
