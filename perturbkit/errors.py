@@ -490,11 +490,12 @@ class InputMismatchError(PerturbkitError, ValueError):
 class NotAnOptimizerError(PerturbkitError, TypeError):
   """The optimizer is not an optax transformation or a function returning one."""
 
-  def __init__(self, got: str, hint: str = ''):
+  def __init__(self, got: str, hint: str = '', per_segment: bool = True):
+    alternative = (' or a function `segment_name -> GradientTransformation`' if per_segment
+                   else '')
     super().__init__(
-        'The optimizer must be an `optax.GradientTransformation` (e.g. `optax.adam(1e-3)`) '
-        f'or a function `segment_name -> GradientTransformation`, but {got}.'
-        + (f' {hint}' if hint else ''))
+        'The optimizer must be an `optax.GradientTransformation` (e.g. `optax.adam(1e-3)`)'
+        f'{alternative}, but {got}.' + (f' {hint}' if hint else ''))
 
 
 class KFACTargetsError(PerturbkitError, ValueError):

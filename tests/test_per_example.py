@@ -724,8 +724,9 @@ def test_interleaved_and_clipping_do_not_combine():
   with pytest.raises(perturbkit.InterleavedClippingError, match='interleaved'):
     perturbkit.dp_sgd(loss_fn, perturbkit.interleaved(loss_fn, optax.sgd(0.1)), clip_norm=1.0,
                       noise_multiplier=1.0)
-  with pytest.raises(perturbkit.NotAnOptimizerError, match='GradientTransformation'):
+  with pytest.raises(perturbkit.NotAnOptimizerError, match='GradientTransformation') as error:
     perturbkit.dp_sgd(loss_fn, optax.sgd, clip_norm=1.0, noise_multiplier=1.0)
+  assert 'segment_name' not in str(error.value)  # dp_sgd takes no optimizer per segment
 
 
 def test_bad_options():

@@ -392,7 +392,8 @@ def check_optimizer(optimizer: Any, where: str = 'perturbkit.dp_sgd') -> None:
       raise InterleavedClippingError(
           f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
           '`perturbkit.interleaved(...)`) as its optimizer')
-    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})')
+    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})',
+                              per_segment=False)
 
 
 def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
