@@ -335,7 +335,7 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
   args = (variables, clean, corrupted)
   # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
-  want = jax.grad(lambda *a: loss(by_hand(*a)), argnums=(0, 1, 2))(*args)
+  want = jax.jit(jax.grad(lambda *a: loss(by_hand(*a)), argnums=(0, 1, 2)))(*args)
   assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
   for batch_size, wrap in ((None, jax.jit), (2, jax.jit), (2, lambda f: f)):
     patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
@@ -344,7 +344,7 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
   directions = jax.tree.map(lambda x: jax.random.normal(jax.random.key(5), x.shape), args)
   patch = perturbkit.activation_patching(metric, axis=1, batch_size=2)
   got = jax.jit(lambda a, t: jax.jvp(lambda *a: patch(*a).effects, a, t))(args, directions)
-  want = jax.jvp(by_hand, args, directions)
+  want = jax.jit(lambda a, t: jax.jvp(by_hand, a, t))(args, directions)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   if changed_from:
     assert not jnp.any(got[0][:, :changed_from]) and jnp.all(got[0][:, changed_from:])

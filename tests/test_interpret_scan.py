@@ -285,8 +285,9 @@ def test_effects_per_example_under_vmap_equal_one_sweep_per_example(case):
   sweep = case.api.activation_patching(one, filter=case.scanned, axis=1)
   per_example = jax.jit(jax.vmap(sweep, in_axes=(None, 0, 0)))(
       case.model, case.clean, case.corrupted)
+  alone_sweep = jax.jit(sweep)  # one compile for every example
   for e in range(case.clean.shape[0]):
-    alone = sweep(case.model, case.clean[e], case.corrupted[e])
+    alone = alone_sweep(case.model, case.clean[e], case.corrupted[e])
     np.testing.assert_allclose(per_example.effects[e], alone.effects, **TOL)
   assert not np.allclose(per_example.effects[0], per_example.effects[1], **TOL)
 
