@@ -8,8 +8,8 @@ import jax.numpy as jnp
 
 
 def _is_model_call(module: nn.Module, method_name: str) -> bool:
-  # Submodule method calls only: not the root (nor a root made by a nested `apply`, as GPT-2's
-  # tied LM head does), not `setup`, not Flax's internal lambda-named helpers.
+  # Submodule method calls only: not the root, not `setup`, not Flax's internal lambda-named
+  # helpers.
   return (module.scope is not None and bool(module.path) and method_name != 'setup'
           and method_name.isidentifier())
 
@@ -24,22 +24,43 @@ def explicit_deltas(deltas: dict | None = None, shapes: dict | None = None):
 
   ``key`` is the method name, then ``'#1'``, ``'#2'``... for later calls of the same method of
   the same module; a call made while the same method of the same module runs
-  (``super().__call__``) is part of that call and gets no delta. With ``shapes``, records the
-  float leaves' shapes under the same names.
+  (``super().__call__``) is part of that call and gets no delta. A submodule's own ``apply``
+  inside a call (GPT-2's tied LM head, ``self.lm_head.apply(...)``) is a call of that
+  submodule; the calls inside it get none. With ``shapes``, records the float leaves' shapes
+  under the same names.
   """
   counts: dict = {}
   running: set = set()
+  modules: list = []  # the modules whose calls (or apply) run now, innermost last
+  nested = [0]  # how many submodules' own applies run now
+
+  def run(module, next_fun, args, kwargs):
+    modules.append(module)
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      modules.pop()
 
   def interceptor(next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
-    if not _is_model_call(module, method) or (id(module), method) in running:
+    if module.scope is not None and not module.path and method != 'setup':
+      if not (modules and module.name is not None and method.isidentifier()):
+        return run(module, next_fun, args, kwargs)  # the model's own apply
+      path = tuple(modules[-1].path) + (module.name,)  # a submodule's own apply
+      nested[0] += 1
+      try:
+        out = run(module, next_fun, args, kwargs)
+      finally:
+        nested[0] -= 1
+    elif nested[0] or not _is_model_call(module, method) or (id(module), method) in running:
       return next_fun(*args, **kwargs)
-    running.add((id(module), method))
-    try:
-      out = next_fun(*args, **kwargs)
-    finally:
-      running.discard((id(module), method))
-    path = tuple(module.path)
+    else:
+      running.add((id(module), method))
+      try:
+        out = run(module, next_fun, args, kwargs)
+      finally:
+        running.discard((id(module), method))
+      path = tuple(module.path)
     n = counts.get((path, method), 0)
     counts[(path, method)] = n + 1
     name = path + (method if n == 0 else f'{method}#{n}',)

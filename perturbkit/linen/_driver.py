@@ -141,7 +141,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              hooks_matched: set[int] | None = None,
              lifted: set[tuple] | None = None,
              inside: dict[tuple, PointShape] | None = None,
-             marked: dict[tuple, tuple[int, ...]] | None = None
+             marked: dict[tuple, tuple[int, ...]] | None = None,
+             nested_applies: bool = False
              ) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
@@ -157,7 +158,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   to ``lifted`` if given, with the shape of their output there to ``inside``
   (a scan's point, outside it, is stacked per iteration), and the outside shape
   of an axis marker made next to each (``core/_iterations.marker``) to
-  ``marked`` if given.
+  ``marked`` if given. With ``nested_applies``, a submodule's own ``apply`` made
+  inside a call of the model (a tied output layer) is a call of that submodule.
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -244,7 +246,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     return handler(call, run)
 
   def traced(variables, *args):
-    with intercept(_filters.all_calls, recording, on_root, outside_apply=True):
+    with intercept(_filters.all_calls, recording, on_root, outside_apply=True,
+                   nested_applies=nested_applies):
       return loss_fn(variables, *args, **kwargs)
 
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
@@ -263,7 +266,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                     expected: set[tuple], hooks: Sequence[Hook] = (),
                     edit: PointEdit | None = None, activations: bool = False,
                     inputs: bool = False, lifted: Collection[tuple] = (),
-                    per_iteration: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
+                    per_iteration: bool = False, nested_applies: bool = False
+                    ) -> tuple[Any, dict[str, dict[tuple, Any]]]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -298,6 +302,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       ``variable_axes``) leave with them, stacked per iteration along the axis
       of the call's gradient; a transform that maps the captures stacks them
       the same way, which is then taken too.
+    nested_applies: As ``discover``'s, which found ``expected``.
 
   Returns:
     ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
@@ -384,7 +389,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   handler = _point_handler(points, hooks, strict, on_point, edit)
   full = {**variables, COLLECTION: perturbations}
   with intercept(_interception(points, hooks), handler, on_root if lifted and kinds else None,
-                 outside_apply=True):
+                 outside_apply=True, nested_applies=nested_applies):
     out = loss_fn(full, *args, **kwargs)
   missing = sorted('/'.join(p) for p in expected - applied)
   if missing:
@@ -536,6 +541,11 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       replaced by the tuple of its float leaves.
     * The root module's own call is never a point: its output is the model's
       output.
+    * A submodule's own ``apply`` inside a call of the model, as Hugging Face
+      ties an output layer to the input embedding
+      (``self.lm_head.apply({'params': {'kernel': embedding.T}}, h)``), is a
+      call of that submodule: GPT-2's ``grads['perturbations']['lm_head']``
+      holds dL/d(logits). The calls inside such an ``apply`` have no point.
     * With ``return_activations``/``return_inputs`` the outputs and the
       ``(args, kwargs)`` inputs of the selected calls are at the same paths as
       their gradients.
@@ -617,7 +627,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     unperturbed: list[str] = []
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
                                   strict=strict, hooks=hooks, point_paths=expected,
-                                  hooks_matched=matched, lifted=lifted, unreachable=unperturbed)
+                                  hooks_matched=matched, lifted=lifted, unreachable=unperturbed,
+                                  nested_applies=True)
     if unperturbed:
       warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=3)
     if not points_found:
@@ -628,7 +639,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       out, captured = perturbed_apply(
           loss_fn, {**variables, 'params': params}, perturbations, args, kwargs, points=points,
           strict=strict, expected=expected, hooks=hooks, activations=return_activations,
-          inputs=return_inputs, lifted=lifted, per_iteration=True)
+          inputs=return_inputs, lifted=lifted, per_iteration=True, nested_applies=True)
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, {k: nested(v) for k, v in captured.items()})

@@ -56,7 +56,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
       matched.update(i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
       return apply_hooks(hooks, call.module, call.method_name, run())
 
-    with intercept(_filters.all_calls, handler, transparent=True):
+    with intercept(_filters.all_calls, handler, transparent=True, nested_applies=True):
       out = fun(*args, **kwargs)
     check_matched(hooks, matched, seen)
     return out

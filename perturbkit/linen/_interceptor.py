@@ -23,6 +23,13 @@ that the branches name the same calls alike and never like a call outside,
 and the calls after it count on from every branch. The counts of one
 ``apply`` are carried over to the next ``apply`` inside the same block, so a loss
 that runs the model twice gets distinct points for the two runs.
+
+A submodule's own ``apply`` made inside a call of the model
+(``self.lm_head.apply({'params': {'kernel': embedding.T}}, h)``, how Hugging Face
+ties an output layer to the input embedding) runs the submodule on variables it
+is given. Where the block asks for it (``nested_applies=True``), that ``apply`` is
+a call of the submodule, with the key a direct call would have; the calls inside
+it count in a trace of their own.
 """
 import contextlib
 import dataclasses
@@ -150,6 +157,7 @@ class _State:
     # (module, method name) of the calls running now: a call of the same method of the same
     # module inside one of them (``super().__call__`` in a subclass) is part of it.
     self.running: set[tuple[int, str]] = set()
+    self.modules: list[nn.Module] = []  # the modules whose calls run now, innermost last
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
 
@@ -203,6 +211,17 @@ class _State:
     self.apply_counts[k] = max(self.apply_counts.get(k, 0), n + 1)
     return point_key(method_name, self.offsets.get(k, 0) + n)
 
+  def applied_child(self, module: nn.Module, method_name: str) -> nn.Module | None:
+    """The submodule of the running call that ``module``, the root of an ``apply`` made
+    inside it, is a copy of (``self.lm_head.apply(...)``); None for any other ``apply``."""
+    if not self.modules or module.name is None or not method_name.isidentifier():
+      return None
+    child = self.modules[-1]._state.children.get(module.name)
+    if (isinstance(child, nn.Module) and type(child) is type(module)
+        and child.scope is not None and child.path):
+      return child
+    return None
+
 
 def _is_method_call(module: nn.Module, method_name: str) -> bool:
   # Flax also routes `setup` through interceptors, and, for submodules, internal
@@ -230,7 +249,8 @@ _LOCAL = _Local()
 @contextlib.contextmanager
 def intercept(filter: CallFilter, on_call: Handler,
               on_root: RootHandler | None = None, *,
-              transparent: bool = False, outside_apply: bool = False) -> Iterator[None]:
+              transparent: bool = False, outside_apply: bool = False,
+              nested_applies: bool = False) -> Iterator[None]:
   """Hands every selected submodule call inside the block to ``on_call``.
 
   Args:
@@ -246,6 +266,9 @@ def intercept(filter: CallFilter, on_call: Handler,
       the model (``Call.outside_apply``); otherwise such a call is an
       :class:`OutsideApplyError` (transparent blocks take them always). Each
       new bound tree they run in counts as a new apply.
+    nested_applies: A submodule's own ``apply`` made inside a call of the model
+      (a tied output layer) is handed over as a call of that submodule;
+      otherwise it runs unseen, and only the calls inside it are handed over.
 
   Yields:
     Nothing; the interception ends with the block.
@@ -264,10 +287,14 @@ def intercept(filter: CallFilter, on_call: Handler,
       return next_fun(*args, **kwargs)
     if not module.path:
       if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
-        with state.trace({}):
-          return run()
+        child = state.applied_child(module, method_name) if nested_applies else None
+        nested = lambda: _in_trace_of_its_own(module, run)
+        if child is not None:
+          return _call(child, method_name, nested, args, kwargs)
+        return nested()
       state.start_apply()
       state.roots_active += 1
+      state.modules.append(module)
       try:
         if on_root is None:
           return run()
@@ -276,20 +303,31 @@ def intercept(filter: CallFilter, on_call: Handler,
         return on_root(module, method, run, args, kwargs)
       finally:
         state.roots_active -= 1
+        state.modules.pop()
     if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
       with state.trace(state.traces[-1].seen if _traced_once(module) else {}):
         return _call(module, method_name, run, args, kwargs)
     return _call(module, method_name, run, args, kwargs)
+
+  def _in_trace_of_its_own(module, run):
+    state.modules.append(module)
+    try:
+      with state.trace({}):
+        return run()
+    finally:
+      state.modules.pop()
 
   def _call(module, method_name, run, args, kwargs):
     running = (id(module), method_name)
     if running in state.running:  # `super().__call__` inside the module's own call
       return run()
     state.running.add(running)
+    state.modules.append(module)
     try:
       return _new_call(module, method_name, run, args, kwargs)
     finally:
       state.running.discard(running)
+      state.modules.pop()
 
   def _new_call(module, method_name, run, args, kwargs):
     outside = not state.roots_active

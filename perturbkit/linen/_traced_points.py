@@ -50,7 +50,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     unperturbed: list[str] = []
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
                            point_paths=expected, lifted=lifted, inside=inside, marked=marked,
-                           unreachable=unperturbed)
+                           unreachable=unperturbed, nested_applies=True)
   if unperturbed:
     warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=2)
   if not expected:
@@ -70,7 +70,7 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
         out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
                                         strict=strict, expected=expected, edit=edit,
                                         activations=True, inputs=True, lifted=lifted,
-                                        per_iteration=bool(stackings))
+                                        per_iteration=bool(stackings), nested_applies=True)
       except ActivationsUnavailableError as error:
         raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
