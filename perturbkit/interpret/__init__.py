@@ -107,7 +107,10 @@ Conventions
 * Clean and corrupted inputs must make the same calls with outputs of the same
   shapes (``CallStructureMismatchError`` names the first call that differs).
 * NNX: the functions run a copy of the model merged in their own trace; the
-  model's state (batch statistics, RNG counts) is not changed.
+  model's state (batch statistics, RNG counts) is not changed. With dropout
+  on, every call therefore draws the same masks (those the model's next own
+  call would draw): use ``model.eval()``, or give the model new RNG streams
+  (``nnx.reseed``) between calls that should differ.
 * Calls inside ``nn.remat`` and ``nn.jit`` (a Hugging Face model with
   gradient checkpointing) or ``nnx.remat`` and ``nnx.jit`` are cached, edited
   and patched like any other: their outputs leave the transform in a mutable
