@@ -311,6 +311,9 @@ class NoSegmentError(SegmentationError):
           'Params created by the root module itself belong to no submodule call: create '
           'them in a submodule (a small module holding the param, called by the root).'),
       'uncalled': 'Call the module in the loss, or leave its params out of the variables.',
+      'branch': (
+          'Run the conditional or loop inside a module of its own (a submodule that calls '
+          '`nn.cond`/`nnx.cond` on itself), whose call then takes it whole.'),
       'transform': (
           'Slice the params along their first axis (Linen: `variable_axes={"params": 0}`; '
           'NNX: `nnx.scan(..., in_axes=0)` over modules made with `nnx.vmap`), or apply '

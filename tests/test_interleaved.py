@@ -669,3 +669,62 @@ def test_a_penalty_on_one_layer_puts_it_in_rest_and_original_equals_standard_ste
   assert listing.segments == ('head',) and 'read outside' in listing.rest['hidden'], listing
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   chex.assert_trees_all_close(state.params, standard_sgd_step(loss_fn, v, x, y), **TOL)
+
+
+class _CondBlock(nn.Module):
+  """Runs ``b`` in both branches of ``nn.cond`` on itself: one call per step, in the branch
+  taken."""
+
+  def setup(self):
+    self.b = nn.Dense(4)
+
+  def __call__(self, h, flag):
+    return nn.cond(flag, lambda m, h: m.b(h), lambda m, h: 2 * m.b(-h), self, h)
+
+
+class _CondModel(nn.Module):
+  block: bool  # the conditional in a block of its own, or on the model itself
+
+  def setup(self):
+    self.a, self.c = nn.Dense(4), nn.Dense(1)
+    if self.block:
+      self.blk = _CondBlock()
+    else:
+      self.b = nn.Dense(4)
+
+  def __call__(self, x, flag):
+    h = self.a(x)
+    if self.block:
+      h = self.blk(h, flag)
+    else:
+      h = nn.cond(flag, lambda m, h: m.b(h), lambda m, h: 2 * m.b(-h), self, h)
+    return jnp.sum(jnp.sin(self.c(h)))
+
+
+@pytest.mark.parametrize('block', [False, True])
+def test_a_module_called_in_the_branches_of_nn_cond(block):
+  """A Dense called in both branches is no segment of its own (it is not called twice: the
+  reason names nn.cond), and chosen it is refused; the block running the conditional is a
+  segment, and 'original' steps equal jax.grad + SGD for either branch."""
+  model, lr = _CondModel(block), 0.3
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  v = model.init(jax.random.key(0), x, True)
+  loss_fn = lambda v, x, flag: model.apply(v, x, flag)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr), propagate='original')
+  listing = tx.segments(v, x, True)
+  inner = 'blk/b' if block else 'b'
+  if block:
+    assert listing.segments == ('a', 'blk', 'c') and listing.rest == {}
+  else:
+    assert listing.segments == ('a', 'c') and list(listing.rest) == ['b']
+    assert 'inside nn.cond' in listing.rest['b'] and 'called' not in listing.rest['b']
+  chosen = perturbkit.interleaved(loss_fn, optax.sgd(lr), segments=perturbkit.filters.by_path(inner))
+  with pytest.raises(perturbkit.SegmentationError, match=f"'{inner}' runs inside nn.cond"):
+    chosen.init(v, x, True)
+  state = tx.init(v, x, True)
+  step = jax.jit(tx.step)
+  want = v['params']
+  for flag in (True, False):
+    state, _ = step(state, x, flag)
+    want = sgd_step(want, jax.grad(lambda p: loss_fn({'params': p}, x, flag))(want), lr)
+  chex.assert_trees_all_close(state.params, want, **TOL)

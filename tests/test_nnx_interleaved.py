@@ -908,3 +908,53 @@ def test_a_loss_calling_the_model_twice_says_what_to_change():
   tx = perturbkit.nnx.interleaved(siamese, optax.sgd(0.1))
   with pytest.raises(perturbkit.NoSegmentError, match='concatenated along the batch axis'):
     tx.segments(nnx_models.LoRANet(rngs=nnx.Rngs(0)), x, y)
+
+
+class _CondBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.b = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, h, flag):
+    return nnx.cond(flag, lambda m, h: m.b(h), lambda m, h: 2 * m.b(-h), self, h)
+
+
+class _CondModel(nnx.Module):
+  """``b`` called in both branches of ``nnx.cond``: on the model itself, or in a block."""
+
+  def __init__(self, block, rngs):
+    self.a, self.c = nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs)
+    self.blk = _CondBlock(rngs) if block else None
+    self.b = None if block else nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x, flag):
+    h = self.a(x)
+    if self.blk is not None:
+      h = self.blk(h, flag)
+    else:
+      h = nnx.cond(flag, lambda m, h: m.b(h), lambda m, h: 2 * m.b(-h), self, h)
+    return jnp.sum(jnp.sin(self.c(h)))
+
+
+@pytest.mark.parametrize('block', [False, True])
+def test_a_module_called_in_the_branches_of_nnx_cond(block):
+  """As Linen's ``nn.cond``: the reason and the error name ``nnx.cond``, the block running the
+  conditional is a segment, and 'original' equals nnx.Optimizer for either branch."""
+  model, reference = _CondModel(block, nnx.Rngs(0)), _CondModel(block, nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  loss_fn = lambda m, x, flag: m(x, flag)
+  tx = optax.sgd(0.3)
+  listing = perturbkit.nnx.interleaved(loss_fn, tx).segments(model, x, True)
+  inner = 'blk/b' if block else 'b'
+  if block:
+    assert listing.segments == ('a', 'blk', 'c') and listing.rest == {}
+  else:
+    assert listing.segments == ('a', 'c') and list(listing.rest) == ['b']
+    assert 'inside nnx.cond' in listing.rest['b']
+  chosen = perturbkit.nnx.interleaved(loss_fn, tx, segments=perturbkit.nnx.filters.by_path(inner))
+  with pytest.raises(perturbkit.SegmentationError, match=f"'{inner}' runs inside nnx.cond"):
+    chosen.init(model, x, True)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, tx, loss_fn, x, True, propagate='original')
+  losses = [interleaved_step(model, opt, x, flag)['loss'] for flag in (True, False)]
+  expected = standard_steps(reference, tx, loss_fn, [(x, True), (x, False)])
+  chex.assert_trees_all_close(params_of(model), params_of(reference), **TOL)
+  chex.assert_trees_all_close(losses, expected, **TOL)

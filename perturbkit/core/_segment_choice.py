@@ -80,6 +80,10 @@ class CallRecord(NamedTuple):
     within: The modules whose calls are running when this one starts, outermost
       first (Linen: a module handed to another as an attribute runs inside that
       one's call, but its params are not the caller's).
+    branch: The conditional or loop the call runs in (``'nn.cond'``,
+      ``'nnx.switch'``, ``'nn.while_loop'``), where a segment cannot run: each
+      branch makes the call once, and a loop's body runs it many times; ``''``
+      elsewhere.
   """
   path: Path
   transformed: bool
@@ -88,6 +92,7 @@ class CallRecord(NamedTuple):
   iterations: int = 0
   nested: bool = False
   within: tuple[Path, ...] = ()
+  branch: str = ''
 
 
 def leading_length(tree: Any) -> int | None:
@@ -265,7 +270,8 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   # a filter selecting the inner call selects the module's call.
   selected = {c.path for c in calls if c.selected}
   calls = [c._replace(selected=c.path in selected) for c in calls if not c.nested]
-  count = collections.Counter(c.path for c in calls if not c.transformed)
+  branched = {c.path: c.branch for c in calls if c.branch}
+  count = collections.Counter(c.path for c in calls if not c.transformed and not c.branch)
   stacked_keys: dict[Path, set[str]] = {}
   for c in calls:
     if c.transformed and c.iterations:
@@ -280,10 +286,10 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   by_name = {name_of(p): p for p in {c.path for c in calls} | set(owners)}
   # rest: {module: (kind of reason, reason)}; the kind picks NoSegmentError's advice.
   if spec is None:
-    chosen, rest = _layerwise(owners, count, transformed, transforms)
+    chosen, rest = _layerwise(owners, count, transformed, branched, transforms)
   else:
-    chosen, rest = _user_choice(spec, calls, owners, count, transformed, at_depth, by_name,
-                                in_transform_error), {}
+    chosen, rest = _user_choice(spec, calls, owners, count, transformed, branched, at_depth,
+                                by_name, in_transform_error), {}
   for path, module in _foreign_calls(chosen, calls, owners).items():
     if spec is not None:
       raise SharedSegmentError(name_of(path), _foreign_reason(module))
@@ -309,7 +315,8 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
 
 def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
                  count: Mapping[Path, int], transformed: set[Path],
-                 at_depth: Callable[[int], list[Path]], by_name: Mapping[str, Path],
+                 branched: Mapping[Path, str], at_depth: Callable[[int], list[Path]],
+                 by_name: Mapping[str, Path],
                  in_transform_error: Callable[[str], Exception]) -> set[Path]:
   """The segments a depth, a filter or a state names, each checked (raising if it fails)."""
   if isinstance(spec, Exactly):
@@ -326,6 +333,11 @@ def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
         f'The segment choice {spec!r} selects no call that owns params. Calls seen: '
         f'[{", ".join(seen[:16])}{" ..." if len(seen) > 16 else ""}].')
   for p in wanted:
+    if p in branched:
+      raise SegmentationError(
+          f'The segment {name_of(p)!r} runs inside {branched[p]}, where a segment cannot run; '
+          'choose the module whose call runs it (the conditional or loop then runs inside '
+          'that segment), or other segments.')
     if p in transformed:
       raise in_transform_error(name_of(p))
     if count[p] > 1:
@@ -337,6 +349,7 @@ def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
 
 
 def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[Path],
+               branched: Mapping[Path, str],
                transforms: str) -> tuple[set[Path], dict[str, tuple[str, str]]]:
   """Every module owning params directly, or its nearest enclosing call that can be one.
 
@@ -344,13 +357,18 @@ def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[P
   """
   chosen: set[Path] = set()
   rest: dict[str, tuple[str, str]] = {}
+  cannot = lambda path: path in transformed or path in branched
   for owner in owners:
     target = owner
-    # Copied or sliced params: the nearest enclosing plain call takes them.
-    while target and owner in transformed and (target in transformed or count[target] == 0):
+    # Copied or sliced params, or a call in a conditional or loop: the nearest enclosing
+    # plain call takes them.
+    while target and cannot(owner) and (cannot(target) or count[target] == 0):
       target = target[:-1]
     if not target or count[target] == 0:
       rest[name_of(owner)] = (
+          ('branch', f'it runs inside {branched[owner]}, where a segment cannot run, and no '
+                     'enclosing call can be a segment')
+          if owner in branched else
           ('transform', f'it runs inside {transforms} and no enclosing call can be a segment')
           if owner in transformed else
           ('root', 'its params belong to the root module itself') if not owner else

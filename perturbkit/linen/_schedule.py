@@ -103,8 +103,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       also inside ``nn.scan`` (see "Blocks in ``nn.scan``"); params that
       cannot be updated inside the sweep (a module called twice, tied weights
       read outside their call, params stacked other than along their first
-      axis, a call running a module handed to it as an attribute) go to
-      ``REST`` or to the nearest enclosing call, with the reason
+      axis, a call running a module handed to it as an attribute, a call in
+      the branches of ``nn.cond``/``nn.switch`` or the body of
+      ``nn.while_loop``) go to ``REST`` or to the nearest enclosing call,
+      with the reason
       listed by ``segments(...)`` (if none is left, :class:`NoSegmentError`
       says what to change). An ``int`` depth or a call filter (e.g.
       ``filters.by_type(Block)``) chooses coarser segments; for those a shared

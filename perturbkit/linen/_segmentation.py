@@ -16,6 +16,7 @@ from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
+from perturbkit.linen._branches import branching_transform
 from perturbkit.linen._interceptor import intercept
 from perturbkit.core._segment_choice import (CallRecord, Exactly, SegmentSpec,  # noqa: F401
                                         Segmentation, exactly, flat_leaf_owners)
@@ -51,9 +52,10 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
 
   def on_call(call, run):
     sliced = params_sliced(call, params)
+    branch = branching_transform(call.module) or ('nn.while_loop' if call.in_function else '')
     calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
                             call.key, stacked_iterations(call, params) if sliced else 0,
-                            open_calls.nested(call.path), open_calls.running()))
+                            open_calls.nested(call.path), open_calls.running(), branch))
     return open_calls.around(call.path, run)
 
   def traced(variables, *args):

@@ -171,7 +171,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm``, ...) is a
   segment; a module called twice, one whose variables are read outside its call
   (tied weights, loss terms on them), or one inside ``nnx.scan``/``nnx.vmap``/
-  ``nnx.remat`` (then its nearest enclosing call takes it, if it can) goes to
+  ``nnx.remat`` or the branches of ``nnx.cond``/``nnx.switch`` (then its
+  nearest enclosing call takes it, if it can) goes to
   ``REST``, listed with the reason by ``segments(model, *args)`` (if none is
   left, ``NoSegmentError`` says what to change). A call a module makes inside
   its own call (a method calling another of its methods, or

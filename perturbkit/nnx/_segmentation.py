@@ -60,8 +60,9 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
       probe = iteration_state(call.module)
       if probe is not None and jnp.shape(probe) == ():
         iterations = stacked_iterations(call.module, modules[call.path], wrt)
+    branch = '' if call.conditional is None else (call.conditional or 'nnx.cond and nnx.switch')
     calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name)),
-                            call.key, iterations, open_calls.nested(call.path)))
+                            call.key, iterations, open_calls.nested(call.path), branch=branch))
     return open_calls.around(call.path, run)
 
   graphdef, state = nnx.split(model)
