@@ -33,7 +33,7 @@ from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchE
 from perturbkit.core._hooks import Hook, apply_hooks, check_matched
 from perturbkit.core._iterations import edit_output, iteration_key, marker, marker_name
 from perturbkit.linen._branches import branching_transform, check_branch_point
-from perturbkit.linen._interceptor import Call, intercept, suspended
+from perturbkit.linen._interceptor import JIT_CALLS, Call, in_jit, intercept, suspended
 from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, array_part,
                                differentiable_part, has_differentiable_leaf,
                                inside_lifted_transform, leaf_shapes, merge, stacked_axis,
@@ -142,7 +142,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              lifted: set[tuple] | None = None,
              inside: dict[tuple, PointShape] | None = None,
              marked: dict[tuple, tuple[int, ...]] | None = None,
-             nested_applies: bool = False
+             nested_applies: bool = False,
+             jitted: set[tuple] | None = None
              ) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
@@ -160,6 +161,7 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   of an axis marker made next to each (``core/_iterations.marker``) to
   ``marked`` if given. With ``nested_applies``, a submodule's own ``apply`` made
   inside a call of the model (a tied output layer) is a call of that submodule.
+  The paths of the points inside ``nn.jit`` are added to ``jitted`` if given.
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -176,6 +178,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     path = call.path + (call.key,)
     if applied:
       reached[path] = None
+      if jitted is not None and in_jit(call.module):
+        jitted.add(path)
       branching = branching_transform(call.module)
       if branching:
         in_branches.append((branching, call.name))
@@ -201,8 +205,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
     reached.clear()
     in_branches.clear()
     try:
+      mutable = _also_mutable(_also_mutable(module.scope.mutable, COLLECTION), JIT_CALLS)
       out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
-                               mutable=_also_mutable(module.scope.mutable, COLLECTION), **kw)
+                               mutable=mutable, **kw)
     except TypeError as error:
       # jax.lax.cond's TypeError for branches that return other trees: here the points
       # made in one branch and not the other.
@@ -266,8 +271,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                     expected: set[tuple], hooks: Sequence[Hook] = (),
                     edit: PointEdit | None = None, activations: bool = False,
                     inputs: bool = False, lifted: Collection[tuple] = (),
-                    per_iteration: bool = False, nested_applies: bool = False
-                    ) -> tuple[Any, dict[str, dict[tuple, Any]]]:
+                    per_iteration: bool = False, nested_applies: bool = False,
+                    jitted: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
 
   The forward pass of :func:`value_and_grad`, for any perturbation values: the
@@ -303,6 +308,9 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       of the call's gradient; a transform that maps the captures stacks them
       the same way, which is then taken too.
     nested_applies: As ``discover``'s, which found ``expected``.
+    jitted: Whether some point is inside ``nn.jit`` (``discover``'s ``jitted``):
+      each top-level ``apply`` then runs with ``JIT_CALLS`` mutable, so that a
+      module in ``nn.jit`` called twice is traced, and perturbed, per call.
 
   Returns:
     ``(what loss_fn returned, {'activations': {path: output}, 'inputs': {path:
@@ -357,7 +365,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   def on_root(module, method, run, a, kw):
     del run
     unbound, own = module.unbind()
-    mutable = _also_mutable(module.scope.mutable, CAPTURES)
+    mutable = _also_mutable(_also_mutable(module.scope.mutable, CAPTURES), JIT_CALLS)
     if per_iteration:
       mutable = _also_mutable(mutable, COLLECTION)
     out, new = unbound.apply(own, *a, rngs=dict(module.scope.rngs), method=method,
@@ -381,14 +389,15 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     # The collections the caller's apply may change, written where it returns them from
     # (the perturbations are not changed: the caller's apply holds them as they were given).
     for collection, tree in new.items():
-      if collection not in (CAPTURES, COLLECTION):
+      if collection not in (CAPTURES, COLLECTION, JIT_CALLS):
         for name, value in tree.items():
           module.put_variable(collection, name, value)
     return out
 
   handler = _point_handler(points, hooks, strict, on_point, edit)
   full = {**variables, COLLECTION: perturbations}
-  with intercept(_interception(points, hooks), handler, on_root if lifted and kinds else None,
+  with intercept(_interception(points, hooks), handler,
+                 on_root if lifted and (kinds or jitted) else None,
                  outside_apply=True, nested_applies=nested_applies):
     out = loss_fn(full, *args, **kwargs)
   missing = sorted('/'.join(p) for p in expected - applied)
@@ -562,11 +571,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style
     modules need nothing (``return_activations`` and ``return_inputs`` of the
     calls inside ``nn.remat`` and ``nn.jit`` too). A module wrapped in
-    ``nn.remat`` or ``nn.vmap`` and called twice gets a point per call, as
-    unwrapped; one wrapped in ``nn.jit`` and called twice in one step gets one
-    point, the sum of both calls' gradients (Flax reuses the first call's
-    trace, so the second call is never seen): wrap the whole step in
-    ``jax.jit`` instead. Inside
+    ``nn.remat``, ``nn.jit`` or ``nn.vmap`` and called twice gets a point per
+    call, as unwrapped (``nn.jit``, which would reuse the first call's trace for
+    the second, is made to trace each call). Inside
     ``nn.scan``/``nn.vmap``, Flax only passes collections listed in
     ``variable_axes``: add ``'perturbations': 0`` there to get per-iteration
     gradients stacked along the scan axis (checked against a hand-unrolled
@@ -624,11 +631,12 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     expected: set[tuple] = set()
     matched: set[int] = set()
     lifted: set[tuple] = set()
+    jitted: set[tuple] = set()
     unperturbed: list[str] = []
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
                                   strict=strict, hooks=hooks, point_paths=expected,
                                   hooks_matched=matched, lifted=lifted, unreachable=unperturbed,
-                                  nested_applies=True)
+                                  nested_applies=True, jitted=jitted)
     if unperturbed:
       warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=3)
     if not points_found:
@@ -639,7 +647,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       out, captured = perturbed_apply(
           loss_fn, {**variables, 'params': params}, perturbations, args, kwargs, points=points,
           strict=strict, expected=expected, hooks=hooks, activations=return_activations,
-          inputs=return_inputs, lifted=lifted, per_iteration=True, nested_applies=True)
+          inputs=return_inputs, lifted=lifted, per_iteration=True, nested_applies=True,
+          jitted=bool(jitted))
       loss = check_loss(out, has_aux)
       aux = out[1] if has_aux else None
       return loss, (aux, {k: nested(v) for k, v in captured.items()})

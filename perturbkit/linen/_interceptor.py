@@ -38,6 +38,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from perturbkit.core.filters import linen_path_prefix, module_path
 from perturbkit.core._points import point_key, raise_counts, transform_name
@@ -94,7 +95,22 @@ RootHandler = Callable[[nn.Module, Callable[..., Any], Callable[[], Any], tuple,
 _FUNCTION_TRANSFORMS = {'cond': 2, 'switch': None, 'while_loop': 2}
 
 # Lifted transforms that trace their body once per call (Flax's debug paths name them).
-_TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap', *_FUNCTION_TRANSFORMS})
+# ``jit``: once per call where the block keeps ``JIT_CALLS`` mutable (see ``in_jit``).
+_TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap', 'jit', *_FUNCTION_TRANSFORMS})
+
+# A collection in which each call inside ``nn.jit`` leaves a marker, where it is mutable.
+JIT_CALLS = 'perturbkit_jit_calls'
+
+
+def in_jit(module: nn.Module) -> bool:
+  """Whether ``module`` runs inside ``nn.jit``.
+
+  ``nn.jit`` reuses its trace for a later call with inputs of the same structure,
+  and the interceptor never sees that call. Where ``JIT_CALLS`` is mutable, each
+  call inside the transform leaves a new marker in it, so the next call's inputs
+  differ: every call is traced, and gets keys of its own.
+  """
+  return 'jit' in re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
 
 
 def function_transform(module: nn.Module) -> str | None:
@@ -337,6 +353,8 @@ def intercept(filter: CallFilter, on_call: Handler,
       state.start_apply()
       state.rootless_scope = module.scope.root
     key = state.next_key(module, method_name)
+    if module.is_mutable_collection(JIT_CALLS) and in_jit(module):
+      module.put_variable(JIT_CALLS, key, jnp.zeros((), jnp.int8))
     if not filter(module, method_name):
       return run()
     call = Call(module, method_name, key, args, kwargs, outside, bool(state.function_roots))

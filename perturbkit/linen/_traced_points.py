@@ -46,11 +46,12 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   lifted: set[tuple] = set()
   inside: dict[tuple, PointShape] = {}
   marked: dict[tuple, tuple[int, ...]] = {}
+  jitted: set[tuple] = set()
   with suspended():
     unperturbed: list[str] = []
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
                            point_paths=expected, lifted=lifted, inside=inside, marked=marked,
-                           unreachable=unperturbed, nested_applies=True)
+                           unreachable=unperturbed, nested_applies=True, jitted=jitted)
   if unperturbed:
     warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=2)
   if not expected:
@@ -70,7 +71,8 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
         out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
                                         strict=strict, expected=expected, edit=edit,
                                         activations=True, inputs=True, lifted=lifted,
-                                        per_iteration=bool(stackings), nested_applies=True)
+                                        per_iteration=bool(stackings), nested_applies=True,
+                                        jitted=bool(jitted))
       except ActivationsUnavailableError as error:
         raise ActivationsUnavailableError(error.where, function) from None
     return out, captured['activations'], captured['inputs']
