@@ -931,7 +931,8 @@ class AmbiguousEditError(PerturbkitError, ValueError):
         f'{[tuple(s) for s in output_shapes]} (an attention\'s output beside its weights, '
         'say). It would be added to (or multiply) each of them where it happens to '
         'broadcast. Give one value per array, in the structure of the call\'s output (0 or 1 '
-        'for the arrays to leave alone), or, in the sweeps, pick the arrays with leaves=.')
+        'for the arrays to leave alone), or pick the arrays with leaves= (the sweeps, '
+        'steering_vector, gates).')
 
 
 class EditViewError(PerturbkitError, ValueError):

@@ -1021,7 +1021,8 @@ class _Attends(nn.Module):
 
 def test_one_array_for_a_call_returning_arrays_of_different_shapes():
   """A (D,) steering vector at a call returning (B, T, D) and (B, H, T, T) with T == D would
-  also be added to the weights; it is refused by name, and a value per array is the fix."""
+  also be added to the weights; it is refused by name, and a value per array is the fix (for
+  steering vectors and gates, ``leaves=0``). Their gradient is the hand-written one's."""
   model, x = _Attends(), jax.random.normal(jax.random.key(1), (2, 4, 4))
   variables = model.init(jax.random.key(0), x)
   delta = jnp.arange(4.0)
@@ -1035,6 +1036,23 @@ def test_one_array_for_a_call_returning_arrays_of_different_shapes():
   got = edited(variables, {'attn/__call__': interpret.add((delta, 0.0))}, x)
   out, _ = _WithWeights().apply({'params': variables['params']['attn']}, x)
   chex.assert_trees_all_close(got, jnp.sum((out + delta[None, None]) ** 2), **TOL)
+
+  logits = jnp.linspace(-2.0, 2.0, 4)
+  by_hand = {'steer': lambda v: jnp.sum((out + v[None, None]) ** 2),
+             'gate': lambda g: jnp.sum((out * jax.nn.sigmoid(g)[None, None]) ** 2)}
+  for name, intervention, params in (
+      ('steer', interpret.steering_vector('attn/__call__', (4,), leaves=0), delta),
+      ('gate', interpret.gates('attn/__call__', (4,), leaves=[0]), logits)):
+    run = jax.jit(perturbkit.run_with_interventions(model.apply, {name: intervention}))
+    value, grads = jax.value_and_grad(lambda p: run(variables, {name: p}, x))(params)
+    want, want_grads = jax.value_and_grad(by_hand[name])(params)
+    chex.assert_trees_all_close((value, grads), (want, want_grads), **TOL)
+  beyond = interpret.steering_vector('attn/__call__', (4,), leaves=2)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'attn/__call__ returns, but it returns 2'):
+    perturbkit.run_with_interventions(model.apply, {'s': beyond})(
+        variables, {'s': delta}, x)
+  with pytest.raises(perturbkit.InvalidOptionError, match='leaves'):
+    interpret.gates('attn/__call__', (4,), leaves=-1)
 
 
 def test_edit_view_of_another_size_and_invalid_views(mlp):

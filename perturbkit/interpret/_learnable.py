@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._naming import named_after
 from perturbkit.core._validate import finite
-from perturbkit.errors import InterventionParamsError, UnknownEditPathError
-from perturbkit.interpret._edits import add, apply_edit, scale
+from perturbkit.errors import InterventionParamsError, InvalidOptionError, UnknownEditPathError
+from perturbkit.interpret._edits import Edit, add, apply_edit, scale
+from perturbkit.interpret._leaves import checked_leaves
 from perturbkit.interpret._points import Tracer, trace
 from perturbkit.errors import NotInterventionsError
 
@@ -34,8 +35,28 @@ class Intervention(NamedTuple):
   apply: Callable[[Any, Any], Any]
 
 
+def _applied(path: str, leaves: Any, edit_of: Callable[[Any], Edit]) -> Callable[[Any, Any], Any]:
+  """``(params, output) -> output`` with ``edit_of(params)`` applied to the output, or to the
+  arrays of it that ``leaves`` names (in ``jax.tree.leaves`` order) alone."""
+  leaves = checked_leaves(leaves)
+
+  def apply(params, output):
+    if leaves is None:
+      return apply_edit(edit_of(params), output, path)
+    arrays, treedef = jax.tree.flatten(output)
+    if leaves[-1] >= len(arrays):
+      raise InvalidOptionError('leaves', leaves, f'indices of the arrays {path} returns, but it '
+                               f'returns {len(arrays)}')
+    edit = edit_of(params)
+    arrays = [apply_edit(edit, a, path) if i in leaves else a for i, a in enumerate(arrays)]
+    return jax.tree.unflatten(treedef, arrays)
+
+  return apply
+
+
 def steering_vector(path: str, shape: Sequence[int], *, positions: Any = None,
-                    axis: int | None = None, dtype: Any = jnp.float32) -> Intervention:
+                    axis: int | None = None, dtype: Any = jnp.float32,
+                    leaves: Any = None) -> Intervention:
   """A vector added to a call's output (at ``positions`` along ``axis``), zeros at init.
 
   Args:
@@ -45,12 +66,17 @@ def steering_vector(path: str, shape: Sequence[int], *, positions: Any = None,
     positions: Integer indices along ``axis`` to steer (default: everywhere).
     axis: The axis the positions index (1 for tokens).
     dtype: The vector's dtype.
+    leaves: Which arrays of the call's output to steer, by index in
+      ``jax.tree.leaves`` order (``0``: an attention's output, not the weights
+      it returns beside it); default: every one.
 
   Returns:
     The intervention; its params are the vector.
 
   Raises:
-    InvalidOptionError: ``positions`` without ``axis`` or the other way round.
+    InvalidOptionError: ``positions`` without ``axis`` or the other way round,
+      or ``leaves`` not indices (while tracing: not indices of the call's
+      arrays).
 
   Example:
     >>> import jax.numpy as jnp
@@ -63,12 +89,11 @@ def steering_vector(path: str, shape: Sequence[int], *, positions: Any = None,
   add(jnp.zeros(shape, dtype), positions=positions, axis=axis)  # checks the options now
   return Intervention(
       path, lambda: jnp.zeros(shape, dtype),
-      lambda vector, output: apply_edit(add(vector, positions=positions, axis=axis), output,
-                                        path))
+      _applied(path, leaves, lambda vector: add(vector, positions=positions, axis=axis)))
 
 
 def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions: Any = None,
-          axis: int | None = None) -> Intervention:
+          axis: int | None = None, leaves: Any = None) -> Intervention:
   """A gate per unit, ``output * sigmoid(logits)``: a differentiable mask of the output.
 
   Trained with a sparsity penalty on the gates (:func:`gate_penalty`, added to
@@ -83,13 +108,16 @@ def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions
     init_logit: The logits' initial value (3.0: gates at 0.95).
     positions: Integer indices along ``axis`` to gate (default: everywhere).
     axis: The axis the positions index.
+    leaves: Which arrays of the call's output to gate, as in
+      :func:`steering_vector`; default: every one.
 
   Returns:
     The intervention; its params are the logits.
 
   Raises:
-    InvalidOptionError: ``init_logit`` is not a finite number, or the positions
-      and axis are not those of :func:`perturbkit.interpret.replace`.
+    InvalidOptionError: ``init_logit`` is not a finite number, the positions
+      and axis are not those of :func:`perturbkit.interpret.replace`, or
+      ``leaves`` not indices (while tracing: not indices of the call's arrays).
 
   Example:
     >>> import jax.numpy as jnp
@@ -103,8 +131,8 @@ def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions
   scale(jnp.ones(shape), positions=positions, axis=axis)  # checks the options now
   return Intervention(
       path, lambda: jnp.full(shape, init_logit, jnp.float32),
-      lambda logits, output: apply_edit(scale(jax.nn.sigmoid(logits), positions=positions,
-                                              axis=axis), output, path))
+      _applied(path, leaves,
+               lambda logits: scale(jax.nn.sigmoid(logits), positions=positions, axis=axis)))
 
 
 def gate_penalty(logits: Any) -> jax.Array:
