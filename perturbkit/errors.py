@@ -299,7 +299,10 @@ class NoSegmentError(SegmentationError):
           'split the output (`out = model.apply(v, jnp.concatenate([a, b])); oa, ob = '
           'jnp.split(out, 2)`). A layer the model itself calls twice is taken whole by a '
           'segment containing every call: `segments=1`, or a filter selecting the module '
-          'that makes the calls.'),
+          'that makes the calls. A loss that differentiates the model inside itself (an '
+          'inner gradient step, as in test-time training or MAML) runs every layer in more '
+          'than one pass, with weights that change between them: it has no segments; train '
+          'it with the ordinary gradient.'),
       'outside': (
           'Move a loss term on the weights into the optimizer: for `c * sum(w ** 2)`, '
           'chain `optax.add_decayed_weights(2 * c)` before it (`optax.chain('

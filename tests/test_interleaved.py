@@ -636,6 +636,14 @@ def test_a_loss_applying_the_model_twice_says_to_apply_it_once_and_that_fix_work
   with pytest.raises(perturbkit.NoSegmentError, match='concatenated along the batch axis'):
     perturbkit.interleaved(siamese, optax.sgd(0.1)).init(v, x, y)
 
+  def inner_step(v, x, y):  # a test-time-training loss: it applies the model twice too
+    inner = lambda p: jnp.mean((model.apply({'params': p}, x) - y) ** 2)
+    params = jax.tree.map(lambda w, g: w - 0.1 * g, v['params'], jax.grad(inner)(v['params']))
+    return jnp.mean((model.apply({'params': params}, x) - y) ** 2)
+
+  with pytest.raises(perturbkit.NoSegmentError, match='inner gradient step.*ordinary gradient'):
+    perturbkit.interleaved(inner_step, optax.sgd(0.1)).init(v, x, y)
+
   def once(v, x, y):
     first, second = jnp.split(model.apply(v, jnp.concatenate([x, x[::-1]])), 2)
     return jnp.mean((first - second) ** 2)
