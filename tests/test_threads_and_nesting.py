@@ -22,7 +22,7 @@ class MLP(nn.Module):
     return nn.Dense(1)(x)
 
 
-WIDTHS = (4, 6, 8)
+WIDTHS = (4, 6)
 X = jax.random.normal(jax.random.key(1), (5, 3))
 Y = jnp.cos(X[:, :1])
 
@@ -51,8 +51,8 @@ def _run_all(width):
 
 def test_threads_give_the_single_threaded_results_bit_for_bit():
   want = {w: _run_all(w) for w in WIDTHS}
-  jobs = [WIDTHS[i % len(WIDTHS)] for i in range(8)]  # different and identical models at once
-  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+  jobs = [WIDTHS[i % len(WIDTHS)] for i in range(4)]  # different and identical models at once
+  with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
     got = list(pool.map(_run_all, jobs))
   for width, result in zip(jobs, got):
     chex.assert_trees_all_equal(result, want[width])
