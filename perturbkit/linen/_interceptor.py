@@ -102,6 +102,12 @@ _TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap', 'jit', *_FUNCTION_TRANS
 JIT_CALLS = 'perturbkit_jit_calls'
 
 
+def _transforms(module: nn.Module) -> list[str]:
+  """Every lifted transform ``module`` runs inside, as Flax's debug paths name them
+  (``'remat(scan(layers))'`` names two)."""
+  return re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
+
+
 def in_jit(module: nn.Module) -> bool:
   """Whether ``module`` runs inside ``nn.jit``.
 
@@ -110,7 +116,7 @@ def in_jit(module: nn.Module) -> bool:
   call inside the transform leaves a new marker in it, so the next call's inputs
   differ: every call is traced, and gets keys of its own.
   """
-  return 'jit' in re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
+  return 'jit' in _transforms(module)
 
 
 def function_transform(module: nn.Module) -> str | None:
@@ -153,7 +159,7 @@ class _Trace:
 def _traced_once(module: nn.Module) -> bool:
   """Whether the lifted trace ``module`` tops runs once per call: every transform around it
   (``'remat(scan(layers))'`` names two) traces its body once."""
-  names = re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
+  names = _transforms(module)
   return bool(names) and set(names) <= _TRACED_ONCE
 
 
