@@ -16,7 +16,7 @@ from perturbkit.core._naming import named_after
 from perturbkit.core._validate import finite
 from perturbkit.errors import InterventionParamsError, InvalidOptionError, UnknownEditPathError
 from perturbkit.interpret._edits import Edit, add, apply_edit, scale
-from perturbkit.interpret._leaves import checked_leaves
+from perturbkit.interpret._leaves import checked_leaves, on_leaves
 from perturbkit.interpret._points import Tracer, trace
 from perturbkit.errors import NotInterventionsError
 
@@ -37,19 +37,17 @@ class Intervention(NamedTuple):
 
 def _applied(path: str, leaves: Any, edit_of: Callable[[Any], Edit]) -> Callable[[Any, Any], Any]:
   """``(params, output) -> output`` with ``edit_of(params)`` applied to the output, or to the
-  arrays of it that ``leaves`` names (in ``jax.tree.leaves`` order) alone."""
+  arrays of it that ``leaves`` names (in ``jax.tree.leaves`` order) alone, as the sweeps
+  edit them (``on_leaves``)."""
   leaves = checked_leaves(leaves)
 
   def apply(params, output):
-    if leaves is None:
-      return apply_edit(edit_of(params), output, path)
-    arrays, treedef = jax.tree.flatten(output)
-    if leaves[-1] >= len(arrays):
+    count = len(jax.tree.leaves(output))
+    if leaves is not None and leaves[-1] >= count:
       raise InvalidOptionError('leaves', leaves, f'indices of the arrays {path} returns, but it '
-                               f'returns {len(arrays)}')
-    edit = edit_of(params)
-    arrays = [apply_edit(edit, a, path) if i in leaves else a for i, a in enumerate(arrays)]
-    return jax.tree.unflatten(treedef, arrays)
+                               f'returns {count}')
+    edit = on_leaves(lambda _, part: apply_edit(edit_of(params), part, path), leaves)
+    return edit((), output)
 
   return apply
 
