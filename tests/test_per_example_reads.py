@@ -135,6 +135,66 @@ def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
   np.testing.assert_allclose(loss, loss_fn(variables, inputs), rtol=1e-5)
 
 
+class _NormedEncoder(nn.Module):
+  """A Dense applied with a weight-normalized kernel made from params of its own (Hugging
+  Face Wav2Vec2's positional convolution): a nested apply."""
+
+  @nn.compact
+  def __call__(self, h):
+    direction = self.param('direction', nn.initializers.normal(1.0), (6, 6))
+    scale = self.param('scale', nn.initializers.ones, (6,))
+    kernel = direction * (scale / jnp.linalg.norm(direction, axis=0))[None, :]
+    return h + nn.Dense(6, name='normed').apply({'params': {'kernel': kernel, 'bias': scale}},
+                                                jnp.tanh(h))
+
+
+class _TiedDecoder(nn.Module):
+  """An embedding and its tied output head (GPT-2's LM head): a nested apply."""
+
+  def setup(self):
+    self.embed = nn.Embed(7, 6)
+    self.head = nn.Dense(7, use_bias=False)
+
+  def __call__(self, ids, h):
+    h = jnp.tanh(self.embed(ids).mean(axis=1) + h)
+    return self.head.apply({'params': {'kernel': self.embed.variables['params']['embedding'].T}},
+                           h)
+
+
+class TwoNestedApplies(nn.Module):
+  """Two nested applies in one call of the model, in two submodules (Hugging Face's speech
+  encoder-decoder: a Wav2Vec2 encoder and a GPT-2 decoder)."""
+
+  @nn.compact
+  def __call__(self, ids):
+    h = _NormedEncoder()(nn.Embed(7, 6)(ids).mean(axis=1))
+    return _TiedDecoder()(ids, h)
+
+
+def _norms_of_vmap_grad(loss_fn, variables, inputs):
+  def one(example):
+    grads = jax.grad(lambda p: loss_fn({'params': p}, example[None]))(variables['params'])
+    return jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+  return jax.vmap(one)(inputs)
+
+
+@pytest.mark.parametrize('applies', [1, 2], ids=['one_apply', 'the_loss_applies_twice'])
+def test_every_nested_apply_counts_after_the_first(applies):
+  """Each nested apply (and each of the loss's own applies) after the first is a read too: the
+  tied head's part of the embedding's gradient, which per-example norms built from the
+  embedding's own calls would miss."""
+  model = TwoNestedApplies()
+  variables = model.init(jax.random.key(2), IDS)
+
+  def loss_fn(variables, ids):
+    out = jnp.mean(model.apply(variables, ids) ** 2)
+    return out + jnp.mean(jnp.tanh(model.apply(variables, ids[:, ::-1]))) if applies == 2 else out
+
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, IDS)
+  np.testing.assert_allclose(norms.total, _norms_of_vmap_grad(loss_fn, variables, IDS),
+                             rtol=2e-4, atol=1e-5)
+
+
 class TiedLM(nn.Module):
   """A language model whose output head is its embedding, tied in one of three ways.
 

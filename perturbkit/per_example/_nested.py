@@ -82,7 +82,8 @@ def nested_applies(on_nested: NestedHandler,
       count[0] += 1
       return handler(index, module, method_name, args, kwargs, run)
     finally:
-      if replays and replays[-1] is roots.pop():
+      done = roots.pop()
+      if replays and replays[-1] is done:
         replays.pop()
 
   with nn.intercept_methods(interceptor):
