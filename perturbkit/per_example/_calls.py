@@ -10,7 +10,6 @@ which array inputs are computed from the batched arguments (see
 ``_per_example_inputs``). The same run rejects models that mix examples
 (BatchNorm in training mode).
 """
-import copy
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -31,7 +30,7 @@ from perturbkit.per_example._fallback import replayed_owners, source_error
 from perturbkit.per_example._outside import reads_by_place
 from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError,
                                PerExampleError, UncoveredParamsError)
-from perturbkit.core._points import inside_lifted_transform
+from perturbkit.core._points import differentiable_part, inside_lifted_transform, merge
 from perturbkit.core._types import Path, Variables
 
 PERTURBATIONS = 'perturbations'
@@ -86,28 +85,16 @@ class ReadUse(NamedTuple):
 
 
 def float_part(tree: Any) -> Any:
-  """``tree``'s floating-point arrays in plain tuples, lists and dicts; ``None`` elsewhere."""
-  if isinstance(tree, jax.Array):
-    return tree if jax.numpy.issubdtype(tree.dtype, jax.numpy.inexact) else None
-  if type(tree) in (tuple, list):
-    return type(tree)(float_part(t) for t in tree)
-  if isinstance(tree, dict):
-    return {k: float_part(v) for k, v in tree.items()}
-  return None
+  """``tree``'s floating-point arrays as a point holds them (:func:`differentiable_part`):
+  ``None`` in place of the other leaves of plain tuples, lists and dicts; a user's own node
+  (a ``flax.struct`` dataclass, a Hugging Face ``ModelOutput``) kept, or the tuple of its
+  floating-point leaves."""
+  return differentiable_part(tree)
 
 
 def add_to_floats(tree: Any, delta: Any) -> Any:
   """``tree`` with ``delta`` (shaped like ``float_part(tree)``) added to its float arrays."""
-  if isinstance(tree, jax.Array):
-    return tree if delta is None else tree + delta
-  if type(tree) in (tuple, list):
-    return type(tree)(add_to_floats(t, d) for t, d in zip(tree, delta))
-  if isinstance(tree, dict):
-    out = copy.copy(tree)
-    for k, v in tree.items():
-      out[k] = add_to_floats(v, delta[k])
-    return out
-  return tree
+  return merge(tree, jax.tree.map(lambda t, d: t + d, float_part(tree), delta))
 
 
 def _is_array(leaf: Any) -> bool:

@@ -1,0 +1,67 @@
+"""Per-example gradient norms of calls that return a user's own pytree node: a
+``flax.struct`` dataclass, as Hugging Face's Flax model outputs are.
+
+The gradient reaching such an output flows into the per-example gradients of the module
+that made it, whether that module's call is replayed by itself (a module owning a param
+directly) or the whole ``apply`` is (the root owning one). The reference is ``jax.vmap``
+of ``jax.grad`` on one example.
+"""
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import perturbkit
+
+
+@flax.struct.dataclass
+class Output:
+  hidden: jax.Array
+  activated: jax.Array
+  steps: jax.Array  # an integer leaf: no gradient flows into it
+
+
+def _output(h):
+  return Output(hidden=h, activated=jnp.tanh(h), steps=jnp.arange(h.shape[0]))
+
+
+class Encoder(nn.Module):
+  """Returns an ``Output``; with ``own_param``, owns a param directly (its call is then
+  replayed by itself)."""
+  own_param: bool
+
+  @nn.compact
+  def __call__(self, x):
+    if self.own_param:
+      x = x * self.param('gain', nn.initializers.normal(1.0), (1, x.shape[-1]))
+    return _output(nn.Dense(4)(x))
+
+
+class Model(nn.Module):
+  root_param: bool  # the root owns a param: the whole apply is replayed
+  encoder_param: bool
+
+  @nn.compact
+  def __call__(self, x):
+    if self.root_param:
+      x = x * self.param('scale', nn.initializers.constant(1.5), (1, x.shape[-1]))
+    out = Encoder(self.encoder_param)(x)
+    return _output(nn.Dense(3)(out.activated + out.hidden))
+
+
+@pytest.mark.parametrize('root_param, encoder_param', [(False, True), (True, False), (True, True)],
+                         ids=['module_replayed', 'apply_replayed', 'both'])
+def test_norms_through_dataclass_outputs_equal_vmap_grad(root_param, encoder_param):
+  model = Model(root_param, encoder_param)
+  x = jax.random.normal(jax.random.key(0), (3, 5))
+  variables = model.init(jax.random.key(1), x)
+
+  def loss_fn(variables, x):
+    return jnp.mean(jnp.sum(model.apply(variables, x).activated ** 2, axis=1))
+
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, x)
+  want = jax.vmap(lambda e: optax.tree.norm(jax.grad(loss_fn)(variables, e[None])))(x)
+  np.testing.assert_allclose(norms.total, want, rtol=1e-5)
