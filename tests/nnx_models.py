@@ -314,6 +314,19 @@ class Recurrent(nnx.Module):
     return self.head(self.rnn(self.embed(x)))
 
 
+class BiRecurrent(nnx.Module):
+  """Linear -> Flax's ``nnx.Bidirectional`` of an LSTM and a GRU ``nnx.RNN`` -> Linear."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(3, 4, rngs=rngs)
+    self.rnn = nnx.Bidirectional(nnx.RNN(nnx.LSTMCell(4, 4, rngs=rngs)),
+                                 nnx.RNN(nnx.GRUCell(4, 4, rngs=rngs)))
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(self.embed(x)))
+
+
 class VmapBroadcast(nnx.Module):
   """A block under ``nnx.vmap`` over examples, its state broadcast."""
 

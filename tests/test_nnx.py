@@ -463,6 +463,37 @@ def test_rnn_cell_calls_are_reported_and_the_rest_equal_jax_grad():
   chex.assert_trees_all_close(cache.outputs['rnn']['__call__'], hidden, **TOL)
 
 
+def test_bidirectional_rnn_cells_of_both_directions_are_reported():
+  """``nnx.Bidirectional`` runs two ``nnx.RNN``, each carrying its cell through ``nnx.scan``:
+  the cells of both get no point (one warning counts the 12 calls), and each direction's
+  own call has its point. The references: ``nnx.grad``, and the gradient of the rest of the
+  model with respect to each direction's output, run by hand."""
+  model, x = M.BiRecurrent(rngs=nnx.Rngs(0)), M.random_batch((2, 5, 3))
+  loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
+  with pytest.warns(perturbkit.UnperturbedCallsWarning, match=r'^12 selected call\(s\).*rnn/backward_rnn/cell/__call__.*'
+                    r'rnn/forward_rnn/cell/__call__'):
+    loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
+  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
+  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
+  embedded = model.embed(x)
+  forward = model.rnn.forward_rnn(embedded)
+  backward = model.rnn.backward_rnn(embedded, reverse=True, keep_order=True)
+  chex.assert_trees_all_close(jnp.concatenate([forward, backward], -1), model.rnn(embedded),
+                              **TOL)  # what Bidirectional computes, by hand
+  rest = lambda f, b: jnp.sum(jnp.tanh(model.head(jnp.concatenate([f, b], -1))))
+  want = jax.grad(rest, argnums=(0, 1))(forward, backward)
+  points = grads['perturbations']['rnn']
+  # Each direction returns (final carry, outputs) to Bidirectional, which keeps the outputs.
+  (forward_carry, at_forward), (backward_carry, at_backward) = (
+      points['forward_rnn']['__call__'], points['backward_rnn']['__call__'])
+  chex.assert_trees_all_close((at_forward, at_backward), want, **TOL)
+  assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(
+      (forward_carry, backward_carry)))
+  chex.assert_trees_all_close(points['__call__'], jnp.concatenate(want, -1), **TOL)
+  for direction in ('forward_rnn', 'backward_rnn'):  # the cell's initialize_carry has one
+    assert '__call__' not in points[direction].get('cell', {})
+
+
 def test_containers_sequential_and_list():
   model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
                          nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(1)), jnp.tanh),

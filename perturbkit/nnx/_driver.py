@@ -268,6 +268,11 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
   return out, flat_state(state), list(points.values()), seen, missed
 
 
+def _inside_any(sites: tuple[NNXPath | None, ...], call: Call) -> bool:
+  """Whether ``call`` runs inside a call at one of ``sites`` (``None``: anywhere)."""
+  return any(site is None or call.path[:len(site)] == site for site in sites)
+
+
 def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs: dict, *,
              points: CallFilter, hooks: Sequence[Hook] = (), strict: bool = False,
              has_aux: bool = False, scalar: bool = True) -> _Discovery:
@@ -286,30 +291,34 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   """
   run = functools.partial(_discover_once, loss_fn, model, args, kwargs,
                           points=points, hooks=hooks, strict=strict)
-  attempt = _Attempt()
-  try:
-    out, shapes, found, seen, missed = run(probe=False, attempt=attempt)
-  except Exception as error:  # pylint: disable=broad-except
-    if not attempt.perturbed_copies:
-      raise
-    conditionals = {c for c, _ in attempt.in_branches}
-    if isinstance(error, TypeError) and conditionals and '' not in conditionals:
-      # jax.lax.cond's TypeError for branches that return other trees: here the points
-      # made in one branch and not in another.
-      raise BranchCallsMismatchError(attempt.in_branches[-1][0],
-                                     sorted({n for _, n in attempt.in_branches})) from error
-    # A transform that carries the module from step to step (nnx.scan with the module in
-    # the carry, as nnx.RNN does with its cell) cannot take a new perturbation, and one
-    # perturbation for every step would be a sum over the steps: those calls get none.
-    # Without the transform's enclosing call, every call inside a transform gets none.
-    site = attempt.failed_in
-    skip = ((lambda call: True) if site is None else
-            (lambda call: call.path[:len(site)] == site))
-    run = functools.partial(run, skip=skip)
+  # A transform that carries the module from step to step (nnx.scan with the module in
+  # the carry, as nnx.RNN does with its cell) cannot take a new perturbation, and one
+  # perturbation for every step would be a sum over the steps: those calls get none.
+  # Each run that raises names the transform's enclosing call (one more per run: the two
+  # nnx.RNN of an nnx.Bidirectional); without one, every call inside a transform gets none.
+  sites: list[NNXPath | None] = []
+  first_error = None
+  while True:
+    attempt = _Attempt()
+    skip = functools.partial(_inside_any, tuple(sites))
     try:
-      out, shapes, found, seen, missed = run(probe=False)
-    except Exception:  # pylint: disable=broad-except
-      raise error from None
+      out, shapes, found, seen, missed = run(probe=False, attempt=attempt, skip=skip)
+      break
+    except Exception as error:  # pylint: disable=broad-except
+      if first_error is None:
+        if not attempt.perturbed_copies:
+          raise
+        conditionals = {c for c, _ in attempt.in_branches}
+        if isinstance(error, TypeError) and conditionals and '' not in conditionals:
+          # jax.lax.cond's TypeError for branches that return other trees: here the
+          # points made in one branch and not in another.
+          raise BranchCallsMismatchError(
+              attempt.in_branches[-1][0], sorted({n for _, n in attempt.in_branches})) from error
+        first_error = error
+      if not attempt.perturbed_copies or None in sites or attempt.failed_in in sites:
+        raise first_error from None
+      sites.append(attempt.failed_in)
+  run = functools.partial(run, skip=skip)
   if scalar:
     check_loss(out, has_aux)
   markers = {p.path + (marker_name(p.key),): p.path + (p.key,) for p in found if p.copied}
