@@ -410,12 +410,15 @@ class UnperturbedCallsWarning(UserWarning):
              'and select the result with `jnp.where(pred, a(x), b(x))`')
     else:
       where = ('a lifted transform (nn.scan, nn.vmap, ...) that does not map the '
-               '"perturbations" collection, or in nn.while_loop, whose iterations would share '
-               'one point')
+               '"perturbations" collection, in nn.while_loop, whose iterations would share '
+               'one point, or in nn.map_variables (nn.WeightNorm, nn.SpectralNorm), whose '
+               'function may transform the perturbations with the weights')
       fix = ('add `"perturbations": <axis>` to the transform\'s `variable_axes` (e.g. '
              '`nn.scan(Block, variable_axes={"params": 0, "perturbations": 0}, ...)`); '
              'nn.while_loop cannot map it: write the loop as such an nn.scan or as a Python '
-             '`for` loop (one point per iteration)')
+             '`for` loop (one point per iteration); inside nn.map_variables, the call that '
+             'runs it (WeightNorm_0/__call__) has its own point, with the same output as '
+             'the layer it wraps')
     super().__init__(
         f'{len(names)} selected call(s) run inside {where}, so they get no perturbation '
         f'point and no activation gradient: [{_listed(names)}]. For per-iteration gradients '

@@ -5,6 +5,7 @@ boolean and ``None`` leaves pass through untouched. The arrays live in the
 ``'perturbations'`` collection at the module's path, under the call's point key,
 and are added with Flax's own ``Module.perturb``.
 """
+import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 import flax
@@ -134,6 +135,12 @@ def inside_lifted_transform(module: nn.Module) -> bool:
   while isinstance(module.parent, nn.Module):
     module = module.parent
   return bool(module.path) or bool(module.scope is not None and module.scope.debug_path)
+
+
+def in_map_variables(module: nn.Module) -> bool:
+  """Whether ``module`` runs inside ``nn.map_variables`` (``nn.WeightNorm``, ``nn.SpectralNorm``):
+  it sees its params as the transform's function maps them."""
+  return any(re.findall(r'\bmap_variables\(', str(part)) for part in module.scope.debug_path)
 
 
 def collection_visible(module: nn.Module) -> bool:

@@ -39,8 +39,9 @@ _LIFTED = ('it runs once per iteration of a lifted transform (nn.scan, nn.vmap),
            'needs its params and its calls stacked per iteration along axis 0 (variable_axes '
            '{"params": 0, "perturbations": 0}, one transform deep), and they are not')
 _UNREACHED = ('its calls run inside a lifted transform that does not map the "perturbations" '
-              'collection (nn.scan, nn.vmap without it in variable_axes), so their gradients '
-              'cannot be read')
+              'collection (nn.scan, nn.vmap without it in variable_axes) or inside '
+              'nn.map_variables (nn.WeightNorm, nn.SpectralNorm: the layer sees its weights '
+              'normalized, not its params), so their gradients cannot be read')
 
 
 def root_reason(layer: str, wrapped: str) -> str:

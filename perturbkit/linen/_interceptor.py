@@ -61,6 +61,12 @@ class Call:
     in_function: Whether the call runs inside a function of ``nn.cond``,
       ``nn.switch`` or ``nn.while_loop`` (a branch): its values are those of
       the branch's trace, also where its module is bound outside the branch.
+    mapped: Whether the call runs inside ``nn.map_variables`` with its mapped
+      collections writable (``mutable=True``, as ``nn.SpectralNorm`` has): the
+      transform's function may then map the ``'perturbations'`` collection too
+      (``nn.SpectralNorm`` would normalize a point like a weight), so no point
+      can be made there. Elsewhere a transform that maps the collection leaves
+      it read-only, and no point is made either (``nn.WeightNorm``).
   """
   module: nn.Module
   method_name: str
@@ -69,6 +75,7 @@ class Call:
   kwargs: dict = dataclasses.field(default_factory=dict)
   outside_apply: bool = False
   in_function: bool = False
+  mapped: bool = False
 
   @property
   def path(self) -> Path:
@@ -182,6 +189,7 @@ class _State:
     self.modules: list[nn.Module] = []  # the modules whose calls run now, innermost last
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
+    self.mapped = 0  # how many nn.map_variables traces with writable mapped collections run
 
   def start_apply(self):
     for k, n in self.apply_counts.items():
@@ -221,6 +229,19 @@ class _State:
       self.function_roots.discard(module.scope.root)
       raise_counts(outer.floor, outer.seen)
       outer.group = group  # the calls inside ran in the function's own trace
+
+  @contextlib.contextmanager
+  def mapping(self, module: nn.Module) -> Iterator[None]:
+    """Counts the trace ``module`` tops in ``mapped`` while it runs, where it is one of
+    ``nn.map_variables`` whose mapped collections are writable: its scope is exactly as
+    mutable as the module that runs the transform, which Flax gives it only then."""
+    mapped = (transform_name(module.scope.debug_path[-1]) == 'map_variables'
+              and bool(self.modules) and module.scope.mutable is self.modules[-1].scope.mutable)
+    self.mapped += mapped
+    try:
+      yield
+    finally:
+      self.mapped -= mapped
 
   def next_key(self, module: nn.Module, method_name: str) -> str:
     trace = self.traces[-1]
@@ -327,7 +348,12 @@ def intercept(filter: CallFilter, on_call: Handler,
         state.roots_active -= 1
         state.modules.pop()
     if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
-      with state.trace(state.traces[-1].seen if _traced_once(module) else {}):
+      with state.trace(state.traces[-1].seen if _traced_once(module) else {}), \
+          state.mapping(module):
+        if not hasattr(type(module), method_name):
+          # A function given to the transform with the module (`nn.map_variables(f)(layer)`,
+          # as nn.WeightNorm runs its layer): the calls inside it are the model's calls.
+          return run()
         return _call(module, method_name, run, args, kwargs)
     return _call(module, method_name, run, args, kwargs)
 
@@ -363,7 +389,8 @@ def intercept(filter: CallFilter, on_call: Handler,
       module.put_variable(JIT_CALLS, key, jnp.zeros((), jnp.int8))
     if not filter(module, method_name):
       return run()
-    call = Call(module, method_name, key, args, kwargs, outside, bool(state.function_roots))
+    call = Call(module, method_name, key, args, kwargs, outside, bool(state.function_roots),
+                bool(state.mapped))
     if state.transparent:
       return on_call(call, run)
     if outside and not outside_apply:

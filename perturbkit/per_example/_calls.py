@@ -252,11 +252,17 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   tops: list[int] = []  # the position of the running top-level apply, when recorded
   lifted_depth = [0]
   lifted_calls = [0]  # of owners, inside lifted transforms
+  holders: set[Path] = set()  # owners whose calls run another owner that is not their child
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     reason = _mixing_reason(call, batch_stats_owners)
     if reason:
       raise ExamplesMixedError(reason)
+    if call.path in owners:
+      # A layer another module was given as an attribute (``nn.WeightNorm(layer)``) runs
+      # inside that module's call, with params that are not its: that call cannot be
+      # replayed with its own params alone.
+      holders.update(p for p in active if call.path[:len(p)] != p)
     if inside_lifted_transform(call.module):
       if call.path in owners:
         where.lifted.add(call.path)
@@ -369,13 +375,13 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   # Owners no call of theirs can give per-example gradients to (``_per_example_fallback``)
   # are covered by the replay of a top-level apply, where its inputs allow one.
   num_examples = count_examples(args, batch_axes)
-  read_anywhere, read_outside = reads_by_place(loss_fn, plain, args, kwargs, owners)
+  read_anywhere, read_outside = reads_by_place(loss_fn, plain, args, kwargs, owners, holders)
   by_name = {'/'.join(path): path for path in owners}
   fallback = replayed_owners(
       owners, [(path, uses[path][i].sources, [jax.numpy.shape(x) for x in leaves])
                for path, i, leaves in inputs],
       {by_name[name] for name in read_anywhere} - {by_name[name] for name in read_outside},
-      num_examples)
+      num_examples) | holders
   replayable = {i for i, (arrays, _, _) in enumerate(read_arrays) if where.top[i] is None
                 and source_error(reads[i].sources, [jax.numpy.shape(x) for x in arrays],
                                  num_examples, '') is None}

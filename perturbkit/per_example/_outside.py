@@ -13,13 +13,14 @@ and every nested ``apply`` one that takes its given params explicitly; reads
 that only compute a nested apply's params are what that route accounts for.
 It runs when the per-example function is traced, so a step costs nothing more.
 """
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import flax
 import jax
 import numpy as np
 
 from perturbkit.core._consumers import reads_outside, segment_function_name
+from perturbkit.core._points import in_map_variables
 from perturbkit.linen._interceptor import Call, intercept, suspended
 from perturbkit.core.filters import module_path
 from perturbkit.linen._param_reads import named_call
@@ -33,13 +34,16 @@ def _is_array(leaf: Any) -> bool:
 
 
 def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-                  kwargs: dict, owners: set[Path], *,
+                  kwargs: dict, owners: set[Path], holders: Collection[Path] = (), *,
                   whole_applies: bool = False) -> dict[str, set[str]]:
   """``{module path: {primitives}}`` reading an owner's params outside its calls.
 
   Reads that only compute the params of a nested ``apply``, and reads whose
   result does not reach the loss, are not counted. With ``whole_applies``, neither
   are the reads made inside the loss's top-level applies (each is one named call).
+  The calls of ``holders`` (owners whose calls run a layer they were given) and
+  those inside ``nn.map_variables`` are not replayed on their own: their reads
+  count as reads outside their calls.
   """
   names = {path: '/'.join(path) for path in owners if path}
   if not names:
@@ -48,7 +52,10 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
 
   def select(module, method_name):
     del method_name
-    return module_path(module) in names
+    # Inside nn.map_variables a layer sees its params mapped (nn.WeightNorm): not a replay of
+    # the layer with its own params, so its reads there are the mapping's.
+    path = module_path(module)
+    return path in names and path not in holders and not in_map_variables(module)
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
     del run  # replayed as a named call instead
@@ -88,7 +95,7 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
 
 
 def reads_by_place(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
-                   kwargs: dict, owners: set[Path]
+                   kwargs: dict, owners: set[Path], holders: Collection[Path] = ()
                    ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
   """Every read outside an owner's calls (:func:`outside_reads`), and those outside every ``apply``.
 
@@ -96,7 +103,8 @@ def reads_by_place(loss_fn: Callable[..., Any], variables: Variables, args: tupl
   argument) is covered by a per-example replay of that ``apply``; one outside it (a
   weight penalty in the loss) is not. The second trace runs only if the first finds reads.
   """
-  reads = outside_reads(loss_fn, variables, args, kwargs, owners)
+  reads = outside_reads(loss_fn, variables, args, kwargs, owners, holders)
   if not reads:
     return {}, {}
-  return reads, outside_reads(loss_fn, variables, args, kwargs, owners, whole_applies=True)
+  return reads, outside_reads(loss_fn, variables, args, kwargs, owners, holders,
+                              whole_applies=True)
