@@ -65,3 +65,28 @@ def test_norms_through_dataclass_outputs_equal_vmap_grad(root_param, encoder_par
   _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, x)
   want = jax.vmap(lambda e: optax.tree.norm(jax.grad(loss_fn)(variables, e[None])))(x)
   np.testing.assert_allclose(norms.total, want, rtol=1e-5)
+
+
+class Pairwise(nn.Module):
+  """Embeddings and their similarities between examples (CLIP's ``logits_per_text``); the root
+  owns a param, so the whole apply is replayed, one example at a time."""
+
+  @nn.compact
+  def __call__(self, x):
+    e = nn.Dense(4)(x) * self.param('scale', nn.initializers.constant(1.5), ())
+    return e, e @ e.T
+
+
+def test_an_output_pairing_the_examples_that_the_loss_leaves_aside():
+  """Replayed for one example, the ``(examples, examples)`` output has another shape; no
+  gradient flows through it. A loss that uses it mixes the examples: a named error."""
+  model = Pairwise()
+  x = jax.random.normal(jax.random.key(0), (3, 5))
+  variables = model.init(jax.random.key(1), x)
+  per_example = lambda v, x: jnp.mean(jnp.sum(jnp.tanh(model.apply(v, x)[0]) ** 2, axis=1))
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(per_example))(variables, x)
+  want = jax.vmap(lambda e: optax.tree.norm(jax.grad(per_example)(variables, e[None])))(x)
+  np.testing.assert_allclose(norms.total, want, rtol=1e-5)
+  contrastive = lambda v, x: jnp.mean(jax.nn.log_softmax(model.apply(v, x)[1]).diagonal())
+  with pytest.raises(perturbkit.ExamplesMixedError):
+    perturbkit.per_example_grad_norms(contrastive)(variables, x)

@@ -9,6 +9,7 @@ module's params with one VJP of the rebuilt call (the clipped sum of DP-SGD);
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from perturbkit.core._varying import vary_like
 from perturbkit.per_example._calls import Use, float_part
@@ -56,6 +57,20 @@ def call_output(pair: Pair, params: Any, args: tuple | None = None,
   return float_part(pair.use.replay(params, pair.variables, args, kwargs))
 
 
+def _cotangent(out: jax.Array, grad_i: jax.Array) -> jax.Array:
+  """One example's gradient of an output, for the output of that example's replay.
+
+  An output whose shape depends on the number of examples other than along
+  its first axis (CLIP's ``(examples, examples)`` similarities) is replayed
+  for one example with another shape. No gradient flows through it: the
+  examples would mix there, which ``find_uses`` refuses
+  (``ExamplesMixedError``); its cotangent is zero.
+  """
+  if jnp.shape(grad_i[None]) == jnp.shape(out):
+    return grad_i[None]
+  return jnp.zeros_like(out)
+
+
 def _scaled(tree: Any, weights: jax.Array) -> Any:
   def scale(t):
     return (t * weights.reshape((-1,) + (1,) * (t.ndim - 1)).astype(t.dtype))
@@ -97,8 +112,8 @@ def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
     for i, x, b in zip(arrays, arrays_i, batched):
       full[i] = x[None] if b else x
     args, kwargs = jax.tree.unflatten(treedef, full)
-    _, vjp = jax.vjp(lambda p: call_output(pair, p, args, kwargs), params)
-    return vjp(jax.tree.map(lambda t: t[None], grad_i))[0]
+    out, vjp = jax.vjp(lambda p: call_output(pair, p, args, kwargs), params)
+    return vjp(jax.tree.map(_cotangent, out, grad_i))[0]
 
   in_axes = ([0 if b else None for b in batched], 0)
   return jax.vmap(one, in_axes=in_axes)([leaves[i] for i in arrays], pair.grad)
