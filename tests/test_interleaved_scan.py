@@ -513,3 +513,29 @@ def test_nnx_whole_blocks_taking_an_integer_mask_step_as_a_hand_coded_backward()
   np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
   got = nnx.to_pure_dict(nnx.state(state.model(), nnx.Param))
   chex.assert_trees_all_close(got, {'blocks': {'lin': dense}}, **TOL)
+
+
+class _Recurrent(nn.Module):
+  """Flax's ``nn.RNN`` of a GRU cell: a scan that broadcasts the cell's params to every step."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.RNN(nn.GRUCell(6))(x).mean(axis=1))
+
+
+def test_layers_in_a_scan_broadcasting_their_params_go_to_the_rest_with_the_reason():
+  """Each step of the scan runs the cell with the same params: no step can update them on its
+  own, and the cell is not a call outside the scan. The rest names the broadcast (it said the
+  cell's layers were called twice, the scan's two traces); the step is ``jax.grad`` + SGD."""
+  model, x = _Recurrent(), jax.random.normal(jax.random.key(1), (2, 7, 4))
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x: jnp.sum(jnp.tanh(model.apply(v, x)) ** 2)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), propagate='original')
+  segmentation = tx.segments(variables, x)
+  assert segmentation.segments == ('Dense_0',)
+  assert set(segmentation.rest) == {f'GRUCell_0/{n}' for n in ('hn', 'hr', 'hz', 'in', 'ir', 'iz')}
+  assert all('broadcast to every iteration' in r for r in segmentation.rest.values())
+  state, _ = jax.jit(tx.step)(tx.init(variables, x), x)
+  want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'],
+                      jax.grad(loss_fn)(variables, x)['params'])
+  chex.assert_trees_all_close(state.variables['params'], want, **TOL)

@@ -109,7 +109,7 @@ _TRACED_ONCE = frozenset({'remat', 'checkpoint', 'vmap', 'jit', *_FUNCTION_TRANS
 JIT_CALLS = 'perturbkit_jit_calls'
 
 
-def _transforms(module: nn.Module) -> list[str]:
+def transforms_of(module: nn.Module) -> list[str]:
   """Every lifted transform ``module`` runs inside, as Flax's debug paths name them
   (``'remat(scan(layers))'`` names two)."""
   return re.findall(r'(\w+)\(', ' '.join(map(str, module.scope.debug_path)))
@@ -123,7 +123,7 @@ def in_jit(module: nn.Module) -> bool:
   call inside the transform leaves a new marker in it, so the next call's inputs
   differ: every call is traced, and gets keys of its own.
   """
-  return 'jit' in _transforms(module)
+  return 'jit' in transforms_of(module)
 
 
 def function_transform(module: nn.Module) -> str | None:
@@ -166,7 +166,7 @@ class _Trace:
 def _traced_once(module: nn.Module) -> bool:
   """Whether the lifted trace ``module`` tops runs once per call: every transform around it
   (``'remat(scan(layers))'`` names two) traces its body once."""
-  names = _transforms(module)
+  names = transforms_of(module)
   return bool(names) and set(names) <= _TRACED_ONCE
 
 

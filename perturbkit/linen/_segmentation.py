@@ -17,7 +17,7 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
 from perturbkit.linen._branches import branching_transform
-from perturbkit.linen._interceptor import intercept
+from perturbkit.linen._interceptor import intercept, transforms_of
 from perturbkit.core._segment_choice import (CallRecord, Exactly, SegmentSpec,  # noqa: F401
                                         Segmentation, exactly, flat_leaf_owners)
 from perturbkit.linen._segments import params_sliced, segmented_loss, stacked_iterations
@@ -51,7 +51,9 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   open_calls = _segment_choice.OpenCalls()
 
   def on_call(call, run):
-    sliced = params_sliced(call, params)
+    # Params a scan broadcasts to every iteration are shared by its calls like sliced
+    # ones are copied: the nearest enclosing plain call takes them (the scan's own call).
+    sliced = params_sliced(call, params) or 'scan' in transforms_of(call.module)
     branch = branching_transform(call.module) or ('nn.while_loop' if call.in_function else '')
     calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
                             call.key, stacked_iterations(call, params) if sliced else 0,
@@ -105,5 +107,6 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
       at_depth=lambda depth: module_paths(params, depth),
       outside_reads=lambda paths, scanned: outside_reads(loss_fn, variables, args, paths,
                                                           scanned),
-      transforms='nn.scan/nn.vmap with its params stacked other than along their first axis',
+      transforms=('nn.scan/nn.vmap with its params broadcast to every iteration or stacked other '
+                  'than along their first axis'),
       in_transform_error=_in_lifted_transform)
