@@ -288,3 +288,12 @@ def test_tied_head_norms_equal_vmap_of_nnx_grad(reduction):
   grads, _ = jax.jit(dp)(model, jax.random.key(0), tokens)
   want = nnx.jit(nnx.grad(next_token_loss))(model, tokens)
   chex.assert_trees_all_close(M.pure(grads), M.pure(want), **TOL)
+
+
+def test_an_rnn_drawing_its_initial_carry_is_refused_by_its_stream():
+  """``nnx.RNN`` draws a key from its own stream for the initial carry, in the call that the
+  per-example replay runs again: the refusal names that stream, not only the replayed call."""
+  model, x = M.Recurrent(rngs=nnx.Rngs(0)), M.random_batch((2, 5, 3))
+  loss_fn = lambda m, x: jnp.mean(jnp.sum(jnp.tanh(m(x)) ** 2, axis=(1, 2)))
+  with pytest.raises(perturbkit.RandomCallError, match=r'stream rnn\.rngs .*initial carry'):
+    perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)

@@ -43,8 +43,9 @@ def nnx_kind(module: nnx.Module) -> LayerKind:
   return GENERAL
 
 
-def _rng_counts(module: nnx.Module) -> list[Any]:
-  return [var.get_value() for _, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
+def _rng_counts(module: nnx.Module) -> list[tuple[Any, Any]]:
+  return [(path, var.get_value())
+          for path, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
 
 
 def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str) -> Replay:
@@ -62,8 +63,12 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str)
     module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     before = _rng_counts(module)
     out = getattr(module, method_name)(*args, **kwargs)
-    if any(a is not b for a, b in zip(before, _rng_counts(module))):
-      raise RandomCallError(where, 'it draws from an nnx.Rngs stream of the model')
+    moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
+             in zip(before, _rng_counts(module)) if a is not b]
+    if moved:
+      raise RandomCallError(where, f'it draws from the nnx.Rngs stream {moved[0]} of the '
+                                   'model: for dropout, or the key nnx.RNN draws for its '
+                                   'initial carry unless given `initial_carry=`')
     return out
 
   return replay
