@@ -592,7 +592,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ``BranchCallsMismatchError`` says so (exclude those calls with the filter,
     or compute every branch and pick the result with ``jnp.where``). Calls
     inside ``nn.while_loop`` get no point (its iterations would share one),
-    with an ``UnperturbedCallsWarning``.
+    with an ``UnperturbedCallsWarning``; nor does a layer that
+    ``nn.WeightNorm`` or ``nn.SpectralNorm`` runs inside ``nn.map_variables``
+    (its function may map the perturbations like the weights): the wrapper's
+    own call has the same output and its point.
 
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner
