@@ -206,3 +206,22 @@ def test_wav2vec2_weight_norm_positional_conv():
     _, by_param = assert_matches_vmap_grad(loss_fn, {'params': params}, audio)
   conv = by_param['wav2vec2']['encoder']['pos_conv_embed']['conv']
   assert float(jnp.min(conv['weight_v'])) > 1e-4  # not vacuous
+
+
+class _CheckpointedRoot(nn.Module):
+  """The root module's own method under ``@nn.checkpoint``."""
+
+  @nn.checkpoint
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(jnp.tanh(nn.Dense(4)(x)))
+
+
+def test_the_root_method_under_a_lifted_transform_is_refused_by_name():
+  """Flax hands over the root's copy inside the transform, whose params are the transform's:
+  a named error that says where the decorator can go (it said the params were unused)."""
+  model, x = _CheckpointedRoot(), jax.random.normal(jax.random.key(1), (3, 4))
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
+  with pytest.raises(perturbkit.PerExampleError, match=r'Root\.__call__ runs inside a lifted'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)

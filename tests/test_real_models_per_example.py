@@ -436,10 +436,43 @@ def _vision_gpt2():
   return types.SimpleNamespace(module=module, params_shape_tree=shapes)
 
 
+def _speech_gpt2():
+  """Wav2Vec2 encoding audio for a GPT-2 decoder (speech recognition), composed by Hugging
+  Face's ``SpeechEncoderDecoder``, built as ``_vision_gpt2`` is. Two nested applies run in one
+  call (Wav2Vec2's weight-normalized positional convolution, GPT-2's tied LM head), and the
+  encoder owns a param of its own (``masked_spec_embed``) beside its dataclass output."""
+  import types
+  import transformers as T
+  from transformers.models.speech_encoder_decoder import (
+      modeling_flax_speech_encoder_decoder as composed)
+  config = T.SpeechEncoderDecoderConfig.from_encoder_decoder_configs(
+      T.Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
+                       conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+                       num_conv_pos_embedding_groups=2, do_stable_layer_norm=True,
+                       feat_extract_norm='layer'),
+      T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                   add_cross_attention=True))
+  module = composed.FlaxSpeechEncoderDecoderModule(config)
+  _, batch = _transcription_loss(module)
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))
+  return types.SimpleNamespace(module=module, params_shape_tree=shapes)
+
+
+def _transcription_loss(module):
+  def loss_fn(variables, audio, audio_mask, ids, mask, positions):
+    logits = module.apply(variables, audio, audio_mask, ids, mask, positions).logits
+    return _token_losses(logits, ids).mean()
+  audio = jax.random.normal(jax.random.key(5), (B, 200))
+  return loss_fn, (audio, jnp.ones((B, 200), jnp.int32), _ids(),
+                   jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
+
+
 def _more_families():
   import transformers as T
   return {
       'vision_gpt2': (_vision_gpt2, _captioning_loss),
+      'speech_gpt2': (_speech_gpt2, _transcription_loss),
       'albert': (lambda: T.FlaxAlbertModel(T.AlbertConfig(embedding_size=8, **{
           **SMALL_CONFIG, 'max_position_embeddings': 24}), _do_init=False), _encoder_loss),
       'roberta': (lambda: T.FlaxRobertaModel(T.RobertaConfig(**{
@@ -463,7 +496,7 @@ def _more_families():
 
 
 @pytest.mark.parametrize('name', ['albert', 'dinov2', 'gemma', 'gpt_neo', 'mistral', 'regnet',
-                                  'roberta', 'vision_gpt2'])
+                                  'roberta', 'speech_gpt2', 'vision_gpt2'])
 def test_more_families_norms_equal_vmap_grad(name):
   build, make_loss = _more_families()[name]
   with jax.numpy_rank_promotion('allow'):

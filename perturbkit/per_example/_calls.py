@@ -308,6 +308,16 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     return out
 
   def on_top(index, module, method_name, a, kw, run):
+    if module.scope.debug_path:
+      # The root's own method under a lifted transform (`@nn.checkpoint` on it): Flax hands
+      # over its copy inside the transform, whose params and inputs are the transform's.
+      raise PerExampleError(
+          f'The model\'s own method {type(module).__name__}.{method_name} runs inside a '
+          f'lifted transform ({module.scope.debug_path[-1]}, e.g. `@nn.checkpoint` or '
+          '`@nn.jit` on the root module\'s method), where per-example gradients cannot see '
+          'the params and inputs the loss gives it. Put the decorator on the methods of its '
+          'submodules instead (the same saving for nn.checkpoint), or call the model from a '
+          'module of its own.')
     # Recorded before it runs, so that the uses and reads inside it know their unit.
     tops.append(len(reads))
     record(index, module, method_name, a, kw, None, None)
