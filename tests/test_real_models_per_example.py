@@ -416,24 +416,31 @@ def _captioning_loss(module):
   return loss_fn, (_pixels(), _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
 
 
+def _gpt2_decoder():
+  import transformers as T
+  return T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                      add_cross_attention=True)
+
+
+def _built_abstractly(module, make_loss):
+  """``module`` with its params' shapes from an abstract ``init`` on ``make_loss``'s batch (the
+  composed Hugging Face classes build only with their random init, which runs op by op)."""
+  import types
+  _, batch = make_loss(module)
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))
+  return types.SimpleNamespace(module=module, params_shape_tree=shapes)
+
+
 def _vision_gpt2():
   """ViT encoding an image for a GPT-2 decoder that attends to it (image captioning), composed
-  by Hugging Face's ``VisionEncoderDecoder``. That class builds only with its random init,
-  which runs op by op; its module is the same, built directly, with its params' shapes from
-  an abstract ``init``."""
-  import types
+  by Hugging Face's ``VisionEncoderDecoder``: its module, built directly."""
   import transformers as T
   from transformers.models.vision_encoder_decoder import (
       modeling_flax_vision_encoder_decoder as composed)
   config = T.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
       T.ViTConfig(image_size=hf_models.IMAGE, patch_size=8, hidden_size=16, num_hidden_layers=1,
-                  num_attention_heads=2, intermediate_size=32),
-      T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                   add_cross_attention=True))
-  module = composed.FlaxVisionEncoderDecoderModule(config)
-  _, batch = _captioning_loss(module)
-  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))
-  return types.SimpleNamespace(module=module, params_shape_tree=shapes)
+                  num_attention_heads=2, intermediate_size=32), _gpt2_decoder())
+  return _built_abstractly(composed.FlaxVisionEncoderDecoderModule(config), _captioning_loss)
 
 
 def _speech_gpt2():
@@ -441,7 +448,6 @@ def _speech_gpt2():
   Face's ``SpeechEncoderDecoder``, built as ``_vision_gpt2`` is. Two nested applies run in one
   call (Wav2Vec2's weight-normalized positional convolution, GPT-2's tied LM head), and the
   encoder owns a param of its own (``masked_spec_embed``) beside its dataclass output."""
-  import types
   import transformers as T
   from transformers.models.speech_encoder_decoder import (
       modeling_flax_speech_encoder_decoder as composed)
@@ -450,13 +456,8 @@ def _speech_gpt2():
                        intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
                        conv_kernel=(10, 3), num_conv_pos_embeddings=4,
                        num_conv_pos_embedding_groups=2, do_stable_layer_norm=True,
-                       feat_extract_norm='layer'),
-      T.GPT2Config(vocab_size=hf_models.VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                   add_cross_attention=True))
-  module = composed.FlaxSpeechEncoderDecoderModule(config)
-  _, batch = _transcription_loss(module)
-  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), *batch))
-  return types.SimpleNamespace(module=module, params_shape_tree=shapes)
+                       feat_extract_norm='layer'), _gpt2_decoder())
+  return _built_abstractly(composed.FlaxSpeechEncoderDecoderModule(config), _transcription_loss)
 
 
 def _transcription_loss(module):
