@@ -376,6 +376,37 @@ def test_layers_seeing_rearranged_rows_are_refused(mix):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X, Y)
 
 
+class TwoViews(nn.Module):
+  """One layer applied to two views of the batch stacked along the examples axis, its halves
+  multiplied back together."""
+  stack: Callable[[jax.Array], jax.Array]
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(self.stack(x))
+    return nn.Dense(2)(jnp.tanh(h[:len(x)]) * h[len(x):])
+
+
+@pytest.mark.parametrize('stack', [
+    lambda x: jnp.concatenate([x, jnp.sin(x)]),
+    lambda x: jnp.tile(x, (2, 1)),
+], ids=['concatenate', 'tile'])
+def test_a_layer_seeing_the_batch_twice_along_the_examples_axis(stack):
+  """Row ``r`` is example ``r % examples`` in both: each example's rows are its own."""
+  model = TwoViews(stack)
+  variables = model.init(jax.random.key(0), X)
+  loss_fn = lambda v, x, y: jnp.mean(jnp.sum((model.apply(v, x) - y[:, :2]) ** 2, axis=1))
+  assert_norms_match(loss_fn, variables, X, Y)
+
+
+def test_a_layer_seeing_the_batch_twice_in_another_order_is_refused():
+  model = TwoViews(lambda x: jnp.concatenate([x, x[::-1]]))
+  variables = model.init(jax.random.key(0), X)
+  loss_fn = lambda v, x, y: jnp.mean(jnp.sum((model.apply(v, x) - y[:, :2]) ** 2, axis=1))
+  with pytest.raises(perturbkit.ExamplesAxisError, match='rearranged along the examples axis'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X, Y)
+
+
 def paired_after_split(h):
   """Attention across the batch after ``jnp.split`` into queries and keys."""
   queries, keys = jnp.split(h, 2, axis=1)

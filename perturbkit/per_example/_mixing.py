@@ -402,6 +402,11 @@ def _slice(eqn, states):
     start = p['start_indices'][s.axis]
     if p['strides'] is not None and p['strides'][s.axis] != 1:
       return _rearranged(eqn, states, s)
+    before, after = s.blocks
+    rows, size = eqn.invars[0].aval.shape[s.axis], eqn.outvars[0].aval.shape[s.axis]
+    if after == 1 and s.order == 0 and rows == before * size and start % size == 0:
+      # One whole batch of batches one after another (``jnp.tile``, ``jnp.concatenate``).
+      return _combine(states, s.axis, order=0)
     return _combine(states, s.axis, blocks=s.blocks, order=_shifted(s.order, start, eqn))
   return _combine(states, s.axis)
 
@@ -461,6 +466,11 @@ def _concatenate(eqn, states):
       return _combine(states, axis, blocks=blocks, order=order)
   dimension = eqn.params['dimension']
   rows = [s for s in states if s.axis is not None]
+  if (len(rows) == len(states) and len({v.aval.shape[dimension] for v in eqn.invars}) == 1
+      and all(s.axis == dimension and s.blocks == PLAIN and s.order == 0 for s in rows)):
+    # Whole batches one after another (``jnp.concatenate([x, f(x)])``): row ``r`` is example
+    # ``r % examples``, as ``jnp.tile`` makes them.
+    return _combine(states, dimension, blocks=(len(states), 1), order=0)
   if all(s.axis == dimension for s in rows) and len({s.blocks for s in rows}) == 1:
     # Consecutive rows put back in order (``jnp.concatenate([h[:k], h[k:]])``) are the rows
     # they were; others stacked along the examples axis (``jnp.roll``, two views of the batch)
