@@ -800,7 +800,10 @@ class SharedCallError(PerExampleError):
         'per-example replay of its `model.apply`; this error means that apply cannot be '
         'replayed per example either: it is given an input made in the loss from no batched '
         'argument, or it runs inside a JAX transform within the loss (`jax.checkpoint`, '
-        '`jax.jit` around `model.apply`).')
+        '`jax.jit` around `model.apply`). A term of the loss computed from the params alone '
+        '(a penalty the model computes, `model.apply(variables, method=...)` on no batched '
+        'input) belongs to no example: leave it out of this loss and add its gradient to '
+        'the result.')
 
 
 class RandomCallError(PerExampleError):

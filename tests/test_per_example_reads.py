@@ -313,3 +313,30 @@ def test_a_tied_heads_params_cost_no_trace_of_the_loss():
         variables, jax.random.key(3), IDS)
     traces[name] = count[0]
   assert traces['tied'] == traces['untied'] > 0, traces
+
+
+class _Penalized(nn.Module):
+  """A model with a penalty of its own on its first layer, computed on a param, no example."""
+
+  def setup(self):
+    self.first, self.second = nn.Dense(4), nn.Dense(2)
+    self.probe = self.param('probe', nn.initializers.normal(1.0), (1, 4))
+
+  def __call__(self, x):
+    return self.second(jnp.tanh(self.first(x)))
+
+  def penalty(self):
+    return jnp.sum(self.first(self.probe) ** 2)
+
+
+def test_a_penalty_the_model_computes_on_no_example_is_refused_with_the_way_out():
+  """The penalty's call of ``first`` sees no example: its gradient belongs to none of them."""
+  model = _Penalized()
+  variables = model.init(jax.random.key(2), X)
+
+  def loss_fn(variables, x):
+    penalty = model.apply(variables, method='penalty')
+    return jnp.mean(jnp.sum(model.apply(variables, x) ** 2, axis=1)) + 0.1 * penalty
+
+  with pytest.raises(perturbkit.SharedCallError, match='belongs to no example'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, X)
