@@ -8,6 +8,7 @@ of ``jax.grad`` on one example.
 """
 import flax
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,3 +91,33 @@ def test_an_output_pairing_the_examples_that_the_loss_leaves_aside():
   contrastive = lambda v, x: jnp.mean(jax.nn.log_softmax(model.apply(v, x)[1]).diagonal())
   with pytest.raises(perturbkit.ExamplesMixedError):
     perturbkit.per_example_grad_norms(contrastive)(variables, x)
+
+
+class _NnxEncoder(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.gain = nnx.Param(jax.random.normal(rngs.params(), (1, 5)))
+    self.linear = nnx.Linear(5, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return _output(self.linear(x * self.gain))
+
+
+class _NnxModel(nnx.Module):
+  """The NNX twin: a module owning a param returns an ``Output``, and so does the root."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.encoder = _NnxEncoder(rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+    self.scale = nnx.Param(jnp.full((1, 5), 1.5))
+
+  def __call__(self, x):
+    out = self.encoder(x * self.scale)
+    return _output(self.head(out.activated + out.hidden))
+
+
+def test_nnx_norms_through_dataclass_outputs_equal_nnx_grad():
+  model, x = _NnxModel(nnx.Rngs(0)), jax.random.normal(jax.random.key(0), (3, 5))
+  loss_fn = lambda m, x: jnp.mean(jnp.sum(m(x).activated ** 2, axis=1))
+  _, norms = perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)
+  want = [optax.tree.norm(nnx.grad(loss_fn)(model, x[i:i + 1])) for i in range(len(x))]
+  np.testing.assert_allclose(norms.total, want, rtol=1e-5)
