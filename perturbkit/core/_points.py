@@ -5,7 +5,6 @@ boolean and ``None`` leaves pass through untouched. The arrays live in the
 ``'perturbations'`` collection at the module's path, under the call's point key,
 and are added with Flax's own ``Module.perturb``.
 """
-import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 import flax
@@ -137,12 +136,6 @@ def inside_lifted_transform(module: nn.Module) -> bool:
   return bool(module.path) or bool(module.scope is not None and module.scope.debug_path)
 
 
-def in_map_variables(module: nn.Module) -> bool:
-  """Whether ``module`` runs inside ``nn.map_variables`` (``nn.WeightNorm``, ``nn.SpectralNorm``):
-  it sees its params as the transform's function maps them."""
-  return any(re.findall(r'\bmap_variables\(', str(part)) for part in module.scope.debug_path)
-
-
 def collection_visible(module: nn.Module) -> bool:
   """Whether a perturbation added in ``module`` reaches the caller's collection.
 
@@ -176,7 +169,7 @@ def _check_matches(module: nn.Module, key: str, part: Any, where: str):
 
 
 def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
-                     *, strict: bool) -> tuple[Any, bool]:
+                     *, strict: bool, reachable: bool = True) -> tuple[Any, bool]:
   """Adds the point's perturbation to ``output`` (creating zeros when initializing).
 
   Args:
@@ -185,6 +178,9 @@ def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
     output: The call's output.
     where: The call's name, for messages.
     strict: Raise if the output has no floating-point leaf (otherwise skip it).
+    reachable: ``False`` where no point can be made whatever the collection (a
+      Linen call inside ``nn.map_variables`` with writable mapped collections,
+      ``Call.mapped``): ``output`` is returned as it is.
 
   Returns:
     ``(output plus the perturbation, True)``; ``(output, False)`` when the
@@ -194,6 +190,8 @@ def add_perturbation(module: nn.Module, key: str, output: Any, where: str,
     NonDifferentiableOutputError: ``strict`` and no floating-point leaf.
     PerturbationStructureError: the collection is there but does not fit.
   """
+  if not reachable:
+    return output, False
   if not has_differentiable_leaf(output):
     if strict:
       raise NonDifferentiableOutputError(where, leaf_dtypes(output))

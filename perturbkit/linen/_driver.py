@@ -123,8 +123,8 @@ def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
         index = call.module.get_variable(COLLECTION, iteration_key(call.key))
         output = merge(output, edit_output(edit, call.path + (call.key,),
                                            differentiable_part(output), index))
-      output, applied = (output, False) if call.mapped else add_perturbation(
-          call.module, call.key, output, call.name, strict=strict)
+      output, applied = add_perturbation(call.module, call.key, output, call.name,
+                                         strict=strict, reachable=not call.mapped)
       on_point(call, before, applied)
     return output
   return handler

@@ -126,6 +126,12 @@ def in_jit(module: nn.Module) -> bool:
   return 'jit' in transforms_of(module)
 
 
+def in_map_variables(module: nn.Module) -> bool:
+  """Whether ``module`` runs inside ``nn.map_variables`` (``nn.WeightNorm``, ``nn.SpectralNorm``):
+  it sees its params as the transform's function maps them."""
+  return 'map_variables' in transforms_of(module)
+
+
 def function_transform(module: nn.Module) -> str | None:
   """``'cond'``, ``'switch'`` or ``'while_loop'`` where ``module`` is the module such a
   transform passes to the function it runs (Flax names the transform last in the

@@ -32,8 +32,8 @@ def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
     if call.module.is_initializing():
       check_branch_point(call)
     output = run()
-    out, was_applied = (output, False) if call.mapped else add_perturbation(
-        call.module, call.key, output, call.name, strict=strict)
+    out, was_applied = add_perturbation(call.module, call.key, output, call.name,
+                                        strict=strict, reachable=not call.mapped)
     if was_applied and applied is not None:
       applied.add(call.path + (call.key,))
     if not was_applied and missed is not None and has_differentiable_leaf(output):

@@ -20,8 +20,7 @@ import jax
 import numpy as np
 
 from perturbkit.core._consumers import reads_outside, segment_function_name
-from perturbkit.core._points import in_map_variables
-from perturbkit.linen._interceptor import Call, intercept, suspended
+from perturbkit.linen._interceptor import Call, in_map_variables, intercept, suspended
 from perturbkit.core.filters import module_path
 from perturbkit.linen._param_reads import named_call
 from perturbkit.per_example._nested import nested_applies, replay
