@@ -275,3 +275,51 @@ def test_families_that_all_reduce_refuse_check_vma():
     with pytest.raises(perturbkit.CheckedShardMapError) as error:
       on_devices(f, params, *batch)
     assert name in str(error.value) and 'check_vma=False' in str(error.value), error.value
+
+
+class TiedHead(nn.Module):
+  """A GPT-2-style tied head: the embedding, transposed, as the kernel of a nested apply."""
+
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(16, 8, name='wte')
+    h = jnp.tanh(nn.Dense(8)(embed(ids)))
+    head = nn.Dense(16, use_bias=False, parent=None)
+    return head.apply({'params': {'kernel': embed.embedding.T}}, h)
+
+
+class NNXTiedHead(nnx.Module):
+  """The same with the embedding read inline by the head."""
+
+  def __init__(self, rngs):
+    self.wte = nnx.Embed(16, 8, rngs=rngs)
+    self.dense = nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, ids):
+    return jnp.tanh(self.dense(self.wte(ids))) @ self.wte.embedding[...].T
+
+
+def next_token_loss(logits, ids):
+  return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+
+@pytest.mark.parametrize('front_end', ['linen', 'nnx'])
+def test_per_example_norms_of_a_tied_head_are_each_devices_own_under_check_vma(front_end):
+  """The head's output (made from the device's own tokens) varies per device, so the zeros
+  that read its gradient must too: else JAX sums that gradient over the devices, and the
+  embedding's norms take the other devices' examples in (and DP-SGD clips by them)."""
+  ids = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+  if front_end == 'linen':
+    model = TiedHead()
+    variables = model.init(jax.random.key(0), ids)
+    norms = perturbkit.per_example_grad_norms(
+        lambda v, ids: next_token_loss(model.apply(v, ids), ids))
+  else:
+    graphdef, variables = nnx.split(NNXTiedHead(nnx.Rngs(0)))
+    nnx_norms = perturbkit.nnx.per_example_grad_norms(lambda m, ids: next_token_loss(m(ids), ids))
+    norms = lambda state, ids: nnx_norms(nnx.merge(graphdef, state), ids)
+  total = lambda v, ids: norms(v, ids)[1].total
+  want = on_shards(total, variables, ids)
+  assert float(jnp.min(want)) > 0.1
+  chex.assert_trees_all_close(on_devices(total, variables, ids), want, **TOL)
+  chex.assert_trees_all_close(on_devices(total, variables, ids, check_vma=False), want, **TOL)

@@ -59,6 +59,13 @@ def vary_like(x: jax.Array, *like: Any) -> jax.Array:
   return vary(x, frozenset().union(*map(varying_axes, like)))
 
 
+def typed_shape(x: Any) -> jax.ShapeDtypeStruct:
+  """``x``'s shape and dtype, with the mesh axes it varies over (for :func:`zeros_like_type`
+  later in the same ``shard_map``)."""
+  return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                              manual_axis_type=getattr(jax.typeof(x), 'manual_axis_type', None))
+
+
 def zeros_like_type(aval: Any) -> jax.Array:
   """Zeros of ``aval``'s shape and dtype, varying over the devices as it does."""
   return vary_like(jnp.zeros(aval.shape, aval.dtype), aval)

@@ -32,6 +32,7 @@ from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError,
                                PerExampleError, UncoveredParamsError)
 from perturbkit.core._points import differentiable_part, inside_lifted_transform, merge
 from perturbkit.core._types import Path, Variables
+from perturbkit.core._varying import typed_shape
 
 PERTURBATIONS = 'perturbations'
 
@@ -292,7 +293,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   def record(index, module, method_name, a, kw, out, top):
     floats, out_tree = jax.tree.flatten(float_part(out))
     reads.append(ReadUse(index, method_name, module.clone(parent=None), static_part((a, kw)),
-                         (), tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+                         (), tuple(map(typed_shape, floats)),
                          out_tree, frozenset()))
     params, params_tree = jax.tree.flatten(nested_params(module))
     read_arrays.append((_array_leaves((a, kw)), params, params_tree))
@@ -327,7 +328,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
       position = tops.pop()
     floats, out_tree = jax.tree.flatten(float_part(out))
     reads[position] = reads[position]._replace(
-        outputs=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+        outputs=tuple(map(typed_shape, floats)),
         out_tree=out_tree)
     return out
 

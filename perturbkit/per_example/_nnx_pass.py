@@ -38,6 +38,7 @@ from perturbkit.core._loss import scalar_loss
 from perturbkit.core._points import array_part
 from perturbkit.core._trees import find_in
 from perturbkit.core._types import Path
+from perturbkit.core._varying import typed_shape, zeros_like_type
 from perturbkit.core.filters import module_path
 from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError, PerExampleError,
                                UncoveredParamsError)
@@ -160,7 +161,7 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
       active.pop()
     floats, out_tree = jax.tree.flatten(float_part(out))
     model_calls[position] = model_calls[position]._replace(
-        outputs=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in floats),
+        outputs=tuple(map(typed_shape, floats)),
         out_tree=out_tree)
     return out
 
@@ -306,7 +307,7 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
       loss = loss_fn(copy, *args, **kwargs)
     return jax.numpy.asarray(scalar_loss(loss, has_aux_option=False)), seen
 
-  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in c.outputs] for c in calls]
+  zeros = [[zeros_like_type(s) for s in c.outputs] for c in calls]
   loss, vjp, seen = jax.vjp(run, zeros, has_aux=True)
   (cotangents,) = vjp(jax.numpy.ones_like(loss))
   params = params_tree(template)

@@ -24,6 +24,7 @@ from perturbkit.per_example._replay import Pair
 from perturbkit.core._points import array_part
 from perturbkit.core._trees import find_in
 from perturbkit.core._types import Path, Variables
+from perturbkit.core._varying import zeros_like_type
 
 
 class Layer(NamedTuple):
@@ -125,7 +126,7 @@ def _grads_and_inputs(loss_fn: Callable[..., Any], reads: list[ReadUse],
                       kwargs: dict) -> tuple[Any, Any, Any, Any]:
   """``(loss, what each read saw, gradients, the selected calls' inputs)`` from one pass."""
   selected = lambda module, method_name: bool(uses.get(tuple(module.path)))
-  zeros = [[jax.numpy.zeros(s.shape, s.dtype) for s in r.outputs] for r in reads]
+  zeros = [[zeros_like_type(s) for s in r.outputs] for r in reads]
   variables = {**variables, 'params': {**variables['params'], READS: zeros}}
   if any(uses.values()):
     (loss, found), grads, inputs = value_and_grad(
