@@ -11,7 +11,8 @@ as ``jax.grad`` gives inside ``shard_map``; DP-SGD without ``axis_name`` likewis
 the devices' clipped gradients summed, noised once. The families that all-reduce over
 ``axis_name`` themselves (interleaved training, DP-SGD, the K-FAC
 preconditioner) would count the devices twice there, so they refuse it with
-``CheckedShardMapError``. The checks run on 4 of the test process's 8 host CPU devices
+``CheckedShardMapError``; without ``axis_name`` interleaved training steps with the
+devices' summed gradients, as ``jax.grad``'s are there. The checks run on 4 of the test process's 8 host CPU devices
 (``conftest.py``).
 """
 import chex
@@ -323,3 +324,105 @@ def test_per_example_norms_of_a_tied_head_are_each_devices_own_under_check_vma(f
   assert float(jnp.min(want)) > 0.1
   chex.assert_trees_all_close(on_devices(total, variables, ids), want, **TOL)
   chex.assert_trees_all_close(on_devices(total, variables, ids, check_vma=False), want, **TOL)
+
+
+def _summed_over_shards(grad_of_shard, x, y):
+  """The sum of each shard's gradient: what jax.grad of a replicated param gives inside
+  shard_map with check_vma=True."""
+  size = x.shape[0] // SHARDS
+  grads = [grad_of_shard(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size])
+           for i in range(SHARDS)]
+  return jax.tree.map(lambda *g: sum(g), *grads)
+
+
+def _stepped_on_devices(step, state, x, y):
+  """``step`` under shard_map with check_vma=True: the state replicated, the metrics (each
+  device's own) one row per device."""
+  def stepped(state, x, y):
+    state, metrics = step(state, x, y)
+    return state, jax.tree.map(lambda m: jnp.asarray(m)[None], metrics)
+
+  return jax.jit(jax.shard_map(stepped, mesh=data_mesh(SHARDS),
+                               in_specs=(P(), P('data'), P('data')),
+                               out_specs=(P(), P('data'))))(state, x, y)
+
+
+@pytest.mark.parametrize('model', ['mlp', 'scanned'])
+def test_interleaved_without_axis_name_steps_with_the_summed_gradient(model):
+  """Without axis_name, under check_vma=True, each segment's gradient is summed over the
+  devices as jax.grad's is there: propagate='original' equals SGD with the shards' summed
+  gradients; the activation gradient norms are each device's own."""
+  x = jax.random.normal(jax.random.key(1), (8, 5))
+  y = jax.random.normal(jax.random.key(2), (8, 2))
+  module = models.MLP() if model == 'mlp' else models.Scanned()
+  variables = module.init(jax.random.key(0), x)
+  mse = lambda v, x, y: jnp.mean((module.apply(v, x) - y) ** 2)
+  tx = perturbkit.interleaved(mse, optax.sgd(0.1), propagate='original')
+  state, metrics = _stepped_on_devices(tx.step, tx.init(variables, x, y), x, y)
+  summed = _summed_over_shards(lambda x, y: jax.grad(mse)(variables, x, y), x, y)
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], summed['params'])
+  chex.assert_trees_all_close(state.params, want, **TOL)
+  own = on_shards(lambda v, x, y: {
+      'loss': mse(v, x, y), 'Dense_0': jnp.linalg.norm(perturbkit.grad(mse)(v, x, y)[
+          'perturbations']['Dense_0']['__call__'])}, variables, x, y)
+  chex.assert_trees_all_close(metrics['loss'], own['loss'], **TOL)
+  chex.assert_trees_all_close(metrics['activation_grad_norm']['Dense_0'], own['Dense_0'], **TOL)
+
+
+def test_interleaved_without_axis_name_propagates_through_the_updated_summed_step():
+  """propagate='updated' without axis_name, under check_vma=True, against the MLP's backward
+  written by hand: each layer steps with its gradient summed over the devices, and each
+  device sends its own gradient on through the updated weights."""
+  x = jax.random.normal(jax.random.key(1), (8, 5))
+  y = jax.random.normal(jax.random.key(2), (8, 2))
+  module = models.MLP()
+  variables = module.init(jax.random.key(0), x)
+  mse = lambda v, x, y: jnp.mean((module.apply(v, x) - y) ** 2)
+  tx = perturbkit.interleaved(mse, optax.sgd(0.1), propagate='updated')
+  state, _ = _stepped_on_devices(tx.step, tx.init(variables, x, y), x, y)
+
+  params = variables['params']
+  dense = lambda p, h: h @ p['kernel'] + p['bias'][None]
+  size = x.shape[0] // SHARDS
+  shards = [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(SHARDS)]
+  forwards = []
+  for xs, ys in shards:
+    h0 = dense(params['Dense_0'], xs)
+    h1 = dense(params['Dense_1'], nn.relu(h0))
+    out, head = jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))
+    forwards.append((xs, h0, h1, jax.grad(lambda o: jnp.mean((o - ys) ** 2))(out)))
+  new = {}
+  step = lambda p, g: jax.tree.map(lambda w, g: w - 0.1 * g, p, g)
+  # Dense_2, then the gradient at its input with the updated weights, on each device.
+  grads = [jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))[1](g)
+           for _, h0, h1, g in forwards]
+  new['Dense_2'] = step(params['Dense_2'], jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
+  below = [jax.vjp(lambda h: dense(new['Dense_2'], h), nn.relu(h1) + nn.relu(h0))[1](g)[0]
+           for _, h0, h1, g in forwards]
+  at_h1 = [g * (h1 > 0) for (_, _, h1, _), g in zip(forwards, below)]
+  grads = [jax.vjp(dense, params['Dense_1'], nn.relu(h0))[1](g) for (_, h0, _, _), g in
+           zip(forwards, at_h1)]
+  new['Dense_1'] = step(params['Dense_1'], jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
+  at_h0 = [(jax.vjp(lambda h: dense(new['Dense_1'], h), nn.relu(h0))[1](g1)[0] + g) * (h0 > 0)
+           for (_, h0, _, _), g1, g in zip(forwards, at_h1, below)]
+  grads = [jax.vjp(dense, params['Dense_0'], xs)[1](g)[0] for (xs, _, _, _), g in
+           zip(forwards, at_h0)]
+  new['Dense_0'] = step(params['Dense_0'], jax.tree.map(lambda *g: sum(g), *grads))
+  chex.assert_trees_all_close(state.params, new, **TOL)
+  assert float(jnp.abs(new['Dense_0']['kernel'] - params['Dense_0']['kernel']).max()) > 1e-3
+
+
+def test_nnx_interleaved_without_axis_name_steps_with_the_summed_gradient():
+  """The same on the NNX front end: SGD with the shards' summed gradients."""
+  x = jax.random.normal(jax.random.key(1), (8,) + SHAPE[1:])
+  net, _, _, _ = nnx_problem()
+  mse = lambda m, x, y: jnp.mean((m(x)[:, -1] - y) ** 2)
+  y = jax.random.normal(jax.random.key(4), net(x)[:, -1].shape)
+  tx = perturbkit.nnx.interleaved(mse, optax.sgd(0.1), propagate='original')
+  state, _ = _stepped_on_devices(tx.step, tx.init(net, x, y), x, y)
+  graphdef, params = nnx.split(net, nnx.Param)
+  summed = _summed_over_shards(
+      lambda x, y: jax.grad(lambda p: mse(nnx.merge(graphdef, p), x, y))(params), x, y)
+  want = jax.tree.map(lambda w, g: w - 0.1 * g, params, summed)
+  got = nnx.state(state.model(), nnx.Param)
+  chex.assert_trees_all_close(got, want, **TOL)

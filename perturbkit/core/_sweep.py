@@ -23,6 +23,7 @@ from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._segment_choice import Segmentation
 from perturbkit.core._segment_vjp import Backward, split_floats
 from perturbkit.core._types import PyTree
+from perturbkit.core._varying import manual_axes, vary
 
 REST = '<rest>'
 """The group of params owned by no segment (e.g. created directly in the root)."""
@@ -323,7 +324,9 @@ def backward_for(sweep: Sweep, name: str, swept: dict, opt_state: PyTree = None)
 
   def step(g, dw, w, dyn, after, state):
     opt_state, scale = state
-    carried = {'activation_grad_norm': optax.tree.norm(g).astype(jnp.float32)}
+    # Typed to vary like its carrier (``carrier``), whether or not ``g`` varies.
+    carried = {'activation_grad_norm': vary(optax.tree.norm(g).astype(jnp.float32),
+                                            manual_axes())}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
     swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
     extra_args['segment_examples'] = sweep.examples
@@ -338,10 +341,14 @@ def backward_for(sweep: Sweep, name: str, swept: dict, opt_state: PyTree = None)
 
 def carrier(sweep: Sweep, name: str, w: PyTree) -> dict:
   """Zeros shaped like what segment ``name``'s backward step carries out (stacked per
-  iteration for a scanned segment, as its ``w`` and optimizer state are)."""
+  iteration for a scanned segment, as its ``w`` and optimizer state are).
+
+  Inside ``jax.shard_map`` (with ``check_vma=True``) the activation gradient's norm
+  is each device's own, so its zeros vary over every mesh axis; the step is typed
+  as ``w`` and the optimizer state are."""
   floats = split_floats(sweep.opt_state[name])[0]
   norm_shape = (sweep.iterations[name],) if name in sweep.iterations else ()
-  return {'activation_grad_norm': jnp.zeros(norm_shape, jnp.float32),
+  return {'activation_grad_norm': vary(jnp.zeros(norm_shape, jnp.float32), manual_axes()),
           'step': (jax.tree.map(jnp.zeros_like, w), [jnp.zeros_like(leaf) for leaf in floats])}
 
 

@@ -297,6 +297,12 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     ``check_vma=False``: with JAX's default ``check_vma=True`` its reverse mode
     already sums the params' gradient over the devices, and these functions
     raise ``CheckedShardMapError`` rather than count the devices twice.
+    Without ``axis_name`` under ``check_vma=True``, each segment steps with its
+    gradient summed over the devices, as ``jax.grad`` gives the params' there (a
+    mean loss per device then takes steps as large as the number of devices
+    times the mean's); the loss and activation gradient norms in the metrics
+    are each device's own, so they need an ``out_specs`` that keeps them per
+    device.
 
     Without ``axis_name``, ``jax.jit(tx.step)`` on sharded inputs and params
     (the batch over a ``'data'`` axis, kernels over a ``'model'`` axis, as
