@@ -112,6 +112,7 @@ from perturbkit.errors import BranchesUnseparatedError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
+from perturbkit.errors import UnknownAxisError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import AmbiguousEditError
 from perturbkit.errors import EditViewError
@@ -244,6 +245,7 @@ __all__ = [
     'CallStructureMismatchError',
     'CheckedShardMapError',
     'UnboundAxisError',
+    'UnknownAxisError',
     'EditShapeError',
     'AmbiguousEditError',
     'EditViewError',

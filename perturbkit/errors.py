@@ -11,7 +11,9 @@ round), ``NotAModuleError`` (something other than a Flax module where the model
 goes), ``NotVariablesError``, ``InvalidOptionError`` (an option out of its range,
 or not one of its allowed values), ``NotAnOptimizerError``, ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
-inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis), ``CheckedShardMapError`` (``axis_name`` given inside
+inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis),
+``UnknownAxisError`` (an ``axis_name`` that no ``shard_map`` or ``pmap`` around the step
+binds), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
 devices twice).
 
@@ -1112,6 +1114,19 @@ class UnboundAxisError(PerturbkitError, NameError):
         '`jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(), P(\'data\'), '
         'P(\'data\')), out_specs=P(), check_vma=False))(variables, x, y)` (for NNX, build '
         'the optimizer inside an nnx.shard_map).')
+
+
+class UnknownAxisError(PerturbkitError, NameError):
+  """``axis_name`` names no mesh axis that a ``shard_map`` or ``pmap`` around the call binds."""
+
+  def __init__(self, function, axis, bound):
+    where = (f'the jax.shard_map around it binds {_listed(map(repr, sorted(bound)))}' if bound else
+             'no jax.shard_map or jax.pmap around it binds any axis')
+    super().__init__(
+        f'{function} was given axis_name={axis!r}, but {where}. Pass the name of the mesh '
+        'axis the batch is split over (the one in `in_specs`, e.g. P(\'data\')), and run '
+        'the step inside jax.shard_map (or jax.pmap) over that mesh; on one device, or '
+        'under jax.jit with sharded inputs, leave axis_name out.')
 
 
 class CheckedShardMapError(PerturbkitError, ValueError):

@@ -155,3 +155,23 @@ def test_init_of_a_model_with_collectives_runs_in_the_steps_shard_map():
                                out_specs=P(), check_vma=False))
   state = init(variables, x, y)
   chex.assert_trees_all_close(state.params, variables['params'])
+
+
+def test_an_axis_name_no_shard_map_binds_is_named():
+  """A misspelt axis_name inside shard_map, or one given outside any shard_map: a named
+  error listing the axes bound there, from each family that takes axis_name."""
+  loss_fn, variables, x, y = problem()
+  sharded = lambda f, *specs: jax.jit(jax.shard_map(
+      f, mesh=data_mesh(), in_specs=specs, out_specs=P(), check_vma=False))
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), axis_name='batch')
+  state = tx.init(variables, x, y)
+  private = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0,
+                                    axis_name='batch')
+  private_grad = lambda v, x, y: private(v, jax.random.key(0), x, y)[0]
+  for run, where in (
+      (lambda: sharded(tx.step, P(), P('data'), P('data'))(state, x, y), "binds 'data'"),
+      (lambda: jax.jit(tx.step)(state, x, y), 'no jax.shard_map or jax.pmap'),
+      (lambda: sharded(private_grad, P(), P('data'), P('data'))(variables, x, y),
+       "binds 'data'")):
+    with pytest.raises(perturbkit.UnknownAxisError, match=f"axis_name='batch', but .*{where}"):
+      run()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from perturbkit.errors import CheckedShardMapError, UnboundAxisError
+from perturbkit.errors import CheckedShardMapError, UnboundAxisError, UnknownAxisError
 
 
 def manual_axes() -> frozenset[str]:
@@ -73,7 +73,8 @@ def zeros_like_type(aval: Any) -> jax.Array:
 
 def check_unchecked(axis_name: Any, function: str) -> None:
   """Raises ``CheckedShardMapError`` if ``axis_name`` is an axis of a ``jax.shard_map`` with
-  ``check_vma=True``, where the gradient of replicated params is already summed over it.
+  ``check_vma=True``, where the gradient of replicated params is already summed over it, and
+  ``UnknownAxisError`` if no ``shard_map`` or ``pmap`` around the call binds it.
 
   With ``check_vma=False`` (and under ``pmap``) values carry no device-varying
   types, and the explicit all-reduce is what averages the devices' gradients.
@@ -82,7 +83,11 @@ def check_unchecked(axis_name: Any, function: str) -> None:
     return
   manual = manual_axes()
   for name in (axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)):
-    if name in manual and name in varying_axes(jax.lax.axis_index(name)):
+    try:
+      index = jax.lax.axis_index(name)
+    except NameError as error:  # bound by no shard_map or pmap around the call
+      raise UnknownAxisError(function, name, manual) from error
+    if name in manual and name in varying_axes(index):
       raise CheckedShardMapError(function, name)
 
 
