@@ -280,8 +280,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                                    out_specs=(P(), P()), check_vma=False))
 
     Each segment's gradient is all-reduced (``pmean``) before its update, and
-    the result, metrics included, equals one device on the whole batch
-    (``tests/test_interleaved_multidevice.py``, 8 host CPU devices). On a
+    for a loss that is a mean over the batch the result, metrics included,
+    equals one device on the whole batch (``tests/test_interleaved_multidevice.py``,
+    8 host CPU devices). The step minimises the mean of the devices' losses: for a
+    loss summed over the examples, that is the whole batch's sum divided by the
+    number of devices (and the ``loss`` metric is the mean of the devices' sums). On a
     cluster, run the same script on every host after
     ``jax.distributed.initialize()`` (coordinator address, number of processes
     and process id from the environment or your launcher); ``jax.devices()``
