@@ -177,9 +177,11 @@ from perturbkit.errors import WrongFrontEndError
 from perturbkit.errors import BoundModuleError
 from perturbkit.errors import FilterError
 from perturbkit.errors import HookFunctionError
+from perturbkit.errors import HookOutputError
 from perturbkit.errors import KFACFactorShapeError
 from perturbkit.errors import KFACLayerInfoError
 from perturbkit.errors import NoHooksError
+from perturbkit.errors import NotAHookError
 from perturbkit.errors import NotAModuleError
 from perturbkit.errors import NotInterventionsError
 from perturbkit.errors import PrivateAccumulationError
@@ -310,9 +312,11 @@ __all__ = [
     'BoundModuleError',
     'FilterError',
     'HookFunctionError',
+    'HookOutputError',
     'KFACFactorShapeError',
     'KFACLayerInfoError',
     'NoHooksError',
+    'NotAHookError',
     'NotAModuleError',
     'NotInterventionsError',
     'PrivateAccumulationError',

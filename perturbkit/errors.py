@@ -20,8 +20,10 @@ devices twice).
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
 message lists the calls seen), ``FilterError`` (a filter of a type it cannot be),
-``NoHooksError`` and ``HookFunctionError`` (``with_hooks`` without hooks; a hook
-that is not callable or returns another structure), ``BoundModuleError``
+``NoHooksError``, ``NotAHookError`` and ``HookFunctionError`` (``with_hooks`` without
+hooks; something else than a hook where hooks go; a hook that is not callable),
+``HookOutputError`` (a hook returning another structure, shape or dtype than it got),
+``BoundModuleError``
 (``wrap`` given a bound module), ``PerturbationStructureError``,
 ``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch``, or ``nnx.cond``/``nnx.switch``,
 whose branches call different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
@@ -1173,13 +1175,38 @@ class NoHooksError(PerturbkitError, ValueError):
 
 
 class HookFunctionError(PerturbkitError, TypeError):
-  """A backward hook's function is not callable, or returns another structure than it got."""
+  """A backward hook's function is not callable (``HookOutputError``: returns another
+  structure, shape or dtype than it got)."""
 
   def __init__(self, detail: str):
     super().__init__(
         f'{detail}. A backward hook is a function `g -> new g` (the cotangent at the '
         'call\'s output, in the structure of that output), e.g. '
         '`perturbkit.backward_hook(lambda g: jnp.clip(g, -1, 1), filter)`.')
+
+
+class HookOutputError(HookFunctionError):
+  """A backward hook returned a cotangent of another structure, shape or dtype than it got."""
+
+  def __init__(self, fn, where: str, mismatch: str):
+    PerturbkitError.__init__(
+        self,
+        f'The backward hook {fn!r:.60} on the call {where} returned {mismatch}. A hook must '
+        'return arrays of the same structure, shapes and dtypes as the cotangent it receives '
+        '(the gradient at the call\'s output), e.g. `lambda g: jnp.clip(g, -1, 1)`; cast back '
+        'what it computes in another dtype (`(g.astype(jnp.bfloat16) * s).astype(g.dtype)`).')
+
+
+class NotAHookError(PerturbkitError, TypeError):
+  """Something other than a hook where backward hooks go."""
+
+  def __init__(self, function: str, got: object):
+    hint = ('; to hook a function, make it a hook with a filter'
+            if callable(got) else '')
+    super().__init__(
+        f'{function} takes backward hooks made with `perturbkit.backward_hook(fn, filter)` '
+        f'(one, or a list of them), but it was given {got!r:.80}{hint}: e.g. '
+        "`perturbkit.backward_hook(lambda g: 2 * g, perturbkit.filters.by_path('Dense_0'))`.")
 
 
 class FilterError(PerturbkitError, TypeError):

@@ -7,7 +7,7 @@ call, named ``'<module path>/<point key>'`` relative to the module that adds it.
 That twin is the independent reference for perturbkit: ``nest`` turns its
 ``'perturbations'`` collection into perturbkit's layout.
 """
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax
 import flax.linen as nn
@@ -592,3 +592,35 @@ class LoRANet(nn.Module):
   def __call__(self, x):
     h = jnp.tanh(LoRADense(self.width, name='hidden')(x))
     return LoRADense(self.out, name='head')(h)
+
+
+class SplitMerge(nn.Module):
+  """Calls helper methods of its own inside ``__call__``, as Hugging Face's attention does
+  (``_split_heads``, ``_merge_heads``); ``merged`` is applied to ``_merge``'s output."""
+  merged: Callable[[jax.Array], jax.Array] = lambda h: h
+
+  def setup(self):
+    self.qkv = nn.Dense(6)
+    self.out = nn.Dense(3)
+
+  def _split(self, h):
+    return h.reshape(h.shape[:-1] + (2, h.shape[-1] // 2))
+
+  def _merge(self, h):
+    return h.reshape(h.shape[:-2] + (-1,))
+
+  def __call__(self, x):
+    heads = jnp.tanh(self._split(self.qkv(x)))
+    return self.out(self.merged(self._merge(heads * self._split(x @ jnp.ones((3, 6))))))
+
+
+class WithHelpers(nn.Module):
+  """``head(sin(attn(inp(x))))`` with ``attn`` a :class:`SplitMerge`; a twin gives ``after``
+  (applied to attn's output) or ``merged`` (passed on to attn)."""
+  after: Callable[[jax.Array], jax.Array] = lambda h: h
+  merged: Callable[[jax.Array], jax.Array] = lambda h: h
+
+  @nn.compact
+  def __call__(self, x):
+    h = SplitMerge(self.merged, name='attn')(nn.Dense(3, name='inp')(x))
+    return nn.Dense(2, name='head')(jnp.sin(self.after(h)))

@@ -406,3 +406,34 @@ class LoRANet(nnx.Module):
 
   def __call__(self, x):
     return self.head(jnp.tanh(self.hidden(x)))
+
+
+class SplitMerge(nnx.Module):
+  """Calls public helper methods of its own inside ``__call__`` (NNX calls are those of
+  ``__call__`` and the public methods)."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.qkv = nnx.Linear(3, 6, rngs=rngs)
+    self.out = nnx.Linear(6, 3, rngs=rngs)
+
+  def split(self, h):
+    return h.reshape(h.shape[:-1] + (2, h.shape[-1] // 2))
+
+  def merge(self, h):
+    return h.reshape(h.shape[:-2] + (-1,))
+
+  def __call__(self, x):
+    return self.out(self.merge(jnp.tanh(self.split(self.qkv(x)))))
+
+
+class WithHelpers(nnx.Module):
+  """``head(sin(attn(inp(x))))`` with ``attn`` a :class:`SplitMerge`."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.inp = nnx.Linear(3, 3, rngs=rngs)
+    self.attn = SplitMerge(rngs=rngs)
+    self.head = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x, after=lambda h: h):
+    """``after``: a twin's function on attn's output."""
+    return self.head(jnp.sin(after(self.attn(self.inp(x)))))

@@ -30,7 +30,7 @@ from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchE
                                 NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
-from perturbkit.core._hooks import Hook, apply_hooks, check_matched
+from perturbkit.core._hooks import Hook, check_matched, hook_runner, hooks_tuple
 from perturbkit.core._iterations import edit_output, iteration_key, marker, marker_name
 from perturbkit.linen._branches import branching_transform, check_branch_point
 from perturbkit.linen._interceptor import JIT_CALLS, Call, in_jit, intercept, suspended
@@ -112,10 +112,10 @@ PointEdit = Callable[[tuple, Any], Any]
 def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
                    on_point: Callable[[Call, Any, bool], None], edit: PointEdit | None = None):
   """The per-call handler: run the call, insert hooks, edit its output, add its perturbation."""
+  run_hooked = hook_runner(hooks)
+
   def handler(call: Call, run: Callable[[], Any]) -> Any:
-    output = run()
-    if hooks:
-      output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
+    output = run_hooked(call, run)
     if points(call.module, call.method_name):
       before = output
       if edit is not None and has_differentiable_leaf(output):
@@ -480,9 +480,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
     filter: Which calls get a point (default: all; see ``perturbkit.filters``).
     has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
-    hooks: Backward hooks (:func:`backward_hook`) to insert; the activation
-      gradient reported for a hooked call is the one arriving at it, before the
-      hook transforms it for the layers below.
+    hooks: Backward hooks (:func:`backward_hook`, one or a list) to insert; the
+      activation gradient reported for a hooked call is the one arriving at it,
+      before the hook transforms it for the layers below.
     return_activations: Also return the outputs of the selected calls, in a
       tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
     return_inputs: Also return the inputs of the selected calls, at the same
@@ -507,6 +507,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       ``perturbkit.nnx.value_and_grad``).
     NotVariablesError: the first argument is not Linen variables with ``'params'``.
     NoPerturbationPointsError: the filter selects no call.
+    NotAHookError: ``hooks`` holds something else than hooks.
+    UnmatchedFilterError: a hook's filter selects no call.
     PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
     BranchCallsMismatchError: the branches of an ``nn.cond``/``nn.switch``
       make different selected calls.
@@ -620,7 +622,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   """
   check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
   points, strict = point_options(filter, strict)
-  hooks = tuple(hooks)
+  hooks = hooks_tuple(hooks, 'perturbkit.value_and_grad')
 
   @functools.wraps(loss_fn)
   def run(variables: Variables, *args, **kwargs):

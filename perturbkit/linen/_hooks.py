@@ -3,16 +3,17 @@ import functools
 from typing import Any, Callable
 
 from perturbkit.core import filters as _filters
-from perturbkit.core._hooks import Hook, apply_hooks, check_matched
+from perturbkit.core._hooks import Hook, check_matched, hook_runner, hooks_of
 from perturbkit.linen._interceptor import intercept
-from perturbkit.errors import NoHooksError
 
 
 def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
   """``fun`` with backward hooks inserted into every model call it makes.
 
-  Works with any differentiation of ``fun``: ``jax.grad``, ``perturbkit.grad``,
-  an optax training step. The hooks are part of ``fun`` itself, so a jitted
+  Works with reverse-mode differentiation of ``fun`` (``jax.grad``,
+  ``perturbkit.grad``, an optax training step) and forward over reverse; not
+  with forward mode alone (``jax.jvp``, ``jax.jacfwd``: see
+  ``help(perturbkit.backward_hook)``). The hooks are part of ``fun`` itself, so a jitted
   ``fun`` keeps them, and nothing outlives the call. The layers below a hooked
   call see the transformed gradient, so their parameter gradients change; a
   filter that selects no call raises ``UnmatchedFilterError``, listing the calls
@@ -24,11 +25,18 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
 
   Args:
     fun: Any function that calls ``model.apply``/``model.init`` inside.
-    *hooks: Hooks from :func:`backward_hook`; several on one call apply in order
-      on the forward pass, so the last one sees the gradient first.
+    *hooks: Hooks from :func:`backward_hook` (or lists of them); several on one
+      call apply in order on the forward pass, so the last one sees the
+      gradient first.
 
   Returns:
     A function with the same signature and value as ``fun``.
+
+  Raises:
+    NoHooksError: no hook is given.
+    NotAHookError: something else than a hook is given (a plain function).
+    UnmatchedFilterError: (when the function runs) a hook's filter selects no
+      call.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -43,18 +51,17 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     >>> float(jnp.abs(grads['params']['layers_0']['kernel']).sum())
     0.0
   """
-  if not hooks:
-    raise NoHooksError('perturbkit.with_hooks')
+  hooks = hooks_of(hooks, 'perturbkit.with_hooks')
 
   @functools.wraps(fun)
   def hooked(*args, **kwargs):
     seen: list[str] = []
     matched: set[int] = set()
+    run_hooked = hook_runner(hooks, matched)
 
     def handler(call, run):
       seen.append(call.name)
-      matched.update(i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
-      return apply_hooks(hooks, call.module, call.method_name, run())
+      return run_hooked(call, run)
 
     with intercept(_filters.all_calls, handler, transparent=True, nested_applies=True):
       out = fun(*args, **kwargs)

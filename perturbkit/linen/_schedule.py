@@ -19,7 +19,7 @@ from perturbkit.core._examples import num_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
                                 UninitializedStateError)
-from perturbkit.core._hooks import Hook
+from perturbkit.core._hooks import Hook, hooks_tuple
 from perturbkit.core._input_types import TypesSeen
 from perturbkit.linen._hooks import with_hooks
 from perturbkit.linen._interceptor import suspended
@@ -121,7 +121,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       ``metrics['segment_skipped'][name]`` / ``metrics['skipped']`` report it
       (default); if false, the step is applied as it is and only
       ``metrics['nonfinite'][name]`` reports it.
-    hooks: Backward hooks (:func:`perturbkit.backward_hook`), the same as
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`, one or a list), the same as
       passing ``with_hooks(loss_fn, *hooks)`` as the loss (with ``axis_name``,
       a hook sees its device's gradient of its own loss: for a mean loss over
       ``D`` devices, ``D`` times the whole batch's, so a hook that is not
@@ -146,6 +146,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     StateMismatchError: the state's params do not fit the loss's model.
     NoSegmentError: no call of the loss can be a segment (``init``,
       ``segments``).
+    NotAHookError: ``hooks`` holds something else than hooks.
+    UnmatchedFilterError: a hook's filter selects no call of the loss.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -326,6 +328,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
   check_optimizer(optimizer)
+  hooks = hooks_tuple(hooks, 'perturbkit.interleaved')
   if hooks:
     loss_fn = with_hooks(loss_fn, *hooks)
   # What `init` was last given, only to word the error of a step that fails on other inputs.

@@ -28,18 +28,17 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge as nnx_bridge
 
-from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                               CaptureConflictError, NoHooksError, NonDifferentiableOutputError,
+                               CaptureConflictError, NonDifferentiableOutputError,
                                NoPerturbationPointsError, NotAModuleError,
                                PerturbationsNotAppliedError, PerturbationStructureError,
                                TransformTracedOnceError, UnmappedPerturbationError,
                                UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.core._iterations import (Stacking, edit_output, iteration_key, marked_axes, marker,
                                          marker_name, stacking)
-from perturbkit.core._hooks import Hook, apply_hooks
+from perturbkit.core._hooks import Hook, check_matched, hook_runner, hooks_of, hooks_tuple
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes, leaf_shapes, merge,
@@ -153,12 +152,13 @@ def _perturb(module: nnx.Module, key: str, output: Any, probe: bool = False) -> 
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _selected(points: CallFilter, hooks: Sequence[Hook]) -> Callable[[Call, Any], Any]:
-  """Runs the call's hooks; says whether the call is a point."""
-  def prepare(call: Call, output: Any) -> tuple[Any, bool]:
-    if hooks:
-      output = apply_hooks(tuple(hooks), call.module, call.method_name, output)
-    return output, points(call.module, call.method_name)
+def _selected(points: CallFilter, hooks: Sequence[Hook], matched: set[int] | None = None
+              ) -> Callable[[Call, Callable[[], Any]], tuple[Any, bool]]:
+  """Runs the call with its hooks; says whether the call is a point."""
+  run_hooked = hook_runner(hooks, matched)
+
+  def prepare(call: Call, run: Callable[[], Any]) -> tuple[Any, bool]:
+    return run_hooked(call, run), points(call.module, call.method_name)
   return prepare
 
 
@@ -189,6 +189,7 @@ class _Discovery:
   shapes: dict[PointPath, jax.ShapeDtypeStruct]
   seen: list[str]
   unreachable: list[str]
+  hooks_matched: set[int]  # the indices of the hooks whose filters selected a call
   # Calls whose points went into a copy of the model that the loss made (``nnx.clone``,
   # ``nnx.merge`` of the whole state): its perturbation state never comes back.
   copies: list[str] = dataclasses.field(default_factory=list)
@@ -212,7 +213,8 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
   found: list[_Point | None] = []
   seen: list[str] = []
   missed: list[str] = []
-  prepare = _selected(points, hooks)
+  matched: set[int] = set()
+  prepare = _selected(points, hooks, matched)
   attempt = _Attempt() if attempt is None else attempt
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
@@ -222,7 +224,7 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
     slot = len(found)
     found.append(None)
     try:
-      output, selected = prepare(call, run())
+      output, selected = prepare(call, run)
     except Exception:
       if not call.copied and attempt.failed_in is None:
         attempt.failed_in = call.path
@@ -265,7 +267,7 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
   for p in found:
     if p is not None:
       points.setdefault((p.path, p.key), p)
-  return out, flat_state(state), list(points.values()), seen, missed
+  return out, flat_state(state), list(points.values()), seen, missed, matched
 
 
 def _inside_any(sites: tuple[NNXPath | None, ...], call: Call) -> bool:
@@ -302,7 +304,7 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     attempt = _Attempt()
     skip = functools.partial(_inside_any, tuple(sites))
     try:
-      out, shapes, found, seen, missed = run(probe=False, attempt=attempt, skip=skip)
+      out, shapes, found, seen, missed, matched = run(probe=False, attempt=attempt, skip=skip)
       break
     except Exception as error:  # pylint: disable=broad-except
       if first_error is None:
@@ -337,7 +339,8 @@ def discover(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
     except Exception as e:  # pylint: disable=broad-except
       raise UnmappedPerturbationError(suspects) from e
   hand_placed = [p for p in shapes if p not in ours]
-  return _Discovery(reached, hand_placed, shapes, seen, sorted(set(missed)), copies, marked)
+  return _Discovery(reached, hand_placed, shapes, seen, sorted(set(missed)), matched, copies,
+                    marked)
 
 
 def warn_unperturbed(found: _Discovery, stacklevel: int):
@@ -464,7 +467,7 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     captured[kind].append((path, sown[-1]))  # its place, filled by _read_sown
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
-    output, selected = prepare(call, run())
+    output, selected = prepare(call, run)
     point = expected.get((call.path, call.key))
     if not selected or point is None:
       return output
@@ -549,8 +552,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     filter: Which calls get a point (default: all; see
       ``perturbkit.nnx.filters``; a list of strings is a list of path patterns).
     has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
-    hooks: Backward hooks (:func:`perturbkit.backward_hook`) to insert; the
-      activation gradient reported for a hooked call is the one arriving at
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`, one or a list) to
+      insert; the activation gradient reported for a hooked call is the one arriving at
       it, before the hook transforms it for the layers below.
     return_activations: Also return the outputs of the selected calls, in a
       tree shaped like ``grads['perturbations']``: ``(value, grads, acts)``.
@@ -576,6 +579,8 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     WrongFrontEndError: the model is a Linen module or Linen variables (use
       ``perturbkit.value_and_grad``).
     NoPerturbationPointsError: the filter selects no call.
+    NotAHookError: ``hooks`` holds something else than hooks.
+    UnmatchedFilterError: a hook's filter selects no call.
     PerturbationsNotAppliedError: a point found while tracing was not reached
       when differentiating.
     UnmappedPerturbationError: a selected call runs inside ``nnx.vmap`` with
@@ -608,13 +613,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
   """
   check_loss_fn(loss_fn, 'perturbkit.nnx.value_and_grad', '(model, *args) -> loss')
   points, strict = point_options(filter, strict)
-  hooks = tuple(hooks)
+  hooks = hooks_tuple(hooks, 'perturbkit.nnx.value_and_grad')
 
   @functools.wraps(loss_fn)
   def run(model: nnx.Module, *args, **kwargs):
     check_module(model, 'perturbkit.nnx.value_and_grad')
     found = discover(loss_fn, model, args, kwargs, points=points, hooks=hooks,
                      strict=strict, has_aux=has_aux)
+    check_matched(hooks, found.hooks_matched, found.seen)
     warn_unperturbed(found, stacklevel=3)
     if not found.points and not found.hand_placed:
       raise NoPerturbationPointsError(found.seen, nnx=True, copies=found.copies)
@@ -667,8 +673,10 @@ def grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None
 def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
   """``fun`` with backward hooks inserted into every call of the NNX models it is given.
 
-  Works with any differentiation of ``fun``: ``nnx.grad``, ``jax.grad`` over
-  split state, :func:`perturbkit.nnx.value_and_grad`. Every ``nnx.Module``
+  Works with reverse-mode differentiation of ``fun`` (``nnx.grad``,
+  ``jax.grad`` over split state, :func:`perturbkit.nnx.value_and_grad`) and
+  forward over reverse; not with forward mode alone (see
+  ``help(perturbkit.backward_hook)``). Every ``nnx.Module``
   among ``fun``'s arguments is instrumented while ``fun`` runs (under
   ``nnx.grad`` those are the transform's own copies); nothing outlives the
   call. Inside the loss of :func:`perturbkit.nnx.interleaved` the hooks act
@@ -676,15 +684,19 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
 
   Args:
     fun: A function taking the model (or several) among its arguments.
-    *hooks: Hooks from :func:`perturbkit.backward_hook`; several on one call
-      apply in order on the forward pass, so the last one sees the gradient
-      first.
+    *hooks: Hooks from :func:`perturbkit.backward_hook` (or lists of them);
+      several on one call apply in order on the forward pass, so the last one
+      sees the gradient first.
 
   Returns:
     A function with the same signature and value as ``fun``.
 
   Raises:
-    TypeError: no argument of the call is an ``nnx.Module``.
+    NoHooksError: no hook is given.
+    NotAHookError: something else than a hook is given (a plain function).
+    NotAModuleError: no argument of the call is an ``nnx.Module``.
+    UnmatchedFilterError: (when the function runs) a hook's filter selects no
+      call.
 
   Example:
     >>> import jax.numpy as jnp
@@ -700,15 +712,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     >>> float(jnp.abs(grads['layers'][0]['kernel'][...]).sum())
     0.0
   """
-  if not hooks:
-    raise NoHooksError('perturbkit.nnx.with_hooks')
-  selected = _filters.any_of(*(h.filter for h in hooks))
-
-  def handler(call: Call, run: Callable[[], Any]) -> Any:
-    output = run()
-    if not selected(call.module, call.method_name):
-      return output
-    return apply_hooks(hooks, call.module, call.method_name, output)
+  hooks = hooks_of(hooks, 'perturbkit.nnx.with_hooks')
 
   @functools.wraps(fun)
   def hooked(*args, **kwargs):
@@ -721,8 +725,18 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
                             'the nnx.Module among its arguments', 'none',
                             'Pass the model to the function instead of closing over it: '
                             '`hooked(model, x)`, with `loss_fn(model, x)`.')
+    seen: list[str] = []
+    matched: set[int] = set()
+    run_hooked = hook_runner(hooks, matched)
+
+    def handler(call: Call, run: Callable[[], Any]) -> Any:
+      seen.append(call.name)
+      return run_hooked(call, run)
+
     with instrument(models, handler, transparent=True):
-      return fun(*args, **kwargs)
+      out = fun(*args, **kwargs)
+    check_matched(hooks, matched, seen)
+    return out
 
   return hooked
 

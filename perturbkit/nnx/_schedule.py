@@ -22,9 +22,9 @@ from perturbkit.nnx import _segmentation as _nnx_segmentation
 from perturbkit.core._examples import num_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import SegmentationError, UninitializedStateError
-from perturbkit.core._hooks import Hook
+from perturbkit.core._hooks import Hook, hooks_tuple
 from perturbkit.core._input_types import TypesSeen
-from perturbkit.nnx._driver import check_module
+from perturbkit.nnx._driver import check_module, with_hooks
 from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
                                     check_opt_state, check_optimizer, clip_scale, device_mean,
@@ -216,8 +216,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     clip_global_norm: Optional global-norm clip using the previous step's norm.
     skip_nonfinite: A group whose gradient is not finite keeps its variables
       and optimizer state for the step (reported in ``metrics``).
-    hooks: Backward hooks (:func:`perturbkit.backward_hook`, filters from
-      ``perturbkit.nnx.filters``) on the calls they select, segments and the
+    hooks: Backward hooks (:func:`perturbkit.backward_hook`, one or a list, filters
+      from ``perturbkit.nnx.filters``) on the calls they select, segments and the
       calls inside them included; on a segment the hook transforms the
       gradient before the segment's own ``dw``, as in an ordinary backward pass.
 
@@ -225,6 +225,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     An ``Interleaved`` of pure functions: ``init(model, *example_args) ->
     InterleavedState``, ``step(state, *args) -> (state, metrics)`` (jittable)
     and ``segments(model, *example_args) -> Segmentation``.
+
+  Raises:
+    NotAHookError: ``hooks`` holds something else than hooks.
+    UnmatchedFilterError: (``init``) a hook's filter selects no call of the loss.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -247,7 +251,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
-                       clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen(), {})
+                       clip_global_norm, skip_nonfinite,
+                       hooks_tuple(hooks, 'perturbkit.nnx.interleaved'), TypesSeen(), {})
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
 
@@ -287,9 +292,19 @@ def _check_model(model: Any):
   check_module(model, 'perturbkit.nnx.interleaved')
 
 
+def _check_hooks(settings: _Settings, model: nnx.Module, args: tuple):
+  """Raises :class:`UnmatchedFilterError` for a hook of ``hooks=`` that selects no call of the
+  loss, found by an abstract run of the hooked loss (its paths are those of the segments'
+  calls and of the calls inside them)."""
+  if settings.hooks:
+    with explaining_unbound_axes('perturbkit.nnx.interleaved(...).init'):
+      nnx.eval_shape(with_hooks(settings.loss_fn, *settings.hooks), model, *args)
+
+
 def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
   """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
   _check_model(model)
+  _check_hooks(settings, model, args)
   chosen = _segmentation(settings, model, args, settings.segments)
   names = list(chosen.segments)
   settings.checked.add(_checked_key(settings, model, args, names))
@@ -365,7 +380,9 @@ class InterleavedOptimizer(nnx.Pytree):
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
-                              clip_global_norm, skip_nonfinite, tuple(hooks), TypesSeen(), {})
+                              clip_global_norm, skip_nonfinite,
+                              hooks_tuple(hooks, 'perturbkit.nnx.InterleavedOptimizer'),
+                              TypesSeen(), {})
     # Static (hashable) shapes of the example arguments, only to word a failing step's error.
     self.example_shapes = tuple(input_shapes(example_args).items())
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))

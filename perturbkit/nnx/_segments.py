@@ -17,8 +17,7 @@ import jax
 from flax import nnx, traverse_util
 
 from perturbkit.errors import SegmentationError
-from perturbkit.core.filters import all_calls
-from perturbkit.core._hooks import Hook, apply_hooks
+from perturbkit.core._hooks import Hook, apply_hooks, hook_runner, selecting
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
                                    replay_instrumented, submodules)
 from perturbkit.core._segment_choice import note_segment_call, sliced_iterations
@@ -107,7 +106,7 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     with replay_instrumented(replica, inner_hooks):
       out = getattr(replica, call.method_name)(*args, **kwargs)
     # The filters were evaluated on the instrumented call (path filters need it).
-    out = apply_hooks(tuple(Hook(all_calls, h.fn) for h in hooks), replica, call.method_name, out)
+    out = apply_hooks(hooks, call.name, out)
     return out, nnx.state(replica, nnx.Not(wrt))
 
   out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
@@ -164,12 +163,12 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
                                       for n in iterations})
     plain = {path: nnx.graphdef(modules[path]) for path in names if path in modules}
     called: dict = {}
+    run_hooked = hook_runner(hooks)
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
-      selected = tuple(h for h in hooks if h.filter(call.module, call.method_name))
       name = names.get(call.path)
       if name is None or (call.copied and name not in iterations):
-        return apply_hooks(selected, call.module, call.method_name, run()) if selected else run()
+        return run_hooked(call, run)
       # Calls inside a segment replay are not instrumented (see note_segment_call).
       note_segment_call(called, name, call.path, call.key, name in iterations)
       carrier, opt_state = carriers[name], None
@@ -183,7 +182,8 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
         carrier, opt_state = iteration_state(call.module) or ((), None)
       inner_hooks = replay_hooks()
       if hooks:
-        inner_hooks += ((_hooks_handler(hooks), call.path),)
+        inner_hooks += ((hook_runner(hooks), call.path),)
+      selected = tuple(hooks[i] for i in selecting(hooks, call.module, call.method_name))
       return run_segment(call, plain[call.path], wrt, backward_for(name, opt_state), carrier,
                          axis_name, selected, inner_hooks)
 
@@ -194,7 +194,3 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
   return fn
 
 
-def _hooks_handler(hooks: tuple[Hook, ...]) -> Callable[[Call, Callable[[], Any]], Any]:
-  def on_call(call: Call, run: Callable[[], Any]) -> Any:
-    return apply_hooks(hooks, call.module, call.method_name, run())
-  return on_call
