@@ -1002,6 +1002,24 @@ def test_edit_of_another_shape(mlp):
   chex.assert_trees_all_close(got, want, **TOL)
 
 
+def test_mean_ablation_over_an_axis_the_reference_lacks(mlp):
+  model, variables, x, corrupted, _ = mlp
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, corrupted)
+  reference = cache.outputs['Dense_0']['__call__']  # (2, 5, 8)
+  for over in (3, (0, -4)):
+    with pytest.raises(perturbkit.InvalidOptionError, match=r'over.*\[-3, 3\).*\(2, 5, 8\)'):
+      interpret.mean_ablate(reference, over=over)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'\[-2, 2\) .*as viewed'):
+    interpret.mean_ablate(reference, over=2, view=(-1, 8))
+  # The fix: an axis the reference has (the last one, counted from the end).
+  got = perturbkit.run_with_edits(model.apply)(
+      variables, {'Dense_0/__call__': interpret.mean_ablate(reference, over=(0, -1))}, x)
+  mean = np.asarray(reference).mean(axis=(0, 2), keepdims=True)
+  want = mlp_by_hand(variables['params'], x, lambda n, h: jnp.broadcast_to(mean, h.shape)
+                     if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+
+
 class _WithWeights(nn.Module):
   """An attention-like call returning ``(output, weights)``: (B, T, D) and (B, H, T, T)."""
 

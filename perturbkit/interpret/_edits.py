@@ -237,7 +237,8 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, where: Any =
     The edit.
 
   Raises:
-    InvalidOptionError: ``over`` is no int axis or tuple of them, ``where``
+    InvalidOptionError: ``over`` is no int axis or tuple of them, or names an
+      axis the reference (or its view) lacks, ``where``
       is not a boolean array that broadcasts to the reference, or the options
       of :func:`replace`.
 
@@ -269,7 +270,13 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, where: Any =
         raise InvalidOptionError('where', f'an array of shape {jnp.shape(where)}',
                                  f'a boolean array broadcasting to the reference, of shape '
                                  f'{jnp.shape(r)}') from None
-    return jnp.mean(viewed(r, view, name), axis=over, keepdims=True, where=kept)
+    r = viewed(r, view, name)
+    rank = jnp.ndim(r)
+    if not all(-rank <= a < rank for a in (over if isinstance(over, tuple) else (over,))):
+      raise InvalidOptionError('over', over, f'axes in [-{rank}, {rank}) of the reference'
+                               f'{" as viewed" if view else ""}, which has {rank} axes '
+                               f'(shape {jnp.shape(r)})')
+    return jnp.mean(r, axis=over, keepdims=True, where=kept)
 
   return replace(jax.tree.map(mean, reference), positions=positions, axis=axis, view=view)
 
