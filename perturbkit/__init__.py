@@ -115,6 +115,7 @@ from perturbkit.errors import UnboundAxisError
 from perturbkit.errors import UnknownAxisError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import AmbiguousEditError
+from perturbkit.errors import DuplicateEditError
 from perturbkit.errors import EditViewError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesCoupledError
@@ -249,6 +250,7 @@ __all__ = [
     'UnboundAxisError',
     'UnknownAxisError',
     'EditShapeError',
+    'DuplicateEditError',
     'AmbiguousEditError',
     'EditViewError',
     'ExamplesAxisError',

@@ -62,7 +62,8 @@ not return one loss per example), ``KFACTargetsError`` (targets that do not fit 
 loss).
 
 Interventions and attribution (``perturbkit.interpret``): ``NotEditsError`` (edits
-that are not a dict ``{path: edit}``), ``UnknownEditPathError``
+that are not a dict ``{path: edit}``), ``DuplicateEditError`` (two edits of one call, under a
+joined and a nested key), ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
 broadcast to the call's output), ``AmbiguousEditError`` (one array for a call returning
 arrays of different shapes), ``EditViewError`` (an edit's ``view`` of another size than
@@ -903,6 +904,18 @@ class NotEditsError(PerturbkitError, TypeError):
         "{'Dense_0/__call__': edit} or nested like run_with_cache's outputs "
         "({'Dense_0': {'__call__': edit}}), each edit built with perturbkit.interpret.replace, "
         'add, scale, zero_ablate or mean_ablate.')
+
+
+class DuplicateEditError(PerturbkitError, ValueError):
+  """The edits give one call two edits (a joined key and a nested one for the same path)."""
+
+  def __init__(self, path):
+    super().__init__(
+        f'The edits give {path!r} two edits: once as a joined key and once nested (or under '
+        "two keys that join to the same path, such as {'Dense_0/__call__': e1, 'Dense_0': "
+        "{'__call__': e2}}). One of them would be dropped. Keep one edit per call; to apply "
+        'several in turn, use perturbkit.run_with_interventions with one intervention each '
+        '(interventions at the same call apply in order).')
 
 
 class UnknownEditPathError(PerturbkitError, KeyError):

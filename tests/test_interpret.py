@@ -1364,6 +1364,11 @@ def test_edits_that_are_no_dict_nested_positions_and_metrics_of_other_arguments(
     edited(variables, [interpret.zero_ablate()], x)
   with pytest.raises(perturbkit.NotEditsError, match=r"edit at 'Dense_0/__call__'.*a dict"):
     edited(variables, {'Dense_0/__call__': jnp.zeros(8)}, x)
+  twice = {'Dense_0/__call__': interpret.zero_ablate(), 'Dense_0': {'__call__': interpret.scale(1.0)}}
+  with pytest.raises(perturbkit.DuplicateEditError, match=r"'Dense_0/__call__' two edits"):
+    edited(variables, twice, x)
+  with pytest.raises(perturbkit.DuplicateEditError, match=r"'Dense_0/__call__' two edits"):
+    edited(variables, dict(reversed(twice.items())), x)
   with pytest.raises(perturbkit.InvalidOptionError, match=r'^positions=\[\[0, 1\]\].*flat'):
     edited(variables, {'Dense_0/__call__': interpret.zero_ablate(positions=[[0, 1]], axis=1)}, x)
   two = lambda v, x, y: metric(v, x)

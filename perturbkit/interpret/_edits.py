@@ -32,9 +32,9 @@ import numpy as np
 
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._validate import axes
-from perturbkit.errors import (AmbiguousEditError, EditShapeError, EditViewError,
-                               InvalidOptionError, NotEditsError, PositionOutOfRangeError,
-                               UnknownEditPathError)
+from perturbkit.errors import (AmbiguousEditError, DuplicateEditError, EditShapeError,
+                               EditViewError, InvalidOptionError, NotEditsError,
+                               PositionOutOfRangeError, UnknownEditPathError)
 
 
 # How a slice or a boolean mask becomes positions, for the messages that refuse them.
@@ -435,7 +435,12 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
 
 def flat_edits(edits: Mapping[Any, Any], prefix: str = '') -> dict[str, Edit]:
-  """``{'Dense_0': {'__call__': e}}`` or ``{'Dense_0/__call__': e}`` as ``{'Dense_0/__call__': e}``."""
+  """``{'Dense_0': {'__call__': e}}`` or ``{'Dense_0/__call__': e}`` as ``{'Dense_0/__call__': e}``.
+
+  Raises:
+    NotEditsError: ``edits`` (or a value in it) is neither a dict nor an edit.
+    DuplicateEditError: two keys (one joined, one nested) name the same call.
+  """
   if not isinstance(edits, Mapping):
     raise NotEditsError('the edits' if not prefix else f'the edits at {prefix!r}',
                         type(edits).__name__)
@@ -443,11 +448,15 @@ def flat_edits(edits: Mapping[Any, Any], prefix: str = '') -> dict[str, Edit]:
   for key, value in edits.items():
     name = f'{prefix}/{key}' if prefix else str(key)
     if isinstance(value, Edit):
-      flat[name] = value
+      found = {name: value}
     elif isinstance(value, Mapping):
-      flat.update(flat_edits(value, name))
+      found = flat_edits(value, name)
     else:
       raise NotEditsError(f'the edit at {name!r}', type(value).__name__)
+    for path in found:
+      if path in flat:
+        raise DuplicateEditError(path)
+    flat.update(found)
   return flat
 
 
@@ -455,6 +464,8 @@ def edit_function(edits: Mapping[Any, Any], paths: tuple[tuple, ...]) -> PointEd
   """The ``(point path, output) -> output`` function a front end runs at every point.
 
   Raises:
+    NotEditsError: ``edits`` is not a dict of edits.
+    DuplicateEditError: ``edits`` gives one call two edits.
     UnknownEditPathError: an edit's path is not among ``paths``.
   """
   by_name = flat_edits(edits)

@@ -102,6 +102,7 @@ def run_with_edits(fn: Callable[..., Any], *,
 
   Raises:
     UnknownEditPathError: an edit at a path no selected call has.
+    DuplicateEditError: one call given two edits (a joined and a nested key).
     EditShapeError: an edit's value does not broadcast to the call's output.
     PositionOutOfRangeError: a position outside the call's output along the
       axis. Traced positions (edits passed through ``jax.jit``, or a stack of
