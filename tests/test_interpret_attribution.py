@@ -475,3 +475,57 @@ def test_bf16_metric_patching_effects_are_exact_differences_in_float32():
     with nn.intercept_methods(interceptor):
       patched = np.float64(metric(variables, corrupted))
     assert float(result.effects[i, 0]) == patched - base
+
+
+class ComplexLayer(nn.Module):
+  """A complex-valued linear layer: ``x @ w`` with a complex ``w``, output complex64."""
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param('w', lambda key: jax.random.normal(key, (x.shape[-1], 3), jnp.complex64))
+    return x.astype(jnp.complex64) @ w
+
+
+def complex_metric(z, linear):
+  """A real metric of a complex output: linear in ``z``, or not (``|z|^2`` and ``Re(z^2)``)."""
+  if linear:
+    return jnp.real(z).sum() + 2.0 * jnp.imag(z).sum()
+  return (jnp.abs(z) ** 2).sum() + jnp.real(z ** 2 * (1 + 0.5j)).sum()
+
+
+class ComplexNet(nn.Module):
+  linear: bool
+
+  @nn.compact
+  def __call__(self, x):
+    return complex_metric(ComplexLayer(name='c')(x), self.linear)
+
+
+@pytest.mark.parametrize('linear', [True, False])
+def test_attributions_at_a_complex_output_are_real_derivatives_along_a_real_step(linear):
+  """Each effect is d metric(o + eps d) / d eps at a REAL eps = 0, by hand: ``jax.grad`` with
+  respect to eps of the layer written out with ``+ eps * d``. Real (float32), where the
+  complex scalars gave a spurious imaginary part. A metric linear in the output: attribution
+  patching equals activation patching, integrated gradients the change to the zero output."""
+  model = ComplexNet(linear)
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  corrupted = jax.random.normal(jax.random.key(2), (2, 4))
+  variables = model.init(jax.random.key(0), x)
+  w = variables['params']['c']['w']
+  out = lambda x: x.astype(jnp.complex64) @ w
+  along = lambda o, d: jax.grad(lambda eps: complex_metric(o + eps * d, linear))(0.0)
+  metric = model.apply
+  want_patched = along(out(corrupted), out(x) - out(corrupted))
+  want_gxa = along(out(x), out(x))
+  patched = perturbkit.attribution_patching(metric)(variables, x, corrupted)
+  gxa = perturbkit.grad_times_activation(metric)(variables, x)
+  for got, want in ((patched.effects, want_patched), (gxa.effects, want_gxa)):
+    assert got.dtype == jnp.float32 and got.shape == (1, 1)
+    np.testing.assert_allclose(np.asarray(got)[0, 0], want, rtol=1e-5, atol=1e-5)
+  ig = perturbkit.layer_integrated_gradients(metric, steps=4)(variables, x)
+  assert ig.effects.dtype == jnp.float32
+  if linear:
+    patching = perturbkit.activation_patching(metric)(variables, x, corrupted)
+    np.testing.assert_allclose(patched.effects, patching.effects, rtol=1e-5, atol=1e-5)
+    change = complex_metric(out(x), True) - complex_metric(jnp.zeros_like(out(x)), True)
+    np.testing.assert_allclose(np.asarray(ig.effects)[0, 0], change, rtol=1e-5, atol=1e-5)

@@ -105,7 +105,9 @@ def first_order_effects(traced: TracedPoints, inputs: Any, direction: Direction,
 
   def scalars(path: tuple) -> jax.Array:
     shape = traced.shapes[path]
-    dtype = functools.reduce(jnp.promote_types, [accumulation_dtype(leaf.dtype)
+    # Real even for a complex output: each effect is the derivative of the (real) metric
+    # along a real step o + s * d, whose transpose takes the real part of g * d's sum.
+    dtype = functools.reduce(jnp.promote_types, [jnp.finfo(accumulation_dtype(leaf.dtype)).dtype
                                                  for leaf in shape.leaves])
     # Inside shard_map, varying like the output, so each device gets its own effects.
     return vary(jnp.zeros((count,), dtype), frozenset().union(*shape.varying))
