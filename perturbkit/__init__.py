@@ -114,6 +114,7 @@ from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
 from perturbkit.errors import UnknownAxisError
 from perturbkit.errors import EditShapeError
+from perturbkit.errors import EditStructureError
 from perturbkit.errors import AmbiguousEditError
 from perturbkit.errors import DuplicateEditError
 from perturbkit.errors import EditViewError
@@ -250,6 +251,7 @@ __all__ = [
     'UnboundAxisError',
     'UnknownAxisError',
     'EditShapeError',
+    'EditStructureError',
     'DuplicateEditError',
     'AmbiguousEditError',
     'EditViewError',

@@ -65,7 +65,8 @@ Interventions and attribution (``perturbkit.interpret``): ``NotEditsError`` (edi
 that are not a dict ``{path: edit}``), ``DuplicateEditError`` (two edits of one call, under a
 joined and a nested key), ``UnknownEditPathError``
 (an edit at a path no selected call has), ``EditShapeError`` (an edit that does not
-broadcast to the call's output), ``AmbiguousEditError`` (one array for a call returning
+broadcast to the call's output; ``EditStructureError`` for a value of another pytree structure than
+the output), ``AmbiguousEditError`` (one array for a call returning
 arrays of different shapes), ``EditViewError`` (an edit's ``view`` of another size than
 the call's output), ``PositionOutOfRangeError``, ``AxisLengthMismatchError`` (without
 ``positions``, calls of other lengths along the swept axis), ``NonScalarMetricError``
@@ -945,6 +946,20 @@ class EditShapeError(PerturbkitError, ValueError):
         f'to the call\'s output of shape {tuple(output_shape)}. Give an array of the '
         'output\'s shape or one that broadcasts to it (a scalar, or with 1 on the axes to '
         'share); a value cached for other inputs (another batch size or length) does not fit.')
+
+
+class EditStructureError(EditShapeError):
+  """An edit's value is a pytree of another structure than the output of the call it edits."""
+
+  def __init__(self, where, field, value, output):
+    super(EditShapeError, self).__init__(
+        f'The edit at {where} has {field} of structure {value} (leaf shapes), while the call\'s '
+        f'output, as an edit sees it, is {output}: its floating-point arrays only, as '
+        "run_with_cache's outputs hold it for this call (a dataclass output with an integer "
+        'or None field becomes the tuple of its floating-point arrays). Give the value in '
+        'exactly that structure (every key of a dict, no other; e.g. the cached output of '
+        'this call), one array or scalar for every array of the output, or pick the arrays '
+        'with leaves= (the sweeps, steering_vector, gates).')
 
 
 class AmbiguousEditError(PerturbkitError, ValueError):

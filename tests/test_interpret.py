@@ -19,6 +19,7 @@ import inspect
 import warnings
 
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -1071,6 +1072,59 @@ def test_one_array_for_a_call_returning_arrays_of_different_shapes():
         variables, {'s': delta}, x)
   with pytest.raises(perturbkit.InvalidOptionError, match='leaves'):
     interpret.gates('attn/__call__', (4,), leaves=-1)
+
+
+@flax.struct.dataclass
+class _Labelled:
+  logits: jax.Array
+  label: jax.Array
+
+
+class _DictHead(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return {'p': h * 2.0, 'q': h + 1.0}
+
+
+class _LabelledHead(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    logits = nn.Dense(3)(h)
+    return _Labelled(logits=logits, label=jnp.argmax(logits, -1))
+
+
+class _StructuredNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    d = _DictHead(name='dh')(x)
+    return jnp.sum(_LabelledHead(name='head')(d['p'] + d['q']).logits ** 2)
+
+
+def test_edit_values_of_another_structure_than_the_output():
+  """A value in the output's own dataclass (whose integer field the cache leaves out), a dict
+  missing a key or with an extra one: named errors showing both structures; a value in the
+  cache's structure is the fix, against the model with the edit written by hand."""
+  model, x = _StructuredNet(), jax.random.normal(jax.random.key(1), (2, 4))
+  variables = model.init(jax.random.key(0), x)
+  edited = perturbkit.run_with_edits(model.apply)
+  _, cache = perturbkit.run_with_cache(model.apply)(variables, x)
+  assert isinstance(cache.outputs['head']['__call__'], tuple)
+  wrong = [('head/__call__', interpret.replace(_Labelled(logits=jnp.zeros(3), label=None)),
+            r'head/__call__ has a shift of structure _Labelled\(logits=\(3,\).*is \(\(2, 3\),\)'),
+           ('dh/__call__', interpret.replace({'p': jnp.zeros(4)}),
+            r"structure \{'p': \(4,\)\}.*\{'p': \(2, 4\), 'q': \(2, 4\)\}"),
+           ('dh/__call__', interpret.add({'p': 1.0, 'q': 1.0, 'r': 1.0}), r"'r': \(\)")]
+  for path, edit, match in wrong:
+    with pytest.raises(perturbkit.EditStructureError, match=match):
+      edited(variables, {path: edit}, x)
+  # The fix: values in the cache's structure.
+  params = variables['params']['head']['Dense_0']
+  head = lambda h: h @ params['kernel'] + params['bias'][None]
+  got = edited(variables, {'head/__call__': interpret.replace((jnp.ones(3),)),
+                           'dh/__call__': interpret.add({'p': 1.0, 'q': 0.0})}, x)
+  chex.assert_trees_all_close(got, jnp.float32(2 * 3), **TOL)
+  got = edited(variables, {'dh/__call__': interpret.add({'p': 1.0, 'q': 0.0})}, x)
+  chex.assert_trees_all_close(got, jnp.sum(head(x * 2.0 + 1.0 + x + 1.0) ** 2), **TOL)
 
 
 def test_edit_view_of_another_size_and_invalid_views(mlp):

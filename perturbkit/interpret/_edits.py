@@ -33,8 +33,8 @@ import numpy as np
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._validate import axes
 from perturbkit.errors import (AmbiguousEditError, DuplicateEditError, EditShapeError,
-                               EditViewError, InvalidOptionError, NotEditsError,
-                               PositionOutOfRangeError, UnknownEditPathError)
+                               EditStructureError, EditViewError, InvalidOptionError,
+                               NotEditsError, PositionOutOfRangeError, UnknownEditPathError)
 
 
 # How a slice or a boolean mask becomes positions, for the messages that refuse them.
@@ -124,7 +124,9 @@ def replace(value: Any, *, positions: Any = None, axis: int | None = None,
 
   Args:
     value: An array that broadcasts to the output (a cached output, another
-      run's activation), or a pytree like the output.
+      run's activation), or a pytree of the structure the cache holds for the
+      call (its floating-point arrays: a dataclass output with an integer
+      field is the tuple of its floating-point arrays).
     positions: Integer indices along ``axis`` (negative ones count from its
       end); ``None`` for the whole output. The other edits take them too.
       Positions outside the axis raise ``PositionOutOfRangeError`` when the
@@ -387,10 +389,17 @@ def _like(value: Any, output: Any, field: str, where: str) -> list:
 
   One array for several leaves of different shapes is refused: it could broadcast to
   some by chance (a ``(T,)`` vector to ``(B, H, T, T)`` attention weights).
+
+  Raises:
+    EditStructureError: ``value`` is a pytree of another structure than ``output``.
+    AmbiguousEditError: one array for leaves of different shapes.
   """
   leaves = jax.tree.leaves(output)
   if jax.tree.structure(value) == jax.tree.structure(output):
     return jax.tree.leaves(value)
+  if not jax.tree_util.treedef_is_leaf(jax.tree.structure(value)):
+    shapes = lambda tree: jax.tree.map(lambda x: tuple(jnp.shape(x)), tree)
+    raise EditStructureError(where, field, shapes(value), shapes(output))
   if jnp.ndim(value) > 0 and len({jnp.shape(leaf) for leaf in leaves}) > 1:
     raise AmbiguousEditError(where, field, jnp.shape(value), [jnp.shape(x) for x in leaves])
   return [value] * len(leaves)
@@ -409,6 +418,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
   Raises:
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
+    EditStructureError: ``scale`` or ``shift`` is a pytree of another
+      structure than the output.
     AmbiguousEditError: ``scale`` or ``shift`` is one array (not a scalar)
       while the output holds arrays of different shapes.
     EditViewError: the edit's ``view`` holds another number of elements than
