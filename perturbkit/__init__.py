@@ -127,6 +127,7 @@ from perturbkit.errors import ImageLayoutError
 from perturbkit.errors import InputMismatchError
 from perturbkit.errors import InterleavedClippingError
 from perturbkit.errors import InterventionParamsError
+from perturbkit.errors import InterventionOutputError
 from perturbkit.errors import InvalidOptionError
 from perturbkit.errors import KFACExactFisherError
 from perturbkit.errors import KFACExamplesError
@@ -264,6 +265,7 @@ __all__ = [
     'InputMismatchError',
     'InterleavedClippingError',
     'InterventionParamsError',
+    'InterventionOutputError',
     'InvalidOptionError',
     'KFACExactFisherError',
     'KFACExamplesError',

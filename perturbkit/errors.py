@@ -75,7 +75,8 @@ does not take ``(variables, inputs)``) and ``CallStructureMismatchError`` (clean
 corrupted inputs that make different calls), ``FeatureMapShapeError`` (Grad-CAM at a
 call whose output is not a ``(batch, height, width, channels)`` feature map) and
 ``InterventionParamsError`` (learnable interventions given params of another
-structure), ``NotInterventionsError`` (interventions that are not a dict of
+structure), ``InterventionOutputError`` (an intervention's ``apply`` returning another
+structure, shape or dtype than the output, or None), ``NotInterventionsError`` (interventions that are not a dict of
 ``perturbkit.interpret`` interventions), ``MetricGapError`` (``PatchingResult.normalized()`` with equal clean and
 corrupted metrics) and ``ResultValuesError`` (``PatchingResult.top()``/``plot()`` on
 traced or batched values).
@@ -1109,6 +1110,19 @@ class InterventionParamsError(PerturbkitError, ValueError):
         f'interventions are named {sorted(map(str, names))}. Build the params with '
         'perturbkit.interpret.init_interventions(interventions) and train them with their '
         'structure unchanged (optax keeps it).')
+
+
+class InterventionOutputError(PerturbkitError, ValueError):
+  """A learnable intervention's ``apply`` returned something other than the output it edits."""
+
+  def __init__(self, name, where, expected, got):
+    super().__init__(
+        f'The intervention {name!r} at {where} returned {got}, but its apply(params, output) '
+        f'must return the output edited, of the same structure, shapes and dtypes: {expected} '
+        '(the floating-point arrays of the call\'s output, as run_with_cache holds them). '
+        'Return a value computed from `output` in its shape, cast back to its dtype (e.g. '
+        '`(output + params).astype(output.dtype)`), and `return` it: a function without a '
+        'return statement returns None.')
 
 
 class MetricGapError(PerturbkitError, ValueError):

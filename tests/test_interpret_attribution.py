@@ -371,6 +371,35 @@ def test_intervention_errors(mlp):
     interpret.steering_vector('Dense_1/__call__', (8,), positions=[1])
 
 
+def test_custom_intervention_returning_another_output_is_a_named_error(mlp):
+  """A custom ``apply`` returning another shape or dtype, or None (no ``return``): an error
+  naming the intervention, the call and both layouts; a correct one equals the edit by hand,
+  also on NNX."""
+  model, variables, x = mlp
+  returned = [(lambda p, o: o[..., :2], r'float32\[2, 5, 2\]'),
+              (lambda p, o: o.astype(jnp.int32), r'int32\[2, 5, 8\]'),
+              (lambda p, o: o.astype(jnp.bfloat16), r'bfloat16\[2, 5, 8\]'),
+              (lambda p, o: None, 'None'),
+              (lambda p, o: (o, o), r'\(float32\[2, 5, 8\], float32\[2, 5, 8\]\)')]
+  for apply, got in returned:
+    shift = {'shift': interpret.Intervention('Dense_0/__call__', lambda: jnp.zeros(()), apply)}
+    run = perturbkit.run_with_interventions(model.apply, shift)
+    with pytest.raises(perturbkit.InterventionOutputError,
+                       match=rf"'shift' at Dense_0/__call__ returned {got}, .*: float32\[2, 5, 8\]"):
+      run(variables, interpret.init_interventions(shift), x)
+  # The fix: the output edited in its own shape and dtype.
+  shift = {'shift': interpret.Intervention('Dense_0/__call__', lambda: jnp.zeros(()),
+                                           lambda p, o: (o + p).astype(o.dtype))}
+  got = perturbkit.run_with_interventions(model.apply, shift)(variables, {'shift': 0.5}, x)
+  want = mlp_by_hand(variables['params'], x,
+                     lambda n, h: h + 0.5 if n == 'Dense_0/__call__' else h)
+  chex.assert_trees_all_close(got, want, **TOL)
+  twin = nnx_models.MLP(rngs=nnx.Rngs(0))
+  bad = {'b': interpret.Intervention('dense_0/__call__', lambda: jnp.zeros(()), lambda p, o: None)}
+  with pytest.raises(perturbkit.InterventionOutputError, match="'b' at dense_0/__call__ returned None"):
+    perturbkit.nnx.run_with_interventions(lambda m, x: m(x), bad)(twin, {'b': 0.0}, jnp.ones((2, 3)))
+
+
 # --- low-precision models --------------------------------------------------------------
 
 

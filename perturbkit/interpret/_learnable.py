@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._naming import named_after
 from perturbkit.core._validate import finite
-from perturbkit.errors import InterventionParamsError, InvalidOptionError, UnknownEditPathError
+from perturbkit.errors import (InterventionOutputError, InterventionParamsError,
+                               InvalidOptionError, UnknownEditPathError)
 from perturbkit.interpret._edits import Edit, add, apply_edit, scale
 from perturbkit.interpret._leaves import checked_leaves, on_leaves
 from perturbkit.interpret._points import Tracer, trace
@@ -162,6 +163,20 @@ def init_interventions(interventions: Mapping[str, Intervention]) -> dict[str, A
   return {name: intervention.init() for name, intervention in interventions.items()}
 
 
+def _layout(tree: Any) -> tuple:
+  """The structure of ``tree`` with the shape and dtype of each leaf."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+
+
+def _described(tree: Any) -> str:
+  """``tree`` with each leaf written as its dtype and shape, ``float32[2, 4]``."""
+  if tree is None:
+    return 'None'
+  return str(jax.tree.map(lambda x: f'{jnp.result_type(x)}{list(jnp.shape(x))}', tree)
+             ).replace("'", '')
+
+
 def intervention_edit(interventions: Mapping[str, Intervention], params: Mapping[str, Any],
                       paths: tuple[tuple, ...]) -> PointEdit:
   """The ``(point path, output) -> output`` function applying each intervention with its params.
@@ -171,6 +186,8 @@ def intervention_edit(interventions: Mapping[str, Intervention], params: Mapping
   Raises:
     InterventionParamsError: ``params`` has other keys than ``interventions``.
     UnknownEditPathError: an intervention at a path no selected call has.
+    InterventionOutputError: (when the edit runs) an intervention's ``apply``
+      returned another structure, shape or dtype than the output it was given.
   """
   if not isinstance(params, Mapping) or set(params) != set(interventions):
     raise InterventionParamsError(list(interventions),
@@ -184,7 +201,11 @@ def intervention_edit(interventions: Mapping[str, Intervention], params: Mapping
 
   def edit(path: tuple, output: Any) -> Any:
     for name in by_path.get(path, ()):
-      output = interventions[name].apply(params[name], output)
+      edited = interventions[name].apply(params[name], output)
+      if _layout(edited) != _layout(output):  # shapes and dtypes: checked while tracing
+        raise InterventionOutputError(name, point_name(path), _described(output),
+                                      _described(edited))
+      output = edited
     return output
 
   return edit
