@@ -105,6 +105,7 @@ from perturbkit.interpret import (activation_patching, attribution_patching, Cac
                                   run_with_interventions)
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
+from perturbkit.errors import CaptureInJaxTransformError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import AxisLengthMismatchError
 from perturbkit.errors import BranchCallsMismatchError
@@ -243,6 +244,7 @@ __all__ = [
     'run_with_interventions',
     # Errors and warnings (also in perturbkit.errors)
     'ActivationsUnavailableError',
+    'CaptureInJaxTransformError',
     'AmbiguousInputError',
     'AxisLengthMismatchError',
     'BranchCallsMismatchError',

@@ -33,7 +33,8 @@ module, given different branch functions), ``MapVariablesInitError``
 not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.apply``),
-``ActivationsUnavailableError``, ``SegmentationError``, ``SharedSegmentError``,
+``ActivationsUnavailableError`` (``CaptureInJaxTransformError``: the loss applies
+``jax.jit``, ``jax.vmap``, ... around ``model.apply`` itself), ``SegmentationError``, ``SharedSegmentError``,
 ``NoSegmentError`` (no call of the loss can be a segment; the message says why
 and what to change),
 ``StateMismatchError``, ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
@@ -390,10 +391,42 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           'the model built without the transform on the same variables.')
 
 
+class CaptureInJaxTransformError(ActivationsUnavailableError):
+  """A call whose output is read runs inside a JAX transform that the function applies itself."""
+
+  def __init__(self, where, function=None):
+    self.where = where
+    reader = (f'{function} cannot read' if function is not None else
+              'return_activations=True (or return_inputs=True) cannot return')
+    super(ActivationsUnavailableError, self).__init__(
+        f'{reader} the output (or inputs) of {where}: the function runs it inside a JAX '
+        'transform of its own (jax.jit, jax.checkpoint, jax.vmap, jax.lax.map, jax.lax.scan, '
+        '... around model.apply), whose intermediate values cannot leave it but through its '
+        'outputs (kept, they would be leaked tracers). Call model.apply (or the model) '
+        'directly in the function, and put the transform around the perturbkit function '
+        'instead, e.g. `jax.jit(perturbkit.run_with_cache(model.apply))`, or '
+        '`jax.vmap(perturbkit.run_with_cache(lambda v, x: model.apply(v, x[None])[0]), '
+        'in_axes=(None, 0))` for one example at a time. (run_with_edits and '
+        'run_with_interventions work inside such transforms: they read nothing out.)')
+
+
 class UnperturbedCallsWarning(UserWarning):
   """Selected calls inside a lifted transform that cannot carry perturbations."""
 
-  def __init__(self, names, nnx: bool = False, copies: bool = False):
+  def __init__(self, names, nnx: bool = False, copies: bool = False,
+               nested_apply: bool = False):
+    if nested_apply:
+      super().__init__(
+          f'{len(names)} selected call(s) run inside an `apply` made within a call of the '
+          'model on variables given to it (`inner.apply(inner_variables, h)` in a method of '
+          'the model, the variables closed over rather than the model\'s own), so they get '
+          'no perturbation point, no activation gradient and no cached output: '
+          f'[{_listed(names)}] (named by their paths in that inner model). To read, edit or '
+          'differentiate them, make the inner model a submodule of the model (an attribute '
+          'or a field, its params then in the model\'s variables), or call it as '
+          '`self.inner.apply(...)` on a submodule `self.inner` of the same type, which is '
+          'that call; to silence this, exclude the calls with the filter.')
+      return
     if copies:
       super().__init__(
           f'{len(names)} selected call(s) ran on a copy of the model that the loss made, so '

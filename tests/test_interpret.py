@@ -16,6 +16,7 @@
 """
 import functools
 import inspect
+import re
 import warnings
 
 import chex
@@ -1435,6 +1436,72 @@ def test_edits_that_are_no_dict_nested_positions_and_metrics_of_other_arguments(
         nnx.Linear(3, 1, rngs=nnx.Rngs(0)), x)
 
 
+JAX_TRANSFORMS_IN_FN = {
+    # A new function each time: JAX traces jax.jit(model.apply) (and jax.checkpoint's) once,
+    # and perturbkit would not see its calls in a later run.
+    'jit': lambda apply: lambda v, x: jax.jit(lambda v, x: apply(v, x))(v, x),
+    'checkpoint': lambda apply: lambda v, x: jax.checkpoint(lambda v, x: apply(v, x))(v, x),
+    'vmap': lambda apply: lambda v, x: jax.vmap(lambda xi: apply(v, xi[None])[0])(x),
+    'lax.map': lambda apply: lambda v, x: jax.lax.map(lambda xi: apply(v, xi[None])[0], x),
+}
+
+
+@pytest.mark.parametrize('transform', list(JAX_TRANSFORMS_IN_FN))
+def test_reading_calls_inside_a_jax_transform_of_fn_is_a_named_error_and_edits_work(
+    mlp, transform):
+  """``fn`` wrapping ``model.apply`` in a JAX transform: the calls' values cannot leave it, so
+  reading them (the cache, patching) is refused by name, where they were leaked tracers; edits,
+  which read nothing, equal the model edited by hand. The fix the message gives, the transform
+  around the perturbkit function, caches what ``capture_intermediates`` does."""
+  model, variables, x, corrupted, _ = mlp
+  fn = JAX_TRANSFORMS_IN_FN[transform](model.apply)
+  metric = lambda v, x: metric_of(fn(v, x))
+  with pytest.raises(perturbkit.CaptureInJaxTransformError,
+                     match=r'run_with_cache cannot read .*Dense_0/__call__.*model.apply'):
+    perturbkit.run_with_cache(fn)(variables, x)
+  for name in ('activation_patching', 'attribution_patching'):
+    with pytest.raises(perturbkit.CaptureInJaxTransformError, match=rf'{name} cannot read'):
+      getattr(perturbkit, name)(metric)(variables, x, corrupted)
+  edits = {'Dense_1/__call__': interpret.add(jnp.arange(8.0))}
+  want = mlp_by_hand(variables['params'], x,
+                     lambda n, h: h + jnp.arange(8.0)[None, None] if n == 'Dense_1/__call__' else h)
+  chex.assert_trees_all_close(perturbkit.run_with_edits(fn)(variables, edits, x), want, **TOL)
+  _, cache = jax.jit(perturbkit.run_with_cache(model.apply))(variables, x)
+  _, state = model.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  chex.assert_trees_all_close(cache.outputs['Dense_0']['__call__'],
+                              state['intermediates']['Dense_0']['__call__'][0], **TOL)
+
+
+def test_reading_calls_of_a_lifted_transform_inside_jax_jit_of_fn_is_a_named_error():
+  """``nn.remat`` inside the model, ``jax.jit`` around ``model.apply`` in ``fn``: the captures
+  that leave the lifted transform through a collection are still the jit's tracers."""
+  model = models.Lifted(transform='remat')
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = model.init(jax.random.key(0), x)
+  fn = JAX_TRANSFORMS_IN_FN['jit'](model.apply)
+  with pytest.raises(perturbkit.CaptureInJaxTransformError, match='block/Dense_0/__call__'):
+    perturbkit.run_with_cache(fn, filter=filters.by_path('block/Dense_0'))(variables, x)
+  edits = {'block/Dense_0/__call__': interpret.scale(0.0)}
+  twin = models.Lifted(transform='none')
+  chex.assert_trees_all_close(perturbkit.run_with_edits(fn)(variables, edits, x),
+                              perturbkit.run_with_edits(twin.apply)(variables, edits, x), **TOL)
+
+
+@pytest.mark.parametrize('transform', ['vmap', 'checkpoint'])
+def test_nnx_reading_calls_inside_a_jax_transform_of_fn_is_a_named_error(transform):
+  model = nnx_models.MLP(rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  fn = {'vmap': lambda m, x: jax.vmap(lambda xi: m(xi))(x),
+        'checkpoint': lambda m, x: jax.checkpoint(lambda x: m(x))(x)}[transform]
+  with pytest.raises(perturbkit.CaptureInJaxTransformError,
+                     match=r'nnx.run_with_cache cannot read .*dense_0/__call__'):
+    perturbkit.nnx.run_with_cache(fn)(model, x)
+  got = perturbkit.nnx.run_with_edits(fn)(model, {'dense_2/__call__': interpret.zero_ablate()}, x)
+  chex.assert_trees_all_close(got, jnp.zeros((4, 2)), **TOL)
+  _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+  chex.assert_trees_all_close(cache.outputs['dense_0']['__call__'], model.dense_0(x), **TOL)
+
+
 @pytest.mark.parametrize('transform', ['remat', 'jit'])
 def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transform):
   """``nn.remat`` or ``nn.jit`` around a block: the calls inside it are read, edited and
@@ -1617,6 +1684,45 @@ def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_
   branch = 'a' if float(x.sum()) > 0 else 'b'
   chex.assert_trees_all_close(cache.outputs['out']['__call__'], dense('out', dense(branch, h)),
                               **TOL)
+
+
+_INNER = nn.Sequential([nn.Dense(4), jnp.tanh, nn.Dense(4)])
+_INNER_VARIABLES = _INNER.init(jax.random.key(5), jnp.ones((1, 4)))
+
+
+class _AppliesAnother(nn.Module):
+  """Runs another model's ``apply`` on variables it closes over, between two of its own calls."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1, name='post')(_INNER.apply(_INNER_VARIABLES, nn.Dense(4, name='pre')(x)))
+
+
+def test_calls_of_an_apply_nested_on_other_variables_warn_with_that_reason():
+  """The inner model's calls get no points (its variables are not the model's): the warning
+  says so and lists them, not a lifted transform; the model's own calls are cached as the
+  model written out by hand computes them."""
+  model, x = _AppliesAnother(), jax.random.normal(jax.random.key(1), (2, 4))
+  variables = model.init(jax.random.key(0), x)
+  for run in (lambda: perturbkit.run_with_cache(model.apply)(variables, x),
+              lambda: perturbkit.value_and_grad(lambda v, x: model.apply(v, x).sum())(
+                  variables, x)):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      run()
+    messages = [str(w.message) for w in caught if w.category is perturbkit.UnperturbedCallsWarning]
+    assert len(messages) == 1, messages
+    assert re.search(r"^2 selected call\(s\) run inside an `apply` made within a call of the "
+                     r"model on variables given to it.*\[layers_0/__call__, layers_2/__call__\]",
+                     messages[0]), messages[0]
+    assert 'lifted' not in messages[0] and 'while_loop' not in messages[0]
+  with pytest.warns(perturbkit.UnperturbedCallsWarning):
+    _, cache = perturbkit.run_with_cache(model.apply)(variables, x)
+  p = variables['params']
+  pre = x @ p['pre']['kernel'] + p['pre']['bias'][None]
+  assert list(cache.outputs) == ['pre', 'post']
+  chex.assert_trees_all_close(cache.outputs['pre']['__call__'], pre, **TOL)
+  chex.assert_trees_all_close(cache.outputs['post']['__call__'], model.apply(variables, x), **TOL)
 
 
 def test_calls_inside_a_while_loop_get_no_point_and_the_others_are_cached():

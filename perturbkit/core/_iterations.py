@@ -172,8 +172,8 @@ def _stack(values: list, stacking: Stacking) -> Any:
 
 # A front end's run whose edit takes, for a stacked call, the index of the iteration it
 # runs in: ``edit(path, output, iteration=i)``.
-StackedRun = Callable[[Mapping[tuple, Any], tuple, dict, Callable[..., Any] | None],
-                      tuple[Any, dict, dict]]
+# ``reads=False``: no outputs or inputs are read (two empty dicts).
+StackedRun = Callable[..., tuple[Any, dict, dict]]
 
 
 def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
@@ -226,7 +226,7 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
       return jax.lax.switch(iteration, branches, output)
     return dispatch
 
-  def own_run(perturbations, args, kwargs, edit: PointEdit | None = None):
+  def own_run(perturbations, args, kwargs, edit: PointEdit | None = None, reads: bool = True):
     given: dict[tuple, Any] = {}
     per_stack: dict[tuple, dict[int, Any]] = {}
     for path, value in perturbations.items():
@@ -240,7 +240,9 @@ def per_iteration(paths: tuple[tuple, ...], shapes: Mapping[tuple, PointShape],
                                for i, one in enumerate(iterations[stacked])],
                               stackings[stacked])
     out, outputs, inputs = run(given, args, kwargs,
-                               None if edit is None else stacked_edit(edit))
+                               None if edit is None else stacked_edit(edit), reads=reads)
+    if not reads:
+      return out, {}, {}
 
     def split(flat: dict) -> dict:
       parts = {}

@@ -9,16 +9,15 @@ inputs. ``run`` is a pure function of its arguments, so families build on it wit
 ``jax.grad``, ``jax.vmap`` and ``jax.lax.map`` without knowing which Flax API made
 the model.
 """
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from perturbkit.core._points import PointShape
 
 # ``(point path, the floating-point part of a call's output) -> that part edited``.
 PointEdit = Callable[[tuple, Any], Any]
-# ``(perturbations by point path, args, kwargs, edit or None) ->
+# ``(perturbations by point path, args, kwargs, edit or None, reads=True) ->
 #   (output, {point path: call output}, {point path: call (args, kwargs)})``.
-PointsRun = Callable[[Mapping[tuple, Any], tuple, dict, PointEdit | None],
-                     tuple[Any, dict[tuple, Any], dict[tuple, Any]]]
+PointsRun = Callable[..., tuple[Any, dict[tuple, Any], dict[tuple, Any]]]
 
 
 class TracedPoints(NamedTuple):
@@ -28,9 +27,13 @@ class TracedPoints(NamedTuple):
     paths: Each selected call's point path (module path, then the point key), in
       call order.
     shapes: ``{point path: PointShape}``: what each point holds.
-    run: ``(perturbations, args, kwargs, edit) -> (output, outputs, inputs)``; the
-      outputs are each call's own output, before its edit and perturbation, and
-      the inputs its ``(args, kwargs)`` (array leaves), both flat by point path.
+    run: ``(perturbations, args, kwargs, edit, reads=True) -> (output, outputs,
+      inputs)``; the outputs are each call's own output, before its edit and
+      perturbation, and the inputs its ``(args, kwargs)`` (array leaves), both
+      flat by point path. With ``reads=False`` both are empty: a run that only
+      edits then works where ``fn`` applies a JAX transform (``jax.jit``,
+      ``jax.vmap``) around the model itself, whose values could not be read
+      (``CaptureInJaxTransformError``).
   """
   paths: tuple[tuple, ...]
   shapes: dict[tuple, PointShape]

@@ -13,7 +13,7 @@ def run_with_edits(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
   @named_after(fn)
   def edited(model, edits: Mapping[Any, Any], *args, **kwargs):
     traced = trace(tracer, fn, model, args, kwargs, filter, function)
-    out, _, _ = traced.run({}, args, kwargs, edit_function(edits, traced.paths))
+    out, _, _ = traced.run({}, args, kwargs, edit_function(edits, traced.paths), reads=False)
     return out
 
   return edited

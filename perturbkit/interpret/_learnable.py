@@ -224,7 +224,7 @@ def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
   def run(model, params, *args, **kwargs):
     traced = trace(tracer, fn, freeze(model), args, kwargs, filter, function)
     edit = intervention_edit(interventions, params, traced.paths)
-    out, _, _ = traced.run({}, args, kwargs, edit)
+    out, _, _ = traced.run({}, args, kwargs, edit, reads=False)
     return out
 
   return run

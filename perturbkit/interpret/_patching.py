@@ -89,7 +89,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
       group_paths = [paths[i] for i in group]
       edit = on_leaves(edit_function(patching_edits(outputs, group_paths, call - group[0], at,
                                                     axis, view), paths), leaves)
-      patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit)
+      patched, _, _ = corrupted_points.run({}, (corrupted,), {}, edit, reads=False)
       # float32 effects, as the attribution functions give: the difference of two
       # bfloat16 metrics is exact in float32 (in bfloat16 only within a factor 2).
       return widened(check_metric(patched, function)) - widened(corrupted_metric)

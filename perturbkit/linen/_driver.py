@@ -26,7 +26,7 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                                MapVariablesInitError,
+                                CaptureInJaxTransformError, MapVariablesInitError,
                                 NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
@@ -38,6 +38,7 @@ from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, a
                                differentiable_part, has_differentiable_leaf,
                                inside_lifted_transform, leaf_shapes, merge, stacked_axis,
                                with_stacked_axis)
+from perturbkit.core._trace_state import trace_state
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import CallFilter, Variables
 
@@ -144,7 +145,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
              inside: dict[tuple, PointShape] | None = None,
              marked: dict[tuple, tuple[int, ...]] | None = None,
              nested_applies: bool = False,
-             jitted: set[tuple] | None = None
+             jitted: set[tuple] | None = None,
+             in_nested_applies: list[str] | None = None
              ) -> tuple[dict[tuple, PointShape], list[str]]:
   """The perturbation points ``loss_fn`` reaches, found by an abstract run.
 
@@ -163,6 +165,10 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   ``marked`` if given. With ``nested_applies``, a submodule's own ``apply`` made
   inside a call of the model (a tied output layer) is a call of that submodule.
   The paths of the points inside ``nn.jit`` are added to ``jitted`` if given.
+  Selected calls of an ``apply`` made inside a call of the model on variables
+  it is given (``inner.apply(inner_variables, h)``; not a submodule's own
+  ``apply`` with ``nested_applies``) cannot carry one either: they go to
+  ``in_nested_applies`` if given, else with the others.
 
   Returns:
     ``(points, seen)``: ``{path: PointShape}`` for every point, calls and
@@ -173,6 +179,7 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   reached: dict[tuple, None] = {}  # in call order: the program does not depend on hashing
   calls: set[tuple] = set()
   missed: list[str] = []
+  nested_missed: list[str] = []
   in_branches: list[tuple[str, str]] = []  # (transform, call) of points made in a branch
 
   def on_point(call, output, applied):
@@ -198,7 +205,9 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       calls.add(path)
       found[path] = PointShape.of(differentiable_part(output))
     elif has_differentiable_leaf(output):
-      missed.append(call.name)
+      # Outside every lifted transform: an `apply` made inside a call of the model, on
+      # variables given to it (another model's, closed over), which hold no points.
+      (missed if inside_lifted_transform(call.module) else nested_missed).append(call.name)
 
   def on_root(module, method, run, a, kw):
     unbound, own = module.unbind()
@@ -260,6 +269,10 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   jax.eval_shape(traced, plain, *args)
   if point_paths is not None:
     point_paths.update(calls)
+  if in_nested_applies is not None:
+    in_nested_applies.extend(sorted(set(nested_missed)))
+  else:
+    missed += nested_missed
   if unreachable is not None:
     unreachable.extend(sorted(set(missed)))
   elif missed:
@@ -271,7 +284,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
                     args: tuple, kwargs: dict, *, points: CallFilter, strict: bool,
                     expected: set[tuple], hooks: Sequence[Hook] = (),
                     edit: PointEdit | None = None, activations: bool = False,
-                    inputs: bool = False, lifted: Collection[tuple] = (),
+                    inputs: bool = False, reads: bool = True, lifted: Collection[tuple] = (),
                     per_iteration: bool = False, nested_applies: bool = False,
                     jitted: bool = False) -> tuple[Any, dict[str, dict[tuple, Any]]]:
   """Runs ``loss_fn`` with ``perturbations`` added at the points of the selected calls.
@@ -296,6 +309,9 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     edit: ``(point path, floating-point part of the output) -> edited part``.
     activations: Capture each selected call's output (before its edit).
     inputs: Capture each selected call's ``(args, kwargs)`` (array leaves).
+    reads: Whether the captures are read. Where not, a capture inside a JAX
+      transform that ``loss_fn`` applies itself is left out rather than
+      refused (an edit works there); the others are checked as ever.
     lifted: The point paths of the selected calls inside a lifted transform
       (``discover``'s ``lifted``). With captures asked for, each top-level
       ``apply`` then runs with the :data:`CAPTURES` collection mutable, and
@@ -321,6 +337,9 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     PerturbationsNotAppliedError: a point in ``expected`` was not reached.
     ActivationsUnavailableError: a capture inside a lifted transform that does
       not carry the captures out.
+    CaptureInJaxTransformError: a capture inside a JAX transform that
+      ``loss_fn`` applies itself (``jax.jit``, ``jax.vmap``, ... around
+      ``model.apply``).
   """
   applied: set[tuple] = set()
   captured: dict[str, dict[tuple, Any]] = {'activations': {}, 'inputs': {}}
@@ -328,6 +347,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   shapes_inside: dict[tuple, Any] = {}
   outputs_inside: dict[tuple, list] = {}  # the output's leaf shapes inside the transform
   in_points: set[tuple] = set()  # captures that leave with the perturbations (per iteration)
+  began_under = trace_state()  # a capture under another trace is in a transform of loss_fn's
 
   def on_point(call, output, was_applied):
     if not was_applied:
@@ -343,6 +363,10 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
         # A module bound outside nn.cond/nn.switch, called by a branch: no collection of
         # its own scope can carry the branch's values out.
         raise ActivationsUnavailableError(call.name)
+      if trace_state() != began_under:
+        if reads:
+          raise CaptureInJaxTransformError(call.name)
+        return
       for kind, value in captures.items():
         captured[kind][path] = value
       return
@@ -377,6 +401,10 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       else:
         captures = find_in(new.get(CAPTURES, {}), path)
       if captures is None:
+        continue
+      if trace_state() != began_under:
+        if reads:
+          raise CaptureInJaxTransformError('/'.join(map(str, path)))
         continue
       # A transform that maps the collection (nn.scan, nn.vmap with every collection in
       # variable_axes) stacks one value per iteration: not the call's output, though
@@ -639,12 +667,15 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     lifted: set[tuple] = set()
     jitted: set[tuple] = set()
     unperturbed: list[str] = []
+    applied: list[str] = []  # calls of an apply nested in a call, on variables given to it
     points_found, seen = discover(loss_fn, variables, args, kwargs, filter=points,
                                   strict=strict, hooks=hooks, point_paths=expected,
                                   hooks_matched=matched, lifted=lifted, unreachable=unperturbed,
-                                  nested_applies=True, jitted=jitted)
+                                  nested_applies=True, jitted=jitted, in_nested_applies=applied)
     if unperturbed:
       warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=3)
+    if applied:
+      warnings.warn(UnperturbedCallsWarning(applied, nested_apply=True), stacklevel=3)
     if not points_found:
       raise NoPerturbationPointsError(seen, lifted=unperturbed)
     check_matched(hooks, matched, seen)

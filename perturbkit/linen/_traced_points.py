@@ -49,11 +49,15 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
   jitted: set[tuple] = set()
   with suspended():
     unperturbed: list[str] = []
+    applied: list[str] = []  # calls of an apply nested in a call, on variables given to it
     found, seen = discover(fn, variables, args, kwargs, filter=filter, strict=strict,
                            point_paths=expected, lifted=lifted, inside=inside, marked=marked,
-                           unreachable=unperturbed, nested_applies=True, jitted=jitted)
+                           unreachable=unperturbed, nested_applies=True, jitted=jitted,
+                           in_nested_applies=applied)
   if unperturbed:
     warnings.warn(UnperturbedCallsWarning(unperturbed), stacklevel=2)
+  if applied:
+    warnings.warn(UnperturbedCallsWarning(applied, nested_apply=True), stacklevel=2)
   if not expected:
     raise NoPerturbationPointsError(seen, lifted=unperturbed)
   first = {name: i for i, name in reversed(list(enumerate(seen)))}
@@ -63,18 +67,20 @@ def traced_points(fn: Callable[..., Any], variables: Variables, args: tuple, kwa
                            marked)
   indices = index_entries(stackings) if split_iterations else {}
 
-  def run(perturbations, args, kwargs, edit=None):
+  def run(perturbations, args, kwargs, edit=None, reads=True):
     tree = nested({**{p: perturbations[p] if p in perturbations else shape.zeros()
                       for p, shape in found.items()}, **indices})
     with suspended():
       try:
         out, captured = perturbed_apply(fn, variables, tree, args, kwargs, points=filter,
                                         strict=strict, expected=expected, edit=edit,
-                                        activations=True, inputs=True, lifted=lifted,
+                                        activations=True, inputs=True, reads=reads, lifted=lifted,
                                         per_iteration=bool(stackings), nested_applies=True,
                                         jitted=bool(jitted))
       except ActivationsUnavailableError as error:
-        raise ActivationsUnavailableError(error.where, function) from None
+        raise type(error)(error.where, function) from None
+    if not reads:
+      return out, {}, {}
     return out, captured['activations'], captured['inputs']
 
   return per_iteration(paths, shapes, stackings if split_iterations else {}, run)

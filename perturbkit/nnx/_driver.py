@@ -31,7 +31,8 @@ from flax.nnx import bridge as nnx_bridge
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                               CaptureConflictError, NonDifferentiableOutputError,
+                               CaptureConflictError, CaptureInJaxTransformError,
+                               NonDifferentiableOutputError,
                                NoPerturbationPointsError, NotAModuleError,
                                PerturbationsNotAppliedError, PerturbationStructureError,
                                TransformTracedOnceError, UnmappedPerturbationError,
@@ -43,6 +44,7 @@ from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
+from perturbkit.core._trace_state import trace_state
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
 
@@ -404,7 +406,7 @@ def _read_sown(captured: dict[str, list[tuple[tuple, Any]]], sown: Sequence[_Sow
 def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations: Sequence[Any],
                    args: tuple, kwargs: dict, *, found: _Discovery, points: CallFilter,
                    hooks: Sequence[Hook] = (), edit: PointEdit | None = None,
-                   activations: bool = False, inputs: bool = False,
+                   activations: bool = False, inputs: bool = False, reads: bool = True,
                    per_iteration: bool = False,
                    iterations: Mapping[PointPath, jax.Array] | None = None
                    ) -> tuple[Any, dict]:
@@ -427,6 +429,9 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     edit: ``(point path, floating-point part of the output) -> edited part``.
     activations: Capture each point's call output (before its edit).
     inputs: Capture each point's call ``(args, kwargs)`` (array leaves).
+    reads: Whether the captures are read. Where not, a capture inside a JAX
+      transform that ``loss_fn`` applies itself is left out rather than
+      refused (an edit works there); the others are checked as ever.
     per_iteration: Captures inside ``nnx.scan`` over stacked modules may come
       out stacked per iteration, along the axis of the call's gradient.
     iterations: Iteration indices to put next to the perturbations
@@ -441,16 +446,23 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     PerturbationsNotAppliedError: a point found was not reached.
     ActivationsUnavailableError: a capture inside an NNX transform that maps
       or broadcasts the module's state (``nnx.scan``, ``nnx.vmap``).
+    CaptureInJaxTransformError: a capture inside a JAX transform that
+      ``loss_fn`` applies itself (``jax.jit``, ``jax.vmap``, ... around the model).
   """
   applied: set[tuple] = set()
   captured: dict[str, list[tuple[tuple, Any]]] = {'activations': [], 'inputs': []}
   sown: list[_Sown] = []
   expected = {(p.path, p.key): p for p in found.points}
   prepare = _selected(points, hooks)
+  began_under = trace_state()  # a capture under another trace is in a transform of loss_fn's
 
   def capture(call: Call, kind: str, value: Any):
     path = call.path + (call.key,)
     if not call.copied:
+      if trace_state() != began_under:
+        if reads:
+          raise CaptureInJaxTransformError(call.name)
+        return
       captured[kind].append((path, value))
       return
     # A value traced inside an NNX transform cannot leave it through Python; the

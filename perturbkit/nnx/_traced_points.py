@@ -62,7 +62,7 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
   indices = index_entries(stackings) if split_iterations else {}
   graphdef, state = nnx.split(model)
 
-  def run(perturbations, args, kwargs, edit=None):
+  def run(perturbations, args, kwargs, edit=None, reads=True):
     flat = []
     for path in paths:
       value = perturbations[path] if path in perturbations else shapes[path].zeros()
@@ -73,10 +73,12 @@ def traced_points(fn: Callable[..., Any], model: nnx.Module, args: tuple, kwargs
       # module that updates its own state (BatchNorm in training mode) could not write them.
       model = nnx.merge(graphdef, state, copy=True)
       out, captured = perturbed_call(fn, model, flat, args, kwargs, found=found, points=filter,
-                                     edit=edit, activations=True, inputs=True,
+                                     edit=edit, activations=True, inputs=True, reads=reads,
                                      per_iteration=bool(stackings), iterations=indices)
     except ActivationsUnavailableError as error:
-      raise ActivationsUnavailableError(error.where, function) from None
+      raise type(error)(error.where, function) from None
+    if not reads:
+      return out, {}, {}
     return (out, {p: get_in(captured['activations'], p) for p in paths},
             {p: get_in(captured['inputs'], p) for p in paths})
 
