@@ -26,8 +26,11 @@ class Direction(NamedTuple):
   ``infinite``: whether ``along`` can be infinite where the output's gradient is
   0 (the output itself, or its difference from a finite baseline, at a masked
   ``-inf`` score); such entries then add 0 instead of ``0 * inf``. Attribution
-  patching's difference of two runs is 0 where both are the same infinity, so
-  it needs no such guard, and its backward pass stays as short as it is.
+  patching's difference of two runs is 0 where both are the same infinity, and
+  it takes no such guard, so that its backward pass stays as short as it is
+  (the guard adds about 7% to its compiled instructions on GPT-2): where only
+  one run masks an entry (padded differently), its effects are NaN, as its
+  docstring says.
   """
   reference: Callable[[tuple, Any], Any]
   along: Callable[[jax.Array, jax.Array], jax.Array]

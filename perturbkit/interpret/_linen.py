@@ -233,6 +233,15 @@ def attribution_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | 
   directly. Exact for a metric linear in the activations; close to activation
   patching where the clean and corrupted activations are close.
 
+  Infinite entries: where both runs hold the same infinity (a masked ``-inf``
+  attention score in both) the difference is 0 and adds nothing. Where only
+  one run masks an entry (the runs are padded differently), the difference
+  there is infinite, and times its zero gradient makes every effect of that
+  call NaN (activation patching, which runs the patch, stays finite). Pad the
+  clean and corrupted inputs alike, or leave such calls out with the filter;
+  gradient x activation and integrated gradients, whose directions are the
+  output itself, take such entries as 0, at the cost of a longer backward pass.
+
   Args:
     fn: ``(variables, inputs) -> metric``.
     filter: The calls to attribute (default: all).
