@@ -373,6 +373,36 @@ def test_model_to_nnx_step(nnx_model):
   assert int(state.step) == 1
 
 
+def test_variables_or_model_to_dp_sgd_step(linen, nnx_model):
+  model, variables = linen
+  key = jax.random.key(0)
+  trainer = perturbkit.dp_sgd(_linen_loss(model), optax.sgd(0.1), clip_norm=1.0,
+                              noise_multiplier=0.0)
+  with pytest.raises(perturbkit.UninitializedStateError, match=r'trainer\.init\(variables\)'):
+    trainer.step(variables, key, X)
+  state, _ = trainer.step(trainer.init(variables), key, X)
+  assert int(state.step) == 1
+  nnx_trainer = perturbkit.nnx.dp_sgd(nnx_models.mse, optax.sgd(0.1), clip_norm=1.0,
+                                      noise_multiplier=0.0)
+  with pytest.raises(perturbkit.UninitializedStateError,
+                     match=r'the model itself.*trainer\.init\(model\)'):
+    nnx_trainer.step(nnx_model, key, X)
+  state, _ = nnx_trainer.step(nnx_trainer.init(nnx_model), key, X)
+  assert int(state.step) == 1
+
+
+def test_nnx_optimizer_to_dp_sgd_points_to_its_transformation(nnx_model):
+  with pytest.raises(perturbkit.NotAnOptimizerError, match='was built with .its `tx`.'):
+    perturbkit.nnx.dp_sgd(nnx_models.mse, nnx.Optimizer(nnx_model, optax.sgd(0.1), wrt=nnx.Param),
+                          clip_norm=1.0, noise_multiplier=0.0)
+
+
+def test_nnx_interleaved_has_aux_with_a_scalar_loss(nnx_model):
+  trainer = perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd(0.1), has_aux=True)
+  with pytest.raises(perturbkit.HasAuxOutputError, match=r'\(loss, aux\)'):
+    jax.jit(trainer.step)(trainer.init(nnx_model, X), X)
+
+
 # --- 5. inputs of another shape than at init --------------------------------------------
 
 

@@ -125,8 +125,8 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
 
   def differentiable(params, carriers):
     out, new_others = forward(params, carriers)
-    aux = out[1] if settings.has_aux else None
-    return check_loss(out, settings.has_aux), (aux, new_others)
+    loss = check_loss(out, settings.has_aux)  # names a scalar given with has_aux first
+    return loss, (out[1] if settings.has_aux else None, new_others)
 
   (loss, (aux, new_others)), (grads, carried) = jax.value_and_grad(
       differentiable, argnums=(0, 1), has_aux=True)(params, carriers)

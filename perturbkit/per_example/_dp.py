@@ -46,7 +46,8 @@ from perturbkit.core._types import Path
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._varying import check_unchecked, summed_like
 from perturbkit.core._naming import named_after
-from perturbkit.errors import NotAnOptimizerError
+from perturbkit.errors import NotAnOptimizerError, UninitializedStateError
+from perturbkit.core._loss import describe
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -388,12 +389,15 @@ def check_optimizer(optimizer: Any, where: str = 'perturbkit.dp_sgd') -> None:
   refuse_accumulation(optimizer, where)
   if not (callable(getattr(optimizer, 'init', None))
           and callable(getattr(optimizer, 'update', None))):
-    if callable(getattr(optimizer, 'step', None)):
+    if callable(getattr(optimizer, 'step', None)) and hasattr(optimizer, 'init'):
       raise InterleavedClippingError(
           f'dp_sgd was given a trainer ({type(optimizer).__name__}, e.g. '
           '`perturbkit.interleaved(...)`) as its optimizer')
-    raise NotAnOptimizerError(f'it is {optimizer!r:.60} ({type(optimizer).__name__})',
-                              per_segment=False)
+    # flax.nnx.Optimizer holds the model's optimizer state beside its optax transformation.
+    hint = (f'Pass the optax transformation this {type(optimizer).__name__} was built with '
+            '(its `tx`): DP-SGD keeps the optimizer state in its own training state.'
+            if hasattr(getattr(optimizer, 'tx', None), 'update') else '')
+    raise NotAnOptimizerError(f'it is a {type(optimizer).__name__}', hint, per_segment=False)
 
 
 def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -472,6 +476,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     return PrivateState(jnp.zeros((), jnp.int32), dict(variables), opt_state)
 
   def step(state: PrivateState, key: jax.Array, *args, **kwargs):
+    if not isinstance(state, PrivateState):
+      raise UninitializedStateError(describe(state), 'trainer.init(variables)')
     grads, metrics = grad_fn(state.variables, key, *args, **kwargs)
     params, opt_state, finite = finite_step(optimizer, grads, state.opt_state,
                                             state.variables['params'])

@@ -18,6 +18,8 @@ from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation_state
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._naming import named_after
+from perturbkit.core._loss import describe
+from perturbkit.errors import UninitializedStateError
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, with_values
 from perturbkit.per_example._batch import BatchAxes
@@ -271,6 +273,10 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     return NNXPrivateState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state)
 
   def step(state: NNXPrivateState, key: jax.Array, *args, **kwargs):
+    if not isinstance(state, NNXPrivateState):
+      raise UninitializedStateError(
+          (f'an nnx.Module ({type(state).__name__}), the model itself'
+           if isinstance(state, nnx.Module) else describe(state)), 'trainer.init(model)')
     model = state.model()
     grads, metrics = grad_fn(model, key, *args, **kwargs)
     params, opt_state, finite = finite_step(optimizer, grads, state.opt_state,
