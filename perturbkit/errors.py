@@ -140,6 +140,11 @@ class NoPerturbationPointsError(PerturbkitError, ValueError):
               'argument.' if nnx else
               'Check the filter, or make sure the loss function calls '
               '`model.apply(variables, ...)` with the variables it is given.')
+    if not seen:
+      advice += (' A model call inside a function the loss reuses under jax.jit or '
+                 'jax.checkpoint (`apply = jax.jit(model.apply)` made once) is not traced '
+                 'again, so no call is seen: call the model directly in the loss, and put '
+                 'jax.jit around the perturbkit function instead.')
     super().__init__(
         'The filter selected no submodule call, so there is no activation gradient to '
         f'compute. Calls seen: [{_listed(seen, 12) or "none"}]. {advice}')

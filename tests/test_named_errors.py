@@ -539,3 +539,18 @@ def test_a_model_with_a_hard_coded_batch_size_fails_the_reduction_check_by_name(
   expected = jnp.sqrt(sum(jnp.sum(g.reshape(len(x), -1) ** 2, 1)
                           for g in jax.tree.leaves(grads)))
   np.testing.assert_allclose(norms.total, expected, **TOL)
+
+
+def test_model_apply_jitted_once_outside_the_loss_is_explained(linen):
+  """JAX reuses the trace of a jitted function made once: on the second run no call is seen,
+  and the error says why and what to do."""
+  model, variables = linen
+  apply = jax.jit(model.apply)
+  loss = lambda v, x: jnp.sum(apply(v, x))
+  perturbkit.value_and_grad(loss)(variables, X)
+  with pytest.raises(perturbkit.NoPerturbationPointsError,
+                     match=r'Calls seen: \[none\].*not traced again.*call the model directly'):
+    perturbkit.value_and_grad(loss)(variables, X)
+  direct = lambda v, x: jnp.sum(model.apply(v, x))
+  _, grads = jax.jit(perturbkit.value_and_grad(direct))(variables, X)
+  chex.assert_trees_all_close(grads['params'], jax.grad(direct)(variables, X)['params'], **TOL)
