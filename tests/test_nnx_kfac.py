@@ -387,7 +387,7 @@ def test_layers_inside_nnx_remat_are_preconditioned_like_the_plain_model():
   assert layers == perturbkit.nnx.kfac_layers(plain, ids)
   # a norm's copy inside the transform is a norm too
   assert sorted(layers.layers) == ['block/down', 'block/norm', 'block/up', 'head', 'tokens']
-  assert 'neither computed from the batch' in layers.skipped['positions']
+  assert 'is not computed from the batch' in layers.skipped['positions']
   for fisher, key in (('empirical', None), ('sampled', jax.random.key(3))):
     estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
                                                      fisher=fisher))

@@ -87,12 +87,19 @@ def _labels(n, classes, seed=7):
   return jax.random.randint(jax.random.key(seed), (hf_models.BATCH,) + n, 0, classes)
 
 
+def _positions(ids):
+  """Each example's positions, ``(examples, length)``: passed in the batch, as K-FAC needs
+  every embedding's input to come from it (made inside ``predict`` they would be a constant
+  every example might share, and the position table would be skipped)."""
+  return jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+
+
 def _bert_predict(module):
-  # Token classification on the hidden states (WIDTH classes).
-  def predict(variables, ids):
-    mask = jnp.ones_like(ids)
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return module.apply(variables, ids, mask, jnp.zeros_like(ids), positions).last_hidden_state
+  # Token classification on the hidden states (WIDTH classes); the batch is (ids, token
+  # types, positions).
+  def predict(variables, batch):
+    ids, types, positions = batch
+    return module.apply(variables, ids, jnp.ones_like(ids), types, positions).last_hidden_state
   return predict
 
 
@@ -101,11 +108,11 @@ def _vit_predict(module):
 
 
 def _causal_lm_predict(module):
-  # Next-token logits (GPT-2, Llama); the labels are the ids shifted by one.
-  def predict(variables, ids):
-    mask = jnp.ones_like(ids)
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return module.apply(variables, ids, mask, positions).logits[:, :-1]
+  # Next-token logits (GPT-2, Llama); the batch is (ids, positions), the labels are the ids
+  # shifted by one.
+  def predict(variables, batch):
+    ids, positions = batch
+    return module.apply(variables, ids, jnp.ones_like(ids), positions).logits[:, :-1]
   return predict
 
 
@@ -118,12 +125,12 @@ def _resnet_predict(module):
 
 def _token_batch():
   ids = hf_models._tokens()[0]
-  return ids, _labels((hf_models.SEQ,), hf_models.WIDTH)
+  return (ids, jnp.zeros_like(ids), _positions(ids)), _labels((hf_models.SEQ,), hf_models.WIDTH)
 
 
 def _next_token_batch():
   ids = hf_models._tokens()[0]
-  return ids, ids[:, 1:]
+  return (ids, _positions(ids)), ids[:, 1:]
 
 
 def _image_batch():
@@ -159,7 +166,7 @@ class Setup:
   hf: hf_models.Case
   predict: Callable[..., Any]
   variables: dict
-  inputs: jax.Array
+  inputs: Any
   labels: jax.Array
   layers: perturbkit.KFACLayers
 
@@ -575,13 +582,14 @@ def test_preconditioned_step_is_the_damped_sandwich_and_lowers_the_loss(setup, s
 # --- Position tables every example shares -------------------------------------------------------
 
 def _pair_predict(ids_index, output):
-  """``predict(variables, batch)`` of a model taking two batched arrays, one of them token ids
-  (their positions passed per example), returning ``output`` of its result."""
+  """``predict(variables, batch)`` of a model taking two batched arrays, one of them token ids,
+  then their positions (passed per example, in the batch), returning ``output`` of its
+  result."""
   def make(module):
     def predict(variables, batch):
-      ids = batch[ids_index]
-      positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-      return getattr(module.apply(variables, *batch, jnp.ones_like(ids), positions), output)
+      *pair, positions = batch
+      mask = jnp.ones_like(pair[ids_index])
+      return getattr(module.apply(variables, *pair, mask, positions), output)
     return predict
   return make
 
@@ -598,9 +606,10 @@ def test_position_tables_the_model_looks_up_itself_are_skipped(name, predict, sh
   ids = hf_models._tokens()[0]
   batch = ((ids, hf_models._image()) if name == 'clip' else
            (jax.random.normal(jax.random.key(3), (hf_models.BATCH, 8, 2 * hf_models.SEQ)), ids))
+  batch = (*batch, _positions(ids))
   with hf_case.strictness():
     layers = perturbkit.kfac_layers(predict(hf.module), hf.variables, batch)
-  assert 'is neither computed from the batch' in layers.skipped[shared]
+  assert 'is not computed from the batch' in layers.skipped[shared]
   per_example = {'clip': 'text_model/embeddings/position_embedding',
                  'whisper': 'model/decoder/embed_positions'}[name]
   assert layers.layers[per_example].kind == 'embed'

@@ -54,11 +54,17 @@ module calls instead, and K-FAC preconditions that submodule while the module's 
 params go to the fallback. K-FAC finds its layers among submodule calls, so a model
 that is one layer (``nn.Dense(3)`` as the whole model) has none: its params are the
 root's, ``layers.skipped['<root>']`` says to wrap it (``nn.Sequential([nn.Dense(3)])``),
-and an estimator given no layer raises ``KFACNoLayersError``. So are layers with a call every example shares: a
-position table the model looks up itself (Whisper's encoder ``jnp.arange``,
-CLIP's vision ``(1, patches)`` id buffer) has one output for the whole batch, the
-gradient at it is summed over the examples, and factors from it would be
-``(Σg)(Σg)ᵀ`` instead of ``Σ g gᵀ``. Layers inside ``nn.remat`` and ``nn.jit``
+and an estimator given no layer raises ``KFACNoLayersError``. So are layers with a call
+whose input is not computed from the batch ``inputs``: a position table the model looks
+up itself (Whisper's encoder ``jnp.arange``, CLIP's vision ``(1, patches)`` id buffer)
+has one output for the whole batch, the gradient at it is summed over the examples, and
+factors from it would be ``(Σg)(Σg)ᵀ`` instead of ``Σ g gᵀ``. Whatever the input's
+shape: a ``(length, d)`` table on a batch of ``length`` examples, or positions
+broadcast to ``(batch, length)`` inside the model, cannot be told apart from rows of
+one example each, and K-FAC does not guess (per-example gradients raise
+``AmbiguousInputError`` there). To have such a layer preconditioned, pass its input in
+the batch: for a Hugging Face model, ``position_ids=jnp.broadcast_to(jnp.arange(length),
+ids.shape)`` made outside ``predict_fn`` and passed in ``inputs``. Layers inside ``nn.remat`` and ``nn.jit``
 (a Hugging Face model with gradient checkpointing) or ``nnx.remat`` and
 ``nnx.jit`` are preconditioned like any other: their calls' inputs and gradients
 come out of the transform as they are.
@@ -75,11 +81,12 @@ per iteration, and ``kfac_segment`` preconditions each iteration with its own fa
 (``tests/test_interleaved_scan.py``). A scan that does not map the perturbations,
 params shared by every iteration (``variable_broadcast='params'``), scans
 nested in scans, and a call inside the scan whose input does not have the
-batch's examples on its first axis (checked by shape, since the scan's values
-do not leave it) are skipped with the reason. Whether a call's input is computed from the
-batch is read off the jaxpr; positions broadcast to ``(batch, length)`` are
-per-example rows and keep the layer (``tests/test_kfac_shared_inputs.py``,
-``tests/test_real_models_kfac.py``). A read that reaches the loss only through
+batch's examples on its first axis are skipped with the reason. Whether a call's
+input is computed from the batch is read off the jaxpr (in Linen also inside
+``nn.remat``, ``nn.jit`` and ``nn.scan``, whose calls hand their inputs out as the
+estimator takes them; inside an ``nnx.scan`` only the shape of each iteration's
+input is checked); positions passed in the batch are per-example rows and keep the
+layer (``tests/test_kfac_shared_inputs.py``, ``tests/test_real_models_kfac.py``). A read that reaches the loss only through
 ``jax.lax.stop_gradient`` does not skip a layer.
 
 Checks

@@ -9,10 +9,16 @@ formed from it would be ``(Σ g)(Σ g)ᵀ`` instead of ``Σ g gᵀ``. Such a lay
 skipped (refused when a filter selects it).
 
 Whether an input is computed from the batch is read off the jaxpr of one
-abstract run (``_per_example_inputs.depends_on``), never guessed. An input
-that is not, but whose first axis has the batch's size, is taken as built for
-the batch (positions broadcast to ``(batch, length)``, as Hugging Face models
-make them when none are passed).
+abstract run (``core._dependence.depends_on``), never guessed from its shape.
+An input that is not is skipped whatever its shape: one whose first axis
+happens to have the batch's size (a ``(length, d)`` table where the batch has
+``length`` examples, or positions broadcast to ``(batch, length)`` inside the
+model, as Hugging Face models make them when none are passed) cannot be told
+apart from rows of one example each, as for per-example gradients
+(``AmbiguousInputError``). To have such a layer covered, make its input part of
+the batch: pass the positions in ``inputs`` (Hugging Face:
+``position_ids=jnp.broadcast_to(jnp.arange(length), ids.shape)``, built outside
+``predict_fn``).
 
 A layer run once per iteration of ``nn.scan`` (its params stacked per iteration)
 is called inside the transform, whose values do not leave it in that run: its
@@ -42,31 +48,43 @@ def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:
 
 
 def input_reason(shape: tuple[int, ...], examples: int | None, grouped: bool,
-                 from_batch: bool | None) -> str | None:
+                 from_batch: bool | None, stacked: bool = False) -> str | None:
   """Why a call on an input of ``shape`` does not see the batch's ``examples`` one by one,
   or ``None``. ``grouped``: the layer's rule groups the rows by example (a norm);
   ``from_batch``: whether the input is computed from the batch (``None``: not known, for
-  a call inside a transform)."""
+  a call inside a transform); ``stacked``: the call is one iteration of a stacked layer,
+  whose ``shape`` is one iteration's input and must have the examples first."""
   if grouped:
     reason = grouping_reason(shape, examples)
     if reason is not None:
       return reason
-  if from_batch or (examples is not None and len(shape) >= 1 and shape[0] == examples):
-    return None
-  if from_batch is None:
+  if from_batch is False:
+    return _not_from_batch(shape)
+  if (from_batch is None or stacked) and not (
+      examples is not None and len(shape) >= 1 and shape[0] == examples):
+    unknown = (', and inside its transform K-FAC cannot tell whether it carries them'
+               if from_batch is None else '')
     return (f'each iteration\'s input (shape {tuple(shape)}) does not have the batch\'s '
-            f'{examples} examples on its first axis, and inside its transform K-FAC '
-            'cannot tell whether it carries them')
-  return (f'its input (shape {tuple(shape)}) is neither computed from the batch nor has '
-          f'the batch\'s {examples} examples on its first axis (e.g. positions built '
-          'inside the model): the gradient at its output is summed over the examples, '
-          'and K-FAC needs each example\'s')
+            f'{examples} examples on its first axis{unknown}')
+  return None
+
+
+def _not_from_batch(shape: tuple[int, ...]) -> str:
+  return (f'its input (shape {tuple(shape)}) is not computed from the batch `inputs` '
+          '(e.g. positions built inside the model with `jnp.arange`): every example may '
+          'share it, and then the gradient at its output is summed over the examples where '
+          'K-FAC needs each example\'s; whatever its shape, K-FAC cannot tell its rows '
+          'from the examples and does not guess. To cover the layer, pass that array as '
+          'part of the batch `inputs`, with the examples on its first axis, and from there '
+          'to the model (Hugging Face: `position_ids=jnp.broadcast_to(jnp.arange(length), '
+          'ids.shape)` built outside predict_fn)')
 
 
 def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
                          recorded: list[tuple[str, tuple]],
                          grouped: set[str] = frozenset(),
-                         per_iteration: list[tuple[str, tuple]] = ()) -> dict[str, str]:
+                         per_iteration: list[tuple[str, tuple]] = (),
+                         stacked: set[str] = frozenset()) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call that does not see the examples.
 
   Args:
@@ -74,12 +92,15 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
       calls' inputs, in order.
     shared: Its first argument, the same for every example (the model's variables).
     inputs: Its second argument, the batch.
-    recorded: ``(layer name, input shape)`` of each output of ``jaxpr``.
+    recorded: ``(layer name, input shape)`` of each output of ``jaxpr`` (one
+      iteration's shape for a layer in ``stacked``).
     grouped: The layers whose rule groups the rows by example (the norms): their
       inputs must have the examples on the first axis.
     per_iteration: ``(layer name, shape of one iteration's input)`` of the calls of
       stacked layers, inside their transform (not outputs of ``jaxpr``): checked by
       their shape alone.
+    stacked: The layers of ``recorded`` stacked per iteration: each iteration's
+      input must also have the examples on its first axis.
   """
   examples = num_examples(inputs)
   batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
@@ -87,7 +108,7 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
   reasons: dict[str, str] = {}
   calls = [*zip(recorded, from_batch), *((call, None) for call in per_iteration)]
   for (name, shape), dependent in calls:
-    reason = input_reason(shape, examples, name in grouped, dependent)
+    reason = input_reason(shape, examples, name in grouped, dependent, name in stacked)
     if reason is not None:
       reasons.setdefault(name, reason)
   return reasons

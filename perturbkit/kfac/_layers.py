@@ -10,10 +10,10 @@ transform. A layer of blocks stacked in ``nn.scan`` (params and points stacked
 along axis 0) is one layer with ``iterations`` set: factors per iteration.
 So is a Dense/Conv/Embed whose params the model also reads outside its calls
 (a tied LM head on the transposed embedding): its calls' factors would not
-cover that part of the gradient (``_kfac_reads``); and one with a call whose
-output every example shares (a position table the model looks up with
-``jnp.arange``): the gradient at it is summed over the examples
-(``_kfac_examples``).
+cover that part of the gradient (``_reads``); and one with a call whose input
+is not computed from the batch (a position table the model looks up with
+``jnp.arange``): the gradient at it may be summed over the examples, whatever
+the input's shape (``_examples``).
 """
 from typing import Any, Callable, NamedTuple
 
@@ -26,8 +26,9 @@ from flax import traverse_util
 from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
 from perturbkit.core._points import stacked_axis, with_stacked_axis
-from perturbkit.linen._driver import discover
-from perturbkit.linen._interceptor import intercept, suspended
+from perturbkit.core._trees import find_in
+from perturbkit.linen._driver import discover, value_and_grad
+from perturbkit.linen._interceptor import suspended
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
@@ -123,8 +124,9 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   every submodule call, then traces it twice more: to check that each layer's
   params are read by its own calls only (a tied embedding that an LM head
   also multiplies by is skipped, with the reads named), and that each call's
-  input carries the examples (a position table looked up with positions the
-  model builds itself, shared by every example, is skipped).
+  input is computed from ``inputs`` (a position table looked up with positions
+  the model builds itself is skipped, whatever their shape: pass the positions
+  in ``inputs`` to have it preconditioned).
 
   Args:
     predict_fn: ``(variables, inputs) -> output``, e.g.
@@ -143,7 +145,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
       module that owns params, a layer whose params are also read outside
-      its calls, or one with a call every example shares.
+      its calls, or one with a call whose input is not computed from ``inputs``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -239,38 +241,37 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
 
 def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Variables,
                    inputs: Any, layers: dict[str, LayerInfo]) -> dict[str, str]:
-  """``{layer: reason}`` for the layers with a call whose input does not carry the
-  examples (``_kfac_examples``), from one abstract trace.
+  """``{layer: reason}`` for the layers with a call whose input is not computed from the
+  batch (``_examples``), from one abstract trace.
 
-  A stacked layer's calls run inside their transform, whose values cannot leave it
-  through this trace: each iteration's input is checked by its shape alone (the
-  batch's examples on its first axis).
+  The calls' inputs are taken as the estimator takes them (``value_and_grad`` with
+  ``return_inputs``): a call inside ``nn.remat``, ``nn.jit`` or ``nn.scan`` hands its
+  input out of the transform through a collection, so the jaxpr follows what it is
+  computed from there too. A stacked layer's input has the iterations in front; its
+  rule sees one iteration's.
   """
+  if not layers:
+    return {}
   names = {info.path: name for name, info in layers.items()}
-  stacked = {info.path for info in layers.values() if info.iterations}
-  recorded: list[tuple[str, tuple]] = []
-  per_iteration: list[tuple[str, tuple]] = []
   select = lambda module, method_name: (method_name == '__call__'
                                         and tuple(module.path) in names)
+  grad_fn = value_and_grad(lambda v, x: _float_sum(predict_fn(v, x)), filter=select,
+                           return_inputs=True)
+  recorded: list[tuple[str, tuple]] = []
 
   def traced(variables, inputs):
-    captured = []
-
-    def on_call(call, run):
-      x = call_input(call.args, call.kwargs)
-      path = tuple(call.path)
-      if path in stacked:
-        per_iteration.append((names[path], tuple(jnp.shape(x))))
-      else:
-        recorded.append((names[path], tuple(jnp.shape(x))))
-        captured.append(x)
-      return run()
-
-    with intercept(select, on_call):
-      predict_fn(variables, inputs)
-    return captured
+    _, _, captured = grad_fn(variables, inputs)
+    recorded.clear()
+    calls_inputs = []
+    for name, info in layers.items():
+      calls = find_in(captured, info.path)
+      for call in info.calls:
+        x = call_input(*calls[call])
+        recorded.append((name, tuple(jnp.shape(x))[bool(info.iterations):]))
+        calls_inputs.append(x)
+    return calls_inputs
 
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
   return shared_input_reasons(jaxpr, variables, inputs, recorded,
                               {name for name, info in layers.items() if info.kind == 'norm'},
-                              per_iteration)
+                              stacked={name for name, info in layers.items() if info.iterations})

@@ -18,8 +18,8 @@ The reads are found as for the interleaved schedule's segments: one more
 abstract run in which every call of a layer is replayed as a ``custom_vjp``
 function named after it (``_nnx_segments.run_segment``), then
 ``_consumers.reads_outside`` on the jaxpr. A layer with a call whose input
-does not carry the examples (a position table looked up with ``jnp.arange``
-inside the model) is skipped as in Linen (``_kfac_examples``).
+is not computed from the batch (a position table looked up with ``jnp.arange``
+inside the model), whatever its shape, is skipped as in Linen (``_examples``).
 """
 from typing import Any, Callable, Mapping
 
@@ -219,7 +219,7 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module, Any], Any],
                   layers: Mapping[str, LayerInfo]) -> dict[str, str]:
   """``{layer: reason}`` for the layers with a call whose input does not carry the
-  examples (``_kfac_examples``), from one abstract trace of a copy of the model."""
+  examples (``_examples``), from one abstract trace of a copy of the model."""
   names = {info.path: name for name, info in layers.items()}
   stacked = {info.path for info in layers.values() if info.iterations}
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
@@ -232,7 +232,7 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
       if call.method_name == '__call__' and call.path in stacked:
-        # Checked by its shape alone (_kfac_examples).
+        # Checked by its shape alone (_examples).
         per_iteration.append((names[call.path], tuple(jnp.shape(call_input(call.args,
                                                                            call.kwargs)))))
       elif call.method_name == '__call__' and call.path in names:
@@ -288,7 +288,7 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
   Raises:
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
       module that owns params, a layer whose params are also read outside
-      its calls, or one with a call every example shares.
+      its calls, or one with a call whose input is not computed from ``inputs``.
 
   Example:
     >>> import jax.numpy as jnp
