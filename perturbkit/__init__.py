@@ -132,6 +132,7 @@ from perturbkit.errors import InterventionOutputError
 from perturbkit.errors import InvalidOptionError
 from perturbkit.errors import KFACExactFisherError
 from perturbkit.errors import KFACExamplesError
+from perturbkit.errors import KFACInputsError
 from perturbkit.errors import KFACLossError
 from perturbkit.errors import KFACLossShapeError
 from perturbkit.errors import KFACNoLayersError
@@ -271,6 +272,7 @@ __all__ = [
     'InvalidOptionError',
     'KFACExactFisherError',
     'KFACExamplesError',
+    'KFACInputsError',
     'KFACLossError',
     'KFACLossShapeError',
     'KFACNoLayersError',

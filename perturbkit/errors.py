@@ -54,7 +54,8 @@ a plain integer random seed).
 K-FAC: ``KFACUnsupportedLayerError``, ``KFACNoLayersError`` (no layer to precondition,
 e.g. a bare ``nn.Dense`` as the whole model), ``KFACShapeError``, ``KFACExamplesError`` (a
 layer's input without the batch's examples where its rule needs them, e.g. an interleaved
-step whose first argument is not the batch), ``KFACOutputError``,
+step whose first argument is not the batch), ``KFACInputsError`` (arrays of the batch
+``inputs`` with different first axes), ``KFACOutputError``,
 ``KFACExactFisherError``, ``KFACFactorShapeError`` (``damped_inverse`` given a factor
 that is not square), ``KFACLayerInfoError`` (a hand-built ``LayerInfo`` without
 what its rule needs), ``KFACUpdateArgsError`` (a K-FAC transform's ``update`` without
@@ -678,6 +679,18 @@ class KFACExamplesError(PerturbkitError, ValueError):
   def __init__(self, layer: str, detail: str, fix: str):
     super().__init__(f'K-FAC layer {layer!r}: {detail}, so its factors would be averaged over '
                      f'another number of examples than the batch has. {fix}')
+
+
+class KFACInputsError(PerturbkitError, ValueError):
+  """The arrays of K-FAC's batch ``inputs`` do not agree on the number of examples."""
+
+  def __init__(self, function: str, first_axes: str):
+    super().__init__(
+        f'{function} counts the batch\'s examples on the first axis of the arrays of '
+        f'`inputs`, and they disagree: {first_axes}. Every array in `inputs` must have the '
+        'examples on its first axis. Pass arrays shared by every example (a mask over '
+        'positions, a table) through predict_fn instead, as a closure or with '
+        '`functools.partial(predict, mask=mask)`, and keep only the batch in `inputs`.')
 
 
 class KFACOutputError(PerturbkitError, TypeError):

@@ -134,3 +134,60 @@ def test_hand_built_layer_infos_without_their_rule_s_needs_are_refused_where_giv
       perturbkit.nnx.kfac_estimator('softmax_cross_entropy', by_hand)
     with pytest.raises(perturbkit.KFACLayerInfoError, match=match):
       perturbkit.kfac_segment(info)
+
+
+class Masked(nn.Module):
+  """Token and position embeddings mixed along the sequence by a ``(length, length)`` mask
+  given in the batch dict."""
+
+  @nn.compact
+  def __call__(self, batch):
+    h = nn.Embed(11, 4)(batch['tokens'])
+    return nn.Dense(2)(jnp.einsum('st,nte->ne', batch['mask'], h))
+
+
+class NNXMasked(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(11, 4, rngs=rngs)
+    self.out = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, batch):
+    return self.out(jnp.einsum('st,nte->ne', batch['mask'], self.embed(batch['tokens'])))
+
+
+def test_inputs_whose_arrays_disagree_on_the_examples_are_refused():
+  """A ``(length, length)`` mask beside ``(examples, length)`` tokens in ``inputs``: the
+  examples cannot be counted on the first array (the mask, sorted first), so every K-FAC
+  entry point refuses the batch and says to pass the mask through predict_fn."""
+  tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
+  batch = {'mask': jnp.tril(jnp.ones((3, 3))), 'tokens': tokens}
+  match = r"\['mask'\]: 3, \['tokens'\]: 2.*through predict_fn.*functools\.partial"
+  model = Masked()
+  variables = model.init(jax.random.key(0), batch)
+  with pytest.raises(perturbkit.KFACInputsError, match=match):
+    perturbkit.kfac_layers(model.apply, variables, batch)
+  nnx_model = NNXMasked(nnx.Rngs(0))
+  with pytest.raises(perturbkit.KFACInputsError, match=match):
+    perturbkit.nnx.kfac_layers(nnx_model, batch)
+  # The fix the error gives: the mask through predict_fn, the tokens as the batch.
+  predict = lambda v, x: model.apply(v, {'mask': batch['mask'], 'tokens': x})
+  layers = perturbkit.kfac_layers(predict, variables, tokens)
+  assert sorted(layers.layers) == ['Dense_0', 'Embed_0']
+  # Layers made for one batch, estimators given the other.
+  with pytest.raises(perturbkit.KFACInputsError, match=match):
+    perturbkit.kfac_estimator(model.apply, 'softmax_cross_entropy', layers)(
+        variables, batch, Y, jax.random.key(0))
+  nnx_layers = perturbkit.nnx.kfac_layers(
+      nnx_model, tokens, predict=lambda m, x: m({'mask': batch['mask'], 'tokens': x}))
+  with pytest.raises(perturbkit.KFACInputsError, match=match):
+    perturbkit.nnx.kfac_estimator('softmax_cross_entropy', nnx_layers)(
+        nnx_model, batch, Y, jax.random.key(0))
+
+
+def test_kfac_layers_given_params_or_an_nnx_model_says_what_to_pass():
+  model = nn.Sequential([nn.Dense(4), jnp.tanh, nn.Dense(3)])
+  variables = model.init(jax.random.key(0), X)
+  with pytest.raises(perturbkit.NotVariablesError, match=r"pass the whole dict"):
+    perturbkit.kfac_layers(model.apply, variables['params'], X)
+  with pytest.raises(perturbkit.WrongFrontEndError, match=r'perturbkit\.nnx\.kfac_layers'):
+    perturbkit.kfac_layers(lambda m, x: m(x), NNXNet(4, nnx.Rngs(0)), X)

@@ -29,6 +29,7 @@ from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes,
                                      signature)
 from perturbkit.errors import (KFACExactFisherError, KFACNoLayersError, KFACOutputError,
                                PRNGKeyError)
+from perturbkit.kfac._examples import batch_examples
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
@@ -224,6 +225,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
       known ``kind``, a Conv's or a norm's geometry).
     KFACExactFisherError: ``fisher='exact'`` for an output that is not ``(batch, k)``.
+    KFACInputsError: the arrays of ``inputs`` have different first axes (pass an
+      array every example shares through ``predict_fn`` instead).
     PRNGKeyError: ``fisher='sampled'`` and no ``key``.
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
     KFACOutputError: ``predict_fn`` returns something else than one
@@ -271,6 +274,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     key = signature((variables, inputs))
     if key in checked:
       return
+    batch_examples(inputs, 'perturbkit.kfac_estimator')
     flat = traverse_util.flatten_dict(flax.core.unfreeze(variables['params']))
     check_kernel_shapes(layers, {
         name: getattr(flat.get(info.path + (info.param,)), 'shape', None)

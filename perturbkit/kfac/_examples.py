@@ -25,6 +25,10 @@ is called inside the transform, whose values do not leave it in that run: its
 input is checked by its shape alone, the batch's examples on the first axis of
 each iteration's input.
 
+The examples are counted on the first axis of the arrays of ``inputs``, which
+must all have them there (``batch_examples``): an array every example shares (a
+``(length, length)`` mask) is passed through ``predict_fn``, not in ``inputs``.
+
 A LayerNorm's diagonal Fisher squares each example's gradient, summed over its
 locations (``_scale_shift``), so its calls' inputs must have the examples on
 their first axis; one that does not is skipped with that reason.
@@ -32,9 +36,31 @@ their first axis; one that does not is skipped with that reason.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from perturbkit.core._dependence import depends_on
 from perturbkit.core._examples import num_examples
+from perturbkit.errors import KFACInputsError
+
+
+def batch_examples(inputs: Any, function: str) -> int | None:
+  """The batch's number of examples: the first axis every array of ``inputs`` has.
+
+  Counting them on the first array alone would take a shared array (a ``(length,
+  length)`` mask sorted before the tokens) for the batch, and every factor would be
+  averaged over the wrong count, silently.
+
+  Raises:
+    KFACInputsError: array leaves of ``inputs`` (with at least one axis) have
+      different first axes.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(inputs)[0]
+  first_axes = {jax.tree_util.keystr(path) or 'inputs': jnp.shape(leaf)[0]
+                for path, leaf in leaves if jnp.ndim(leaf) >= 1}
+  if len(set(first_axes.values())) > 1:
+    raise KFACInputsError(function, ', '.join(f'{name}: {size}'
+                                              for name, size in first_axes.items()))
+  return num_examples(inputs)
 
 
 def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:
@@ -102,7 +128,7 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
     stacked: The layers of ``recorded`` stacked per iteration: each iteration's
       input must also have the examples on its first axis.
   """
-  examples = num_examples(inputs)
+  examples = num_examples(inputs)  # checked by batch_examples where the inputs were given
   batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
   from_batch = depends_on(jaxpr.jaxpr, batched)
   reasons: dict[str, str] = {}

@@ -27,10 +27,10 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
 from perturbkit.core._points import stacked_axis, with_stacked_axis
 from perturbkit.core._trees import find_in
-from perturbkit.linen._driver import discover, value_and_grad
+from perturbkit.linen._driver import check_variables, discover, value_and_grad
 from perturbkit.linen._interceptor import suspended
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import shared_input_reasons
+from perturbkit.kfac._examples import batch_examples, shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import (LayerInfo, call_input, describe, unsupported_reason,
                                     weight_name)
@@ -146,6 +146,12 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
       module that owns params, a layer whose params are also read outside
       its calls, or one with a call whose input is not computed from ``inputs``.
+    KFACInputsError: the arrays of ``inputs`` have different first axes (pass an
+      array every example shares through ``predict_fn`` instead).
+    NotVariablesError: ``variables`` is not the variables dict (e.g.
+      ``variables['params']``).
+    WrongFrontEndError: ``variables`` is an NNX model (use
+      ``perturbkit.nnx.kfac_layers``).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -157,6 +163,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     >>> {name: info.kind for name, info in layers.layers.items()}, layers.skipped
     ({'layers_0': 'dense', 'layers_1': 'norm', 'layers_2': 'dense'}, {})
   """
+  check_variables(variables, 'perturbkit.kfac_layers')
+  batch_examples(inputs, 'perturbkit.kfac_layers')
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[tuple, nn.Module] = {}
   unsupported: dict[tuple, str] = {}

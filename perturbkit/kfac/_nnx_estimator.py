@@ -19,6 +19,7 @@ from flax import nnx
 from perturbkit.core._varying import typed_like
 from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, refuse_outside_reads,
                                      refuse_override, signature)
+from perturbkit.kfac._examples import batch_examples
 from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
                                         split_output)
 from perturbkit.kfac._layers import KFACLayers
@@ -72,6 +73,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     KFACLossError: ``loss`` has no distribution to sample from.
     KFACOutputError: ``predict`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
+    KFACInputsError: the arrays of ``inputs`` have different first axes (pass an
+      array every example shares through ``predict`` instead).
     KFACShapeError, KFACUnsupportedLayerError: ``layers`` do not describe the
       model (as for :func:`perturbkit.kfac_estimator`).
 
@@ -103,6 +106,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     key = signature((nnx.graphdef(model), nnx.state(model), inputs))
     if key in checked:
       return
+    batch_examples(inputs, 'perturbkit.nnx.kfac_estimator')
     modules = dict(submodules(model))
     shapes = {}
     for name, info in layers.layers.items():

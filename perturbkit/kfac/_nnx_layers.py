@@ -31,7 +31,7 @@ from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import shared_input_reasons
+from perturbkit.kfac._examples import batch_examples, shared_input_reasons
 from perturbkit.kfac._layers import (KFACLayers, outside_reason, root_reason, skip_layers,
                                     stacked_iterations)
 from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
@@ -289,6 +289,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     KFACUnsupportedLayerError: ``filter`` selects a call without a rule on a
       module that owns params, a layer whose params are also read outside
       its calls, or one with a call whose input is not computed from ``inputs``.
+    KFACInputsError: the arrays of ``inputs`` have different first axes (pass an
+      array every example shares through ``predict`` instead).
 
   Example:
     >>> import jax.numpy as jnp
@@ -301,6 +303,7 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
     ({'layers/0': 'dense', 'layers/1': 'norm', 'layers/2': 'dense'}, {})
   """
   check_module(model, 'perturbkit.nnx.kfac_layers')
+  batch_examples(inputs, 'perturbkit.nnx.kfac_layers')
   predict = call_model if predict is None else predict
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[NNXPath, tuple[nnx.Module, list[str]]] = {}
