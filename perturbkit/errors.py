@@ -614,7 +614,7 @@ class KFACUnsupportedLayerError(PerturbkitError, TypeError):
     exclude = exclude or '`perturbkit.filters.by_type(nn.Dense, nn.Conv, nn.Embed)`'
     super().__init__(
         f'The call {where} was selected for K-FAC, but {reason}. K-FAC has rules for '
-        '`nn.Dense`, `nn.Conv` (feature_group_count=1), `nn.Embed`, Hugging Face\'s '
+        '`nn.Dense`, `nn.Conv` (feature_group_count=1, no mask), `nn.Embed`, Hugging Face\'s '
         '`FlaxConv1D` and `nn.LayerNorm`/`nn.RMSNorm` over the last axis (and their NNX '
         'twins) `__call__`s whose params no other code reads (inside nn.scan/nn.vmap, '
         'with the params and the perturbations stacked along axis 0). Leave the filter at its '

@@ -606,6 +606,42 @@ def test_explicitly_selected_layer_without_rule_is_an_error():
                             'layers_2': 'not selected by the filter'}
 
 
+MASK = jnp.ones((3, 3, 2, 4)).at[2].set(0.0).at[1, 2].set(0.0)  # causal-style taps
+
+
+class MaskedCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(4, (3, 3), mask=MASK, name='conv')(x)
+    return nn.Dense(3, name='head')(jnp.tanh(h).reshape(x.shape[0], -1))
+
+
+def test_a_masked_conv_is_skipped_or_refused_and_its_masked_taps_do_not_move():
+  """A mask zeroes kernel taps, whose gradient is exactly zero; factors over every tap
+  would move them. The masked Conv (Linen and NNX) is skipped, refused when selected, and
+  its params take the fallback: the update is zero wherever the mask is."""
+  from flax import nnx
+  x = jax.random.normal(jax.random.key(1), (4, 5, 5, 2))
+  model = MaskedCNN()
+  variables = model.init(jax.random.key(0), x)
+  predict = lambda v, x: model.apply(v, x)
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  assert list(layers.layers) == ['head'] and 'masked Conv' in layers.skipped['conv']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='conv was selected.*masked Conv'):
+    perturbkit.kfac_layers(predict, variables, x, filter=perturbkit.filters.by_type(nn.Conv))
+  nnx_model = nnx.Sequential(nnx.Conv(2, 4, (3, 3), mask=MASK, rngs=nnx.Rngs(0)))
+  nnx_layers = perturbkit.nnx.kfac_layers(nnx.Sequential(nnx_model, nnx.Linear(4, 3, rngs=nnx.Rngs(1))), x)
+  assert list(nnx_layers.layers) == ['layers/1'] and 'masked Conv' in nnx_layers.skipped['layers/0/layers/0']
+  _, grads, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                              fisher='empirical')(variables, x, jnp.array([0, 1, 2, 0]))
+  masked = np.asarray(MASK) == 0
+  assert float(np.abs(np.asarray(grads['conv']['kernel'])[masked]).max()) == 0.0
+  tx = perturbkit.kfac_preconditioner(layers, damping=1e-2)
+  updates, _ = tx.update(grads, tx.init(variables['params']), variables['params'], kfac_stats=stats)
+  np.testing.assert_array_equal(np.asarray(updates['conv']['kernel'])[masked], 0.0)
+  assert float(np.abs(np.asarray(updates['conv']['kernel'])[~masked]).max()) > 0
+
+
 def test_layers_in_a_scan_are_stacked_layers_or_skipped_with_the_reason():
   """A Dense inside nn.scan has stacked params and one point per iteration: one layer with
   factors per iteration (``test_kfac_scan.py``). Inside a scan that does not map the

@@ -38,7 +38,7 @@ over its rows.
 
 Which layers are skipped
 ------------------------
-Layers without a rule (BatchNorm, GroupNorm, a norm over other axes than the
+Layers without a rule (BatchNorm, GroupNorm, a grouped or masked Conv, a norm over other axes than the
 last, a normalisation module a model defines itself, other than Hugging Face's
 Llama, Mistral and Gemma RMSNorms, a tied ``attend``, a layer run by ``nn.scan``
 whose params every iteration shares, see below) and layers whose weights are also read outside their calls (GPT-2's

@@ -3,7 +3,7 @@
 A K-FAC layer is a module that owns params and whose every call has a
 curvature rule (``_rules``: Dense, Conv, Embed, Hugging Face's ``FlaxConv1D``,
 LayerNorm and RMSNorm). A module that owns params but has no rule (BatchNorm, a
-grouped Conv, ``Embed.attend``, a subclass of a layer that overrides its ``__call__``, a layer inside a lifted transform that does not
+grouped or masked Conv, ``Embed.attend``, a subclass of a layer that overrides its ``__call__``, a layer inside a lifted transform that does not
 stack its params and its calls per iteration, the root's own ``self.param``) is
 listed in ``KFACLayers.skipped`` with the reason; its params go to the fallback
 transform. A layer of blocks stacked in ``nn.scan`` (params and points stacked

@@ -34,7 +34,7 @@ from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import batch_examples, shared_input_reasons
 from perturbkit.kfac._layers import (KFACLayers, outside_reason, root_reason, skip_layers,
                                     stacked_iterations)
-from perturbkit.kfac._rules import (ConvGeometry, LayerInfo, as_tuple, call_input,
+from perturbkit.kfac._rules import (MASKED_CONV, ConvGeometry, LayerInfo, as_tuple, call_input,
                                     flax_norm_layer, flax_norm_weight, hashable, norm_reason,
                                     override_reason)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, own_class, submodules
@@ -88,6 +88,8 @@ def unsupported_reason(call: Call) -> str | None:
     return f'{name}.{call.method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nnx.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  if isinstance(module, nnx.Conv) and module.mask is not None:
+    return MASKED_CONV
   if _is_norm(module):
     return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None

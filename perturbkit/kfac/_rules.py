@@ -159,6 +159,12 @@ def override_reason(cls: type, bases: tuple[tuple[type, str], ...], submodule: s
 _LINEN_BASES = ((nn.Dense, 'nn.Dense'), (nn.Conv, 'nn.Conv'), (nn.Embed, 'nn.Embed'))
 
 
+# A mask zeroes kernel taps: the layer's output is the patches times the masked kernel, so
+# A formed from every tap preconditions the masked entries, whose gradient is exactly zero.
+MASKED_CONV = ('a masked Conv (mask=...) has no rule: its factors would cover the kernel '
+               'entries the mask zeroes, and its preconditioned update would move them')
+
+
 def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
   """Why a call has no K-FAC rule, or ``None`` when it has one."""
   name = type(module).__name__
@@ -172,6 +178,8 @@ def unsupported_reason(module: nn.Module, method_name: str) -> str | None:
     return f'{name}.{method_name} has no K-FAC rule (only __call__)'
   if isinstance(module, nn.Conv) and module.feature_group_count != 1:
     return f'a grouped Conv (feature_group_count={module.feature_group_count}) has no rule'
+  if isinstance(module, nn.Conv) and module.mask is not None:
+    return MASKED_CONV
   if _is_flax_norm(module):
     return norm_reason(name, module.reduction_axes, module.feature_axes, module.axis_name)
   return None
