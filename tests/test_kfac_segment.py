@@ -151,6 +151,29 @@ def test_a_step_whose_first_argument_is_not_the_batch_is_refused():
     np.testing.assert_allclose(factors.g, g, rtol=2e-5, atol=1e-6)
 
 
+def test_a_prng_key_passed_before_the_batch_is_not_counted_as_the_examples():
+  """A loss ``(variables, rng, x, y)`` with a raw ``jax.random.PRNGKey`` first: its two
+  ``uint32`` words are no batch of two (that count would scale ``A`` by 8/2 and ``G`` by
+  (2/8)²); the examples are ``x``'s, and the factors those of the hand-written MLP."""
+  from test_kfac import dense_reference, hand_factors, hand_mlp
+  predict, _, variables, xs, ys = problem(1)
+  x, y = xs[0], ys[0]
+  layers = perturbkit.kfac_layers(predict, variables, x)
+  optimizer = segment_optimizer(layers, damping=DAMPING, inverse_every=1)
+  loss = lambda v, rng, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      predict(v, x), y).mean()
+  tx = perturbkit.interleaved(loss, optimizer, propagate='original')
+  rng = jax.random.PRNGKey(0)
+  state, _ = jax.jit(tx.step)(tx.init(variables, rng, x, y), rng, x, y)
+  inputs, gs = hand_factors(hand_mlp, variables['params'], x, lambda logits: y,
+                            [(8, 6), (8, 5), (8, 4)])
+  for i in range(3):
+    a, g = dense_reference(inputs[i], gs[i], 8)
+    factors = state.opt_state[f'Dense_{i}'][0].factors['segment']
+    np.testing.assert_allclose(factors.a, a, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(factors.g, g, rtol=2e-5, atol=1e-6)
+
+
 def hand_updated_sweep(params, x, y, factors, decay):
   """One update-then-propagate K-FAC step, by hand. ``factors[i]`` is the running
   ``(A, G)`` of layer ``i`` or ``None``; inverses are refreshed every step."""

@@ -298,7 +298,8 @@ class Sweep(NamedTuple):
   """What one step's sweep needs: its settings and the state it starts from.
 
   ``examples`` is the batch's number of examples (the first axis of the step's
-  first array argument), given to the segment optimizers as ``segment_examples``.
+  first array argument that is not one raw PRNG key, ``_examples.step_examples``),
+  given to the segment optimizers as ``segment_examples``.
   ``iterations`` names the segments inside a scan, with their number of
   iterations: their optimizer states are stacked, one per iteration.
   """

@@ -63,9 +63,10 @@ def check_examples(kind: str, name: str, shape: tuple[int, ...], examples: int) 
   norm (its diagonal groups the rows by example), a multiple of them for a Dense or Conv
   (its rows may be ``(examples * tokens, d)``).
 
-  The examples come from the first axis of the step's first array argument; when that
-  argument is not the batch (class weights passed first), the factors would be scaled by
-  the wrong count, silently.
+  The examples come from the first axis of the step's first array argument that holds no
+  PRNG keys (a dropout key passed first, typed or a raw ``uint32[2]``, is not counted);
+  when that argument is not the batch (class weights passed first), the factors would be
+  scaled by the wrong count: refused here unless the rows happen to be a multiple of it.
   """
   if len(shape) < 2:
     return  # one example, with no batch axis
@@ -77,7 +78,7 @@ def check_examples(kind: str, name: str, shape: tuple[int, ...], examples: int) 
       name,
       f'its segment\'s input has shape {tuple(shape)}, whose first axis is not {want} '
       f'{examples} examples interleaved counts, the first axis of the step\'s first array '
-      'argument',
+      'argument (PRNG keys not counted)',
       'Pass the batch first: the loss function takes `(variables, x, y, ...)` with the '
       'examples on axis 0 of `x`, and arguments shared by every example (class weights, '
       'a mask over the classes) after it.')
@@ -97,7 +98,9 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
   ``G`` from the per-example cotangent at its output (the loss is taken to be a
   mean over the batch's ``segment_examples`` examples, the first axis of the
   step's first array argument, so the loss function must take the batch first:
-  ``(variables, x, y, class_weights)``), and then acts as :func:`kfac_preconditioner` on
+  ``(variables, x, y, class_weights)``; a PRNG key before it, ``(variables, rng, x, y)``,
+  typed or a raw ``jax.random.PRNGKey``, is not counted), and then acts as
+  :func:`kfac_preconditioner` on
   this one layer: EMA of the factors taken every ``stats_every`` updates,
   damped inverses every ``inverse_every``, ``(A + λI)⁻¹ [∇W; ∇b] (G + λI)⁻¹``
   (``∇θ / (F + λ)`` for a norm's diagonal).

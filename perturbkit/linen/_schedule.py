@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from perturbkit.linen import _segmentation
 from perturbkit.linen._driver import check_variables
-from perturbkit.core._examples import num_examples
+from perturbkit.core._examples import step_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
                                 UninitializedStateError)
@@ -95,7 +95,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       segment's ``GradientTransformationExtraArgs`` also gets, as extra
       arguments, ``segment_inputs`` (the floating-point leaves of the call's
       inputs), ``segment_output_grad`` (the cotangent at its output) and
-      ``segment_examples`` (the first axis of the step's first array argument),
+      ``segment_examples`` (the first axis of the step's first array argument,
+      a raw PRNG key ``uint32[2]`` passed before the batch not counted),
       e.g. for :func:`kfac_segment`; with either ``propagate`` the segments'
       steps are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
@@ -392,7 +393,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     iterations = scanned[tuple(sorted(names))]
     check_opt_state(optimizer, params, state.opt_state, iterations)
     sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
-                  propagate, skip_nonfinite, num_examples(args), iterations)
+                  propagate, skip_nonfinite, step_examples(args), iterations)
     swept: dict[str, dict] = {}
     groups = group(params, names)
     carriers = {name: carrier(sweep, name, groups[name]) for name in names}

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.nnx import _segmentation as _nnx_segmentation
-from perturbkit.core._examples import num_examples
+from perturbkit.core._examples import step_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook, hooks_tuple
@@ -113,7 +113,7 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   check_opt_state(settings.optimizer, params, opt_state, iterations)
   paths = {name: path for name, path in _segment_paths(model, names)}
   sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
-                settings.propagate, settings.skip_nonfinite, num_examples(args), iterations)
+                settings.propagate, settings.skip_nonfinite, step_examples(args), iterations)
   swept: dict[str, dict] = {}
   groups = group(params, names)
   carriers = {name: carrier(sweep, name, groups[name]) for name in names}
