@@ -133,6 +133,7 @@ from perturbkit.errors import InvalidOptionError
 from perturbkit.errors import KFACExactFisherError
 from perturbkit.errors import KFACExamplesError
 from perturbkit.errors import KFACInputsError
+from perturbkit.errors import KFACLayersTypeError
 from perturbkit.errors import KFACLossError
 from perturbkit.errors import KFACLossShapeError
 from perturbkit.errors import KFACNoLayersError
@@ -273,6 +274,7 @@ __all__ = [
     'KFACExactFisherError',
     'KFACExamplesError',
     'KFACInputsError',
+    'KFACLayersTypeError',
     'KFACLossError',
     'KFACLossShapeError',
     'KFACNoLayersError',

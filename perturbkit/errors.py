@@ -55,7 +55,9 @@ K-FAC: ``KFACUnsupportedLayerError``, ``KFACNoLayersError`` (no layer to precond
 e.g. a bare ``nn.Dense`` as the whole model), ``KFACShapeError``, ``KFACExamplesError`` (a
 layer's input without the batch's examples where its rule needs them, e.g. an interleaved
 step whose first argument is not the batch), ``KFACInputsError`` (arrays of the batch
-``inputs`` with different first axes), ``KFACOutputError``,
+``inputs`` with different first axes), ``KFACLayersTypeError`` (the ``layers.layers`` dict
+where the ``KFACLayers`` go, or the ``KFACLayers`` where one ``LayerInfo`` goes),
+``KFACOutputError``,
 ``KFACExactFisherError``, ``KFACFactorShapeError`` (``damped_inverse`` given a factor
 that is not square), ``KFACLayerInfoError`` (a hand-built ``LayerInfo`` without
 what its rule needs), ``KFACUpdateArgsError`` (a K-FAC transform's ``update`` without
@@ -691,6 +693,13 @@ class KFACInputsError(PerturbkitError, ValueError):
         'examples on its first axis. Pass arrays shared by every example (a mask over '
         'positions, a table) through predict_fn instead, as a closure or with '
         '`functools.partial(predict, mask=mask)`, and keep only the batch in `inputs`.')
+
+
+class KFACLayersTypeError(PerturbkitError, TypeError):
+  """A K-FAC function was given something else than the layers it takes."""
+
+  def __init__(self, function: str, want: str, got: str, fix: str):
+    super().__init__(f'{function} takes {want}, but it was given {got}. {fix}')
 
 
 class KFACOutputError(PerturbkitError, TypeError):

@@ -778,6 +778,47 @@ def test_misused_estimator_options_are_named_errors():
     sampled(variables, x, jnp.zeros((2, 5), jnp.int32))
 
 
+def test_arguments_of_the_wrong_kind_are_named_errors_where_given():
+  """The params where the variables go, the layers dict where the KFACLayers go (or the
+  KFACLayers where one LayerInfo goes), a string fallback, an integer seed and a string
+  ``with_stats``: each a named error saying what to pass, raised where it is given."""
+  from flax import nnx
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
+  x, y = jnp.ones((8, 5)), jnp.zeros((8,), jnp.int32)
+  variables = model.init(jax.random.key(0), x)
+  layers = perturbkit.kfac_layers(model.apply, variables, x)
+  estimate = perturbkit.kfac_estimator(model.apply, 'softmax_cross_entropy', layers)
+  with pytest.raises(perturbkit.NotVariablesError, match=r'pass the whole dict'):
+    estimate(variables['params'], x, y, jax.random.key(0))
+  with pytest.raises(perturbkit.PRNGKeyError, match=r'int 0.*jax\.random\.key\(seed\)'):
+    estimate(variables, x, y, 0)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r"with_stats='no'.*boolean JAX scalar"):
+    estimate(variables, x, y, jax.random.key(0), with_stats='no')
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'with_stats=1'):
+    estimate(variables, x, y, jax.random.key(0), with_stats=1)
+  given_dict = r'takes the KFACLayers.*given dict.*not its dict `layers\.layers`'
+  with pytest.raises(perturbkit.KFACLayersTypeError, match=given_dict):
+    perturbkit.kfac_estimator(model.apply, 'softmax_cross_entropy', layers.layers)
+  with pytest.raises(perturbkit.KFACLayersTypeError, match=given_dict):
+    perturbkit.kfac_preconditioner(layers.layers)
+  with pytest.raises(perturbkit.KFACLayersTypeError, match=given_dict):
+    perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers.layers)
+  with pytest.raises(perturbkit.KFACLayersTypeError, match=given_dict):
+    perturbkit.nnx.kfac_preconditioner(layers.layers)
+  with pytest.raises(perturbkit.KFACLayersTypeError,
+                     match=r'one LayerInfo.*given KFACLayers.*layers\.layers\[name\]'):
+    perturbkit.kfac_segment(layers)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r"fallback is 'adam'.*optax\.adam"):
+    perturbkit.kfac_preconditioner(layers, fallback='adam')
+  nnx_model = nnx.Sequential(nnx.Linear(5, 3, rngs=nnx.Rngs(0)))
+  nnx_estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy',
+                                               perturbkit.nnx.kfac_layers(nnx_model, x))
+  with pytest.raises(perturbkit.PRNGKeyError):
+    nnx_estimate(nnx_model, x, y, 0)
+  with pytest.raises(perturbkit.InvalidOptionError, match=r"with_stats='no'"):
+    nnx_estimate(nnx_model, x, y, jax.random.key(0), with_stats='no')
+
+
 def test_loss_without_distribution_names_what_to_pass():
   x = jnp.ones((2, 3))
   variables, predict, layers = setup(MLP(), x)

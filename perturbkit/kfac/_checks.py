@@ -12,7 +12,8 @@ from typing import Any
 
 import jax
 
-from perturbkit.errors import KFACLayerInfoError, KFACShapeError, KFACUnsupportedLayerError
+from perturbkit.errors import (KFACLayerInfoError, KFACLayersTypeError, KFACShapeError,
+                               KFACUnsupportedLayerError)
 from perturbkit.kfac._examples import grouping_reason
 from perturbkit.kfac._layers import KFACLayers, outside_reason
 from perturbkit.kfac._rules import KINDS, LayerInfo
@@ -29,6 +30,28 @@ def abstract(tree: Any) -> Any:
   """The tree with every array replaced by its ``ShapeDtypeStruct``."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
                       if hasattr(x, 'shape') and hasattr(x, 'dtype') else x, tree)
+
+
+def check_layers_given(layers: Any, function: str) -> None:
+  """Raises :class:`KFACLayersTypeError` unless ``layers`` is a :class:`KFACLayers`."""
+  if isinstance(layers, KFACLayers):
+    return
+  fix = ('Pass what kfac_layers returned, `layers`, not its dict `layers.layers`.'
+         if isinstance(layers, dict) else
+         'Pass `layers = perturbkit.kfac_layers(...)` (perturbkit.nnx.kfac_layers for NNX).')
+  raise KFACLayersTypeError(function, 'the KFACLayers that kfac_layers returns',
+                            f'{type(layers).__name__}', fix)
+
+
+def check_layer_given(layer: Any, function: str) -> None:
+  """Raises :class:`KFACLayersTypeError` unless ``layer`` is one :class:`LayerInfo`."""
+  if isinstance(layer, LayerInfo):
+    return
+  fix = ('Pass one layer of it, `layers.layers[name]`, to each segment\'s optimizer.'
+         if isinstance(layer, KFACLayers) else
+         'Pass one layer of kfac_layers\' result, `layers.layers[name]`.')
+  raise KFACLayersTypeError(function, 'one LayerInfo (the segment\'s layer)',
+                            f'{type(layer).__name__}', fix)
 
 
 def check_layer_info(name: str, info: LayerInfo) -> None:

@@ -21,14 +21,17 @@ from typing import Any, Callable
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
-from perturbkit.linen._driver import value_and_grad
+from perturbkit.linen._driver import check_variables, value_and_grad
 from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes, check_layer_info,
+                                     check_layers_given,
                                      check_norm_call, refuse_outside_reads, refuse_override,
                                      signature)
-from perturbkit.errors import (KFACExactFisherError, KFACNoLayersError, KFACOutputError,
-                               PRNGKeyError)
+from perturbkit.core._keys import check_key
+from perturbkit.errors import (InvalidOptionError, KFACExactFisherError, KFACNoLayersError,
+                               KFACOutputError, PRNGKeyError)
 from perturbkit.kfac._examples import batch_examples
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
@@ -158,6 +161,27 @@ def lane_stats(run_lane: Callable[[jax.Array], tuple], layers: KFACLayers, fishe
           extra)
 
 
+def check_estimate_args(key: Any, with_stats: Any) -> None:
+  """Raises a named error for an ``estimate`` key that is no PRNG key (an integer seed) or
+  a ``with_stats`` that is neither a bool nor a boolean JAX scalar.
+
+  Raises:
+    PRNGKeyError: ``key`` is given and is not a PRNG key.
+    InvalidOptionError: ``with_stats`` is not a bool or a boolean scalar array.
+  """
+  if key is not None:
+    check_key(key, "estimate's key (for fisher='sampled')")
+  if isinstance(with_stats, bool):
+    return
+  # Any boolean scalar array, traced or not, or holding one (an NNX optimizer's stats_due).
+  if (not isinstance(with_stats, (str, bytes)) and getattr(with_stats, 'shape', None) == ()
+      and getattr(with_stats, 'dtype', None) == np.bool_):
+    return
+  raise InvalidOptionError('with_stats', with_stats,
+                           "a Python bool or a boolean JAX scalar (the preconditioner "
+                           "state's stats_due)")
+
+
 def require_key(fisher: str, key: jax.Array | None, first: str):
   """Raises :class:`PRNGKeyError` for ``fisher='sampled'`` without a PRNG key."""
   if fisher == 'sampled' and key is None:
@@ -221,13 +245,18 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   Raises:
     KFACNoLayersError: ``layers`` has no layer (every module that owns params was
       skipped, e.g. a bare ``nn.Dense`` as the whole model: wrap it in a module).
-    InvalidOptionError: ``fisher`` is none of the three.
+    KFACLayersTypeError: ``layers`` is not the ``KFACLayers`` (e.g. ``layers.layers``).
+    InvalidOptionError: ``fisher`` is none of the three; ``estimate``'s
+      ``with_stats`` is neither a bool nor a boolean JAX scalar.
+    NotVariablesError: ``estimate`` was given ``variables['params']`` or something
+      else that is not the variables dict (WrongFrontEndError: an NNX model).
     KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
       known ``kind``, a Conv's or a norm's geometry).
     KFACExactFisherError: ``fisher='exact'`` for an output that is not ``(batch, k)``.
     KFACInputsError: the arrays of ``inputs`` have different first axes (pass an
       array every example shares through ``predict_fn`` instead).
-    PRNGKeyError: ``fisher='sampled'`` and no ``key``.
+    PRNGKeyError: ``fisher='sampled'`` and no ``key``, or a ``key`` that is not a
+      JAX PRNG key (an integer seed).
     KFACLossError: ``loss`` has no distribution to sample from (says what to pass).
     KFACOutputError: ``predict_fn`` returns something else than one
       floating-point array (or ``(output, aux)`` with ``has_aux``).
@@ -252,6 +281,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     >>> stats['layers_0'].a.shape, stats['layers_0'].g.shape
     ((6, 6), (4, 4))
   """
+  check_layers_given(layers, 'perturbkit.kfac_estimator')
   output_loss = as_output_loss(loss, fisher)
   paths = {info.path for info in layers.layers.values()}
   if not paths:
@@ -302,6 +332,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
 
   def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
+    check_variables(variables, 'perturbkit.kfac_estimator')
+    check_estimate_args(key, with_stats)
     check_layers(variables, inputs)
     if isinstance(with_stats, bool):
       if with_stats:

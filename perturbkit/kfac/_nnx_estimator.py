@@ -17,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from perturbkit.core._varying import typed_like
-from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, refuse_outside_reads,
+from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, check_layers_given,
+                                     refuse_outside_reads,
                                      refuse_override, signature)
 from perturbkit.kfac._examples import batch_examples
-from perturbkit.kfac._estimator import (absent_stats, lane_loss_fn, lane_stats, require_key,
-                                        split_output)
+from perturbkit.kfac._estimator import (absent_stats, check_estimate_args, lane_loss_fn,
+                                        lane_stats, require_key, split_output)
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import as_output_loss, mean_loss
 from perturbkit.nnx._calls import path_of, submodules
@@ -67,6 +68,9 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   Raises:
     KFACNoLayersError: ``layers`` has no layer (e.g. a bare ``nnx.Linear`` as the
       whole model: wrap it in a module).
+    KFACLayersTypeError: ``layers`` is not the ``KFACLayers`` (e.g. ``layers.layers``).
+    PRNGKeyError, InvalidOptionError: ``estimate`` was given a ``key`` that is not a
+      PRNG key, or a ``with_stats`` that is neither a bool nor a boolean JAX scalar.
     KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
       known ``kind``, a Conv's or a norm's geometry).
     WrongFrontEndError: ``estimate`` was given a Linen module or variables.
@@ -91,6 +95,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     >>> stats['layers/0'].a.shape, stats['layers/0'].g.shape, grads['layers'][2]['bias'].shape
     ((6, 6), (4, 4), (3,))
   """
+  check_layers_given(layers, 'perturbkit.nnx.kfac_estimator')
   output_loss = as_output_loss(loss, fisher)
   predict = call_model if predict is None else predict
   paths = {info.path for info in layers.layers.values()}
@@ -149,6 +154,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   def estimate(model: nnx.Module, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
     check_module(model, 'perturbkit.nnx.kfac_estimator')
+    check_estimate_args(key, with_stats)
     if with_stats is not False:
       require_key(fisher, key, 'model')
     check_layers(model, inputs)

@@ -13,6 +13,7 @@ from typing import Any
 import optax
 from flax import nnx, traverse_util
 
+from perturbkit.kfac._checks import check_layers_given
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner as _kfac_preconditioner
 
@@ -74,6 +75,7 @@ def kfac_preconditioner(layers: KFACLayers, **options: Any
     >>> optimizer.opt_state[0].factors['layers/2'].g.shape
     (3, 3)
   """
+  check_layers_given(layers, 'perturbkit.nnx.kfac_preconditioner')
   inner = _kfac_preconditioner(layers, **options)
 
   def init(params: Any) -> Any:

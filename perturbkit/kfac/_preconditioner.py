@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit.errors import KFACShapeError, KFACUpdateArgsError
+from perturbkit.errors import KFACShapeError, KFACUpdateArgsError, NotAnOptimizerError
+from perturbkit.kfac._checks import check_layers_given
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._rules import LayerFactors, LayerInfo, factor_shapes, precondition
 from perturbkit.core._validate import fraction, positive, positive_int
@@ -176,6 +177,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   Raises:
     InvalidOptionError: ``damping`` is not a finite number > 0, ``decay`` not in
       ``[0, 1)``, or ``inverse_every``/``stats_every`` not an integer >= 1.
+    KFACLayersTypeError: ``layers`` is not the ``KFACLayers`` (e.g. ``layers.layers``).
+    NotAnOptimizerError: ``fallback`` is not an optax transformation (e.g. ``'adam'``).
     KFACShapeError: the params, gradients or factors do not match ``layers``.
     KFACUpdateArgsError: ``update`` is called without ``kfac_stats=``.
 
@@ -196,6 +199,12 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     >>> opt_state[0].factors['layers_2'].g.shape, bool(opt_state[0].stats_due)
     ((3, 3), False)
   """
+  check_layers_given(layers, 'perturbkit.kfac_preconditioner')
+  if fallback is not None and not isinstance(fallback, optax.GradientTransformation):
+    raise NotAnOptimizerError(f'fallback is {fallback!r:.60} ({type(fallback).__name__})',
+                              'Pass an optax transformation, e.g. fallback=optax.adam(1e-3) '
+                              '(chained after the preconditioner, the learning rate is '
+                              'applied once by the chain).', per_segment=False)
   positive('damping', damping)
   fraction('decay', decay)
   positive_int('inverse_every', inverse_every)

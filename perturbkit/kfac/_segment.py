@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from perturbkit.errors import KFACExamplesError, KFACUnsupportedLayerError, KFACUpdateArgsError
-from perturbkit.kfac._checks import check_layer_info
+from perturbkit.kfac._checks import check_layer_given, check_layer_info
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner
 from perturbkit.kfac._rules import (LayerFactors, LayerInfo, batch_factors, factor_shapes,
@@ -126,6 +126,8 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
       ``stats_every`` is out of range (as for :func:`kfac_preconditioner`).
     KFACLayerInfoError: a ``LayerInfo`` built by hand without what its rule needs (a
       known ``kind``, a Conv's or a norm's geometry).
+    KFACLayersTypeError: ``layer`` is not one ``LayerInfo`` (e.g. the whole
+      ``KFACLayers``: pass ``layers.layers[name]``).
     KFACExamplesError: the segment's input does not have the ``segment_examples``
       on its first axis (a multiple of them for a Dense or Conv on ``(examples *
       tokens, d)`` rows): the step's first array argument is not the batch.
@@ -157,6 +159,7 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
     >>> state.opt_state['layers_2'][0].factors['segment'].g.shape
     (3, 3)
   """
+  check_layer_given(layer, 'perturbkit.kfac_segment')
   check_layer_info('/'.join(map(str, layer.path)), layer)
   if layer.kind not in ('dense', 'conv', 'norm'):
     raise KFACUnsupportedLayerError(

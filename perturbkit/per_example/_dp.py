@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit.errors import PRNGKeyError
+from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
@@ -191,22 +191,6 @@ def first_device_key(key: jax.Array, axis_name: Any) -> jax.Array:
 def gaussian_noise(key: jax.Array, like: Any, stddev: jax.Array) -> Any:
   """The noise :func:`add_noise` adds to a tree shaped like ``like``."""
   return add_noise(key, jax.tree.map(jnp.zeros_like, like), stddev)
-
-
-def check_key(key: Any, where: str) -> None:
-  """Raises unless ``key`` is a typed key (``jax.random.key``) or raw ``uint32`` key data.
-
-  Raises:
-    PRNGKeyError: ``key`` is a Python or NumPy integer, or an array of another dtype.
-  """
-  dtype = getattr(key, 'dtype', None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return
-  if dtype == jnp.uint32 and jnp.ndim(key) >= 1:
-    return
-  got = (f'an array of dtype {dtype} and shape {jnp.shape(key)}' if dtype is not None
-         else f'{type(key).__name__} {key!r}')
-  raise PRNGKeyError(where, got)
 
 
 def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multiplier: float,

@@ -25,7 +25,8 @@ from perturbkit.nnx._segments import params_tree, with_values
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import check_per_example as check_functional
 from perturbkit.per_example._check import reduction_checker
-from perturbkit.per_example._dp import (PrivateTraining, check_key, check_optimizer, finite_step,
+from perturbkit.core._keys import check_key
+from perturbkit.per_example._dp import (PrivateTraining, check_optimizer, finite_step,
                                         privatize)
 from perturbkit.per_example._nnx_pass import run_nnx_pass
 from perturbkit.per_example._norms import PerExampleNorms, check_dense_method, norms_of_pass
