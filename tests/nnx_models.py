@@ -437,3 +437,42 @@ class WithHelpers(nnx.Module):
   def __call__(self, x, after=lambda h: h):
     """``after``: a twin's function on attn's output."""
     return self.head(jnp.sin(after(self.attn(self.inp(x)))))
+
+
+class SharedKernel(nnx.Module):
+  """``head(tanh(b(tanh(a(x)))))`` with ``b`` holding ``a``'s kernel Variable and its own bias.
+
+  ``nnx.state(model, nnx.Param)`` lists the shared kernel once, as ``a/kernel``.
+  """
+
+  def __init__(self, width: int = 4, *, rngs: nnx.Rngs):
+    self.a = nnx.Linear(width, width, rngs=rngs)
+    self.b = nnx.Linear(width, width, bias_init=nnx.initializers.normal(0.5), rngs=rngs)
+    self.b.kernel = self.a.kernel
+    self.head = nnx.Linear(width, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.b(jnp.tanh(self.a(x)))))
+
+
+class BiasedTiedHead(nnx.Module):
+  """Logits ``h @ w.T + bias`` from an embedding Variable ``w`` it holds, and its own bias."""
+
+  def __init__(self, w: nnx.Param, vocab: int):
+    self.w = w
+    self.bias = nnx.Param(jnp.linspace(-0.3, 0.3, vocab))
+
+  def __call__(self, h):
+    return h @ self.w[...].T + self.bias[...].reshape((1,) * (h.ndim - 1) + (-1,))
+
+
+class BiasedTiedLM(nnx.Module):
+  """Token embedding, a hidden layer, and a head holding the embedding's Variable."""
+
+  def __init__(self, vocab: int = 7, dim: int = 4, *, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+    self.mid = nnx.Linear(dim, dim, rngs=rngs)
+    self.head = BiasedTiedHead(self.embed.embedding, vocab)
+
+  def __call__(self, tokens):
+    return self.head(jnp.tanh(self.mid(self.embed(tokens))))

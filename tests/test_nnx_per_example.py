@@ -297,3 +297,33 @@ def test_an_rnn_drawing_its_initial_carry_is_refused_by_its_stream():
   loss_fn = lambda m, x: jnp.mean(jnp.sum(jnp.tanh(m(x)) ** 2, axis=(1, 2)))
   with pytest.raises(perturbkit.RandomCallError, match=r'stream rnn\.rngs .*initial carry'):
     perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)
+
+
+# -- one Variable in two modules that own params of their own ----------------------------------
+
+
+def _shared_kernel():
+  return M.SharedKernel(rngs=nnx.Rngs(0)), M.random_batch((5, 4), seed=1)
+
+
+def _biased_tied_lm():
+  return M.BiasedTiedLM(rngs=nnx.Rngs(0)), jax.random.randint(jax.random.key(2), (4, 5), 0, 7)
+
+
+def _sequence_loss(model, tokens):
+  return next_token_loss(model, tokens)
+
+
+@pytest.mark.parametrize('make, loss_fn', [(_shared_kernel, squared_error),
+                                           (_biased_tied_lm, _sequence_loss)],
+                         ids=['shared-kernel', 'biased-tied-head'])
+def test_a_variable_held_by_two_owners_counts_once(make, loss_fn):
+  """The shared Variable is the param of the module where ``nnx.state`` lists it: its
+  per-example gradient sums its reads in both modules, and the other module reports only
+  its own params. (``nnx.jit``: ``jax.jit`` flattens the model as a pytree, which unties it.)"""
+  model, x = make()
+  _, norms = nnx.jit(perturbkit.nnx.per_example_grad_norms(loss_fn))(model, x)
+  assert_norms_equal(norms, reference_grads(loss_fn, model, x))
+  dp = perturbkit.nnx.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
+  grads, _ = nnx.jit(dp)(model, jax.random.key(0), x)
+  chex.assert_trees_all_close(M.pure(grads), M.pure(nnx.grad(loss_fn)(model, x)), **TOL)

@@ -44,9 +44,11 @@ from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError, PerEx
                                UncoveredParamsError)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._driver import value_and_grad
+from perturbkit.nnx._ownership import ownership, owned_state, reads_foreign, unowned_state
 from perturbkit.nnx._segments import params_tree, with_values
 from perturbkit.per_example._batch import (BatchAxes, count_examples, per_argument,
                                            reduction_scale)
+from perturbkit.per_example._kinds import GENERAL
 from perturbkit.per_example._calls import (Use, add_to_floats, float_part, merge_static,
                                            static_part)
 from perturbkit.per_example._fallback import check_sources, source_error
@@ -136,10 +138,16 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
   """
   owners = owner_names(model)
   modules = dict(submodules(model))
-  # Taken from the model as given (plain classes): replays dispatch nothing.
-  plain = {path: (nnx.graphdef(modules[path]), nnx.state(modules[path], nnx.Param))
+  owned_by = ownership(model, nnx.Param)
+  # Taken from the model as given (plain classes): replays dispatch nothing. A module
+  # replays with the params it owns; another module's Variable it holds (tied weights)
+  # is a read of that module's params, a constant of the replay.
+  plain = {path: (nnx.graphdef(modules[path]), owned_state(modules[path], path, owned_by))
            for path in owners if path in modules}
-  kinds = {path: nnx_kind(modules[path]) for path in plain}
+  # The fast rules give a gradient to every param the layer type has: one held from
+  # another module is not this module's to report, so its own are found by replay.
+  kinds = {path: GENERAL if reads_foreign(modules[path], path, owned_by)
+           else nnx_kind(modules[path]) for path in plain}
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
   uses: dict[Path, list[Use]] = {}
   paths: dict[Path, NNXPath] = {}
@@ -338,8 +346,10 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
   called = {found.paths[name] for name, module_uses in found.uses.items() if module_uses}
   selected = lambda module, method_name: module_path(module) in called
   modules = dict(submodules(model))
-  # The other variables as they are before the loss runs (it may move RNG counts).
-  others = {path: nnx.state(modules[path], nnx.Not(nnx.Param)) for path in called}
+  # The other variables as they are before the loss runs (it may move RNG counts), and
+  # the params of other modules that a module holds.
+  owned_by = ownership(model, nnx.Param)
+  others = {path: unowned_state(modules[path], path, owned_by) for path in called}
   model_reads: list[Read] = []
   if found.covered:
     loss, model_reads = _model_call_reads(loss_fn, model, args, kwargs, found.model_calls,
