@@ -39,6 +39,7 @@ from perturbkit.kfac._rules import (MASKED_CONV, ConvGeometry, LayerInfo, as_tup
                                     override_reason)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, own_class, submodules
 from perturbkit.nnx._driver import check_module, discover, flat_state
+from perturbkit.nnx._ownership import ownership
 from perturbkit.nnx._segments import params_tree, run_segment, segment_name, with_values
 from perturbkit.core._segment_choice import flat_leaf_owners
 from perturbkit.core._types import CallFilter
@@ -199,13 +200,14 @@ def outside_reads(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
 
   def traced(params):
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    owners = ownership(copy, nnx.Param)
     modules = dict(submodules(copy))
     plain = {path: nnx.graphdef(modules[path]) for path in paths if path in modules}
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
       if call.method_name != '__call__' or call.path not in plain:
         return run()
-      return run_segment(call, plain[call.path], nnx.Param, FORWARD_ONLY, ())
+      return run_segment(call, plain[call.path], owners, FORWARD_ONLY, ())
 
     with instrument([copy], on_call):
       return predict(copy, inputs)

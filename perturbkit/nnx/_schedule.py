@@ -177,6 +177,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   left, ``NoSegmentError`` says what to change). A call a module makes inside
   its own call (a method calling another of its methods, or
   ``super().__call__(x)`` in a subclass of ``nnx.Linear``) is part of that call.
+  A Variable held by several modules (``self.head.w = self.embed.embedding``)
+  belongs to the module where ``nnx.state(model, wrt)`` lists it; another
+  module holding it reads that module's params (its owner goes to ``REST``,
+  and it may still be a segment of its own variables).
 
   Blocks run by ``nnx.scan`` over modules made with ``nnx.vmap`` (params stacked
   ``(L, ...)``, sliced per iteration by the scan's ``in_axes=0``) are segments
@@ -199,7 +203,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
     optimizer: An ``optax.GradientTransformation`` for every segment, or a
       function ``segment_name -> GradientTransformation``.
-    wrt: Filter of the trained variables (as ``nnx.Optimizer``'s ``wrt``).
+    wrt: Filter of the trained variables (as ``nnx.Optimizer``'s ``wrt``),
+      evaluated with the variables' paths in the model
+      (``nnx.All(nnx.Param, nnx.PathContains('head'))`` trains the head only).
     segments: ``None`` (layer-wise), an ``int`` depth, or a call filter (e.g.
       ``perturbkit.nnx.filters.by_type(Block)``); for chosen segments a shared
       or outside-read segment raises :class:`perturbkit.SharedSegmentError`,
@@ -365,7 +371,7 @@ class InterleavedOptimizer(nnx.Pytree):
       tx: An ``optax.GradientTransformation``, or ``segment_name -> transformation``.
       loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
       *example_args: Arguments of the loss after the model, to find its calls.
-      wrt: Filter of the trained variables.
+      wrt: Filter of the trained variables, on their paths in the model (as for ``interleaved``).
       segments: See :func:`interleaved`.
       propagate: ``'updated'`` or ``'original'``.
       axis_name: Mapped axis to average gradients over.

@@ -19,6 +19,7 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import SegmentationError
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
+from perturbkit.nnx._ownership import owned_state, ownership
 from perturbkit.nnx._segments import (iteration_state, params_tree, segment_name, segmented_loss,
                                       stacked_iterations, with_iteration_states)
 from perturbkit.core._segment_choice import (CallRecord, Exactly, Segmentation, exactly,
@@ -52,6 +53,7 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
   """
   calls: list[CallRecord] = []
   modules: dict = {}
+  owners = ownership(model, wrt)
   open_calls = _segment_choice.OpenCalls()
 
   def on_call(call: Call, run: Callable[[], Any]) -> Any:
@@ -59,7 +61,7 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
     if call.copied and call.path in modules:
       probe = iteration_state(call.module)
       if probe is not None and jnp.shape(probe) == ():
-        iterations = stacked_iterations(call.module, modules[call.path], wrt)
+        iterations = stacked_iterations(call.module, modules[call.path], call.path, owners)
     branch = '' if call.conditional is None else (call.conditional or 'nnx.cond and nnx.switch')
     calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name)),
                             call.key, iterations, open_calls.nested(call.path), branch=branch))
@@ -70,7 +72,7 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
   def traced(state, args):
     copy = nnx.merge(graphdef, state, copy=True)
     modules.update(submodules(copy))
-    lengths = {path: leading_length(params_tree(nnx.state(m, wrt)))
+    lengths = {path: leading_length(params_tree(owned_state(m, path, owners)))
                for path, m in modules.items() if path}
     with_iteration_states(modules, {path: jnp.zeros((n,)) for path, n in lengths.items() if n})
     with instrument([copy], on_call):

@@ -1,7 +1,9 @@
 """NNX segments: a submodule call replayed as a pure function of its params.
 
-A segment call is ``nnx.split`` into the module's trained variables (``wrt``)
-and everything else (batch statistics, RNG streams); the replay merges a copy
+A segment call is split into the trained variables its module owns (``wrt``,
+evaluated with the model's paths: ``_ownership``), those it holds from other
+modules (tied weights: inputs of the segment) and everything else (batch
+statistics, RNG streams); the replay merges a copy
 of the module and calls the original method, so the same RNG counts give the
 same dropout masks in every replay, and the updated non-trained state is
 written back into the running model. The custom VJP that updates the segment
@@ -17,6 +19,7 @@ import jax
 from flax import nnx, traverse_util
 
 from perturbkit.errors import SegmentationError
+from perturbkit.nnx._ownership import Ownership, owned_state, ownership, split_owned
 from perturbkit.core._hooks import Hook, apply_hooks, hook_runner, selecting
 from perturbkit.nnx._calls import (Call, NNXPath, ReplayHook, instrument, replay_hooks,
                                    replay_instrumented, submodules)
@@ -27,6 +30,13 @@ from perturbkit.core._segment_vjp import Backward, segment_call, split_arrays
 def segment_name(path: NNXPath) -> str:
   """``('layers', 0)`` -> ``'layers/0'``: the segment's name (and its group in ``_sweep``)."""
   return '/'.join(map(str, path))
+
+
+def same_paths(state: nnx.State, like: nnx.State) -> nnx.State:
+  """The variables of ``state`` at the paths of ``like``."""
+  paths = {tuple(path) for path, _ in nnx.to_flat_state(like)}
+  return nnx.from_flat_state([(path, var) for path, var in nnx.to_flat_state(state)
+                              if tuple(path) in paths])
 
 
 def params_tree(state: nnx.State) -> dict:
@@ -65,22 +75,29 @@ def iteration_state(module: nnx.Module) -> Any:
   return None if variable is None else variable.get_value()
 
 
-def stacked_iterations(copy: nnx.Module, full: nnx.Module, wrt: Any) -> int:
-  """``L`` if ``copy`` holds the ``wrt`` params of ``full`` sliced from ``(L, ...)``
-  (``sliced_iterations``), as ``nnx.scan`` over modules made with ``nnx.vmap`` does."""
-  return sliced_iterations(params_tree(nnx.state(full, wrt)), params_tree(nnx.state(copy, wrt)))
+def stacked_iterations(copy: nnx.Module, full: nnx.Module, path: NNXPath,
+                       owners: Ownership) -> int:
+  """``L`` if ``copy`` holds the trained params of ``full`` (at ``path``) sliced from
+  ``(L, ...)`` (``sliced_iterations``), as ``nnx.scan`` over modules made with ``nnx.vmap``
+  does."""
+  return sliced_iterations(params_tree(owned_state(full, path, owners)),
+                           params_tree(owned_state(copy, path, owners)))
 
 
-def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier: Any,
+def run_segment(call: Call, graphdef: Any, owners: Ownership, backward: Backward, carrier: Any,
                 axis_name: str | None = None, hooks: tuple[Hook, ...] = (),
                 inner_hooks: tuple[ReplayHook, ...] = ()) -> Any:
   """Runs one NNX segment call with the interleaved custom VJP.
 
   Args:
-    call: The instrumented call; its module's ``wrt`` variables are the segment.
+    call: The instrumented call; the trained variables its module owns
+      (``_ownership``) are the segment.
     graphdef: The module's graphdef taken before instrumenting (plain classes),
       so that replays, also those in the backward pass, dispatch nothing.
-    wrt: The filter of the trained variables.
+    owners: Where the model's state lists each trained variable. A trained
+      variable the module holds but another module owns (a tied weight) enters
+      the segment as an input: its gradient flows back to its owner, and the
+      read shows in the jaxpr as one outside that owner's call.
     backward: See ``segment_call``.
     carrier: Zeros shaped like what ``backward`` carries out.
     axis_name: Mapped axis to average ``dw`` over, if any.
@@ -92,25 +109,33 @@ def run_segment(call: Call, graphdef: Any, wrt: Any, backward: Backward, carrier
     The call's output; the module's other state is updated as the call would.
   """
   module = call.module
-  w_state, others = nnx.state(module, wrt, ...)
+  w_state, foreign, others = split_owned(module, call.path, owners)
   # New variables: the write-back below changes the module's own ones, and the
   # backward replay must see the state as it was when the segment ran.
   others = jax.tree.map(lambda leaf: leaf, others)
   dynamic, fixed, rebuild = split_arrays((call.args, call.kwargs))
+  reads = params_tree(foreign)
+  if reads:
+    # The step sees the call's own inputs, as for any segment.
+    backward = backward._replace(step=lambda g, dw, w, dyn, *rest, step=backward.step:
+                                 step(g, dw, w, dyn[0], *rest))
 
   def pure(w, dyn, context):
     others, fixed = context
+    dyn, read = dyn if reads else (dyn, {})
     args, kwargs = rebuild(dyn, fixed)
     # copy=True: the call must not write into the running model's variables.
-    replica = nnx.merge(graphdef, with_values(w_state, w), others, copy=True)
+    replica = nnx.merge(graphdef, with_values(w_state, w), with_values(foreign, read), others,
+                        copy=True)
     with replay_instrumented(replica, inner_hooks):
       out = getattr(replica, call.method_name)(*args, **kwargs)
     # The filters were evaluated on the instrumented call (path filters need it).
     out = apply_hooks(hooks, call.name, out)
-    return out, nnx.state(replica, nnx.Not(wrt))
+    return out, same_paths(nnx.state(replica), others)
 
-  out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state), dynamic,
-                                 carrier, backward, axis_name, (others, fixed))
+  out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state),
+                                 (dynamic, reads) if reads else dynamic, carrier, backward,
+                                 axis_name, (others, fixed))
   nnx.update(module, new_others)
   return out
 
@@ -155,6 +180,7 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
 
   def fn(params, carriers):
     model = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    owners = ownership(model, wrt)
     modules = dict(submodules(model))
     if opt_states is not None:
       # Each scanned segment's carrier and optimizer state ride on its module, stacked,
@@ -173,8 +199,8 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       note_segment_call(called, name, call.path, call.key, name in iterations)
       carrier, opt_state = carriers[name], None
       if name in iterations:
-        if not call.copied or stacked_iterations(call.module, modules[call.path],
-                                                 wrt) != iterations[name]:
+        if not call.copied or stacked_iterations(call.module, modules[call.path], call.path,
+                                                 owners) != iterations[name]:
           raise SegmentationError(
               f'The segment {name!r} was chosen as {iterations[name]} iterations of an '
               'nnx.scan over its stacked params, but its call does not see them sliced so; '
@@ -184,7 +210,7 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       if hooks:
         inner_hooks += ((hook_runner(hooks), call.path),)
       selected = tuple(hooks[i] for i in selecting(hooks, call.module, call.method_name))
-      return run_segment(call, plain[call.path], wrt, backward_for(name, opt_state), carrier,
+      return run_segment(call, plain[call.path], owners, backward_for(name, opt_state), carrier,
                          axis_name, selected, inner_hooks)
 
     with instrument([model], on_call):
