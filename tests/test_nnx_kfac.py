@@ -465,6 +465,20 @@ def test_tied_embedding_through_attend_is_skipped_or_refused():
     perturbkit.nnx.kfac_layers(model, TOKENS, filter=perturbkit.nnx.filters.by_method('__call__'))
 
 
+def test_a_linear_holding_another_linears_kernel_is_skipped_or_refused():
+  """``b.kernel = a.kernel``: ``nnx.state`` lists the kernel under ``a``, so ``b``'s calls have
+  no weight of their own to precondition, and ``a``'s kernel is read outside its calls."""
+  model = M.SharedKernel(rngs=nnx.Rngs(0))
+  x = M.random_batch((3, 4))
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert list(layers.layers) == ['head']
+  assert 'kernel is the nnx.Variable of another module' in layers.skipped['b']
+  assert 'read outside its calls (by dot_general)' in layers.skipped['a']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError,
+                     match=r"b was selected.*another module.*perturbkit\.nnx\.filters\.negate"):
+    perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_path('b'))
+
+
 def test_batchnorm_dropout_model_with_predict_and_has_aux():
   """BatchNorm in train mode and Dropout, through ``predict=``: the factors of the Linen
   twin (which returns its batch statistics as ``aux``), and the model's own batch

@@ -262,6 +262,12 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
                               per_iteration)
 
 
+# nnx.state(model, nnx.Param) lists a Variable held by two modules once, under one of them.
+_HELD_WEIGHT = ('its {} is the nnx.Variable of another module (tied weights), the one where '
+                'nnx.state(model, nnx.Param) lists it: factors of these calls would '
+                "precondition that module's param")
+
+
 def kfac_layers(model: nnx.Module, inputs: Any, *,
                 predict: Callable[[nnx.Module, Any], Any] | None = None,
                 filter: CallFilter | None = None) -> KFACLayers:
@@ -357,6 +363,13 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
                   'nnx.LayerNorm, nnx.RMSNorm)`')
     if owner in unsupported:
       skipped[name] = unsupported[owner]
+    elif owner in supported and owner + (weight_name(supported[owner][0]),) not in params:
+      reason = _HELD_WEIGHT.format(weight_name(supported[owner][0]))
+      if user is not None:
+        raise KFACUnsupportedLayerError(
+            name, reason, exclude='`perturbkit.nnx.filters.all_of(your_filter, perturbkit.nnx.'
+                                  f'filters.negate(perturbkit.nnx.filters.by_path({name!r})))`')
+      skipped[name] = reason
     elif owner in supported:
       module, keys = supported[owner]
       param = weight_name(module)
