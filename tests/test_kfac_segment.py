@@ -127,7 +127,6 @@ def test_a_step_whose_first_argument_is_not_the_batch_is_refused():
   of shape ``(3,)`` passed first would scale ``A`` by 8/3 and ``G`` by (3/8)², silently.
   Refused, with the fix; passed after the batch, the factors are ``E[ã ãᵀ]`` and ``E[g gᵀ]``
   of the hand-written MLP."""
-  from test_kfac import dense_reference, hand_factors, hand_mlp
   predict, _, variables, xs, ys = problem(1)
   x, y, scale = xs[0], ys[0], jnp.ones((3,))
   layers = perturbkit.kfac_layers(predict, variables, x)
@@ -142,20 +141,13 @@ def test_a_step_whose_first_argument_is_not_the_batch_is_refused():
 
   last = perturbkit.interleaved(loss, optimizer, propagate='original')
   state, _ = jax.jit(last.step)(last.init(variables, x, y, scale), x, y, scale)
-  inputs, gs = hand_factors(hand_mlp, variables['params'], x, lambda logits: y,
-                            [(8, 6), (8, 5), (8, 4)])
-  for i in range(3):
-    a, g = dense_reference(inputs[i], gs[i], 8)
-    factors = state.opt_state[f'Dense_{i}'][0].factors['segment']
-    np.testing.assert_allclose(factors.a, a, rtol=2e-5, atol=1e-6)
-    np.testing.assert_allclose(factors.g, g, rtol=2e-5, atol=1e-6)
+  assert_hand_mlp_factors(state, variables, x, y)
 
 
 def test_a_prng_key_passed_before_the_batch_is_not_counted_as_the_examples():
   """A loss ``(variables, rng, x, y)`` with a raw ``jax.random.PRNGKey`` first: its two
   ``uint32`` words are no batch of two (that count would scale ``A`` by 8/2 and ``G`` by
   (2/8)²); the examples are ``x``'s, and the factors those of the hand-written MLP."""
-  from test_kfac import dense_reference, hand_factors, hand_mlp
   predict, _, variables, xs, ys = problem(1)
   x, y = xs[0], ys[0]
   layers = perturbkit.kfac_layers(predict, variables, x)
@@ -165,6 +157,12 @@ def test_a_prng_key_passed_before_the_batch_is_not_counted_as_the_examples():
   tx = perturbkit.interleaved(loss, optimizer, propagate='original')
   rng = jax.random.PRNGKey(0)
   state, _ = jax.jit(tx.step)(tx.init(variables, rng, x, y), rng, x, y)
+  assert_hand_mlp_factors(state, variables, x, y)
+
+
+def assert_hand_mlp_factors(state, variables, x, y):
+  """The segments' factors after one step equal the hand-written MLP's on ``(x, y)``."""
+  from test_kfac import dense_reference, hand_factors, hand_mlp
   inputs, gs = hand_factors(hand_mlp, variables['params'], x, lambda logits: y,
                             [(8, 6), (8, 5), (8, 4)])
   for i in range(3):
