@@ -113,6 +113,7 @@ from perturbkit.errors import BranchesUnseparatedError
 from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
+from perturbkit.errors import DeviceLocalStepWarning
 from perturbkit.errors import UnknownAxisError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditStructureError
@@ -254,6 +255,7 @@ __all__ = [
     'CallStructureMismatchError',
     'CheckedShardMapError',
     'UnboundAxisError',
+    'DeviceLocalStepWarning',
     'UnknownAxisError',
     'EditShapeError',
     'EditStructureError',

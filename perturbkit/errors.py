@@ -15,7 +15,9 @@ inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_
 ``UnknownAxisError`` (an ``axis_name`` that no ``shard_map`` or ``pmap`` around the step
 binds), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
-devices twice).
+devices twice). The warning ``DeviceLocalStepWarning``: a function that takes ``axis_name`` run without
+it inside ``jax.shard_map`` with ``check_vma=False``, where each device steps on its own
+shard.
 
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
@@ -416,6 +418,20 @@ class CaptureInJaxTransformError(ActivationsUnavailableError):
         '`jax.vmap(perturbkit.run_with_cache(lambda v, x: model.apply(v, x[None])[0]), '
         'in_axes=(None, 0))` for one example at a time. (run_with_edits and '
         'run_with_interventions work inside such transforms: they read nothing out.)')
+
+
+class DeviceLocalStepWarning(UserWarning):
+  """A family that all-reduces over ``axis_name`` runs without it inside ``jax.shard_map`` with
+  ``check_vma=False``: each device steps on its own shard alone."""
+
+  def __init__(self, function, axes):
+    super().__init__(
+        f'{function} runs inside jax.shard_map over {_listed(map(repr, axes))} with '
+        'check_vma=False and no axis_name: nothing sums the devices\' gradients (or '
+        'statistics) there, so each device steps on its own shard of the batch, the '
+        'devices\' params drift apart, and out_specs=P() returns one device\'s. For data '
+        f'parallelism pass axis_name={axes[0]!r}; to train each device on its own on '
+        'purpose, filter this warning.')
 
 
 class UnperturbedCallsWarning(UserWarning):

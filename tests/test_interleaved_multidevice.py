@@ -175,3 +175,29 @@ def test_an_axis_name_no_shard_map_binds_is_named():
        "binds 'data'")):
     with pytest.raises(perturbkit.UnknownAxisError, match=f"axis_name='batch', but .*{where}"):
       run()
+
+
+def test_no_axis_name_under_unchecked_shard_map_warns_that_each_device_steps_alone():
+  """With check_vma=False and no axis_name nothing sums the devices' gradients: each device
+  steps on its own shard, and the families that take axis_name say so."""
+  loss_fn, variables, x, y = problem()
+  sharded = lambda f: jax.jit(jax.shard_map(
+      f, mesh=data_mesh(), in_specs=(P(), P('data'), P('data')), out_specs=P('data'),
+      check_vma=False))
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
+  state = tx.init(variables, x, y)
+  private = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0)
+  with pytest.warns(perturbkit.DeviceLocalStepWarning,
+                    match="perturbkit.interleaved .*axis_name='data'"):
+    per_device = sharded(lambda s, x, y: tx.step(s, x, y)[0].params)(state, x, y)
+  with pytest.warns(perturbkit.DeviceLocalStepWarning,
+                    match="perturbkit.private_grad .*axis_name='data'"):
+    sharded(lambda v, x, y: private(v, jax.random.key(0), x, y)[0])(variables, x, y)
+  # The first device's params are those of a step on its own shard alone.
+  shard = x.shape[0] // 8
+  alone = jax.jit(tx.step)(state, x[:shard], y[:shard])[0].params
+  first = jax.tree.map(lambda a, b: a[:b.shape[0]], per_device, alone)
+  chex.assert_trees_all_close(first, alone, rtol=1e-5, atol=1e-6)
+  whole = jax.jit(tx.step)(state, x, y)[0].params
+  assert max(float(jnp.abs(a - b).max())
+             for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(whole))) > 1e-4

@@ -14,12 +14,14 @@ from the device's own data must start with the body's type. Outside
 identity.
 """
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
-from perturbkit.errors import CheckedShardMapError, UnboundAxisError, UnknownAxisError
+from perturbkit.errors import (CheckedShardMapError, DeviceLocalStepWarning, UnboundAxisError,
+                               UnknownAxisError)
 
 
 def manual_axes() -> frozenset[str]:
@@ -74,14 +76,19 @@ def zeros_like_type(aval: Any) -> jax.Array:
 def check_unchecked(axis_name: Any, function: str) -> None:
   """Raises ``CheckedShardMapError`` if ``axis_name`` is an axis of a ``jax.shard_map`` with
   ``check_vma=True``, where the gradient of replicated params is already summed over it, and
-  ``UnknownAxisError`` if no ``shard_map`` or ``pmap`` around the call binds it.
+  ``UnknownAxisError`` if no ``shard_map`` or ``pmap`` around the call binds it. Warns
+  (``DeviceLocalStepWarning``) when there is no ``axis_name`` inside a ``shard_map`` with
+  ``check_vma=False``, where each device would step on its own shard alone.
 
   With ``check_vma=False`` (and under ``pmap``) values carry no device-varying
   types, and the explicit all-reduce is what averages the devices' gradients.
   """
-  if axis_name is None:
-    return
   manual = manual_axes()
+  if axis_name is None:
+    if manual and not any(name in varying_axes(jax.lax.axis_index(name)) for name in manual):
+      # check_vma=False: nothing sums the devices' gradients unless axis_name is given.
+      warnings.warn(DeviceLocalStepWarning(function, sorted(manual)), stacklevel=4)
+    return
   for name in (axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)):
     try:
       index = jax.lax.axis_index(name)
