@@ -1304,15 +1304,16 @@ class HookFunctionError(PerturbkitError, TypeError):
 
 
 class HookOutputError(HookFunctionError):
-  """A backward hook returned a cotangent of another structure, shape or dtype than it got."""
+  """A backward hook returned a cotangent of another structure or shape than it got, or a
+  leaf that is not floating point."""
 
   def __init__(self, fn, where: str, mismatch: str):
     PerturbkitError.__init__(
         self,
         f'The backward hook {fn!r:.60} on the call {where} returned {mismatch}. A hook must '
-        'return arrays of the same structure, shapes and dtypes as the cotangent it receives '
-        '(the gradient at the call\'s output), e.g. `lambda g: jnp.clip(g, -1, 1)`; cast back '
-        'what it computes in another dtype (`(g.astype(jnp.bfloat16) * s).astype(g.dtype)`).')
+        'return floating-point arrays of the same structure and shapes as the cotangent it '
+        'receives (the gradient at the call\'s output), e.g. `lambda g: jnp.clip(g, -1, 1)`; '
+        'one computed in another precision is cast back to the cotangent\'s dtype.')
 
 
 class NotAHookError(PerturbkitError, TypeError):

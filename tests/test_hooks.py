@@ -145,19 +145,35 @@ def _mlp_loss(mlp):
 
 
 @pytest.mark.parametrize('returned, message', [
-    (lambda g: g.astype(jnp.bfloat16), r'bfloat16\[3, (\d+)\] for float32\[3, \1\]'),
+    (lambda g: g.astype(jnp.int32), r'int32\[3, (\d+)\] for float32\[3, \1\]'),
     (lambda g: g.mean(0), r'float32\[(\d+)\] for float32\[3, \1\]')], ids=['dtype', 'shape'])
 def test_hook_returning_another_dtype_or_shape_names_the_call(mlp, returned, message):
   loss, variables = _mlp_loss(mlp)
   hook = perturbkit.backward_hook(returned, filters.by_path('Dense_0'))
   with pytest.raises(perturbkit.HookOutputError, match=f'Dense_0/__call__ returned {message}'):
     jax.grad(perturbkit.with_hooks(loss, hook))(variables)
-  with pytest.raises(perturbkit.HookOutputError, match='same structure, shapes and dtypes'):
+  with pytest.raises(perturbkit.HookOutputError, match='floating-point arrays of the same'):
     perturbkit.value_and_grad(loss, hooks=[hook])(variables)
   model, x = nnx_models.MLP(width=4, rngs=nnx.Rngs(0)), jnp.ones((3, 3))
   nnx_hook = perturbkit.backward_hook(returned, perturbkit.nnx.filters.by_path('dense_0'))
   with pytest.raises(perturbkit.HookOutputError, match=f'dense_0/__call__ returned {message}'):
     nnx.grad(perturbkit.nnx.with_hooks(nnx_models.mse, nnx_hook))(model, x)
+
+
+def test_hook_computing_in_another_precision_keeps_the_gradients_dtypes(mlp):
+  """A hook that returns bfloat16 for a float32 gradient (or float32 for bfloat16) is cast
+  back: the params' gradients keep their dtype and equal the hand-written layerwise backward
+  with the same rounding."""
+  model, variables, x = mlp
+  loss = lambda v, x: models.scalar(model.apply(v, x))
+  rounded = lambda g: (g.astype(jnp.bfloat16) * 2).astype(jnp.float32)
+  want, _ = layerwise(variables['params'], x, {'Dense_1': rounded})
+  for fn in (lambda g: g.astype(jnp.bfloat16) * 2, lambda g: (g.astype(jnp.bfloat16) * 2
+                                                                ).astype(jnp.float32)):
+    grads = jax.grad(perturbkit.with_hooks(loss, perturbkit.backward_hook(
+        fn, filters.by_path('Dense_1'))))(variables, x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    chex.assert_trees_all_close(grads['params'], want, **TOL)
 
 
 # --- Hooks given where they go -----------------------------------------------------------

@@ -810,6 +810,10 @@ def test_arguments_of_the_wrong_kind_are_named_errors_where_given():
     perturbkit.kfac_segment(layers)
   with pytest.raises(perturbkit.NotAnOptimizerError, match=r"fallback is 'adam'.*optax\.adam"):
     perturbkit.kfac_preconditioner(layers, fallback='adam')
+  # A transformation of the user's own (init and update, not optax's NamedTuple) is one.
+  own = type('Own', (), {'init': staticmethod(optax.sgd(0.1).init),
+                         'update': staticmethod(optax.sgd(0.1).update)})()
+  perturbkit.kfac_preconditioner(layers, fallback=own).init(variables['params'])
   nnx_model = nnx.Sequential(nnx.Linear(5, 3, rngs=nnx.Rngs(0)))
   nnx_estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy',
                                                perturbkit.nnx.kfac_layers(nnx_model, x))

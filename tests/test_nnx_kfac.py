@@ -554,3 +554,18 @@ def test_shard_map_on_8_devices_equals_one_device():
   # The damped inverses amplify float32 summation-order differences.
   chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(m8, nnx.Param)),
                               nnx.to_pure_dict(nnx.state(m1, nnx.Param)), rtol=1e-3, atol=1e-5)
+
+
+def test_a_linear_holding_another_linears_bias_is_skipped():
+  """``b.bias = a.bias``: ``nnx.state`` lists the bias under ``a``; ``b``'s factors would
+  precondition a bias it does not own (the preconditioner then found no bias there), so ``b``
+  is skipped with the reason, and K-FAC preconditions the rest."""
+  model = M.SharedKernel(rngs=nnx.Rngs(0))
+  model.b.kernel = nnx.Param(model.a.kernel[...] + 0.1)
+  model.b.bias = model.a.bias
+  x = M.random_batch((3, 4))
+  layers = perturbkit.nnx.kfac_layers(model, x)
+  assert 'bias is the nnx.Variable of another module' in layers.skipped['b']
+  assert 'b' not in layers.layers and 'head' in layers.layers
+  tx = perturbkit.nnx.kfac_preconditioner(layers)
+  tx.init(nnx.state(model, nnx.Param))

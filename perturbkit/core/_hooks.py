@@ -24,7 +24,8 @@ class Hook(NamedTuple):
 
   Attributes:
     filter: ``(module, method_name) -> bool``, the calls the hook applies to.
-    fn: ``cotangent -> cotangent``, same structure, shapes and dtypes; it gets
+    fn: ``cotangent -> cotangent``, same structure and shapes (floating-point
+      leaves in another precision are cast back to the cotangent's); it gets
       the floating-point leaves of the call's output gradient (other leaves are
       ``None``).
   """
@@ -76,8 +77,10 @@ def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = N
 
   Args:
     fn: Maps the incoming cotangent to the one passed further down, e.g.
-      ``lambda g: jnp.clip(g, -1, 1)``, with the same structure, shapes and
-      dtypes. It must be a JAX-traceable function.
+      ``lambda g: jnp.clip(g, -1, 1)``, with the same structure and shapes.
+      A floating-point leaf computed in another precision (float32 on a
+      bfloat16 model) is cast back to the cotangent's dtype, so the params'
+      gradients keep theirs. It must be a JAX-traceable function.
     filter: The calls it applies to (default: every submodule call).
 
   Returns:
@@ -86,7 +89,8 @@ def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = N
   Raises:
     HookFunctionError: ``fn`` is not callable.
     HookOutputError: (in the backward pass) ``fn`` returned a cotangent of
-      another structure, shape or dtype than it was given.
+      another structure or shape than it was given, or a leaf that is not
+      floating point.
 
   Example:
     >>> import jax.numpy as jnp
@@ -148,12 +152,13 @@ def _fwd(fn, where, x):
 
 
 def _mismatch(received: Any, returned: Any) -> str | None:
-  """How ``returned`` differs from the cotangent ``received`` (structure, shape, dtype)."""
+  """How ``returned`` differs from the cotangent ``received`` (structure, shape, or a dtype
+  that is not floating point where the cotangent's is)."""
   if jax.tree.structure(returned) != jax.tree.structure(received):
     return f'the structure {jax.tree.structure(returned)} for {jax.tree.structure(received)}'
   for index, (r, g) in enumerate(zip(jax.tree.leaves(returned), jax.tree.leaves(received))):
     shape, dtype = np.shape(r), jnp.result_type(r)
-    if shape != g.shape or dtype != g.dtype:
+    if shape != g.shape or (dtype != g.dtype and not jnp.issubdtype(dtype, jnp.floating)):
       leaf = f' at leaf {index}' if len(jax.tree.leaves(received)) > 1 else ''
       return (f'{dtype.name}{list(shape)} for {g.dtype.name}{list(g.shape)}{leaf}')
   return None
@@ -165,7 +170,9 @@ def _bwd(fn, where, residual, g):
   mismatch = _mismatch(g, out)
   if mismatch is not None:
     raise HookOutputError(fn, where, mismatch)
-  return (out,)
+  # A hook computing in another precision (float32 on a bfloat16 model, or the reverse)
+  # hands back the gradient's own dtype: the params' gradients keep theirs.
+  return (jax.tree.map(lambda r, g: r.astype(g.dtype), out, g),)
 
 
 _identity_with_hook.defvjp(_fwd, _bwd)

@@ -268,6 +268,13 @@ _HELD_WEIGHT = ('its {} is the nnx.Variable of another module (tied weights), th
                 "precondition that module's param")
 
 
+def _held(module: nnx.Module, path: NNXPath, params: dict) -> str | None:
+  """The name of a param of ``module`` (at ``path``) that the model lists under another
+  module's path (a Variable it holds from that module), or ``None``."""
+  own = [key[0] for key, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)) if len(key) == 1]
+  return next((name for name in own if path + (name,) not in params), None)
+
+
 def kfac_layers(model: nnx.Module, inputs: Any, *,
                 predict: Callable[[nnx.Module, Any], Any] | None = None,
                 filter: CallFilter | None = None) -> KFACLayers:
@@ -363,8 +370,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
                   'nnx.LayerNorm, nnx.RMSNorm)`')
     if owner in unsupported:
       skipped[name] = unsupported[owner]
-    elif owner in supported and owner + (weight_name(supported[owner][0]),) not in params:
-      reason = _HELD_WEIGHT.format(weight_name(supported[owner][0]))
+    elif owner in supported and _held(supported[owner][0], owner, params) is not None:
+      reason = _HELD_WEIGHT.format(_held(supported[owner][0], owner, params))
       if user is not None:
         raise KFACUnsupportedLayerError(
             name, reason, exclude='`perturbkit.nnx.filters.all_of(your_filter, perturbkit.nnx.'

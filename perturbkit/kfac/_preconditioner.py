@@ -200,7 +200,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     ((3, 3), False)
   """
   check_layers_given(layers, 'perturbkit.kfac_preconditioner')
-  if fallback is not None and not isinstance(fallback, optax.GradientTransformation):
+  if fallback is not None and not (callable(getattr(fallback, 'init', None))
+                                   and callable(getattr(fallback, 'update', None))):
     raise NotAnOptimizerError(f'fallback is {fallback!r:.60} ({type(fallback).__name__})',
                               'Pass an optax transformation, e.g. fallback=optax.adam(1e-3) '
                               '(chained after the preconditioner, the learning rate is '
