@@ -62,3 +62,25 @@ def test_filter_spellings():
     filters.by_depth(0)
   with pytest.raises(perturbkit.InvalidOptionError, match='1 <= min_depth <= max_depth'):
     filters.by_depth(2, min_depth=3)
+
+
+def test_a_module_class_or_a_bad_combinator_argument_is_refused_where_given():
+  """``filter=nn.Dense`` (for ``by_type(nn.Dense)``) would build a module when called as a
+  filter: Flax then either renames the model's own layers or raises deep inside. Refused, as
+  are combinators of things that are no filters and method names that are no strings; the
+  fix (``by_type``) selects the Dense calls alone."""
+  with pytest.raises(perturbkit.FilterError, match=r'filters\.by_type\(Dense\)'):
+    filters.as_filter(nn.Dense)
+  with pytest.raises(perturbkit.FilterError, match=r'filters\.by_type\(Dense\)'):
+    perturbkit.value_and_grad(lambda v, x: 0.0, filter=nn.Dense)
+  for combine in (filters.all_of, filters.any_of, filters.negate):
+    with pytest.raises(perturbkit.FilterError, match=r'filters\.(all_of|any_of|negate) takes call'):
+      combine('Dense_0')
+  with pytest.raises(perturbkit.FilterError, match='filters.all_of takes call filters'):
+    filters.all_of(filters.top_level, nn.Dense)
+  with pytest.raises(perturbkit.FilterError, match='one or more method names'):
+    filters.by_method(['__call__'])
+  with pytest.raises(perturbkit.FilterError, match='one or more method names'):
+    filters.by_method()
+  got, want = _grads('transformer_eval', filters.by_type(nn.Dense))
+  assert set(got) == {'Dense_0/__call__', 'Dense_1/__call__'}

@@ -176,7 +176,17 @@ def by_method(*names: str) -> CallFilter:
     >>> filters.by_method('__call__')(None, 'encode')
     False
   """
+  if not names or not all(isinstance(name, str) for name in names):
+    raise FilterError('filters.by_method', "one or more method names, e.g. by_method('__call__', "
+                      "'encode')", names)
   return lambda module, method_name: method_name in names
+
+
+def _filters_given(function: str, filters: tuple) -> None:
+  """Raises :class:`FilterError` unless every item of ``filters`` is a call filter."""
+  for item in filters:
+    if isinstance(item, type) or not callable(item):
+      raise FilterError(function, 'call filters, e.g. filters.by_type(nn.Dense)', item)
 
 
 def all_of(*filters: CallFilter) -> CallFilter:
@@ -186,6 +196,7 @@ def all_of(*filters: CallFilter) -> CallFilter:
     >>> from perturbkit import filters
     >>> f = filters.all_of(filters.top_level, filters.by_method('__call__'))
   """
+  _filters_given('filters.all_of', filters)
   return lambda module, method_name: all(f(module, method_name) for f in filters)
 
 
@@ -197,6 +208,7 @@ def any_of(*filters: CallFilter) -> CallFilter:
     >>> from perturbkit import filters
     >>> f = filters.any_of(filters.by_type(nn.Dense), filters.by_type(nn.Conv))
   """
+  _filters_given('filters.any_of', filters)
   return lambda module, method_name: any(f(module, method_name) for f in filters)
 
 
@@ -208,6 +220,7 @@ def negate(filter: CallFilter) -> CallFilter:
     >>> from perturbkit import filters
     >>> not_dropout = filters.negate(filters.by_type(nn.Dropout))
   """
+  _filters_given('filters.negate', (filter,))
   return lambda module, method_name: not filter(module, method_name)
 
 
@@ -222,6 +235,9 @@ def as_filter(filter: CallFilter | bool | Sequence[str] | None) -> CallFilter:
   if filter is False:
     raise InvalidOptionError('filter', False, 'None or True to select every call (False '
                              'selects nothing), a call filter, or a list of path patterns')
+  if isinstance(filter, type):  # a module class: calling it would build a module
+    raise FilterError('filter=', f'a call filter; for the calls of {filter.__name__} modules '
+                      f'pass filters.by_type({filter.__name__})', filter)
   if callable(filter):
     return filter
   if isinstance(filter, (list, tuple)) and all(isinstance(p, str) for p in filter):
