@@ -554,3 +554,17 @@ def test_model_apply_jitted_once_outside_the_loss_is_explained(linen):
   direct = lambda v, x: jnp.sum(model.apply(v, x))
   _, grads = jax.jit(perturbkit.value_and_grad(direct))(variables, X)
   chex.assert_trees_all_close(grads['params'], jax.grad(direct)(variables, X)['params'], **TOL)
+
+
+def test_flags_that_are_no_bools_are_refused_where_given(linen, nnx_model):
+  """``return_activations='no'`` was read as true (and returned a third value)."""
+  model, variables = linen
+  for front, loss in ((perturbkit, _linen_loss(model)), (perturbkit.nnx, nnx_models.mse)):
+    for name, value in (('return_activations', 'no'), ('return_inputs', 1), ('has_aux', None),
+                        ('strict', 'yes')):
+      with pytest.raises(perturbkit.InvalidOptionError, match=f'{name}={value!r} .*True or False'):
+        front.value_and_grad(loss, **{name: value})
+  value, grads = perturbkit.value_and_grad(_linen_loss(model), return_activations=False,
+                                           strict=None)(variables, X)
+  chex.assert_trees_all_close(grads['params'], jax.grad(_linen_loss(model))(variables, X)['params'],
+                              **TOL)

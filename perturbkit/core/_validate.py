@@ -30,6 +30,14 @@ def _number(name: str, value: Any, allowed: str) -> float | None:
   raise InvalidOptionError(name, value, allowed)
 
 
+def flag(name: str, value: Any, none: bool = False) -> Any:
+  """``value`` if it is a Python bool (or ``None``, where ``none``): a string such as
+  ``'no'`` would be read as true."""
+  if isinstance(value, (bool, np.bool_)) or (none and value is None):
+    return value
+  raise InvalidOptionError(name, value, 'True or False' + (' (or None)' if none else ''))
+
+
 def positive(name: str, value: Any) -> Any:
   """``value`` if it is a finite number > 0."""
   allowed = 'a finite number > 0'

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx, traverse_util
 
 from perturbkit.core import filters as _filters
+from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
@@ -649,6 +650,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     or a Python loop.
   """
   check_loss_fn(loss_fn, 'perturbkit.value_and_grad', '(variables, *args) -> loss')
+  for name, value in (('has_aux', has_aux), ('return_activations', return_activations),
+                      ('return_inputs', return_inputs)):
+    flag(name, value)
+  flag('strict', strict, none=True)
   points, strict = point_options(filter, strict)
   hooks = hooks_tuple(hooks, 'perturbkit.value_and_grad')
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge as nnx_bridge
 
+from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
@@ -624,6 +625,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     ((2, 4), {})
   """
   check_loss_fn(loss_fn, 'perturbkit.nnx.value_and_grad', '(model, *args) -> loss')
+  for name, value in (('has_aux', has_aux), ('return_activations', return_activations),
+                      ('return_inputs', return_inputs)):
+    flag(name, value)
+  flag('strict', strict, none=True)
   points, strict = point_options(filter, strict)
   hooks = hooks_tuple(hooks, 'perturbkit.nnx.value_and_grad')
 
