@@ -892,3 +892,27 @@ def test_benchmark_script_smoke():
   assert set(trained['variants']) == {'standard', 'updated', 'original'}
   assert all(len(v['samples_s']) == 1 for v in trained['variants'].values())
   assert {'updated_time', 'original_time', 'updated_compile'} <= set(trained['ratios'])
+
+
+class _DropoutGiven(nnx.Module):
+  """A Dropout whose RNG stream is passed to the call (``rngs=``), as NNX models do."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+
+  def __call__(self, x, *, rngs):
+    return self.dropout(self.linear(x), rngs=rngs)
+
+
+def test_returned_inputs_hold_no_nnx_objects_the_call_was_given():
+  """``return_inputs``: an ``nnx.Rngs`` passed to a call is ``None`` there (it was the caller's
+  own, stateful object); the arrays are the call's inputs."""
+  model, x = _DropoutGiven(nnx.Rngs(0)), M.random_batch((2, 4))
+  loss = lambda m, x, rngs: jnp.sum(m(x, rngs=rngs) ** 2)
+  _, _, inputs = perturbkit.nnx.value_and_grad(loss, return_inputs=True)(
+      model, x, nnx.Rngs(dropout=5))
+  chex.assert_trees_all_close(inputs['linear']['__call__'], ((x,), {}))
+  dropout_args, dropout_kwargs = inputs['dropout']['__call__']
+  chex.assert_trees_all_close(dropout_args, (model.linear(x),), **TOL)
+  assert dropout_kwargs == {'rngs': None}

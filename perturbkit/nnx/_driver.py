@@ -491,7 +491,7 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
     if activations:
       capture(call, 'activations', differentiable_part(output))
     if inputs:
-      capture(call, 'inputs', array_part((call.args, call.kwargs)))
+      capture(call, 'inputs', array_part(_without_graph_nodes((call.args, call.kwargs))))
     applied.add((call.path, call.key))
     if edit is not None:
       # A scan's call has its iteration indices next to its point (core/_iterations.py).
@@ -528,6 +528,13 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
   if sown:
     _read_sown(captured, sown, flat_state(state), per_iteration)
   return out, {k: _nested(v) for k, v in captured.items()}
+
+
+def _without_graph_nodes(tree: Any) -> Any:
+  """``tree`` with ``None`` in place of NNX objects (an ``nnx.Rngs``, a module, a Variable):
+  they are the caller's own, stateful, and no input value of the call."""
+  node = lambda x: isinstance(x, (nnx.Pytree, nnx.Variable))
+  return jax.tree.map(lambda x: None if node(x) else x, tree, is_leaf=node)
 
 
 def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | None = None,
