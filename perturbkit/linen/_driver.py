@@ -27,7 +27,7 @@ from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                                CaptureInJaxTransformError, MapVariablesInitError,
+                                MapVariablesInitError,
                                 NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
@@ -39,7 +39,7 @@ from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, a
                                differentiable_part, has_differentiable_leaf,
                                inside_lifted_transform, leaf_shapes, merge, stacked_axis,
                                with_stacked_axis)
-from perturbkit.core._trace_state import trace_state
+from perturbkit.core._trace_state import capture_check
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import CallFilter, Variables
 
@@ -348,7 +348,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
   shapes_inside: dict[tuple, Any] = {}
   outputs_inside: dict[tuple, list] = {}  # the output's leaf shapes inside the transform
   in_points: set[tuple] = set()  # captures that leave with the perturbations (per iteration)
-  began_under = trace_state()  # a capture under another trace is in a transform of loss_fn's
+  readable = capture_check(reads)
 
   def on_point(call, output, was_applied):
     if not was_applied:
@@ -364,9 +364,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
         # A module bound outside nn.cond/nn.switch, called by a branch: no collection of
         # its own scope can carry the branch's values out.
         raise ActivationsUnavailableError(call.name)
-      if trace_state() != began_under:
-        if reads:
-          raise CaptureInJaxTransformError(call.name)
+      if not readable(call.name):
         return
       for kind, value in captures.items():
         captured[kind][path] = value
@@ -403,9 +401,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
         captures = find_in(new.get(CAPTURES, {}), path)
       if captures is None:
         continue
-      if trace_state() != began_under:
-        if reads:
-          raise CaptureInJaxTransformError('/'.join(map(str, path)))
+      if not readable('/'.join(map(str, path))):
         continue
       # A transform that maps the collection (nn.scan, nn.vmap with every collection in
       # variable_axes) stacks one value per iteration: not the call's output, though

@@ -32,7 +32,7 @@ from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
-                               CaptureConflictError, CaptureInJaxTransformError,
+                               CaptureConflictError,
                                NonDifferentiableOutputError,
                                NoPerturbationPointsError, NotAModuleError,
                                PerturbationsNotAppliedError, PerturbationStructureError,
@@ -45,7 +45,7 @@ from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.core._points import (array_part, differentiable_part, has_differentiable_leaf,
                                leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
-from perturbkit.core._trace_state import trace_state
+from perturbkit.core._trace_state import capture_check
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
 
@@ -455,16 +455,13 @@ def perturbed_call(loss_fn: Callable[..., Any], model: nnx.Module, perturbations
   sown: list[_Sown] = []
   expected = {(p.path, p.key): p for p in found.points}
   prepare = _selected(points, hooks)
-  began_under = trace_state()  # a capture under another trace is in a transform of loss_fn's
+  readable = capture_check(reads)
 
   def capture(call: Call, kind: str, value: Any):
     path = call.path + (call.key,)
     if not call.copied:
-      if trace_state() != began_under:
-        if reads:
-          raise CaptureInJaxTransformError(call.name)
-        return
-      captured[kind].append((path, value))
+      if readable(call.name):
+        captured[kind].append((path, value))
       return
     # A value traced inside an NNX transform cannot leave it through Python; the
     # module's capture state does, as the transform's output.
