@@ -182,6 +182,7 @@ from perturbkit.errors import UnmatchedFilterError
 from perturbkit.errors import UnperturbedCallsWarning
 from perturbkit.errors import WrongFrontEndError
 from perturbkit.errors import BoundModuleError
+from perturbkit.errors import WrappedModelError
 from perturbkit.errors import FilterError
 from perturbkit.errors import HookFunctionError
 from perturbkit.errors import HookOutputError
@@ -324,6 +325,7 @@ __all__ = [
     'UnperturbedCallsWarning',
     'WrongFrontEndError',
     'BoundModuleError',
+    'WrappedModelError',
     'FilterError',
     'HookFunctionError',
     'HookOutputError',

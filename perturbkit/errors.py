@@ -26,7 +26,8 @@ message lists the calls seen), ``FilterError`` (a filter of a type it cannot be)
 hooks; something else than a hook where hooks go; a hook that is not callable),
 ``HookOutputError`` (a hook returning another structure, shape or dtype than it got),
 ``BoundModuleError``
-(``wrap`` given a bound module), ``PerturbationStructureError``,
+(``wrap`` given a bound module), ``WrappedModelError`` (a model from ``wrap`` wrapped again,
+or run inside another perturbkit function), ``PerturbationStructureError``,
 ``BranchCallsMismatchError`` (an ``nn.cond``/``nn.switch``, or ``nnx.cond``/``nnx.switch``,
 whose branches call different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
 module, given different branch functions), ``MapVariablesInitError``
@@ -1279,6 +1280,19 @@ class BoundModuleError(PerturbkitError, ValueError):
         '(`model.bind(variables)`, or `self.submodule` inside a method). Wrap the unbound '
         'module, `perturbkit.wrap(module.unbind()[0])`, and pass the variables to the '
         "wrapped module's `init`/`apply`.")
+
+
+class WrappedModelError(PerturbkitError, ValueError):
+  """A model made by ``perturbkit.wrap`` was wrapped again, or run inside another perturbkit
+  function, which adds its own points at the same calls."""
+
+  def __init__(self, where: str):
+    super().__init__(
+        f'{where} a model made by `perturbkit.wrap`, which already adds a perturbation after '
+        'each of its calls; a second set at the same calls would be added to the same outputs '
+        'and count them twice. Use the unwrapped model, `wrapped.module`: its params are the '
+        "wrapped model's, and perturbkit's functions find the calls of an unmodified model "
+        'themselves.')
 
 
 class NoHooksError(PerturbkitError, ValueError):

@@ -133,3 +133,41 @@ def test_init_warns_about_calls_a_lifted_transform_cannot_perturb():
   assert 'scan' not in variables['perturbations']
   # The params are still exactly the model's own.
   chex.assert_trees_all_equal(variables['params'], model.init(jax.random.key(0), x)['params'])
+
+
+def test_a_wrapped_model_is_refused_where_its_points_would_count_twice():
+  """perturbkit's own points at a wrapped model's calls would be added to the same outputs as
+  the wrapped model's: with a filter, ``value_and_grad`` returned twice the activation gradient
+  there. Wrapping again, or running a wrapped model inside a perturbkit function, is refused."""
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+  wrapped = perturbkit.wrap(model)
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = {'params': wrapped.init(jax.random.key(0), x)['params']}
+  with pytest.raises(perturbkit.WrappedModelError, match=r'wrapped\.module'):
+    perturbkit.wrap(wrapped)
+  for filter in (None, perturbkit.filters.by_path('layers_0')):
+    with pytest.raises(perturbkit.WrappedModelError, match=r'wrapped\.module'):
+      perturbkit.value_and_grad(lambda v, x: jnp.sum(wrapped.apply(v, x) ** 2),
+                                filter=filter)(variables, x)
+  # The advice works: the unwrapped model's gradient at the first layer is the one
+  # the wrapped model's own point has under jax.grad.
+  eps = wrapped.init(jax.random.key(0), x)['perturbations']
+  want = jax.grad(lambda e: jnp.sum(wrapped.apply({**variables, 'perturbations': e}, x) ** 2))(eps)
+  _, grads = perturbkit.value_and_grad(
+      lambda v, x: jnp.sum(wrapped.module.apply(v, x) ** 2),
+      filter=perturbkit.filters.by_path('layers_0'))(variables, x)
+  chex.assert_trees_all_close(grads['perturbations'], {'layers_0': want['layers_0']}, **TOL)
+
+
+def test_hooks_act_on_a_wrapped_model():
+  """Backward hooks only wrap each call's output, so a wrapped model keeps working under them:
+  halving the gradient at the output halves every params' gradient."""
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+  wrapped = perturbkit.wrap(model)
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = wrapped.init(jax.random.key(0), x)
+  half = perturbkit.backward_hook(lambda g: 0.5 * g, perturbkit.filters.by_path('layers_2'))
+  loss = lambda v: jnp.sum(wrapped.apply(v, x) ** 2)
+  got = jax.grad(perturbkit.with_hooks(loss, half))(variables)
+  want = jax.tree.map(lambda g: 0.5 * g, jax.grad(loss)(variables))
+  chex.assert_trees_all_close(got, want, **TOL)

@@ -460,6 +460,11 @@ def replaying(prefix: Path, hooks: tuple[ReplayHook, ...]) -> Iterator[None]:
       s.suspended -= 1
 
 
+def intercepting() -> bool:
+  """Whether a block that acts on calls (not only a transparent one) is open in this thread."""
+  return any(not s.transparent and not s.suspended for s in _LOCAL.states)
+
+
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
   """Calls made inside this block pass through every open ``intercept`` of this thread.

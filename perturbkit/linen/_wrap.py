@@ -9,10 +9,10 @@ from perturbkit.core import filters as _filters
 from perturbkit.errors import (PerturbationStructureError, UnmatchedFilterError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
 from perturbkit.linen._branches import check_branch_point
-from perturbkit.linen._interceptor import intercept
+from perturbkit.linen._interceptor import intercept, intercepting
 from perturbkit.core._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit.core._types import CallFilter
-from perturbkit.errors import BoundModuleError, NotAModuleError
+from perturbkit.errors import BoundModuleError, NotAModuleError, WrappedModelError
 
 
 def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
@@ -65,6 +65,8 @@ class Perturbed(nn.Module):
     return self._run('__call__', *args, **kwargs)
 
   def _run(self, method: str | Callable[..., Any], *args, **kwargs):
+    if intercepting():
+      raise WrappedModelError('A perturbkit function (or another wrapped model) runs')
     # Bound to this very scope (not as a child), the module sees the same paths
     # and rng streams as when it is the root, so params and dropout masks match.
     inner = self.module.clone(parent=self.scope, _deep_clone=True)
@@ -157,6 +159,8 @@ def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
     raise NotAModuleError('perturbkit.wrap', 'a flax.linen.Module',
                           f'{module!r:.60} ({type(module).__name__})',
                           'Pass the model, e.g. `perturbkit.wrap(nn.Dense(3))`, not its variables.')
+  if isinstance(module, Perturbed):
+    raise WrappedModelError('perturbkit.wrap was given')
   if module.scope is not None:
     raise BoundModuleError(type(module).__name__)
   if strict is None:
