@@ -3,6 +3,8 @@ from typing import Any
 
 import jax
 
+from perturbkit.core._values import is_array
+
 
 def num_examples(inputs: Any) -> int | None:
   """The batch size: the first axis of the first array of ``inputs`` that has one.
@@ -13,7 +15,7 @@ def num_examples(inputs: Any) -> int | None:
     8
   """
   for leaf in jax.tree.leaves(inputs):
-    if jax.numpy.ndim(leaf) >= 1:
+    if is_array(leaf) and jax.numpy.ndim(leaf) >= 1:
       return int(jax.numpy.shape(leaf)[0])
   return None
 
@@ -29,7 +31,7 @@ def is_key(leaf: Any) -> bool:
 
 def step_examples(args: tuple) -> int | None:
   """The examples of a training step's arguments: the first axis of the first array
-  argument that has one and holds no PRNG keys (a loss ``(variables, rng, x, y)`` takes
+  argument that has one and holds no PRNG keys (other leaves, a flag or a string, hold no examples) (a loss ``(variables, rng, x, y)`` takes
   its dropout key first; the two ``uint32`` words of a raw key are no batch of two).
 
   Example:
@@ -37,4 +39,5 @@ def step_examples(args: tuple) -> int | None:
     >>> step_examples((jax.random.PRNGKey(0), jnp.ones((8, 3)), jnp.zeros((8,))))
     8
   """
-  return num_examples([leaf for leaf in jax.tree.leaves(args) if not is_key(leaf)])
+  return num_examples([leaf for leaf in jax.tree.leaves(args)
+                       if is_array(leaf) and not is_key(leaf)])

@@ -40,6 +40,7 @@ from perturbkit.core._points import (COLLECTION, PointShape, add_perturbation, a
                                inside_lifted_transform, leaf_shapes, merge, stacked_axis,
                                with_stacked_axis)
 from perturbkit.core._trace_state import capture_check
+from perturbkit.core._values import partition_values
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import CallFilter, Variables
 
@@ -267,7 +268,8 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
       return loss_fn(variables, *args, **kwargs)
 
   plain = {c: t for c, t in variables.items() if c != COLLECTION}
-  jax.eval_shape(traced, plain, *args)
+  arrays, rebuild = partition_values(args)
+  jax.eval_shape(lambda v, arrays: traced(v, *rebuild(arrays)), plain, arrays)
   if point_paths is not None:
     point_paths.update(calls)
   if in_nested_applies is not None:
@@ -480,8 +482,9 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
 
   ``loss_fn(variables, *args, **kwargs)`` is the ordinary loss: it calls
   ``model.apply(variables, ...)`` on the unmodified model. The returned function
-  takes the same arguments and returns ``(loss, grads)`` (``((loss, aux),
-  grads)`` with ``has_aux``), where ``grads['params']`` is the usual gradient
+  takes the same arguments (arguments that are no arrays, such as a ``train``
+  flag or a string, reach ``loss_fn`` as they are, as under ``jax.grad``) and
+  returns ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``), where ``grads['params']`` is the usual gradient
   and ``grads['perturbations']`` holds dL/d(output) of every selected submodule
   call, at the module's path under its point key (``'__call__'``, then
   ``'__call__#1'`` for a second call). The zero perturbations are made inside

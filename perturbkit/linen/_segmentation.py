@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import jax
 from flax import traverse_util
 
+from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
@@ -64,7 +65,8 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     with intercept(_filters.all_calls, on_call):
       return loss_fn(variables, *args)
 
-  jax.eval_shape(traced, variables, *args)
+  arrays, rebuild = partition_values(args)
+  jax.eval_shape(lambda v, arrays: traced(v, *rebuild(arrays)), variables, arrays)
   return calls
 
 

@@ -46,6 +46,7 @@ from perturbkit.core._points import (array_part, differentiable_part, has_differ
                                leaf_dtypes, leaf_shapes, merge,
                                with_stacked_axis)
 from perturbkit.core._trace_state import capture_check
+from perturbkit.core._values import partition_values
 from perturbkit.core._types import CallFilter
 from perturbkit.core._varying import zeros_like_type
 
@@ -264,7 +265,13 @@ def _discover_once(loss_fn, model, args, kwargs, *, points, hooks, strict, probe
     with instrument([model], handler):
       return nnx.capture(loss_fn, nnx.Perturbation)(model, *args, **kwargs)
 
-  out, state = nnx.eval_shape(traced, model, *args, **kwargs)
+  arrays, rebuild = partition_values((args, kwargs), keep=nnx.graph.is_graph_node)
+
+  def on_arrays(model, arrays):
+    args, kwargs = rebuild(arrays)
+    return traced(model, *args, **kwargs)
+
+  out, state = nnx.eval_shape(on_arrays, model, arrays)
   # The branches of an nnx.cond/nnx.switch make the same call's point once each.
   points: dict[tuple[NNXPath, str], _Point] = {}
   for p in found:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
@@ -78,7 +79,8 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
     with instrument([copy], on_call):
       return loss_fn(copy, *args)
 
-  jax.eval_shape(traced, state, args)
+  arrays, rebuild = partition_values(args, keep=nnx.graph.is_graph_node)
+  jax.eval_shape(lambda state, arrays: traced(state, rebuild(arrays)), state, arrays)
   return calls
 
 

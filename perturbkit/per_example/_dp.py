@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from perturbkit.core._values import values_closed_over
 from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
@@ -273,7 +274,8 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   def run(variables, key, *args, **kwargs):
     check_variables(variables, 'perturbkit.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
-    result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
+    on_arrays, array_args = values_closed_over(loss_fn, args)
+    result = run_pass(on_arrays, variables, array_args, kwargs, reduction=reduction,
                       batch_axes=batch_axes, private=True)
     check_reduction(variables, args, kwargs, result.num_examples)
     return privatize(result, variables['params'], key, clip_norm=clip_norm,

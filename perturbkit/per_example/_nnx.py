@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, traverse_util
 
+from perturbkit.core._values import values_closed_over
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation_state
 from perturbkit.core._validate import non_negative, positive
@@ -120,7 +121,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   @functools.wraps(loss_fn)
   def run(model, *args, **kwargs):
     check_module(model, 'perturbkit.nnx.per_example_grad_norms')
-    result = run_nnx_pass(loss_fn, model, args, kwargs, reduction=reduction,
+    on_arrays, array_args = values_closed_over(loss_fn, args)
+    result = run_nnx_pass(on_arrays, model, array_args, kwargs, reduction=reduction,
                           batch_axes=batch_axes)
     check_reduction(model, args, kwargs, result.num_examples)
     return result.loss, keyed_like_state(norms_of_pass(result, dense_method), model)
@@ -181,7 +183,8 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   def run(model, key, *args, **kwargs):
     check_module(model, 'perturbkit.nnx.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
-    result = run_nnx_pass(loss_fn, model, args, kwargs, reduction=reduction,
+    on_arrays, array_args = values_closed_over(loss_fn, args)
+    result = run_nnx_pass(on_arrays, model, array_args, kwargs, reduction=reduction,
                           batch_axes=batch_axes, private=True)
     check_reduction(model, args, kwargs, result.num_examples)
     template = nnx.state(model, nnx.Param)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from perturbkit.core._values import values_closed_over
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes
 from perturbkit.per_example._check import reduction_checker
@@ -180,7 +181,8 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   @functools.wraps(loss_fn)
   def run(variables, *args, **kwargs):
     check_variables(variables, 'perturbkit.per_example_grad_norms')
-    result = run_pass(loss_fn, variables, args, kwargs, reduction=reduction,
+    on_arrays, array_args = values_closed_over(loss_fn, args)
+    result = run_pass(on_arrays, variables, array_args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)
     check_reduction(variables, args, kwargs, result.num_examples)
     return result.loss, norms_of_pass(result, dense_method)

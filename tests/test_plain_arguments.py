@@ -1,0 +1,90 @@
+"""Arguments that are no arrays (a flag given positionally, a string naming a mode) reach the
+loss as they are, as under ``jax.grad``: they were traced as arrays, so ``if train:`` failed
+and a string raised JAX's own error."""
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import perturbkit
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+X = jax.random.normal(jax.random.key(1), (3, 3))
+Y = jax.random.normal(jax.random.key(2), (3, 2))
+
+
+class Linen(nn.Module):
+  @nn.compact
+  def __call__(self, x, train):
+    h = nn.relu(nn.Dense(4)(x))
+    return nn.Dense(2)(h * 1.5 if train else h)
+
+
+class NNX(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(3, 4, rngs=rngs)
+    self.b = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x, train):
+    h = nnx.relu(self.a(x))
+    return self.b(h * 1.5 if train else h)
+
+
+def _reduce(r, mode):
+  return jnp.sum(r) if mode == 'sum' else jnp.mean(r)
+
+
+MODEL = Linen()
+VARIABLES = MODEL.init(jax.random.key(0), X, False)
+
+
+def linen_loss(variables, x, y, train, mode):
+  return _reduce((MODEL.apply(variables, x, train) - y) ** 2, mode)
+
+
+def nnx_loss(model, x, y, train, mode):
+  return _reduce((model(x, train) - y) ** 2, mode)
+
+
+def test_linen_value_and_grad_and_interleaved():
+  args = (X, Y, True, 'sum')
+  want_loss, want = jax.value_and_grad(linen_loss)(VARIABLES, *args)
+  loss, grads = perturbkit.value_and_grad(linen_loss)(VARIABLES, *args)
+  chex.assert_trees_all_close((loss, grads['params']), (want_loss, want['params']), **TOL)
+  tx = perturbkit.interleaved(linen_loss, optax.sgd(0.1), propagate='original')
+  state, _ = tx.step(tx.init(VARIABLES, *args), *args)
+  chex.assert_trees_all_close(
+      state.params, jax.tree.map(lambda p, g: p - 0.1 * g, VARIABLES['params'], want['params']),
+      **TOL)
+
+
+def test_nnx_value_and_grad_and_interleaved():
+  model, reference = NNX(nnx.Rngs(0)), NNX(nnx.Rngs(0))
+  want_loss, want = nnx.value_and_grad(nnx_loss)(reference, X, Y, True, 'sum')
+  loss, grads = perturbkit.nnx.value_and_grad(nnx_loss)(model, X, Y, True, mode='sum')
+  chex.assert_trees_all_close((loss, grads['params']), (want_loss, want), **TOL)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), nnx_loss, X, Y, True, 'sum',
+                                            propagate='original')
+  opt.step(model, X, Y, True, 'sum')
+  chex.assert_trees_all_close(
+      nnx.state(model, nnx.Param),
+      jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(reference, nnx.Param), want), **TOL)
+
+
+def test_per_example_norms_linen_and_nnx():
+  def norms_of(grads):
+    return jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+
+  one = lambda i: (X[i:i + 1], Y[i:i + 1], True, 'sum')
+  want = jnp.stack([norms_of(jax.grad(linen_loss)(VARIABLES, *one(i))['params'])
+                    for i in range(3)])
+  _, norms = perturbkit.per_example_grad_norms(linen_loss, reduction='sum')(
+      VARIABLES, X, Y, True, 'sum')
+  chex.assert_trees_all_close(norms.total, want, **TOL)
+  model = NNX(nnx.Rngs(0))
+  want = jnp.stack([norms_of(nnx.grad(nnx_loss)(model, *one(i))) for i in range(3)])
+  _, norms = perturbkit.nnx.per_example_grad_norms(nnx_loss, reduction='sum')(
+      model, X, Y, True, 'sum')
+  chex.assert_trees_all_close(norms.total, want, **TOL)
