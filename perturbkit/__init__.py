@@ -114,6 +114,7 @@ from perturbkit.errors import CallStructureMismatchError
 from perturbkit.errors import CheckedShardMapError
 from perturbkit.errors import UnboundAxisError
 from perturbkit.errors import DeviceLocalStepWarning
+from perturbkit.errors import PerSegmentTransformWarning
 from perturbkit.errors import UnknownAxisError
 from perturbkit.errors import EditShapeError
 from perturbkit.errors import EditStructureError
@@ -154,6 +155,7 @@ from perturbkit.errors import NonScalarLossError
 from perturbkit.errors import NonScalarMetricError
 from perturbkit.errors import NoPerturbationPointsError
 from perturbkit.errors import NotAnOptimizerError
+from perturbkit.errors import SegmentOptimizerError
 from perturbkit.errors import NotEditsError
 from perturbkit.errors import NotVariablesError
 from perturbkit.errors import OptaxPrivacyError
@@ -257,6 +259,7 @@ __all__ = [
     'CheckedShardMapError',
     'UnboundAxisError',
     'DeviceLocalStepWarning',
+    'PerSegmentTransformWarning',
     'UnknownAxisError',
     'EditShapeError',
     'EditStructureError',
@@ -297,6 +300,7 @@ __all__ = [
     'NonScalarMetricError',
     'NoPerturbationPointsError',
     'NotAnOptimizerError',
+    'SegmentOptimizerError',
     'NotEditsError',
     'NotVariablesError',
     'OptaxPrivacyError',

@@ -9,7 +9,8 @@ the function), ``NonScalarLossError``, ``MissingHasAuxError`` (the loss returned
 ``WrongFrontEndError`` (a Linen function given an NNX model, or the other way
 round), ``NotAModuleError`` (something other than a Flax module where the model
 goes), ``NotVariablesError``, ``InvalidOptionError`` (an option out of its range,
-or not one of its allowed values), ``NotAnOptimizerError``, ``UninitializedStateError`` and
+or not one of its allowed values), ``NotAnOptimizerError``, ``SegmentOptimizerError`` (interleaved training's optimizer built
+for the whole params tree, a mask or label tree), ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
 inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis),
 ``UnknownAxisError`` (an ``axis_name`` that no ``shard_map`` or ``pmap`` around the step
@@ -17,7 +18,9 @@ binds), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
 devices twice). The warning ``DeviceLocalStepWarning``: a function that takes ``axis_name`` run without
 it inside ``jax.shard_map`` with ``check_vma=False``, where each device steps on its own
-shard.
+shard. The warning ``PerSegmentTransformWarning``: interleaved training given one optimizer
+with ``optax.clip_by_global_norm`` (or another transformation of the whole gradient), which
+acts per segment there.
 
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
@@ -435,6 +438,21 @@ class DeviceLocalStepWarning(UserWarning):
         'purpose, filter this warning.')
 
 
+class PerSegmentTransformWarning(UserWarning):
+  """Interleaved training given an optimizer with a transformation that looks at the whole
+  gradient (``optax.clip_by_global_norm``), which acts on each segment's gradient alone."""
+
+  def __init__(self, function: str, names: list[str]):
+    super().__init__(
+        f'The optimizer given to {function} contains {_listed(names)}, which looks at the '
+        "whole gradient; each segment takes its step before the gradients below it exist, so "
+        "it acts on each segment's gradient alone (optax.clip_by_global_norm clips each "
+        "segment by that segment's own norm). To clip by the whole gradient's norm, drop it "
+        'from the optimizer and pass `clip_global_norm=c` (it uses the previous step\'s '
+        'global norm). To act per segment on purpose, filter this warning, or pass a '
+        'function `segment_name -> GradientTransformation`.')
+
+
 class UnperturbedCallsWarning(UserWarning):
   """Selected calls inside a lifted transform that cannot carry perturbations."""
 
@@ -570,6 +588,22 @@ class NotAnOptimizerError(PerturbkitError, TypeError):
     super().__init__(
         'The optimizer must be an `optax.GradientTransformation` (e.g. `optax.adam(1e-3)`)'
         f'{alternative}, but {got}.' + (f' {hint}' if hint else ''))
+
+
+class SegmentOptimizerError(PerturbkitError, ValueError):
+  """Interleaved training's optimizer fails to set up on one segment's params alone."""
+
+  def __init__(self, name: str, error: Exception):
+    group = ('the params no segment owns' if name == '<rest>' else f'segment {name!r}')
+    super().__init__(
+        f"The optimizer could not be set up for the params of {group} alone "
+        f'({type(error).__name__}: {str(error).splitlines()[0][:200]}). Interleaved training '
+        "gives each segment's params their own optimizer state, so a transformation built "
+        'for the whole params tree (a mask tree in `optax.masked` or `optax.adamw(mask=...)`, '
+        'a label tree in `optax.multi_transform`) does not fit a segment\'s subtree. Give '
+        'the mask or labels as a function of the params it is given, e.g. '
+        '`mask=lambda params: jax.tree.map(lambda w: w.ndim > 1, params)`, or pass a '
+        'function `segment_name -> GradientTransformation`.')
 
 
 class KFACTargetsError(PerturbkitError, ValueError):

@@ -313,6 +313,46 @@ def test_clip_global_norm_uses_previous_step_norm():
   np.testing.assert_allclose(metrics['global_grad_norm'], optax.tree.norm(g2), **TOL)
 
 
+def test_a_whole_gradient_clip_in_the_optimizer_warns_and_clips_each_segment_by_its_own_norm():
+  """One optimizer with optax.clip_by_global_norm acts per segment in the sweep (each segment
+  steps before the gradients below it exist): a warning says so, and the step is SGD on each
+  segment's gradient clipped by that segment's own norm."""
+  model, lr, c = SkipMLP(), 0.1, 0.05
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.cos(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  optimizer = optax.chain(optax.clip_by_global_norm(c), optax.sgd(lr))
+  with pytest.warns(perturbkit.PerSegmentTransformWarning, match='clip_global_norm=c'):
+    tx = perturbkit.interleaved(mse(model), optimizer, propagate='original')
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  clipped = {n: jax.tree.map(lambda a: a * jnp.minimum(1.0, c / optax.tree.norm(g[n])), g[n])
+             for n in g}
+  assert all(optax.tree.norm(g[n]) > c for n in g)  # every segment's clip is active
+  chex.assert_trees_all_close(state.params, sgd_step(v['params'], clipped, lr), **TOL)
+  # A function of the segment's name builds per-segment chains on purpose: no warning.
+  perturbkit.interleaved(mse(model), lambda name: optimizer)
+
+
+def test_a_mask_tree_for_the_whole_params_is_refused_and_a_mask_function_equals_the_standard_step():
+  model = SkipMLP()
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.cos(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  mask = jax.tree.map(lambda w: w.ndim > 1, v['params'])
+  labels = jax.tree.map(lambda w: 'kernel' if w.ndim > 1 else 'bias', v['params'])
+  for optimizer in (optax.adamw(1e-2, weight_decay=0.5, mask=mask),
+                    optax.multi_transform({'kernel': optax.adam(1e-2), 'bias': optax.sgd(0.5)},
+                                          labels)):
+    tx = perturbkit.interleaved(mse(model), optimizer, propagate='original')
+    with pytest.raises(perturbkit.SegmentOptimizerError, match=r"segment 'Dense_0'.*mask=lambda"):
+      tx.init(v, x, y)
+  optimizer = optax.adamw(1e-2, weight_decay=0.5,
+                          mask=lambda params: jax.tree.map(lambda w: w.ndim > 1, params))
+  _, state, params = three_steps_each(mse(model), optimizer, 'original', v, x, y)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+
+
 def test_root_params_are_updated_with_their_ordinary_gradient():
   class Scaled(nn.Module):
     @nn.compact

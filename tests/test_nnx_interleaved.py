@@ -1063,3 +1063,20 @@ def test_a_path_filter_wrt_equals_nnx_optimizer_with_the_same_wrt(wrt, tx):
                               nnx_models.pure(nnx.state(reference)), **TOL)
   moved = nnx_models.pure(nnx.state(model, nnx.Param))['dense_2']['kernel']
   assert not np.allclose(moved, params_of(SkipMLP(rngs=nnx.Rngs(0)))['dense_2']['kernel'])
+
+
+def test_a_whole_gradient_clip_warns_and_a_mask_tree_is_refused():
+  """As in Linen (tests/test_interleaved.py, where the numbers are checked): one optimizer
+  with optax.clip_by_global_norm acts per segment, and a mask built for the whole params
+  does not fit a segment's."""
+  x, y = batch()
+  model = SkipMLP(rngs=nnx.Rngs(0))
+  clip = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+  with pytest.warns(perturbkit.PerSegmentTransformWarning, match='nnx.interleaved'):
+    perturbkit.nnx.interleaved(mse, clip)
+  with pytest.warns(perturbkit.PerSegmentTransformWarning, match='InterleavedOptimizer'):
+    perturbkit.nnx.InterleavedOptimizer(model, clip, mse, x, y)
+  mask = jax.tree.map(lambda w: w.ndim > 1, nnx.state(model, nnx.Param))
+  tx = perturbkit.nnx.interleaved(mse, optax.adamw(1e-2, mask=mask))
+  with pytest.raises(perturbkit.SegmentOptimizerError, match='mask=lambda'):
+    tx.init(model, x, y)

@@ -10,6 +10,7 @@ them through ``_segment_vjp.segment_call``.
 """
 import contextlib
 import inspect
+import warnings
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import jax
@@ -18,12 +19,14 @@ import optax
 from flax import traverse_util
 
 from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, OptimizerStateError,
-                               PerturbkitError)
+                               PerSegmentTransformWarning, PerturbkitError,
+                               SegmentOptimizerError)
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._segment_choice import Segmentation
 from perturbkit.core._segment_vjp import Backward, split_floats
 from perturbkit.core._types import PyTree
 from perturbkit.core._varying import manual_axes, vary
+from perturbkit.core._whole_gradient import whole_gradient_transforms
 
 REST = '<rest>'
 """The group of params owned by no segment (e.g. created directly in the root)."""
@@ -80,6 +83,16 @@ def check_optimizer(optimizer: Any):
         f'Call it to make the transformation, e.g. `optax.{optimizer.__name__}(1e-3)`.')
 
 
+def warn_whole_gradient(optimizer: Optimizer, function: str) -> None:
+  """Warns (:class:`PerSegmentTransformWarning`) where one optimizer for every segment
+  contains a transformation of the whole gradient, which acts per segment in the sweep.
+  A function ``segment_name -> GradientTransformation`` builds per-segment chains on purpose."""
+  if isinstance(optimizer, optax.GradientTransformation):
+    names = whole_gradient_transforms(optimizer)
+    if names:
+      warnings.warn(PerSegmentTransformWarning(function, names), stacklevel=3)
+
+
 def optimizer_for(optimizer: Optimizer, name: str) -> optax.GradientTransformation:
   """The optax transformation of group ``name``."""
   if isinstance(optimizer, optax.GradientTransformation):
@@ -125,6 +138,18 @@ def _init(tx: optax.GradientTransformation, w: PyTree, iterations: int) -> PyTre
   return jax.vmap(tx.init)(w) if iterations else tx.init(w)
 
 
+def _init_group(tx: optax.GradientTransformation, name: str, w: PyTree,
+                iterations: int) -> PyTree:
+  """``_init`` for one group; a transformation built for another tree (a mask or labels
+  for the whole params) raises :class:`SegmentOptimizerError` naming the group."""
+  try:
+    return _init(tx, w, iterations)
+  except (ValueError, TypeError) as error:
+    if isinstance(error, PerturbkitError):
+      raise
+    raise SegmentOptimizerError(name, error) from error
+
+
 def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str],
                    iterations: Mapping[str, int] | None = None) -> dict:
   """One optimizer state per group (per iteration of a scanned segment, stacked).
@@ -134,7 +159,7 @@ def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str],
       transformation, which the sweep would hand batch gradients.
   """
   iterations = iterations or {}
-  states = {name: _init(optimizer_for(optimizer, name), w, iterations.get(name, 0))
+  states = {name: _init_group(optimizer_for(optimizer, name), name, w, iterations.get(name, 0))
             for name, w in group(params, names).items()}
   refuse_optax_privacy(states, 'The interleaved schedule',
                        "each segment's batch gradient (summed over the examples)")

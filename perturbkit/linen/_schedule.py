@@ -28,7 +28,8 @@ from perturbkit.linen._segments import segmented_loss, with_iteration_state
 from perturbkit.core._sweep import Interleaved
 from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, backward_for, carrier,
                                check_opt_state, check_optimizer, clip_scale, device_mean,
-                               finish, group, init_opt_state, input_mismatch, input_shapes)
+                               finish, group, init_opt_state, input_mismatch, input_shapes,
+                               warn_whole_gradient)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
@@ -81,8 +82,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   found, never silently dropped from the step.
 
   Each segment has its own optimizer state, so transformations that look at
-  the whole gradient (``optax.clip_by_global_norm``) act per segment. For a
-  global norm, ``clip_global_norm=c`` scales every gradient of a step by
+  the whole gradient (``optax.clip_by_global_norm``) act per segment (one
+  optimizer holding one warns, ``PerSegmentTransformWarning``), and a mask or
+  label tree built for the whole params (``optax.adamw(mask=tree)``,
+  ``optax.multi_transform``) raises ``SegmentOptimizerError``: give it as a
+  function of the params it is given. For a global norm, ``clip_global_norm=c`` scales every gradient of a step by
   ``min(1, c / n)`` where ``n`` is the PREVIOUS step's global norm (no second
   backward pass; the first step is not clipped).
 
@@ -329,6 +333,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
   check_optimizer(optimizer)
+  warn_whole_gradient(optimizer, 'perturbkit.interleaved')
   hooks = hooks_tuple(hooks, 'perturbkit.interleaved')
   if hooks:
     loss_fn = with_hooks(loss_fn, *hooks)

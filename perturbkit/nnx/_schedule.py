@@ -29,7 +29,7 @@ from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
                                     check_opt_state, check_optimizer, clip_scale, device_mean,
                                     explaining_inputs, finish, group, init_opt_state,
-                                    input_shapes)
+                                    input_shapes, warn_whole_gradient)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
@@ -256,6 +256,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
+  warn_whole_gradient(optimizer, 'perturbkit.nnx.interleaved')
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
                        clip_global_norm, skip_nonfinite,
                        hooks_tuple(hooks, 'perturbkit.nnx.interleaved'), TypesSeen(), {})
@@ -385,6 +386,7 @@ class InterleavedOptimizer(nnx.Pytree):
       raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
+    warn_whole_gradient(tx, 'perturbkit.nnx.InterleavedOptimizer')
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
                               clip_global_norm, skip_nonfinite,
                               hooks_tuple(hooks, 'perturbkit.nnx.InterleavedOptimizer'),
