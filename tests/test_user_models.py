@@ -201,3 +201,53 @@ def test_state_of_another_model_and_mismatched_optimizer_state():
     perturbkit.interleaved(loss_of(big), optax.sgd(0.1)).step(state, X)
   with pytest.raises(perturbkit.OptimizerStateError, match=r"'layers_0'.*\[0\]"):
     perturbkit.interleaved(loss_of(small), optax.adam(0.1)).step(state, X)
+
+
+class _SharingEncoder(nn.Module):
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, ids):
+    return nn.Dense(4)(jnp.tanh(self.embed(ids)))
+
+
+class _SharedEmbedding(nn.Module):
+  """An encoder that holds the root's embedding, reached through a getter, as Hugging Face's
+  encoder-decoders are (``module._get_encoder_module()`` in ``model.encode``)."""
+
+  def setup(self):
+    self.shared = nn.Embed(10, 4)
+    self.encoder = _SharingEncoder(self.shared)
+
+  def __call__(self, ids):
+    return self.encoder(ids)
+
+  def get_encoder(self):
+    return self.encoder
+
+
+def test_a_submodule_returned_by_a_root_method_runs_on_the_callers_variables():
+  model = _SharedEmbedding()
+  ids = jnp.array([[1, 2, 3]])
+  variables = model.init(jax.random.key(0), ids)
+
+  def metric(variables, ids):
+    return jnp.sin(model.apply(variables, ids, method=lambda m, ids: m.get_encoder()(ids))).sum()
+
+  def by_hand(delta):  # the same run with an explicit delta at the encoder's Dense
+    def interceptor(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      return out + delta if context.module.path == ('encoder', 'Dense_0') else out
+    with nn.intercept_methods(interceptor):
+      return metric(variables, ids)
+
+  delta = jnp.zeros((1, 3, 4))
+  value, grads = perturbkit.value_and_grad(metric)(variables, ids)
+  chex.assert_trees_all_close(value, by_hand(delta), **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['encoder']['Dense_0']['__call__'],
+                              jax.grad(by_hand)(delta), **TOL)
+  chex.assert_trees_all_close(grads['params'], jax.grad(metric)(variables, ids)['params'],
+                              **TOL)
+  edits = {'encoder/Dense_0/__call__': perturbkit.interpret.add(0.5)}
+  chex.assert_trees_all_close(perturbkit.run_with_edits(metric)(variables, edits, ids),
+                              by_hand(delta + 0.5), **TOL)

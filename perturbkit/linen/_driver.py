@@ -56,6 +56,11 @@ def _captures_name(key: str) -> str:
   return f'{key}:captures'
 
 
+def _holds_module(tree: Any) -> bool:
+  """Whether ``tree`` (a method's output) holds a Linen module."""
+  return any(isinstance(leaf, nn.Module) for leaf in jax.tree.leaves(tree))
+
+
 def _also_mutable(mutable: Any, collection: str) -> Any:
   """``mutable`` (an ``apply`` argument) with ``collection`` mutable as well."""
   if mutable is True:
@@ -244,9 +249,11 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
           marked[markers[path]] = tuple(jnp.shape(value))
       elif not any(path[:len(p)] == p for p in reached):
         found[path] = PointShape.of(value)
-    if module.scope.mutable is False:
+    if module.scope.mutable is False and not _holds_module(out):
       # The replay's output is the call's (abstract: only its shapes count here), and the
-      # call would change nothing in the user's scope: no second trace of the model.
+      # call would change nothing in the user's scope: no second trace of the model. A
+      # submodule it returns (Hugging Face's `_get_encoder_module()`) is bound to the
+      # replay's scope, which is gone: the call runs again to return the caller's own.
       return out
     with suspended():
       return run()
