@@ -302,6 +302,13 @@ def test_activation_patching(problem):
   chex.assert_trees_all_close(result.effects, jnp.array(loop).reshape(result.effects.shape),
                               **TOL)
   assert float(jnp.abs(result.effects).max()) > 1e-4  # the corruption does something
+  # A patch of a value the corrupted run has too, bit for bit (each token before the changed
+  # one of a causal model), is the corrupted run itself: exactly 0, also in one batch.
+  for i, name in enumerate(names):
+    for j, position in enumerate(positions):
+      if jnp.array_equal(jnp.take(hidden(runs.clean[name]), position, p.axis),
+                         jnp.take(hidden(runs.corrupted[name]), position, p.axis)):
+        assert result.effects[i, j] == 0, (name, position)
 
   # One entry by hand: the clean hidden state from capture_intermediates written in.
   layer, position = p.layers[1], positions[-1]

@@ -109,12 +109,14 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   batches stops after the last batch holding one (a ``jax.lax.while_loop``,
   whose invariant part, the model before the edited calls, XLA computes once;
   differentiated, every job runs: see :func:`_skipping`).
-  In one batch (no ``batch_size``, or no fewer jobs) every job runs.
+  In one batch (no ``batch_size``, or no fewer jobs) every job runs, and those
+  not needed still give ``skipped`` (:func:`_as_skipped`).
   """
   total = jax.tree.leaves(jobs)[0].shape[0]
   size = total if batch_size is None else min(batch_size, total)
   if size == total:
-    skip = None
+    if skip is not None:
+      return _as_skipped(_batched(job, jobs, batch_size, bar), *skip)
     if bar is None:
       return jax.vmap(job)(jobs)
   batches = -(-total // size)
@@ -144,6 +146,25 @@ def _batched(job: Callable[[Any], jax.Array], jobs: Any, batch_size: int | None,
   if bar is not None:
     _report(bar.advance, total - jnp.minimum(count * size, total), outs, jnp.min)
   return jax.tree.map(lambda x: x[jnp.argsort(order)], outs)
+
+
+@jax.custom_jvp
+def _as_skipped(outs: Any, needed: jax.Array, skipped: Any) -> Any:
+  """``outs`` where ``needed``, ``skipped`` exactly elsewhere; the derivatives are ``outs``'.
+
+  A job that need not run (a patch of a value the corrupted run already has)
+  gives exactly ``skipped`` also where it ran, in one batch with the others:
+  the batched program may round the unchanged run otherwise than the run it
+  is compared with. Its derivatives are still those of the run, as
+  :func:`_skipping`'s are.
+  """
+  return jax.tree.map(
+      lambda x, s: jnp.where(needed.reshape((-1,) + (1,) * (x.ndim - 1)), x, s), outs, skipped)
+
+
+@_as_skipped.defjvp
+def _as_skipped_jvp(primals, tangents):
+  return _as_skipped(*primals), tangents[0]
 
 
 def _every_batch(run: Callable[[jax.Array], Any],
