@@ -183,6 +183,48 @@ def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
   chex.assert_trees_all_close(got, {'first': w_first, 'block': w_block}, **TOL)
 
 
+class RngsBlock(nnx.Module):
+  """A Linear and a Dropout drawing from the ``nnx.Rngs`` the loss passes in."""
+
+  def __init__(self, din, dout, rngs):
+    self.dense = nnx.Linear(din, dout, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs):
+    return self.dropout(nnx.relu(self.dense(x)), rngs=rngs)
+
+
+class RngsNet(nnx.Module):
+  def __init__(self, rngs):
+    self.first = RngsBlock(3, 8, rngs)
+    self.second = RngsBlock(8, 8, rngs)
+    self.head = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x, rngs):
+    return self.head(self.second(self.first(x, rngs), rngs))
+
+
+def rngs_mse(model, x, y, rngs):
+  return jnp.mean((model(x, rngs) - y) ** 2)
+
+
+@pytest.mark.parametrize('segments', [None, 1], ids=['layer-wise', 'blocks'])
+def test_an_nnx_rngs_argument_of_the_loss_draws_as_in_the_plain_step(segments):
+  """Segments drawing dropout from an ``nnx.Rngs`` argument: each call draws the key it
+  draws in ``nnx.grad`` (the blocks' second call the next one, not the first again), and
+  the argument moves on from step to step as under ``nnx.value_and_grad``."""
+  x, y = batch()
+  model, reference = RngsNet(nnx.Rngs(0)), RngsNet(nnx.Rngs(0))
+  rngs, reference_rngs = nnx.Rngs(dropout=3), nnx.Rngs(dropout=3)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), rngs_mse, x, y, rngs,
+                                            segments=segments, propagate='original')
+  for _ in range(2):
+    interleaved_step(model, opt, x, y, rngs)
+  standard_steps(reference, optax.sgd(0.1), rngs_mse, [(x, y, reference_rngs)] * 2)
+  assert int(rngs.dropout.count[...]) == int(reference_rngs.dropout.count[...]) == 4
+  chex.assert_trees_all_close(params_of(model), params_of(reference), **TOL)
+
+
 def per_segment_adam(name):
   # The attention key's bias has a gradient of exactly zero (softmax over keys is invariant
   # to it), computed as rounding noise; adam's default eps (1e-8) would turn noise of 1e-9

@@ -25,7 +25,7 @@ from perturbkit.errors import SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook, hooks_tuple
 from perturbkit.core._input_types import TypesSeen
 from perturbkit.nnx._driver import check_module, with_hooks
-from perturbkit.nnx._segments import params_tree, segmented_loss, with_values
+from perturbkit.nnx._segments import params_tree, rng_objects, segmented_loss, with_values
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
                                     check_opt_state, check_optimizer, clip_scale, device_mean,
                                     explaining_inputs, finish, group, init_opt_state,
@@ -124,12 +124,15 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
                            {n: opt_state[n] for n in iterations})
 
   def differentiable(params, carriers):
-    out, new_others = forward(params, carriers)
+    out, (new_others, drawn) = forward(params, carriers)
     loss = check_loss(out, settings.has_aux)  # names a scalar given with has_aux first
-    return loss, (out[1] if settings.has_aux else None, new_others)
+    return loss, (out[1] if settings.has_aux else None, new_others, drawn)
 
-  (loss, (aux, new_others)), (grads, carried) = jax.value_and_grad(
+  (loss, (aux, new_others, drawn)), (grads, carried) = jax.value_and_grad(
       differentiable, argnums=(0, 1), has_aux=True)(params, carriers)
+  # An nnx.Rngs argument moves on as under nnx.value_and_grad: the next step draws anew.
+  for obj, state in zip(rng_objects(args), drawn):
+    nnx.update(obj, state)
   new_params, new_opt_state, metrics = finish(sweep, params, grads, carried, swept,
                                               settings.axis_name)
   loss = device_mean(loss, settings.axis_name)

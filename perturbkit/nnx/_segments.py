@@ -84,6 +84,12 @@ def stacked_iterations(copy: nnx.Module, full: nnx.Module, path: NNXPath,
                            params_tree(owned_state(copy, path, owners)))
 
 
+def rng_objects(tree: Any) -> list:
+  """The NNX objects (an ``nnx.Rngs``, a module) among the leaves of ``tree``, in order."""
+  node = lambda x: isinstance(x, nnx.Pytree)
+  return [x for x in jax.tree.leaves(tree, is_leaf=node) if node(x)]
+
+
 def run_segment(call: Call, graphdef: Any, owners: Ownership, backward: Backward, carrier: Any,
                 axis_name: str | None = None, hooks: tuple[Hook, ...] = (),
                 inner_hooks: tuple[ReplayHook, ...] = ()) -> Any:
@@ -110,6 +116,9 @@ def run_segment(call: Call, graphdef: Any, owners: Ownership, backward: Backward
   """
   module = call.module
   w_state, foreign, others = split_owned(module, call.path, owners)
+  # An nnx.Rngs among the call's arguments is rebuilt from its counts for every
+  # replay (the same masks in each); the draws of the call advance the caller's one.
+  arg_objects = rng_objects((call.args, call.kwargs))
   # New variables: the write-back below changes the module's own ones, and the
   # backward replay must see the state as it was when the segment ran.
   others = jax.tree.map(lambda leaf: leaf, others)
@@ -131,12 +140,15 @@ def run_segment(call: Call, graphdef: Any, owners: Ownership, backward: Backward
       out = getattr(replica, call.method_name)(*args, **kwargs)
     # The filters were evaluated on the instrumented call (path filters need it).
     out = apply_hooks(hooks, call.name, out)
-    return out, same_paths(nnx.state(replica), others)
+    drawn = [nnx.state(o, nnx.RngState) for o in rng_objects((args, kwargs))]
+    return out, (same_paths(nnx.state(replica), others), drawn)
 
-  out, new_others = segment_call(segment_name(call.path), pure, params_tree(w_state),
+  out, (new_others, drawn) = segment_call(segment_name(call.path), pure, params_tree(w_state),
                                  (dynamic, reads) if reads else dynamic, carrier, backward,
                                  axis_name, (others, fixed))
   nnx.update(module, new_others)
+  for obj, state in zip(arg_objects, drawn):
+    nnx.update(obj, state)
   return out
 
 
@@ -168,9 +180,11 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       the forward pass is traced).
 
   Returns:
-    ``fn(params, carriers) -> (out, new_others)`` with ``params`` a
-    ``params_tree`` of the ``wrt`` state and ``new_others`` the model's
-    non-trained state after the loss (batch statistics, RNG counts).
+    ``fn(params, carriers) -> (out, (new_others, drawn))`` with ``params`` a
+    ``params_tree`` of the ``wrt`` state, ``new_others`` the model's
+    non-trained state after the loss (batch statistics, RNG counts) and
+    ``drawn`` the RNG state of each NNX object among ``args`` (an ``nnx.Rngs``)
+    after the loss (:func:`rng_objects` order).
 
   Raises:
     SharedSegmentError: a segment module is called more than once.
@@ -213,9 +227,13 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
       return run_segment(call, plain[call.path], owners, backward_for(name, opt_state), carrier,
                          axis_name, selected, inner_hooks)
 
+    # New NNX objects (an nnx.Rngs argument) of this trace: the loss's draws advance
+    # them as they would the caller's, which another trace must not write into.
+    fresh = jax.tree.map(lambda leaf: leaf, args)
     with instrument([model], on_call):
-      out = loss_fn(model, *args)
-    return out, nnx.state(model, nnx.Not(wrt))
+      out = loss_fn(model, *fresh)
+    return out, (nnx.state(model, nnx.Not(wrt)),
+                 [nnx.state(o, nnx.RngState) for o in rng_objects(fresh)])
 
   return fn
 
