@@ -299,6 +299,32 @@ def test_an_rnn_drawing_its_initial_carry_is_refused_by_its_stream():
     perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)
 
 
+def test_a_replayed_call_drawing_from_an_nnx_rngs_argument_is_refused():
+  """A module owning params (no fast rule) that draws dropout from the ``nnx.Rngs`` the
+  loss passes in: the replay cannot redraw the mask, a named refusal."""
+
+  class Owner(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jax.random.normal(rngs.params(), (3, 4)))
+      self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+      return self.dropout(jnp.tanh(x @ self.w[...]), rngs=rngs)
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.owner = Owner(rngs)
+      self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x, rngs):
+      return self.head(self.owner(x, rngs))
+
+  loss_fn = lambda m, x, rngs: jnp.mean(jnp.sum(m(x, rngs) ** 2, axis=1))
+  with pytest.raises(perturbkit.RandomCallError, match=r'owner/__call__'):
+    perturbkit.nnx.per_example_grad_norms(loss_fn, batch_axes=(0, None))(
+        Net(nnx.Rngs(0)), M.random_batch((3, 3)), nnx.Rngs(dropout=1))
+
+
 # -- one Variable in two modules that own params of their own ----------------------------------
 
 

@@ -41,8 +41,9 @@ def named_module_call(name: str, call: Call) -> Any:
 
   def pure(values):
     replica = nnx.merge(graphdef, with_values(params, values), others, copy=True)
-    leaves, tree = jax.tree.flatten(getattr(replica, call.method_name)(*call.args,
-                                                                        **call.kwargs))
+    # New NNX objects (an nnx.Rngs argument): the call may draw from them in this trace.
+    args, kwargs = jax.tree.map(lambda leaf: leaf, (call.args, call.kwargs))
+    leaves, tree = jax.tree.flatten(getattr(replica, call.method_name)(*args, **kwargs))
     found[:] = [tree, leaves]
     return [leaf for leaf in leaves if _is_array(leaf)]
 
