@@ -569,3 +569,17 @@ def test_a_linear_holding_another_linears_bias_is_skipped():
   assert 'b' not in layers.layers and 'head' in layers.layers
   tx = perturbkit.nnx.kfac_preconditioner(layers)
   tx.init(nnx.state(model, nnx.Param))
+
+
+def test_an_nnx_optimizer_training_some_layers_takes_the_layers_of_those_only():
+  """``nnx.Optimizer(..., wrt=<the head>)`` hands the preconditioner the head's params: the
+  layers found on the whole model name the filter as the fix, and the head's layer alone
+  builds its state."""
+  model, _, _, x, _ = twins('mlp')
+  head = nnx.All(nnx.Param, nnx.PathContains('Dense_2'))
+  with pytest.raises(perturbkit.KFACShapeError, match=r"Dense_0.*wrt.*filter=\.\.\."):
+    nnx.Optimizer(model, perturbkit.nnx.kfac_preconditioner(perturbkit.nnx.kfac_layers(model, x)),
+                  wrt=head)
+  layers = perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_path('Dense_2'))
+  optimizer = nnx.Optimizer(model, perturbkit.nnx.kfac_preconditioner(layers), wrt=head)
+  assert list(optimizer.opt_state.factors) == ['Dense_2']

@@ -116,7 +116,10 @@ def _check_params(layers: KFACLayers, per_layer: dict[str, dict]) -> None:
   for name, info in layers.layers.items():
     leaves = per_layer[name]
     if info.param not in leaves:
-      raise KFACShapeError(name, f'the params have no {info.param!r} at this path')
+      raise KFACShapeError(
+          name, f'the params have no {info.param!r} at this path (an optimizer training only '
+          "some params, as nnx.Optimizer with a `wrt` filter, gives the preconditioner only "
+          'those: find only their layers, `kfac_layers(..., filter=...)`)')
     shape = tuple(jnp.shape(leaves[info.param]))
     if shape != info.kernel_shape:
       raise KFACShapeError(name, f'{info.param!r} has shape {shape}, the layer was found with '
