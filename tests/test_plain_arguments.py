@@ -88,3 +88,15 @@ def test_per_example_norms_linen_and_nnx():
   _, norms = perturbkit.nnx.per_example_grad_norms(nnx_loss, reduction='sum')(
       model, X, Y, True, 'sum')
   chex.assert_trees_all_close(norms.total, want, **TOL)
+
+
+def test_run_with_cache_linen_and_nnx_with_a_flag_and_a_slice_bound():
+  """An int used as a slice bound stays an int (a traced one raised JAX's IndexError)."""
+  fn = lambda v, x, train, count: MODEL.apply(v, x[:, :count], train)
+  out, cache = perturbkit.run_with_cache(fn)(VARIABLES, X, True, 3)
+  chex.assert_trees_all_close(out, MODEL.apply(VARIABLES, X, True), **TOL)
+  chex.assert_trees_all_close(cache.outputs['Dense_1']['__call__'], out, **TOL)
+  model = NNX(nnx.Rngs(0))
+  out, cache = perturbkit.nnx.run_with_cache(lambda m, x, t, n: m(x[:, :n], t))(model, X, True, 3)
+  chex.assert_trees_all_close(out, model(X, True), **TOL)
+  chex.assert_trees_all_close(cache.outputs['b']['__call__'], out, **TOL)
