@@ -331,3 +331,40 @@ def test_check_per_example_reduction(value):
     perturbkit.nnx.check_per_example(lambda m, x: jnp.mean(m(x)),
                                      nnx.Linear(1, 1, rngs=nnx.Rngs(0)), jnp.ones((3, 1)),
                                      reduction=value)
+
+
+FLAG_FACTORIES = {
+    'interleaved': lambda **o: perturbkit.interleaved(lambda v, x: 0.0, optax.sgd(0.1), **o),
+    'nnx.interleaved': lambda **o: perturbkit.nnx.interleaved(
+        lambda m, x: jnp.mean(m(x)), optax.sgd(0.1), **o),
+    'nnx.InterleavedOptimizer': lambda **o: perturbkit.nnx.InterleavedOptimizer(
+        nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1), lambda m, x: jnp.mean(m(x)),
+        jnp.ones((3, 2)), **o),
+}
+
+
+@pytest.mark.parametrize('name', sorted(FLAG_FACTORIES))
+@pytest.mark.parametrize('option', ['has_aux', 'skip_nonfinite'])
+@pytest.mark.parametrize('value', ['no', None])
+def test_interleaved_flags_are_bools(name, option, value):
+  """``skip_nonfinite='no'`` was read as true (non-finite updates were still skipped), and
+  ``has_aux='no'`` failed only in the step, saying the loss returned no pair."""
+  with raises_invalid(option, value):
+    FLAG_FACTORIES[name](**{option: value})
+
+
+def test_other_flags_are_bools(layers, nnx_layers):
+  """``grads='no'`` computed the gradients, ``return_inputs='no'`` cached the inputs,
+  ``strict='no'`` was strict and K-FAC's ``has_aux='no'`` failed only in the estimate."""
+  metric = lambda v, x: jnp.sum(x)
+  for front in (perturbkit, perturbkit.nnx):
+    for option in ('grads', 'return_inputs'):
+      with raises_invalid(option, 'no'):
+        front.run_with_cache(metric, **{option: 'no'})
+  with raises_invalid('has_aux', 'no'):
+    perturbkit.kfac_estimator(lambda v, x: x, perturbkit.categorical_output(), layers,
+                              has_aux='no')
+  with raises_invalid('has_aux', 'no'):
+    perturbkit.nnx.kfac_estimator(perturbkit.categorical_output(), nnx_layers, has_aux='no')
+  with raises_invalid('strict', 'no'):
+    perturbkit.wrap(nn.Dense(2), strict='no')

@@ -110,11 +110,17 @@ def axes(name: str, value: Any, tuples: bool = False) -> Any:
   return value
 
 
-def interleaved_options(segments: Any, clip_global_norm: Any) -> Any:
-  """The options of the interleaved schedule: ``segments`` (returned, a depth as a Python
-  int) and ``clip_global_norm``."""
+def interleaved_options(segments: Any, clip_global_norm: Any, propagate: Any, has_aux: Any,
+                        skip_nonfinite: Any) -> Any:
+  """The options of the interleaved schedule, checked where they are given: ``segments``
+  (returned, a depth as a Python int), ``clip_global_norm``, ``propagate`` and the flags
+  ``has_aux`` and ``skip_nonfinite`` (a string such as ``'no'`` would be read as true)."""
   if clip_global_norm is not None:
     positive('clip_global_norm', clip_global_norm)
+  if not isinstance(propagate, str) or propagate not in ('updated', 'original'):
+    raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
+  flag('has_aux', has_aux)
+  flag('skip_nonfinite', skip_nonfinite)
   if segments is None or (callable(segments) and not isinstance(segments, jax.Array)):
     return segments
   if not (_python_int(segments) and segments >= 1):

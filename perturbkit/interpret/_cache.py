@@ -5,6 +5,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 
 from perturbkit.core._traced_points import TracedPoints
+from perturbkit.core._validate import flag
 from perturbkit.interpret._points import Tracer, check_metric, nest, trace
 
 
@@ -44,6 +45,8 @@ def metric_and_grads(traced: TracedPoints, args: tuple, kwargs: dict, function: 
 def run_with_cache(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, return_inputs: bool,
                    grads: bool, function: str) -> Callable[..., tuple[Any, Cache]]:
   """The front-end-neutral :func:`perturbkit.run_with_cache` (``tracer`` picks the API)."""
+  flag('return_inputs', return_inputs)
+  flag('grads', grads)
 
   @functools.wraps(fn)
   def cached(model, *args, **kwargs):

@@ -40,6 +40,7 @@ from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, fac
                                     linen_override_reason)
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
+from perturbkit.core._validate import flag
 from perturbkit.core._varying import typed_like, varying_axes
 
 
@@ -282,6 +283,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     ((6, 6), (4, 4))
   """
   check_layers_given(layers, 'perturbkit.kfac_estimator')
+  flag('has_aux', has_aux)
   output_loss = as_output_loss(loss, fisher)
   paths = {info.path for info in layers.layers.values()}
   if not paths:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._validate import flag
 from perturbkit.core._varying import typed_like
 from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, check_layers_given,
                                      refuse_outside_reads,
@@ -96,6 +97,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
     ((6, 6), (4, 4), (3,))
   """
   check_layers_given(layers, 'perturbkit.nnx.kfac_estimator')
+  flag('has_aux', has_aux)
   output_loss = as_output_loss(loss, fisher)
   predict = call_model if predict is None else predict
   paths = {info.path for info in layers.layers.values()}

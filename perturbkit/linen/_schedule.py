@@ -33,7 +33,6 @@ from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, ba
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
-from perturbkit.errors import InvalidOptionError
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
 
@@ -328,9 +327,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     (``tests/test_interleaved_multidevice.py``). A perturbkit function called
     inside the loss: "Threads and nesting" in ``help(perturbkit)``.
   """
-  segments = interleaved_options(segments, clip_global_norm)
-  if propagate not in ('updated', 'original'):
-    raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
+  segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
+                                 skip_nonfinite)
   check_loss_fn(loss_fn, 'perturbkit.interleaved', '(variables, *args) -> loss')
   check_optimizer(optimizer)
   warn_whole_gradient(optimizer, 'perturbkit.interleaved')

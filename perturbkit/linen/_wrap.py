@@ -12,6 +12,7 @@ from perturbkit.linen._branches import check_branch_point
 from perturbkit.linen._interceptor import intercept, intercepting
 from perturbkit.core._points import COLLECTION, add_perturbation, has_differentiable_leaf
 from perturbkit.core._types import CallFilter
+from perturbkit.core._validate import flag
 from perturbkit.errors import BoundModuleError, NotAModuleError, WrappedModelError
 
 
@@ -163,6 +164,7 @@ def wrap(module: nn.Module, filter: CallFilter | bool | None = None, *,
     raise WrappedModelError('perturbkit.wrap was given')
   if module.scope is not None:
     raise BoundModuleError(type(module).__name__)
+  flag('strict', strict, none=True)
   if strict is None:
     strict = filter is not None and filter is not True
   return Perturbed(module, _filters.as_filter(filter), strict)

@@ -33,7 +33,6 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
-from perturbkit.errors import InvalidOptionError
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
 
@@ -254,9 +253,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
     ['layers/0', 'layers/2']
     >>> nnx.update(model, state.variables)  # back into the model object
   """
-  segments = interleaved_options(segments, clip_global_norm)
-  if propagate not in ('updated', 'original'):
-    raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
+  segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
+                                 skip_nonfinite)
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
   check_optimizer(optimizer)
   warn_whole_gradient(optimizer, 'perturbkit.nnx.interleaved')
@@ -384,9 +382,8 @@ class InterleavedOptimizer(nnx.Pytree):
       skip_nonfinite: Keep a group's variables when its gradient is not finite.
       hooks: Backward hooks, see :func:`interleaved`.
     """
-    segments = interleaved_options(segments, clip_global_norm)
-    if propagate not in ('updated', 'original'):
-      raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
+    segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
+                                   skip_nonfinite)
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     check_optimizer(tx)
     warn_whole_gradient(tx, 'perturbkit.nnx.InterleavedOptimizer')
