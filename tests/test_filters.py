@@ -2,6 +2,7 @@
 import chex
 import flax.linen as nn
 import jax
+import optax
 import pytest
 
 import models
@@ -84,3 +85,21 @@ def test_a_module_class_or_a_bad_combinator_argument_is_refused_where_given():
     filters.by_method()
   got, want = _grads('transformer_eval', filters.by_type(nn.Dense))
   assert set(got) == {'Dense_0/__call__', 'Dense_1/__call__'}
+
+
+def test_a_module_or_a_function_of_other_arguments_is_refused_where_given():
+  """A filter of one argument failed with Python's TypeError when the step ran, and a module
+  given as a filter (``filter=nn.Dense(3)``) failed deep inside Flax; both are refused where
+  given, for every option that takes a call filter."""
+  one_argument = lambda module: True
+  for bad, match in ((one_argument, r'two arguments \(module, method_name\).*takes \(module\)'),
+                     (nn.Dense(3), r'not a module.*filters\.by_type\(Dense\)')):
+    with pytest.raises(perturbkit.FilterError, match=match):
+      perturbkit.value_and_grad(lambda v, x: 0.0, filter=bad)
+    with pytest.raises(perturbkit.FilterError, match=match):
+      perturbkit.backward_hook(lambda g: g, bad)
+    with pytest.raises(perturbkit.FilterError, match=match):
+      filters.negate(bad)
+    with pytest.raises(perturbkit.FilterError, match='segments= .*' + match):
+      perturbkit.interleaved(lambda v, x: 0.0, optax.sgd(0.1), segments=bad)
+  assert filters.as_filter(lambda *a: True)(None, '__call__')

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from perturbkit.core._callables import call_filter
 from perturbkit.errors import InvalidOptionError
 
 
@@ -121,8 +122,10 @@ def interleaved_options(segments: Any, clip_global_norm: Any, propagate: Any, ha
     raise InvalidOptionError('propagate', propagate, "'updated' or 'original'")
   flag('has_aux', has_aux)
   flag('skip_nonfinite', skip_nonfinite)
-  if segments is None or (callable(segments) and not isinstance(segments, jax.Array)):
+  if segments is None:
     return segments
+  if callable(segments) and not isinstance(segments, jax.Array):
+    return call_filter(segments, 'segments=', 'None, an int depth >= 1 or a call filter')
   if not (_python_int(segments) and segments >= 1):
     raise InvalidOptionError('segments', segments, 'None, an int depth >= 1 or a call filter '
                              '(module, method_name) -> bool')

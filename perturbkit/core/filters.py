@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 
 import flax.linen as nn
 
+from perturbkit.core._callables import call_filter
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import count
 from perturbkit.errors import FilterError, InvalidOptionError
@@ -185,8 +186,7 @@ def by_method(*names: str) -> CallFilter:
 def _filters_given(function: str, filters: tuple) -> None:
   """Raises :class:`FilterError` unless every item of ``filters`` is a call filter."""
   for item in filters:
-    if isinstance(item, type) or not callable(item):
-      raise FilterError(function, 'call filters, e.g. filters.by_type(nn.Dense)', item)
+    call_filter(item, function, 'call filters, e.g. filters.by_type(nn.Dense)')
 
 
 def all_of(*filters: CallFilter) -> CallFilter:
@@ -235,12 +235,7 @@ def as_filter(filter: CallFilter | bool | Sequence[str] | None) -> CallFilter:
   if filter is False:
     raise InvalidOptionError('filter', False, 'None or True to select every call (False '
                              'selects nothing), a call filter, or a list of path patterns')
-  if isinstance(filter, type):  # a module class: calling it would build a module
-    raise FilterError('filter=', f'a call filter; for the calls of {filter.__name__} modules '
-                      f'pass filters.by_type({filter.__name__})', filter)
-  if callable(filter):
-    return filter
   if isinstance(filter, (list, tuple)) and all(isinstance(p, str) for p in filter):
     return by_path(*filter)
-  raise FilterError('filter=', 'a callable (module, method_name) -> bool, True, or a list of '
-                    'path patterns', filter)
+  return call_filter(filter, 'filter=', 'a callable (module, method_name) -> bool, True, or a '
+                     'list of path patterns')

@@ -1,0 +1,46 @@
+"""Whether a function given as an option can be called the way perturbkit calls it.
+
+Checked where the function is given, so that a call filter of one argument (or a
+module where a filter goes) is refused with a message saying what it must take,
+not by Python's ``TypeError`` when the step runs.
+"""
+import inspect
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from perturbkit.errors import FilterError
+
+
+def takes(fn: Any, count: int) -> bool:
+  """Whether ``fn`` can be called with ``count`` positional arguments (``True`` where its
+  signature cannot be read, as for some builtins)."""
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return True
+  try:
+    signature.bind(*range(count))
+  except TypeError:
+    return False
+  return True
+
+
+def call_filter(item: Any, function: str, want: str) -> Any:
+  """``item`` if it is a call filter: a callable taking ``(module, method_name)``.
+
+  Raises:
+    FilterError: ``item`` is a module class or a module (calling it would build or run
+      a module), not callable, or takes other arguments.
+  """
+  if isinstance(item, type) or isinstance(item, (nn.Module, nnx.Module)):
+    name = (item if isinstance(item, type) else type(item)).__name__
+    raise FilterError(function, f'{want}, not a module class or module (for the calls of '
+                      f'{name} modules pass filters.by_type({name}))', item)
+  if not callable(item):
+    raise FilterError(function, want, item)
+  if not takes(item, 2):
+    raise FilterError(function, 'a call filter of the two arguments (module, method_name) '
+                      f'(the function given takes {inspect.signature(item)})', item)
+  return item
