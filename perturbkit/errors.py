@@ -531,13 +531,15 @@ class HasAuxOutputError(PerturbkitError, TypeError):
 
 
 class LossNotCallableError(PerturbkitError, TypeError):
-  """The loss function given is not callable (often: its value was passed instead)."""
+  """The loss function (or the metric, prediction or hooked function) given is not callable
+  (often: its value was passed instead)."""
 
-  def __init__(self, function: str, got: str, signature: str):
+  def __init__(self, function: str, got: str, signature: str, what: str = 'loss function',
+               name: str = 'loss_fn'):
     super().__init__(
-        f'{function} takes the loss function itself, a callable `{signature}`, but it was '
-        f'given {got}. Pass the function, not its value: `{function}(loss_fn)`, not '
-        f'`{function}(loss_fn(...))`.')
+        f'{function} takes the {what} itself, a callable `{signature}`, but it was '
+        f'given {got}. Pass the function, not its value: `{function}({name})`, not '
+        f'`{function}({name}(...))`.')
 
 
 class WrongFrontEndError(PerturbkitError, TypeError):

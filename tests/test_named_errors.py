@@ -464,6 +464,59 @@ def test_loss_function_not_callable(linen):
     perturbkit.interleaved(value, optax.sgd(0.1))
 
 
+FUNCTION_TAKERS = {
+    'per_example_grad_norms': lambda f: perturbkit.per_example_grad_norms(f),
+    'private_grad': lambda f: perturbkit.private_grad(f, clip_norm=1.0, noise_multiplier=1.0),
+    'dp_sgd': lambda f: perturbkit.dp_sgd(f, optax.sgd(0.1), clip_norm=1.0,
+                                          noise_multiplier=1.0),
+    'check_per_example': lambda f: perturbkit.check_per_example(f, {}, X),
+    'nnx.per_example_grad_norms': lambda f: perturbkit.nnx.per_example_grad_norms(f),
+    'nnx.private_grad': lambda f: perturbkit.nnx.private_grad(f, clip_norm=1.0,
+                                                              noise_multiplier=1.0),
+    'nnx.dp_sgd': lambda f: perturbkit.nnx.dp_sgd(f, optax.sgd(0.1), clip_norm=1.0,
+                                                  noise_multiplier=1.0),
+    'nnx.check_per_example': lambda f: perturbkit.nnx.check_per_example(
+        f, nnx.Linear(3, 1, rngs=nnx.Rngs(0)), X),
+    'run_with_cache': perturbkit.run_with_cache,
+    'nnx.activation_patching': perturbkit.nnx.activation_patching,
+    'grad_cam': perturbkit.grad_cam,
+    'interpret.run_with_interventions': lambda f: perturbkit.interpret.run_with_interventions(
+        f, {}),
+    'with_hooks': lambda f: perturbkit.with_hooks(f, perturbkit.backward_hook(lambda g: g)),
+    'nnx.with_hooks': lambda f: perturbkit.nnx.with_hooks(
+        f, perturbkit.backward_hook(lambda g: g)),
+    'kfac_layers': lambda f: perturbkit.kfac_layers(f, {'params': {}}, X),
+    'nnx.kfac_layers': lambda f: perturbkit.nnx.kfac_layers(
+        nnx.Linear(3, 1, rngs=nnx.Rngs(0)), X, predict=f),
+}
+
+
+@pytest.mark.parametrize('name', sorted(FUNCTION_TAKERS))
+def test_a_value_for_a_function_is_refused_where_given(name):
+  """A value passed where the loss, metric or prediction function goes failed with
+  Python's TypeError when the function ran (dp_sgd's step even said its trainer was used as
+  an optimizer)."""
+  with pytest.raises(perturbkit.LossNotCallableError,
+                     match=r'takes the (loss |prediction )?function itself.*Pass the function'):
+    FUNCTION_TAKERS[name](1.5)
+
+
+def test_filters_of_interpret_functions_are_checked_where_given():
+  with pytest.raises(perturbkit.FilterError, match='filter= takes'):
+    perturbkit.activation_patching(lambda v, x: 0.0, filter=3)
+  with pytest.raises(perturbkit.FilterError, match=r'two arguments \(module, method_name\)'):
+    perturbkit.nnx.run_with_cache(lambda m, x: 0.0, filter=lambda module: True)
+
+
+def test_hook_and_optimizer_functions_of_other_arguments_are_refused_where_given(linen):
+  """A hook of two arguments and an optimizer function of none failed with Python's
+  TypeError in the backward pass or the first step."""
+  with pytest.raises(perturbkit.HookFunctionError, match=r'takes one argument.*takes \(g, h\)'):
+    perturbkit.backward_hook(lambda g, h: g)
+  with pytest.raises(perturbkit.NotAnOptimizerError, match=r'taking \(\).*one argument'):
+    perturbkit.interleaved(_linen_loss(linen[0]), lambda: optax.sgd(0.1))
+  perturbkit.backward_hook(lambda *g: g[0])
+
 def test_not_an_optimizer(linen):
   model, _ = linen
   with pytest.raises(perturbkit.NotAnOptimizerError, match=r'optax\.adam\(1e-3\)'):

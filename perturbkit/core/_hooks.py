@@ -6,6 +6,7 @@ below the call, parameters included, is then differentiated with the
 transformed gradient, as with PyTorch's ``register_full_backward_hook``.
 """
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core import filters as _filters
+from perturbkit.core._callables import takes
 from perturbkit.core._points import differentiable_part, has_differentiable_leaf, merge
 from perturbkit.core._types import CallFilter
 from perturbkit.errors import (HookFunctionError, HookOutputError, NoHooksError, NotAHookError,
@@ -100,6 +102,9 @@ def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = N
   """
   if not callable(fn):
     raise HookFunctionError(f'A hook function must be callable, got {fn!r:.60}')
+  if not takes(fn, 1):
+    raise HookFunctionError(f'A hook function takes one argument, the cotangent, but '
+                            f'{fn!r:.60} takes {inspect.signature(fn)}')
   return Hook(_filters.as_filter(filter), fn)
 
 

@@ -65,10 +65,13 @@ def check_loss(out: Any, has_aux: bool) -> jax.Array:
   return scalar_loss(out)
 
 
-def check_loss_fn(loss_fn: Any, function: str, signature: str):
-  """Raises :class:`LossNotCallableError` unless ``loss_fn`` is callable."""
+def check_loss_fn(loss_fn: Any, function: str, signature: str, what: str = 'loss function',
+                  name: str = 'loss_fn'):
+  """Raises :class:`LossNotCallableError` unless ``loss_fn`` (the ``what``, the argument
+  ``name``) is callable."""
   if not callable(loss_fn):
-    raise LossNotCallableError(function, f'{describe(loss_fn)} ({loss_fn!r:.60})', signature)
+    raise LossNotCallableError(function, f'{describe(loss_fn)} ({loss_fn!r:.60})', signature,
+                               what, name)
 
 
 def point_options(filter: CallFilter | bool | None, strict: bool | None

@@ -21,6 +21,7 @@ from flax import traverse_util
 from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, OptimizerStateError,
                                PerSegmentTransformWarning, PerturbkitError,
                                SegmentOptimizerError)
+from perturbkit.core._callables import takes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._segment_choice import Segmentation
 from perturbkit.core._segment_vjp import Backward, split_floats
@@ -81,6 +82,9 @@ def check_optimizer(optimizer: Any):
     raise NotAnOptimizerError(
         f'it is the function optax.{optimizer.__name__}',
         f'Call it to make the transformation, e.g. `optax.{optimizer.__name__}(1e-3)`.')
+  if not takes(optimizer, 1):
+    raise NotAnOptimizerError(f'it is a function taking {inspect.signature(optimizer)}',
+                              'A function of the segment: `name -> transformation`, one argument.')
 
 
 def warn_whole_gradient(optimizer: Optimizer, function: str) -> None:

@@ -11,7 +11,7 @@ from perturbkit.core._naming import named_after
 from perturbkit.core._varying import vary
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
-from perturbkit.interpret._points import Tracer, check_metric, trace
+from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
 from perturbkit.interpret._positions import (checked_positions, spread, sweep_positions,
                                             traced_alike)
 from perturbkit.interpret._result import PatchingResult
@@ -154,6 +154,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                          view: tuple[int, ...] | None = None, leaves: Any = None,
                          function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.attribution_patching` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
   view = checked_view(view)
   positions = checked_positions(positions, axis)
   leaves = checked_leaves(leaves)
@@ -182,6 +183,7 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
                           view: tuple[int, ...] | None = None, leaves: Any = None,
                           function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.grad_times_activation` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
   view = checked_view(view)
   positions = checked_positions(positions, axis)
   leaves = checked_leaves(leaves)

@@ -6,7 +6,7 @@ import jax
 
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._validate import flag
-from perturbkit.interpret._points import Tracer, check_metric, nest, trace
+from perturbkit.interpret._points import Tracer, check_given, check_metric, nest, trace
 
 
 class Cache(NamedTuple):
@@ -45,6 +45,7 @@ def metric_and_grads(traced: TracedPoints, args: tuple, kwargs: dict, function: 
 def run_with_cache(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, return_inputs: bool,
                    grads: bool, function: str) -> Callable[..., tuple[Any, Cache]]:
   """The front-end-neutral :func:`perturbkit.run_with_cache` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
   flag('return_inputs', return_inputs)
   flag('grads', grads)
 

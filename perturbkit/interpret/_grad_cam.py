@@ -17,7 +17,7 @@ from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, ImageLayoutError, InvalidOptionError
 from perturbkit.interpret._cache import metric_and_grads
-from perturbkit.interpret._points import Tracer, trace
+from perturbkit.interpret._points import Tracer, check_given, trace
 
 
 def check_feature_maps(traced: TracedPoints, function: str) -> None:
@@ -102,6 +102,7 @@ def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
              upsample: bool | tuple[int, int],
              function: str) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
   """The front-end-neutral :func:`perturbkit.grad_cam` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
   upsample = checked_upsample(upsample)
 
   @functools.wraps(fn)

@@ -21,7 +21,7 @@ from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import Direction, difference, first_order_effects
 from perturbkit.interpret._edits import Edit, checked_view, edit_function
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
-from perturbkit.interpret._points import Tracer, check_metric, trace
+from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
 from perturbkit.interpret._positions import checked_positions, sweep_positions, traced_alike
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
@@ -98,6 +98,7 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
                                view: tuple[int, ...] | None = None, leaves: Any = None,
                                function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.layer_integrated_gradients`."""
+  check_given(fn, filter, function)
   alphas, weights = quadrature(method, steps)
   check_batch_size(batch_size)
   view = checked_view(view)

@@ -3,12 +3,13 @@ from typing import Any, Callable, Mapping
 
 from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import edit_function
-from perturbkit.interpret._points import Tracer, trace
+from perturbkit.interpret._points import Tracer, check_given, trace
 
 
 def run_with_edits(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                    function: str) -> Callable[..., Any]:
   """The front-end-neutral :func:`perturbkit.run_with_edits` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
 
   @named_after(fn)
   def edited(model, edits: Mapping[Any, Any], *args, **kwargs):

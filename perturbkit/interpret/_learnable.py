@@ -18,7 +18,7 @@ from perturbkit.errors import (InterventionOutputError, InterventionParamsError,
                                InvalidOptionError, UnknownEditPathError)
 from perturbkit.interpret._edits import Edit, add, apply_edit, scale
 from perturbkit.interpret._leaves import checked_leaves, on_leaves
-from perturbkit.interpret._points import Tracer, trace
+from perturbkit.interpret._points import Tracer, check_given, trace
 from perturbkit.errors import NotInterventionsError
 
 
@@ -216,6 +216,7 @@ def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
                            freeze: Callable[[Any], Any],
                            function: str) -> Callable[..., Any]:
   """The front-end-neutral :func:`perturbkit.run_with_interventions` (``freeze`` per API)."""
+  check_given(fn, filter, function)
   if not isinstance(interventions, Mapping) or not all(
       isinstance(i, Intervention) for i in interventions.values()):
     raise NotInterventionsError(function, interventions)

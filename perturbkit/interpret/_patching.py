@@ -10,7 +10,7 @@ from perturbkit.core._traced_points import point_name
 from perturbkit.core._naming import named_after
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
-from perturbkit.interpret._points import Tracer, check_metric, trace
+from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
 from perturbkit.interpret._positions import checked_positions, sweep_positions, traced_alike
 from perturbkit.interpret._result import PatchingResult
 from perturbkit.interpret._sweep import check_batch_size, check_progress, sweep
@@ -63,6 +63,7 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
                         progress: bool, view: tuple[int, ...] | None = None,
                         leaves: Any = None, function: str) -> Callable[..., PatchingResult]:
   """The front-end-neutral :func:`perturbkit.activation_patching` (``tracer`` picks the API)."""
+  check_given(fn, filter, function)
   view = checked_view(view)
   positions = checked_positions(positions, axis)
   leaves = checked_leaves(leaves)

@@ -5,7 +5,7 @@ from typing import Any, Callable, Mapping, Protocol
 import jax
 import jax.numpy as jnp
 
-from perturbkit.core._loss import describe, point_options
+from perturbkit.core._loss import check_loss_fn, describe, point_options
 from perturbkit.core._traced_points import TracedPoints
 from perturbkit.core._types import CallFilter
 from perturbkit.errors import MetricSignatureError, NonScalarMetricError
@@ -17,6 +17,18 @@ class Tracer(Protocol):
   def __call__(self, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict, *,
                filter: CallFilter, strict: bool, function: str,
                split_iterations: bool = True) -> TracedPoints: ...
+
+
+def check_given(fn: Any, filter: Any, function: str) -> None:
+  """Checks ``fn`` and ``filter`` where an interpret function is given them.
+
+  Raises:
+    LossNotCallableError: ``fn`` is not callable.
+    FilterError, InvalidOptionError: ``filter`` is no filter.
+  """
+  first = 'model' if '.nnx.' in function else 'variables'
+  check_loss_fn(fn, function, f'({first}, *args) -> output', 'function', 'fn')
+  point_options(filter, None)
 
 
 def trace(tracer: Tracer, fn: Callable[..., Any], model: Any, args: tuple, kwargs: dict,

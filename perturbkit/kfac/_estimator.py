@@ -38,6 +38,7 @@ from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, factor_shapes,
                                     linen_override_reason)
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
 from perturbkit.core._validate import flag
@@ -282,6 +283,8 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
     >>> stats['layers_0'].a.shape, stats['layers_0'].g.shape
     ((6, 6), (4, 4))
   """
+  check_loss_fn(predict_fn, 'perturbkit.kfac_estimator', '(variables, inputs) -> output',
+                'prediction function', 'predict_fn')
   check_layers_given(layers, 'perturbkit.kfac_estimator')
   flag('has_aux', has_aux)
   output_loss = as_output_loss(loss, fisher)

@@ -25,6 +25,7 @@ from flax import traverse_util
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._points import stacked_axis, with_stacked_axis
 from perturbkit.core._trees import find_in
 from perturbkit.linen._driver import check_variables, discover, value_and_grad
@@ -163,6 +164,8 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
     >>> {name: info.kind for name, info in layers.layers.items()}, layers.skipped
     ({'layers_0': 'dense', 'layers_1': 'norm', 'layers_2': 'dense'}, {})
   """
+  check_loss_fn(predict_fn, 'perturbkit.kfac_layers', '(variables, inputs) -> output',
+                'prediction function', 'predict_fn')
   check_variables(variables, 'perturbkit.kfac_layers')
   batch_examples(inputs, 'perturbkit.kfac_layers')
   user = None if filter is None else _filters.as_filter(filter)

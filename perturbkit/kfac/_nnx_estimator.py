@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._validate import flag
 from perturbkit.core._varying import typed_like
 from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, check_layers_given,
@@ -100,6 +101,8 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   flag('has_aux', has_aux)
   output_loss = as_output_loss(loss, fisher)
   predict = call_model if predict is None else predict
+  check_loss_fn(predict, 'perturbkit.nnx.kfac_estimator', '(model, inputs) -> output',
+                'prediction function', 'predict')
   paths = {info.path for info in layers.layers.values()}
   if not paths:
     raise KFACNoLayersError('perturbkit.nnx.kfac_estimator', layers.skipped)

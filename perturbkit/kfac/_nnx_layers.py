@@ -29,6 +29,7 @@ from flax import nnx
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import KFACUnsupportedLayerError
 from perturbkit.kfac._examples import batch_examples, shared_input_reasons
@@ -322,6 +323,8 @@ def kfac_layers(model: nnx.Module, inputs: Any, *,
   check_module(model, 'perturbkit.nnx.kfac_layers')
   batch_examples(inputs, 'perturbkit.nnx.kfac_layers')
   predict = call_model if predict is None else predict
+  check_loss_fn(predict, 'perturbkit.nnx.kfac_layers', '(model, inputs) -> output',
+                'prediction function', 'predict')
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[NNXPath, tuple[nnx.Module, list[str]]] = {}
   unsupported: dict[NNXPath, str] = {}

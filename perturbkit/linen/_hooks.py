@@ -4,6 +4,7 @@ from typing import Any, Callable
 
 from perturbkit.core import filters as _filters
 from perturbkit.core._hooks import Hook, check_matched, hook_runner, hooks_of
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.linen._interceptor import intercept
 
 
@@ -51,6 +52,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     >>> float(jnp.abs(grads['params']['layers_0']['kernel']).sum())
     0.0
   """
+  check_loss_fn(fun, 'perturbkit.with_hooks', '(*args) -> value', 'function', 'fun')
   hooks = hooks_of(hooks, 'perturbkit.with_hooks')
 
   @functools.wraps(fun)

@@ -740,6 +740,7 @@ def with_hooks(fun: Callable[..., Any], *hooks: Hook) -> Callable[..., Any]:
     >>> float(jnp.abs(grads['layers'][0]['kernel'][...]).sum())
     0.0
   """
+  check_loss_fn(fun, 'perturbkit.nnx.with_hooks', '(model, *args) -> value', 'function', 'fun')
   hooks = hooks_of(hooks, 'perturbkit.nnx.with_hooks')
 
   @functools.wraps(fun)

@@ -19,6 +19,7 @@ from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import (BatchAxes, check_batch_axes, check_reduction_option,
                                            per_argument, reduce)
 from perturbkit.errors import ExamplesMixedError
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._validate import non_negative
 
 
@@ -61,6 +62,7 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   """
   if isinstance(variables, nnx.Module):
     check_variables(variables, 'perturbkit.check_per_example')
+  check_loss_fn(loss_fn, 'perturbkit.check_per_example', '(variables, *args) -> loss')
   non_negative('rtol', rtol)
   non_negative('atol', atol)
   check_reduction_option(reduction)

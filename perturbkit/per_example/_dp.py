@@ -48,7 +48,7 @@ from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._varying import check_unchecked, summed_like
 from perturbkit.core._naming import named_after
 from perturbkit.errors import NotAnOptimizerError, UninitializedStateError
-from perturbkit.core._loss import describe
+from perturbkit.core._loss import check_loss_fn, describe
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -265,6 +265,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     >>> jax.tree.structure(grads) == jax.tree.structure(v['params'])
     True
   """
+  check_loss_fn(loss_fn, 'perturbkit.private_grad', '(variables, *args) -> loss')
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
   check_dense_method(dense_method)
@@ -448,6 +449,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> int(state.step), metrics['per_example_norms'].shape, int(metrics['dropped'])
     (1, (4,), 0)
   """
+  check_loss_fn(loss_fn, 'perturbkit.dp_sgd', '(variables, *args) -> loss')
   check_optimizer(optimizer)
   grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
                          reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,

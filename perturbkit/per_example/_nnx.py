@@ -19,7 +19,7 @@ from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation_state
 from perturbkit.core._validate import non_negative, positive
 from perturbkit.core._naming import named_after
-from perturbkit.core._loss import describe
+from perturbkit.core._loss import check_loss_fn, describe
 from perturbkit.errors import UninitializedStateError
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, with_values
@@ -115,6 +115,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> norms.by_param['layers'][0]['kernel']  # keyed as nnx.state(model, nnx.Param)
     Array([1., 2.], dtype=float32)
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.per_example_grad_norms', '(model, *args) -> loss')
   check_dense_method(dense_method)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
@@ -174,6 +175,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
     >>> grads['layers'][0]['kernel'].shape, metrics['per_example_norms'].shape
     ((2, 3), (4,))
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.private_grad', '(model, *args) -> loss')
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
   check_dense_method(dense_method)
@@ -262,6 +264,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     >>> int(state.step), metrics['per_example_norms'].shape, bool(metrics['skipped'])
     (1, (4,), False)
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.dp_sgd', '(model, *args) -> loss')
   check_optimizer(optimizer, 'perturbkit.nnx.dp_sgd')
   grad_fn = private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
                          reduction=reduction, batch_axes=batch_axes, axis_name=axis_name,
@@ -326,6 +329,7 @@ def check_per_example(loss_fn: Callable[..., Any], model: nnx.Module, *args: Any
     ...
     perturbkit.errors.ExamplesMixedError: Per-example ...
   """
+  check_loss_fn(loss_fn, 'perturbkit.nnx.check_per_example', '(model, *args) -> loss')
   check_module(model, 'perturbkit.nnx.check_per_example')
   check_functional(_functional(loss_fn), nnx.split(model), *args, reduction=reduction,
                    batch_axes=batch_axes, rtol=rtol, atol=atol)

@@ -15,6 +15,7 @@ from perturbkit.per_example._reads import grads_with_reads, tied_head
 from perturbkit.per_example._rules import (DENSE_METHODS, LayerNorms, embed_rule, heads_of,
                                            heads_use_ghost, kind_of, layer_norms,
                                            per_example_sq)
+from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._types import Path
 from perturbkit.errors import InvalidOptionError
 
@@ -175,6 +176,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
     >>> norms.total  # ‖(x_i, 1)‖
     Array([1.4142135, 2.236068 ], dtype=float32)
   """
+  check_loss_fn(loss_fn, 'perturbkit.per_example_grad_norms', '(variables, *args) -> loss')
   check_dense_method(dense_method)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
