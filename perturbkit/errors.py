@@ -1391,12 +1391,13 @@ class FilterError(PerturbkitError, TypeError):
 class NotInterventionsError(PerturbkitError, TypeError):
   """The interventions are not a dict ``{name: intervention}`` of ``perturbkit.interpret``'s."""
 
-  def __init__(self, function: str, got: object):
+  def __init__(self, function: str, got: object, detail: str = ''):
     super().__init__(
         f'{function} takes a dict of named interventions, e.g. '
         "{'steer': perturbkit.interpret.steering_vector('Dense_1/__call__', (8,))}, each "
-        'built with perturbkit.interpret (steering_vector, low_rank_intervention, ...), '
-        f'but it was given {got!r:.120}.')
+        'built with perturbkit.interpret (steering_vector, gates, or your own Intervention(path, '
+        'init, apply)), '
+        f'but it was given {got!r:.120}' + (f': {detail}.' if detail else '.'))
 
 
 class KFACFactorShapeError(PerturbkitError, ValueError):

@@ -368,3 +368,41 @@ def test_other_flags_are_bools(layers, nnx_layers):
     perturbkit.nnx.kfac_estimator(perturbkit.categorical_output(), nnx_layers, has_aux='no')
   with raises_invalid('strict', 'no'):
     perturbkit.wrap(nn.Dense(2), strict='no')
+
+
+@pytest.mark.parametrize('value', [(-1,), 3, (2.0,), (True,)])
+def test_intervention_shapes(value):
+  """A negative or float size failed inside jnp.zeros with JAX's TypeError."""
+  interpret = perturbkit.interpret
+  for make in (interpret.gates, interpret.steering_vector):
+    with raises_invalid('shape', value):
+      make('Dense_0/__call__', value)
+
+
+def test_intervention_options_and_edits_are_checked_where_given():
+  """A dtype that is no floating dtype, a path that is no string, an intervention whose
+  functions take other arguments, a list for the dict, a mask that is no array, repeated axes
+  and an apply_edit of something that is no edit failed with raw errors (some only in the
+  run)."""
+  interpret = perturbkit.interpret
+  for dtype in (jnp.int32, 'floot'):
+    with raises_invalid('dtype', dtype):
+      interpret.steering_vector('Dense_0/__call__', (3,), dtype=dtype)
+  with raises_invalid('path', 3):
+    interpret.gates(3, (3,))
+  one_argument = interpret.Intervention('Dense_0/__call__', lambda: 0.0, lambda output: output)
+  with pytest.raises(perturbkit.NotInterventionsError, match=r"apply of 'a' .*\(params, output\)"):
+    interpret.run_with_interventions(lambda v, x: x, {'a': one_argument})
+  with pytest.raises(perturbkit.NotInterventionsError, match='dict of named interventions'):
+    interpret.init_interventions([interpret.gates('Dense_0/__call__', (3,))])
+  with raises_invalid('where', 'x'):
+    interpret.mean_ablate(jnp.ones((4, 3)), where='x')
+  for over in ((0, 0), (0, -2)):
+    with raises_invalid('over', over):
+      interpret.mean_ablate(jnp.ones((4, 3)), over=over)
+  with pytest.raises(perturbkit.NotEditsError, match='Got a float for the edit'):
+    interpret.apply_edit(1.0, jnp.ones(3))
+  with pytest.raises(perturbkit.InvalidOptionError, match=r'view=\(2\.0, 3\) is not'):
+    interpret.replace(jnp.zeros(3), view=(2.0, 3))  # the message showed view=None
+  vector = interpret.steering_vector('Dense_0/__call__', (np.int64(3),), dtype='float32')
+  np.testing.assert_array_equal(vector.init(), np.zeros(3, np.float32))

@@ -82,13 +82,21 @@ def checked_view(view: Any) -> tuple[int, ...] | None:
   if view is None:
     return None
   try:
-    view = tuple(operator.index(n) for n in view)
+    sizes = tuple(operator.index(n) for n in view)
   except TypeError:
-    view = None
-  if view is None or any(n < 1 and n != -1 for n in view) or view.count(-1) > 1:
+    sizes = None
+  if sizes is None or any(n < 1 and n != -1 for n in sizes) or sizes.count(-1) > 1:
     raise InvalidOptionError('view', view, 'a tuple of sizes (ints >= 1), at most one of them '
                              '-1, e.g. (-1, tokens, heads, head_dim)')
-  return view
+  return sizes
+
+
+def _boolean_array(value: Any) -> bool:
+  """Whether ``value`` is a boolean array (or nested lists of bools)."""
+  try:
+    return jnp.result_type(value) == jnp.bool_
+  except TypeError:  # a string, an object
+    return False
 
 
 def _integer_indices(positions: Any) -> bool:
@@ -257,7 +265,7 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, where: Any =
   """
   axes('over', over, tuples=True)
   view = checked_view(view)
-  if where is not None and jnp.result_type(where) != jnp.bool_:
+  if where is not None and not _boolean_array(where):
     raise InvalidOptionError('where', where, 'a boolean array broadcasting to the reference '
                              '(True where an entry enters the mean), e.g. '
                              'attention_mask[:, :, None].astype(bool)')
@@ -274,9 +282,10 @@ def mean_ablate(reference: Any, *, over: int | tuple[int, ...] = 0, where: Any =
                                  f'{jnp.shape(r)}') from None
     r = viewed(r, view, name)
     rank = jnp.ndim(r)
-    if not all(-rank <= a < rank for a in (over if isinstance(over, tuple) else (over,))):
-      raise InvalidOptionError('over', over, f'axes in [-{rank}, {rank}) of the reference'
-                               f'{" as viewed" if view else ""}, which has {rank} axes '
+    given = over if isinstance(over, tuple) else (over,)
+    if not all(-rank <= a < rank for a in given) or len({a % rank for a in given}) < len(given):
+      raise InvalidOptionError('over', over, f'distinct axes in [-{rank}, {rank}) of the '
+                               f'reference{" as viewed" if view else ""}, which has {rank} axes '
                                f'(shape {jnp.shape(r)})')
     return jnp.mean(r, axis=over, keepdims=True, where=kept)
 
@@ -417,6 +426,7 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
     The edited output, of ``output``'s structure, shapes and dtypes.
 
   Raises:
+    NotEditsError: ``edit`` is not an edit of ``perturbkit.interpret``.
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
     EditStructureError: ``scale`` or ``shift`` is a pytree of another
       structure than the output.
@@ -438,6 +448,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
     >>> bool((interpret.apply_edit(interpret.replace(output), output) == output).all())
     True
   """
+  if not isinstance(edit, Edit):
+    raise NotEditsError(f'the edit of {where}', type(edit).__name__)
   leaves, treedef = jax.tree.flatten(output)
   edited = [_leaf(edit, leaf, s, b, where) for leaf, s, b in
             zip(leaves, _like(edit.scale, output, 'a scale', where),

@@ -6,11 +6,14 @@ and the path of the call it edits. The params of a dict of interventions form
 one pytree, ``{name: params}``, that ``jax.grad`` differentiates and ``optax``
 updates; the model's own variables are held constant (``jax.lax.stop_gradient``).
 """
+import operator
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from perturbkit.core._callables import takes
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._naming import named_after
 from perturbkit.core._validate import finite
@@ -34,6 +37,39 @@ class Intervention(NamedTuple):
   path: str
   init: Callable[[], Any]
   apply: Callable[[Any, Any], Any]
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+  """``shape`` as a tuple of ints, or ``InvalidOptionError`` if it is no shape."""
+  try:
+    sizes = tuple(operator.index(n) for n in shape)
+  except TypeError:
+    sizes = None
+  if sizes is None or any(n < 0 for n in sizes) or any(
+      isinstance(n, (bool, np.bool_)) for n in shape):
+    raise InvalidOptionError('shape', shape, 'a tuple of sizes (ints >= 0) broadcasting to the '
+                             "call's output, e.g. (features,)")
+  return sizes
+
+
+def _path(path: Any) -> str:
+  """``path`` if it is a string (the call's path and point key)."""
+  if not isinstance(path, str):
+    raise InvalidOptionError('path', path, "the call's path and point key, a string such as "
+                             "'Dense_1/__call__'")
+  return path
+
+
+def _floating(dtype: Any) -> Any:
+  """``dtype`` if it is a floating dtype: the params are learned by gradient."""
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise InvalidOptionError('dtype', dtype, 'a floating dtype such as jnp.float32 (the vector '
+                             'is learned by gradient)')
+  return dtype
 
 
 def _applied(path: str, leaves: Any, edit_of: Callable[[Any], Edit]) -> Callable[[Any, Any], Any]:
@@ -84,7 +120,7 @@ def steering_vector(path: str, shape: Sequence[int], *, positions: Any = None,
     >>> steer.apply(jnp.array([1.0, -1.0]), jnp.zeros((3, 2))).tolist()
     [[1.0, -1.0], [1.0, -1.0], [1.0, -1.0]]
   """
-  shape = tuple(shape)
+  path, shape, dtype = _path(path), _shape(shape), _floating(dtype)
   add(jnp.zeros(shape, dtype), positions=positions, axis=axis)  # checks the options now
   return Intervention(
       path, lambda: jnp.zeros(shape, dtype),
@@ -126,7 +162,7 @@ def gates(path: str, shape: Sequence[int], *, init_logit: float = 3.0, positions
     [[1.0, 0.0]]
   """
   finite('init_logit', init_logit)
-  shape = tuple(shape)
+  path, shape = _path(path), _shape(shape)
   scale(jnp.ones(shape), positions=positions, axis=axis)  # checks the options now
   return Intervention(
       path, lambda: jnp.full(shape, init_logit, jnp.float32),
@@ -160,7 +196,26 @@ def init_interventions(interventions: Mapping[str, Intervention]) -> dict[str, A
     >>> params['steer'].tolist()
     [0.0, 0.0, 0.0]
   """
+  checked_interventions(interventions, 'perturbkit.interpret.init_interventions')
   return {name: intervention.init() for name, intervention in interventions.items()}
+
+
+def checked_interventions(interventions: Any, function: str) -> None:
+  """Raises :class:`NotInterventionsError` unless ``interventions`` is a dict of
+  :class:`Intervention` s, each with a path, an ``init()`` and an ``apply(params, output)``."""
+  if not isinstance(interventions, Mapping):
+    raise NotInterventionsError(function, interventions)
+  for name, item in interventions.items():
+    if not isinstance(item, Intervention):
+      raise NotInterventionsError(function, interventions)
+    if not isinstance(item.path, str):
+      raise NotInterventionsError(function, interventions, f'{name!r} has the path '
+                                  f"{item.path!r}, not a string such as 'Dense_1/__call__'")
+    for field, arguments, signature in (('init', 0, '()'), ('apply', 2, '(params, output)')):
+      fn = getattr(item, field)
+      if not callable(fn) or not takes(fn, arguments):
+        raise NotInterventionsError(function, interventions, f'the {field} of {name!r} is '
+                                    f'{fn!r:.60}, not a function {signature}')
 
 
 def _layout(tree: Any) -> tuple:
@@ -217,9 +272,7 @@ def run_with_interventions(tracer: Tracer, fn: Callable[..., Any],
                            function: str) -> Callable[..., Any]:
   """The front-end-neutral :func:`perturbkit.run_with_interventions` (``freeze`` per API)."""
   check_given(fn, filter, function)
-  if not isinstance(interventions, Mapping) or not all(
-      isinstance(i, Intervention) for i in interventions.values()):
-    raise NotInterventionsError(function, interventions)
+  checked_interventions(interventions, function)
 
   @named_after(fn)
   def run(model, params, *args, **kwargs):
