@@ -601,6 +601,24 @@ def test_loss_over_batch_statistics_fails_the_value_check():
                                reduction='sum')
 
 
+
+def test_check_per_example_names_the_other_reduction_and_a_missing_axis():
+  """A sum loss checked with the default reduction='mean' was reported as mixing its
+  examples (as BatchNorm would), and batch_axes past an argument's axes failed inside
+  jax.vmap."""
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  variables = model.init(jax.random.key(1), x)
+  mean = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  total = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
+  with pytest.raises(perturbkit.ReductionMismatchError,
+                     match=r"reduction='mean' was given, but the loss is a sum.*reduction='sum'"):
+    perturbkit.check_per_example(total, variables, x)
+  with pytest.raises(perturbkit.ReductionMismatchError, match=r"Pass reduction='mean'"):
+    perturbkit.check_per_example(mean, variables, x, reduction='sum')
+  with pytest.raises(perturbkit.ExamplesAxisError, match=r'shape \(6, 5\), with no axis 2'):
+    perturbkit.check_per_example(mean, variables, x, batch_axes=2)
+
 def test_examples_axis_errors():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))

@@ -17,7 +17,7 @@ from flax import nnx
 from perturbkit.errors import PerturbkitError, ReductionCheckError, ReductionMismatchError
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import (BatchAxes, check_batch_axes, check_reduction_option,
-                                           per_argument, reduce)
+                                           count_examples, per_argument, reduce)
 from perturbkit.errors import ExamplesMixedError
 from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._validate import non_negative
@@ -47,6 +47,10 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
 
   Raises:
     ExamplesMixedError: the two values differ.
+    ReductionMismatchError: the loss of the batch is the other reduction (a sum while
+      ``reduction='mean'``, or the other way round).
+    ExamplesAxisError: an argument has no axis ``batch_axes`` says, or the arguments
+      disagree on the number of examples.
     WrongFrontEndError: ``variables`` is an NNX model (use
       ``perturbkit.nnx.check_per_example``).
 
@@ -68,6 +72,7 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   check_reduction_option(reduction)
   check_batch_axes(batch_axes)
   axes = per_argument(batch_axes, len(args))
+  count_examples(args, batch_axes)  # each batched argument has its examples axis
   whole = float(_compiled(loss_fn, variables, *args))
 
   def alone(variables, *example):
@@ -78,6 +83,12 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   terms = _compiled(lambda v, *a: jax.vmap(alone, in_axes=(None, *axes))(v, *a),
                     variables, *args)
   combined = float(reduce(terms, reduction))
+  other = 'sum' if reduction == 'mean' else 'mean'
+  if (not np.isclose(whole, combined, rtol=rtol, atol=atol)
+      and np.isclose(whole, float(reduce(terms, other)), rtol=rtol, atol=atol)):
+    raise ReductionMismatchError(
+        reduction, other, f'the loss of the batch, {whole:.6g}, is the {other} of each '
+        f"example's loss alone (their {reduction} is {combined:.6g})")
   if not np.isclose(whole, combined, rtol=rtol, atol=atol):
     raise ExamplesMixedError(
         f'the loss of the batch is {whole:.6g}, but the {reduction} of each example\'s loss '
