@@ -406,3 +406,15 @@ def test_intervention_options_and_edits_are_checked_where_given():
     interpret.replace(jnp.zeros(3), view=(2.0, 3))  # the message showed view=None
   vector = interpret.steering_vector('Dense_0/__call__', (np.int64(3),), dtype='float32')
   np.testing.assert_array_equal(vector.init(), np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize('value', [3, 1.5])
+def test_nnx_wrt_is_a_variable_filter(value):
+  """``wrt=3`` failed in Flax with a ValueError from formatting its own message."""
+  loss = lambda m, x: jnp.mean(m(x))
+  with raises_invalid('wrt', value):
+    perturbkit.nnx.interleaved(loss, optax.sgd(0.1), wrt=value)
+  with raises_invalid('wrt', value):
+    perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss,
+                                        jnp.ones((3, 2)), wrt=value)
+  perturbkit.nnx.interleaved(loss, optax.sgd(0.1), wrt=(nnx.Param,))

@@ -17,11 +17,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import filterlib
 
 from perturbkit.nnx import _segmentation as _nnx_segmentation
 from perturbkit.core._examples import step_examples
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
-from perturbkit.errors import SegmentationError, UninitializedStateError
+from perturbkit.errors import InvalidOptionError, SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook, hooks_tuple
 from perturbkit.core._input_types import TypesSeen
 from perturbkit.nnx._driver import check_module, with_hooks
@@ -35,6 +36,18 @@ from perturbkit.core._validate import interleaved_options
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
+
+
+def checked_wrt(wrt: Any) -> Any:
+  """``wrt`` if Flax reads it as a filter of variables (Flax's own error for ``wrt=3`` is a
+  ``ValueError`` from formatting its message)."""
+  try:
+    filterlib.to_predicate(wrt)
+  except (TypeError, ValueError):
+    raise InvalidOptionError('wrt', wrt, 'an NNX filter of the trained variables, e.g. '
+                             'nnx.Param (a Variable type, a path pattern string, or a tuple '
+                             'or list of them)') from None
+  return wrt
 
 
 class InterleavedState(NamedTuple):
@@ -256,6 +269,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
                                  skip_nonfinite)
   check_loss_fn(loss_fn, 'perturbkit.nnx.interleaved', '(model, *args) -> loss')
+  checked_wrt(wrt)
   check_optimizer(optimizer)
   warn_whole_gradient(optimizer, 'perturbkit.nnx.interleaved')
   settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
@@ -385,6 +399,7 @@ class InterleavedOptimizer(nnx.Pytree):
     segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
                                    skip_nonfinite)
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
+    checked_wrt(wrt)
     check_optimizer(tx)
     warn_whole_gradient(tx, 'perturbkit.nnx.InterleavedOptimizer')
     self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
