@@ -418,3 +418,16 @@ def test_nnx_wrt_is_a_variable_filter(value):
     perturbkit.nnx.InterleavedOptimizer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss,
                                         jnp.ones((3, 2)), wrt=value)
   perturbkit.nnx.interleaved(loss, optax.sgd(0.1), wrt=(nnx.Param,))
+
+
+def test_traced_positions_in_a_list():
+  """An edit's positions may be traced (documented), but ``positions=[p]`` with ``p`` traced
+  failed in NumPy with TracerArrayConversionError; patching's positions label the result,
+  so a traced one is refused by name there."""
+  interpret = perturbkit.interpret
+  output = jnp.arange(12.0).reshape(1, 3, 4)
+  edit_at = lambda p: interpret.apply_edit(interpret.zero_ablate(positions=[p], axis=1), output)
+  np.testing.assert_array_equal(jax.jit(edit_at)(jnp.asarray(1)), edit_at(1))
+  with pytest.raises(perturbkit.InvalidOptionError, match='positions=.* not values traced'):
+    jax.jit(lambda p: perturbkit.attribution_patching(lambda v, x: 0.0, axis=1,
+                                                      positions=[p]))(1)

@@ -101,9 +101,13 @@ def _boolean_array(value: Any) -> bool:
 
 def _integer_indices(positions: Any) -> bool:
   """Whether ``positions`` are integer indices: not strings, floats, booleans, a slice or
-  ragged lists (NumPy makes those arrays of another kind)."""
-  if isinstance(positions, jax.Array):
-    return jnp.issubdtype(positions.dtype, jnp.integer)
+  ragged lists (NumPy makes those arrays of another kind). A list of JAX scalars (traced
+  ones too, ``[p]`` under ``jax.jit``) is read by ``jnp.asarray``."""
+  if any(isinstance(p, jax.Array) for p in jax.tree.leaves(positions)):
+    try:
+      return jnp.issubdtype(jnp.asarray(positions).dtype, jnp.integer)
+    except (TypeError, ValueError):  # ragged, or mixed with strings
+      return False
   try:
     return np.asarray(positions).dtype.kind in 'iu'
   except ValueError:  # ragged

@@ -31,6 +31,9 @@ def checked_positions(positions: Sequence[int] | None, axis: int | None
   if axis is None:
     raise InvalidOptionError('axis', axis, 'an int whenever positions are given (e.g. axis=1 '
                              'for the tokens of (batch, tokens, features) outputs)')
+  if any(isinstance(p, jax.core.Tracer) for p in jax.tree.leaves(positions)):
+    raise InvalidOptionError('positions', positions, 'Python ints, not values traced under '
+                             "jax.jit: they label the result's columns, which are static")
   try:
     given = np.asarray(positions)
   except ValueError:  # ragged nesting
