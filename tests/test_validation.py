@@ -127,6 +127,9 @@ def test_damped_inverse_takes_a_traced_damping():
   factor = jnp.diag(jnp.array([1.0, 3.0]))
   got = jax.jit(perturbkit.damped_inverse)(factor, 1.0)
   np.testing.assert_allclose(jnp.diagonal(got), [0.5, 0.25], rtol=1e-6)
+  # A nested list failed with AttributeError (it has no .ndim).
+  np.testing.assert_allclose(perturbkit.damped_inverse([[1.0, 0.0], [0.0, 3.0]], np.float32(1.0)),
+                             got, rtol=1e-6)
 
 
 @pytest.mark.parametrize('value', BAD_FRACTION)

@@ -71,6 +71,7 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
     [0.5, 0.25]
   """
   positive('damping', damping)
+  factor = jnp.asarray(factor)  # a nested list or a NumPy array too
   if factor.ndim == 1:
     return 1.0 / (jnp.maximum(factor, 0.0) + damping)
   if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
