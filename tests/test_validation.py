@@ -434,3 +434,13 @@ def test_traced_positions_in_a_list():
   with pytest.raises(perturbkit.InvalidOptionError, match='positions=.* not values traced'):
     jax.jit(lambda p: perturbkit.attribution_patching(lambda v, x: 0.0, axis=1,
                                                       positions=[p]))(1)
+
+
+def test_numpy_batch_axes_are_the_int_axes(mlp):
+  """``batch_axes=np.int64(0)`` (an axis read off a NumPy shape) was refused as no int."""
+  _, variables, loss_fn, x, y = mlp
+  _, want = perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0))(variables, x, y)
+  for axes in (np.int64(0), (np.int32(0), 0), [0, np.int64(0)]):
+    _, got = perturbkit.per_example_grad_norms(loss_fn, batch_axes=axes)(variables, x, y)
+    np.testing.assert_allclose(got.total, want.total, rtol=1e-6)
+  perturbkit.check_per_example(loss_fn, variables, x, y, batch_axes=np.int64(0))

@@ -14,16 +14,21 @@ from perturbkit.errors import ExamplesAxisError, InvalidOptionError
 BatchAxes = int | None | tuple
 
 
-def check_batch_axes(batch_axes: Any) -> None:
-  """Raises :class:`InvalidOptionError` unless ``batch_axes`` is an int, ``None``, or a
-  tuple (or list) of them; checked where it is given (the number of entries is checked
-  against the arguments when they come)."""
-  entry = lambda a: a is None or (isinstance(a, int) and not isinstance(a, bool))
-  if not (entry(batch_axes) or (isinstance(batch_axes, (tuple, list))
-                                and all(entry(a) for a in batch_axes))):
-    raise InvalidOptionError('batch_axes', batch_axes,
-                             "an int (the examples' axis of every argument), None, or a tuple "
-                             'with one int or None per positional argument, as in jax.vmap')
+def check_batch_axes(batch_axes: Any) -> BatchAxes:
+  """``batch_axes`` as Python ints (NumPy integers read as theirs, a list as a tuple), or
+  :class:`InvalidOptionError` unless it is an int, ``None``, or a tuple (or list) of them;
+  checked where it is given (the number of entries is checked against the arguments when
+  they come)."""
+  entry = lambda a: a is None or (isinstance(a, (int, np.integer))
+                                  and not isinstance(a, (bool, np.bool_)))
+  as_int = lambda a: None if a is None else int(a)
+  if entry(batch_axes):
+    return as_int(batch_axes)
+  if isinstance(batch_axes, (tuple, list)) and all(entry(a) for a in batch_axes):
+    return tuple(as_int(a) for a in batch_axes)
+  raise InvalidOptionError('batch_axes', batch_axes,
+                           "an int (the examples' axis of every argument), None, or a tuple "
+                           'with one int or None per positional argument, as in jax.vmap')
 
 
 def check_reduction_option(reduction: Any) -> None:

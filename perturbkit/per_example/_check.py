@@ -70,7 +70,7 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
   non_negative('rtol', rtol)
   non_negative('atol', atol)
   check_reduction_option(reduction)
-  check_batch_axes(batch_axes)
+  batch_axes = check_batch_axes(batch_axes)
   axes = per_argument(batch_axes, len(args))
   count_examples(args, batch_axes)  # each batched argument has its examples axis
   whole = float(_compiled(loss_fn, variables, *args))

@@ -32,7 +32,7 @@ from flax import traverse_util
 from perturbkit.core._values import values_closed_over
 from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
-from perturbkit.per_example._batch import BatchAxes
+from perturbkit.per_example._batch import BatchAxes, check_batch_axes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation, refuse_accumulation_state
 from perturbkit.per_example._check import reduction_checker
@@ -269,6 +269,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
   check_dense_method(dense_method)
+  batch_axes = check_batch_axes(batch_axes)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
   @named_after(loss_fn)

@@ -23,7 +23,7 @@ from perturbkit.core._loss import check_loss_fn, describe
 from perturbkit.errors import UninitializedStateError
 from perturbkit.nnx._driver import check_module
 from perturbkit.nnx._segments import params_tree, with_values
-from perturbkit.per_example._batch import BatchAxes
+from perturbkit.per_example._batch import BatchAxes, check_batch_axes
 from perturbkit.per_example._check import check_per_example as check_functional
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.core._keys import check_key
@@ -117,6 +117,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   """
   check_loss_fn(loss_fn, 'perturbkit.nnx.per_example_grad_norms', '(model, *args) -> loss')
   check_dense_method(dense_method)
+  batch_axes = check_batch_axes(batch_axes)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
   @functools.wraps(loss_fn)
@@ -179,6 +180,7 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   positive('clip_norm', clip_norm)
   non_negative('noise_multiplier', noise_multiplier)
   check_dense_method(dense_method)
+  batch_axes = check_batch_axes(batch_axes)
   check_reduction = _reduction_check(loss_fn, reduction, batch_axes)
 
   @named_after(loss_fn)

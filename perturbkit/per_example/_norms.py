@@ -8,7 +8,7 @@ from flax import traverse_util
 
 from perturbkit.core._values import values_closed_over
 from perturbkit.linen._driver import check_variables
-from perturbkit.per_example._batch import BatchAxes
+from perturbkit.per_example._batch import BatchAxes, check_batch_axes
 from perturbkit.per_example._check import reduction_checker
 from perturbkit.per_example._pass import Pass, run_pass
 from perturbkit.per_example._reads import grads_with_reads, tied_head
@@ -178,6 +178,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   """
   check_loss_fn(loss_fn, 'perturbkit.per_example_grad_norms', '(variables, *args) -> loss')
   check_dense_method(dense_method)
+  batch_axes = check_batch_axes(batch_axes)
   check_reduction = reduction_checker(loss_fn, reduction, batch_axes)
 
   @functools.wraps(loss_fn)
