@@ -372,3 +372,13 @@ def test_forward_over_reverse_of_a_hooked_loss_equals_the_layerwise_backward(mlp
   # Forward mode alone meets the custom VJP, as documented.
   with pytest.raises(TypeError, match='forward-mode'):
     jax.jvp(perturbkit.with_hooks(loss, hook), (variables,), (tangent,))
+
+
+def test_a_hook_built_by_hand_is_checked_where_given():
+  """``Hook(filter, fn)`` built by hand skipped backward_hook's checks and failed with
+  Python's TypeError in the run."""
+  loss = lambda v, x: 0.0
+  with pytest.raises(perturbkit.FilterError, match='filter= takes'):
+    perturbkit.value_and_grad(loss, hooks=perturbkit.Hook(3, lambda g: g))
+  with pytest.raises(perturbkit.HookFunctionError, match='must be callable'):
+    perturbkit.with_hooks(loss, [perturbkit.Hook(perturbkit.filters.all_calls, 3)])

@@ -120,14 +120,17 @@ def hooks_tuple(hooks: Any, function: str) -> tuple[Hook, ...]:
 
   Raises:
     NotAHookError: ``hooks`` or one of its items is not a :class:`Hook`.
+    FilterError, HookFunctionError: a :class:`Hook` built by hand holds no call filter or
+      no function of the cotangent (the checks of :func:`backward_hook`).
   """
   if isinstance(hooks, Hook):
-    return (hooks,)
+    hooks = (hooks,)
   if not isinstance(hooks, (list, tuple)):
     raise NotAHookError(function, hooks)
   for hook in hooks:
     if not isinstance(hook, Hook):
       raise NotAHookError(function, hook)
+    backward_hook(hook.fn, hook.filter)  # its checks, for a Hook built by hand
   return tuple(hooks)
 
 
