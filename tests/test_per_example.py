@@ -720,6 +720,26 @@ def test_root_params_replay_the_apply():
       variables['params']), **TOL)
 
 
+class RootBias(nn.Module):
+  @nn.compact
+  def __call__(self, x, weights):
+    return nn.Dense(2)(x) * weights + self.param('bias', nn.initializers.ones, (2,))[None, :]
+
+
+def test_root_params_of_an_apply_given_a_constant_name_the_input():
+  """The root's own params come from a per-example replay of the apply; an apply given a
+  constant with a row per example (positions made in the loss, as for BART's root
+  ``final_logits_bias``) cannot be replayed, and the error names that input and what to pass.
+  (It was UncoveredParamsError, saying to leave out params the model uses.)"""
+  model = RootBias()
+  x = jax.random.normal(jax.random.key(0), (3, 4))
+  variables = model.init(jax.random.key(1), x, jnp.ones((3, 2)))
+  loss_fn = lambda v, x: jnp.mean(model.apply(v, x, jnp.ones((3, 2))) ** 2)
+  with pytest.raises(perturbkit.AmbiguousInputError,
+                     match=r'Input 1 of the call RootBias.__call__ \(the model.apply'):
+    jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)
+
+
 def test_params_of_a_module_never_called_are_rejected():
   model = models.MLP(out=3)
   x = jnp.ones((3, 5))

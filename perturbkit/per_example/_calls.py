@@ -26,7 +26,7 @@ from perturbkit.per_example._mixing import mixing
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay
 from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
 from perturbkit.per_example._nested import nested_applies, nested_params
-from perturbkit.per_example._fallback import replayed_owners, source_error
+from perturbkit.per_example._fallback import replayed_owners, source_error, unreplayed_error
 from perturbkit.per_example._outside import reads_by_place
 from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError,
                                PerExampleError, UncoveredParamsError)
@@ -412,9 +412,14 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   uses = {path: [u for i, u in enumerate(module_uses)
                  if path not in covers.get(use_top[(path, i)], frozenset())]
           for path, module_uses in {**uses, **{p: uses.get(p, []) for p in covered}}.items()}
-  missing = sorted('/'.join(p) or '<root>' for p in owners - covered if not uses.get(p))
-  if missing:
-    raise UncoveredParamsError(missing)
+  uncovered = {p for p in owners - covered if not uses.get(p)}
+  if uncovered:
+    unreplayed = [(f'{type(read.module).__name__}.{read.method_name} (the model.apply of the loss)',
+                   needed_owners[i], read.sources,
+                   [jax.numpy.shape(x) for x in read_arrays[i][0]])
+                  for i, read in enumerate(reads) if where.top[i] is None and i not in replayable]
+    raise (unreplayed_error(uncovered, unreplayed, num_examples)
+           or UncoveredParamsError(sorted('/'.join(p) or '<root>' for p in uncovered)))
   refused = {**{name: what for name, what in read_anywhere.items()
                 if by_name[name] not in covered}, **read_outside}
   if refused:

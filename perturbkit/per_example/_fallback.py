@@ -23,7 +23,9 @@ replayed per example (``_per_example_reads``): the cost of ``jax.vmap(jax.grad)`
 whole ``apply`` rebuilds inside the model whatever it builds there, so the replay is right
 either way; ids the model accepts as arguments (``position_ids``), passed batched to the
 loss, keep the calls' own fast paths. A call whose inputs do not allow its ``apply`` to be
-replayed per example either (an ``apply`` given a constant made in the loss) keeps its error.
+replayed per example either (an ``apply`` given a constant made in the loss) keeps its error;
+params no call of theirs is seen for (the root's own) get that ``apply``'s error
+(:func:`unreplayed_error`).
 """
 from typing import Iterable, Sequence
 
@@ -87,3 +89,27 @@ def replayed_owners(owners: set[Path], calls: Iterable[tuple[Path, Sequence[str]
   misfits = {path for path, sources, shapes in calls
              if source_error(sources, shapes, num_examples, '') is not None}
   return frozenset((owners & {()}) | read_inside | misfits)
+
+
+def unreplayed_error(uncovered: set[Path],
+                     applies: Iterable[tuple[str, frozenset, Sequence[str], list[Shape]]],
+                     num_examples: int) -> PerExampleError | None:
+  """Why params no call covers were left out: the ``apply`` reading them cannot be replayed.
+
+  Args:
+    uncovered: The owners no call and no replay gives per-example gradients.
+    applies: ``(name, owners its output depends on, sources, shapes)`` of each top-level
+      ``apply`` that cannot be replayed per example.
+    num_examples: The number of examples.
+
+  Returns:
+    :func:`source_error`'s error for the first such ``apply`` whose output depends on
+    an uncovered owner (BART's root ``final_logits_bias`` read by an ``apply`` given
+    positions made in the loss: not unused params, an input to pass), else ``None``.
+  """
+  for where, needed, sources, shapes in applies:
+    if needed & uncovered:
+      error = source_error(sources, shapes, num_examples, where)
+      if error is not None:
+        return error
+  return None
