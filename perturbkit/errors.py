@@ -254,7 +254,10 @@ class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
               'The loss function must hand the `variables` it receives to `model.apply` '
               'unchanged (extra collections included), e.g. `model.apply(variables, x)` or '
               "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
-              'same inputs every time it is traced.')
+              'same inputs every time it is traced. A Hugging Face model called as '
+              "`model(x, params=variables['params'])` builds a variables dict of its own from "
+              'the params alone: call its Linen module instead, `model.module.apply(variables, '
+              'x, ...)`.')
     super().__init__(
         f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
         + advice)
