@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.core._validate import positive
 from perturbkit.errors import (InvalidOptionError, KFACLossError, KFACLossShapeError,
                                KFACTargetsError)
@@ -104,16 +105,16 @@ def categorical_output() -> OutputLoss:
   """
   def nll(logits, labels):
     _check_labels(logits, labels)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    log_probs = jax.nn.log_softmax(widened(logits))
     picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     return -_per_example(picked)
 
   def sample(key, logits):
-    return jax.random.categorical(key, logits.astype(jnp.float32), axis=-1)
+    return jax.random.categorical(key, widened(logits), axis=-1)
 
   def fisher_sqrt(logits):
     # H = diag(p) - p pᵀ = B Bᵀ with B[:, j] = sqrt(p_j) (e_j - p), since sum(p) = 1.
-    p = jax.nn.softmax(logits.astype(jnp.float32))
+    p = jax.nn.softmax(widened(logits))
     k = p.shape[-1]
     return jnp.sqrt(p).T[:, :, None] * (jnp.eye(k, dtype=p.dtype)[:, None, :] - p[None])
 
@@ -149,12 +150,12 @@ def gaussian_output(variance: float = 1.0) -> OutputLoss:
     return _per_example(jnp.square(output - targets) / (2.0 * variance))
 
   def sample(key, output):
-    noise = jax.random.normal(key, output.shape, jnp.float32)
+    noise = jax.random.normal(key, output.shape, accumulation_dtype(output.dtype))
     return output + (variance ** 0.5) * noise.astype(output.dtype)
 
   def fisher_sqrt(output):
     k = output.shape[-1]
-    eye = jnp.eye(k, dtype=jnp.float32)[:, None, :] / variance ** 0.5
+    eye = jnp.eye(k, dtype=accumulation_dtype(output.dtype))[:, None, :] / variance ** 0.5
     return jnp.broadcast_to(eye, (k,) + output.shape)
 
   return OutputLoss(f'squared_error(variance={variance})', nll, sample, fisher_sqrt)
