@@ -4,6 +4,7 @@ References are plain JAX: each example's gradient is ``jax.grad`` of the loss of
 that example alone (``jax.vmap`` over examples), clipped and summed by hand.
 """
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,3 +246,25 @@ def test_dp_sgd_skips_a_step_whose_gradient_is_not_finite(problem):
   chex.assert_trees_all_equal(new.variables, state.variables)
   chex.assert_trees_all_equal(new.opt_state, state.opt_state)
   assert int(new.step) == 1
+
+
+def test_dp_sgd_takes_a_float16_step_whose_gradient_is_finite():
+  """A float16 gradient with entries above 256 is finite, though its squares are not in
+  float16: the check for a non-finite gradient takes its norm in float32 (before, every such
+  step was skipped). Without noise or clipping the step is optax's on jax.grad."""
+  low = dict(dtype=jnp.float16, param_dtype=jnp.float16)
+  model = nn.Sequential([nn.Dense(8, **low), nn.tanh, nn.Dense(1, **low)])
+  x = (30 * jax.random.normal(jax.random.key(1), (BATCH, 3))).astype(jnp.float16)
+  y = jnp.full((BATCH, 1), 300.0)
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
+  grads = jax.grad(loss_fn)(variables, x, y)['params']
+  assert not jnp.isfinite(optax.tree.norm(grads))  # in float16
+  tx = perturbkit.dp_sgd(loss_fn, optax.sgd(1e-4), clip_norm=1e30, noise_multiplier=0.0)
+  state, metrics = jax.jit(tx.step)(tx.init(variables), jax.random.key(0), x, y)
+  assert not bool(metrics['skipped']) and int(metrics['dropped']) == 0
+  want = jax.tree.map(lambda p, g: p - 1e-4 * g, variables['params'], grads)
+  chex.assert_trees_all_equal_dtypes(state.variables['params'], variables['params'])
+  chex.assert_trees_all_close(state.variables['params'], want, rtol=0, atol=1e-3)
+  assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)),
+                                       state.variables['params'], variables['params']))

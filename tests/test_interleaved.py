@@ -214,6 +214,33 @@ def test_bf16_model_keeps_its_dtypes_and_original_equals_standard_step(propagate
                                          v['params']))  # the steps moved the params
 
 
+def test_float16_gradient_above_256_is_finite_and_its_step_taken():
+  """A float16 gradient with entries above 256 is finite, though its squares are not in
+  float16: the norms (the check for a non-finite gradient, the metrics) are taken in float32.
+  Before, every step was skipped as non-finite and the norms were inf; now 'original' equals
+  optax on jax.grad, and the norms are the float32 norms of the float16 gradients."""
+  low = dict(dtype=jnp.float16, param_dtype=jnp.float16)
+  model = nn.Sequential([nn.Dense(8, **low), nn.tanh, nn.Dense(1, **low)])
+  x = (30 * jax.random.normal(jax.random.key(1), (8, 3))).astype(jnp.float16)
+  y = jnp.full((8, 1), 300.0)
+  v = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
+  grads = jax.grad(loss_fn)(v, x, y)['params']
+  assert not jnp.isfinite(optax.tree.norm(grads))  # in float16
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(1e-4), propagate='original')
+  state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  assert not metrics['skipped']
+  for name, g in grads.items():
+    want = optax.tree.norm(jax.tree.map(lambda a: a.astype(jnp.float32), g))
+    np.testing.assert_allclose(metrics['grad_norm'][name], want, rtol=1e-6)
+  params, _ = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optax.sgd(1e-4),
+                            v['params'], optax.sgd(1e-4).init(v['params']), x, y)
+  chex.assert_trees_all_equal_dtypes(state.params, v['params'])
+  chex.assert_trees_all_close(state.params, params, rtol=0, atol=1e-3)
+  assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.params,
+                                       v['params']))  # the step moved the params
+
+
 class BNNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):

@@ -1,6 +1,10 @@
-"""The dtype that sums and products over many elements are taken in: at least float32."""
+"""The dtype that sums and products over many elements (and norms) are taken in: at least
+float32."""
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def accumulation_dtype(dtype) -> jnp.dtype:
@@ -17,3 +21,13 @@ def widened(x: jax.Array) -> jax.Array:
   to about 3 digits. Elementwise, so XLA fuses the conversion into its consumer.
   """
   return x.astype(accumulation_dtype(x.dtype))
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """The norm of all of ``tree``'s arrays together, in at least float32.
+
+  A float16 gradient is finite while its norm in float16 is not: an entry above
+  256 has a square past float16's largest value (65504), so the norm read as a
+  non-finite gradient, and a model's steps were skipped.
+  """
+  return optax.tree.norm(jax.tree.map(widened, tree))

@@ -23,6 +23,7 @@ from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, Optimize
                                SegmentOptimizerError)
 from perturbkit.core._callables import takes
 from perturbkit.core._optax_privacy import refuse_optax_privacy
+from perturbkit.core._precision import global_norm
 from perturbkit.core._segment_choice import Segmentation
 from perturbkit.core._segment_vjp import Backward, split_floats
 from perturbkit.core._types import PyTree
@@ -308,7 +309,7 @@ def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
   params' last reads), so that XLA updates the params in place without first
   copying them.
   """
-  finite = jnp.isfinite(optax.tree.norm(grads))
+  finite = jnp.isfinite(global_norm(grads))
   if guard and after is not None:
     finite = jnp.logical_and(finite, always_true_after(after))
 
@@ -355,7 +356,7 @@ def backward_for(sweep: Sweep, name: str, swept: dict, opt_state: PyTree = None)
   def step(g, dw, w, dyn, after, state):
     opt_state, scale = state
     # Typed to vary like its carrier (``carrier``), whether or not ``g`` varies.
-    carried = {'activation_grad_norm': vary(optax.tree.norm(g).astype(jnp.float32),
+    carried = {'activation_grad_norm': vary(global_norm(g).astype(jnp.float32),
                                             manual_axes())}
     extra_args = {'segment_inputs': dyn, 'segment_output_grad': g}
     swept[name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), extra_args)
@@ -422,10 +423,10 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
   new_groups, new_opt_state, grad_norms, skipped = {}, {}, {}, {}
   for name, g in grad_groups.items():
     tx, w, opt = optimizer_for(sweep.optimizer, name), param_groups[name], sweep.opt_state[name]
-    grad_norms[name] = optax.tree.norm(g)
+    grad_norms[name] = global_norm(g)
     # A scanned segment steps each iteration on its own: its update is mapped over them.
     mapped = jax.vmap if name in sweep.iterations else lambda f: f
-    finite = mapped(lambda g: jnp.isfinite(optax.tree.norm(g)))(g)
+    finite = mapped(lambda g: jnp.isfinite(global_norm(g)))(g)
     skipped[name] = (jnp.logical_not(jnp.all(finite)) if sweep.skip_nonfinite
                      else jnp.zeros((), bool))
     if name in swept:
@@ -448,9 +449,9 @@ def finish(sweep: Sweep, params: Mapping, grads: Mapping, carried: Mapping, swep
   act_norms = {name: c['activation_grad_norm'] for name, c in carried.items()}
   if axis_name is not None:
     act_norms = whole_batch_norms(act_norms, axis_name)
-  global_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
+  whole_norm = jnp.sqrt(sum(n ** 2 for n in grad_norms.values()))
   metrics = {'grad_norm': {n: v for n, v in grad_norms.items() if n != REST},
-             'activation_grad_norm': act_norms, 'global_grad_norm': global_norm,
+             'activation_grad_norm': act_norms, 'global_grad_norm': whole_norm,
              'nonfinite': {n: jnp.logical_not(jnp.isfinite(v)) for n, v in grad_norms.items()},
              'skipped': jnp.any(jnp.stack(list(skipped.values()))),
              'segment_skipped': skipped}
