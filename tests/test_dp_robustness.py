@@ -72,6 +72,24 @@ def test_sum_loss_with_mean_reduction_is_refused(problem, jit):
     wrap(tx.step)(tx.init(variables), jax.random.key(0), x, y)
 
 
+def test_bf16_sum_loss_with_mean_reduction_is_refused():
+  """A bfloat16 loss is rounded to 8 significant bits, so the loss of two examples is the sum
+  of their losses only to about 0.4% (here 1.0078125 + 1 rounds to 2): the check that a sum
+  is additive allowed 0.1%, judged nothing, and a bfloat16 sum passed as a mean gave norms
+  as many times too large as there are examples. The check allows the loss dtype's
+  rounding."""
+  model = nn.Dense(1, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                   kernel_init=nn.initializers.ones)
+  x = jnp.array([[1.0078125], [1.0], [1.5], [2.0]], jnp.bfloat16)
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x: jnp.sum(model.apply(v, x))
+  assert loss_fn(variables, x[:2]) == 2.0  # not 2.0078125
+  with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='sum'"):
+    perturbkit.per_example_grad_norms(loss_fn)(variables, x)
+  _, norms = perturbkit.per_example_grad_norms(loss_fn, reduction='sum')(variables, x)
+  np.testing.assert_allclose(norms.total, x[:, 0].astype(jnp.float32), rtol=1e-6)
+
+
 def test_mean_loss_with_sum_reduction_is_refused(problem):
   model, variables, x, y = problem
   with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='mean'"):

@@ -154,8 +154,10 @@ def _examples(arg: Any, axis: int | None, rows: tuple[int, ...]) -> Any:
 
 
 def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict,
-                 batch_axes: BatchAxes, batches: list[tuple[int, ...]]) -> list[float] | None:
-  """The loss of each batch of ``batches`` (rows of the batch), at trace time, in one call.
+                 batch_axes: BatchAxes, batches: list[tuple[int, ...]]
+                 ) -> tuple[list[float], Any] | None:
+  """The loss of each batch of ``batches`` (rows of the batch), at trace time, in one call,
+  and the dtype the loss is computed in.
 
   Runs on concrete values (``stand_in``), as one compiled call of the loss, also
   while a caller's ``jax.jit`` traces (the call is compiled ahead of time and run
@@ -165,20 +167,26 @@ def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwarg
   axes = per_argument(batch_axes, len(args))
   leaves, tree = jax.tree.flatten((variables, args, kwargs))
   leaves = [stand_in(leaf, i) for i, leaf in enumerate(leaves)]
+  dtypes = []
 
   def losses(variables, args, kwargs):
     given = [[_examples(x, a, rows) for x, a in zip(args, axes)] for rows in batches]
-    return [jnp.asarray(loss_fn(variables, *a, **kwargs), jnp.float32) for a in given]
+    values = [loss_fn(variables, *a, **kwargs) for a in given]
+    dtypes.append(jnp.result_type(values[0]))
+    return [jnp.asarray(v, jnp.float32) for v in values]
 
   on_arrays, arrays = over_arrays(losses, leaves, tree)
   traced = jax.jit(on_arrays).trace(arrays)
   if len(traced.jaxpr.jaxpr.invars) != len(arrays):
     return None  # the traced values the loss closes over became inputs of their own
-  return [float(v) for v in traced.lower().compile()(arrays)]
+  return [float(v) for v in traced.lower().compile()(arrays)], dtypes[0]
 
 
-def _close(a: float, b: float) -> bool:
-  return bool(np.isclose(a, b, rtol=1e-3, atol=1e-6))
+def _close(a: float, b: float, dtype: Any) -> bool:
+  """Whether two losses computed in ``dtype`` are equal up to its rounding (a bfloat16 loss
+  is rounded to 3 digits, so the loss of two examples is their sum only to about 1%)."""
+  rounding = 4 * float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
+  return bool(np.isclose(a, b, rtol=max(1e-3, rounding), atol=1e-6))
 
 
 def found_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict,
@@ -196,11 +204,11 @@ def found_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
   The two examples' losses are compiled only for a loss that doubles.
   """
   losses = lambda batches: batch_losses(loss_fn, variables, args, kwargs, batch_axes, batches)
-  usable = lambda values: values is not None and np.all(np.isfinite(values))
-  values = losses([(0,), (0, 0)])
-  if not usable(values) or abs(values[0]) < 1e-20:
+  usable = lambda result: result is not None and np.all(np.isfinite(result[0]))
+  result = losses([(0,), (0, 0)])
+  if not usable(result) or abs(result[0][0]) < 1e-20:
     return None, float('nan')
-  alone, twice = values
+  (alone, twice), dtype = result
   ratio = twice / alone
   if abs(ratio - 1) <= 0.25:
     return 'mean', ratio
@@ -209,8 +217,8 @@ def found_reduction(loss_fn: Callable[..., Any], variables: Any, args: tuple, kw
   if num_examples == 1:
     return 'sum', ratio
   # Only a sum-like loss pays for the second compile (the common mean needs one).
-  values = losses([(1,), (0, 1)])
-  if usable(values) and _close(values[1], alone + values[0]):
+  result = losses([(1,), (0, 1)])
+  if usable(result) and _close(result[0][1], alone + result[0][0], dtype):
     return 'sum', ratio
   return None, ratio
 
