@@ -286,3 +286,29 @@ def test_dp_sgd_takes_a_float16_step_whose_gradient_is_finite():
   chex.assert_trees_all_close(state.variables['params'], want, rtol=0, atol=1e-3)
   assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)),
                                        state.variables['params'], variables['params']))
+
+
+def test_float16_per_example_gradients_above_its_range_are_clipped_not_nan():
+  """A float16 model's per-example gradient can exceed float16's range (65504) where the batch
+  gradient, a mean over the examples, does not: the direct rule's per-example gradients are
+  kept in float32 for the clipped sum (they were stored in float16, turned inf, and made the
+  clipped sum NaN though every norm was finite). Against a float32 twin's clipped sum."""
+  low = dict(dtype=jnp.float16, param_dtype=jnp.float16)
+  model = nn.Sequential([nn.Dense(4, **low), nn.Dense(1, **low)])
+  x = jax.random.normal(jax.random.key(1), (8, 3)).at[0].set(600.0)
+  y = jnp.zeros((8, 1)).at[0].set(-400.0)
+  variables = model.init(jax.random.key(0), x.astype(jnp.float16))
+  loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
+  grads, metrics = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0,
+                                           dense_method='direct')(
+      variables, jax.random.key(0), x.astype(jnp.float16), y)
+  assert int(metrics['dropped']) == 0
+  wide = nn.Sequential([nn.Dense(4), nn.Dense(1)])
+  twin = jax.tree.map(lambda a: a.astype(jnp.float32), variables)
+  per_example = per_example_grads(lambda v, x, y: jnp.mean((wide.apply(v, x) - y) ** 2),
+                                  twin, x, y)
+  assert jnp.max(jnp.abs(per_example['layers_1']['kernel'][0])) > 65504
+  want = jax.tree.map(lambda g: g / 8, clipped_sum(per_example, jnp.ones(8, bool), 1.0))
+  chex.assert_trees_all_equal_dtypes(grads, variables['params'])
+  chex.assert_trees_all_close(jax.tree.map(lambda g: g.astype(jnp.float32), grads), want,
+                              rtol=1e-2, atol=1e-3)

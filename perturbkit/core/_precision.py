@@ -31,3 +31,13 @@ def global_norm(tree: Any) -> jax.Array:
   non-finite gradient, and a model's steps were skipped.
   """
   return optax.tree.norm(jax.tree.map(widened, tree))
+
+
+def stored_dtype(dtype, wide) -> jnp.dtype:
+  """``dtype`` (a model's own, to keep memory low) for values computed in ``wide``, unless
+  ``dtype``'s range is narrower: float16's largest value is 65504, so a per-example gradient
+  stored in it turns inf where the model's own gradient (a mean over the examples) is finite.
+  """
+  if jnp.finfo(dtype).maxexp < jnp.finfo(wide).maxexp:
+    return jnp.dtype(wide)
+  return jnp.dtype(dtype)

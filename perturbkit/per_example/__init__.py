@@ -38,7 +38,8 @@ How each layer is computed
 * The norms are float32 (float64 for a float64 model): a bfloat16 or float16
   model's Gram matrices, per-example kernel and bias gradients and squared
   norms are accumulated in float32, and the per-example gradients kept for the
-  clipped sum are stored in the model's dtype.
+  clipped sum are stored in the model's dtype (in float32 for a float16 model:
+  an example's gradient can exceed float16's range where the batch's does not).
 * Any other module that owns params is replayed per example: a vmap of its own
   call's VJP, given its recorded inputs and output gradient (transient memory of
   that layer only). A module that also has children gets only its own params

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core._conv_patches import conv_patches as patches_of
-from perturbkit.core._precision import accumulation_dtype, widened
+from perturbkit.core._precision import accumulation_dtype, stored_dtype, widened
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.per_example._replay import Pair, call_output, per_example_grads
 
@@ -78,15 +78,17 @@ def _kept(pairs: list[Pair], per_example: dict[str, jax.Array],
 
   Without them, the clipped sum replays each call from its inputs and output
   gradient, which must then stay in memory until every example's norm is known.
-  ``dtypes``: the dtype each kept array is stored in (the params'), where the
-  norms are taken from wider values.
+  ``dtypes``: the dtype each kept array is stored in (the params', or the wider one the
+  values are computed in where the params' range is narrower: float16), where the norms
+  are taken from wider values.
   """
   squares = {k: per_example_sq(v) for k, v in per_example.items()}
   replay = sum(_size((p.args, p.kwargs)) + _size(p.grad) for p in pairs)
   if _size(per_example) > replay:
     return LayerNorms(squares)
   dtypes = dtypes or {}
-  return LayerNorms(squares, {k: v.astype(dtypes.get(k, v.dtype)) for k, v in per_example.items()})
+  return LayerNorms(squares, {k: v.astype(stored_dtype(dtypes.get(k, v.dtype), v.dtype))
+                              for k, v in per_example.items()})
 
 
 def _first_input(pair: Pair) -> jax.Array:
@@ -274,7 +276,8 @@ def conv_direct_rule(pairs, params, num_examples, method):
   if not keep:
     return LayerNorms(squares)
   dtype = jnp.promote_types(pairs[0].args[0].dtype, pairs[0].grad.dtype)
-  return LayerNorms(squares, {k: v.astype(dtype) for k, v in {'kernel': kernel, **bias}.items()})
+  return LayerNorms(squares, {k: v.astype(stored_dtype(dtype, v.dtype))
+                              for k, v in {'kernel': kernel, **bias}.items()})
 
 
 class Head(NamedTuple):
