@@ -74,7 +74,7 @@ standard step (3.41 against 2.87 with the same, untuned adam 3e-3).
 
 # Namespaces
 from perturbkit import errors
-from perturbkit.core import filters
+from perturbkit import filters
 from perturbkit import interpret
 from perturbkit import kfac
 from perturbkit import nnx

@@ -103,3 +103,15 @@ def test_a_module_or_a_function_of_other_arguments_is_refused_where_given():
     with pytest.raises(perturbkit.FilterError, match='segments= .*' + match):
       perturbkit.interleaved(lambda v, x: 0.0, optax.sgd(0.1), segments=bad)
   assert filters.as_filter(lambda *a: True)(None, '__call__')
+
+
+def test_the_filters_import_as_a_module_on_both_front_ends():
+  """``from perturbkit.filters import by_path`` works as ``from perturbkit import filters``
+  does (it was a ModuleNotFoundError), and the NNX names are the same functions."""
+  import importlib
+  linen_face = importlib.import_module('perturbkit.filters')
+  nnx_face = importlib.import_module('perturbkit.nnx.filters')
+  assert linen_face is perturbkit.filters
+  assert linen_face.__all__ == nnx_face.__all__
+  for name in linen_face.__all__:
+    assert getattr(linen_face, name) is getattr(nnx_face, name), name

@@ -20,9 +20,10 @@ from perturbkit.core.filters import by_depth  # noqa: F401
 from perturbkit.core.filters import by_method  # noqa: F401
 from perturbkit.core.filters import by_path  # noqa: F401
 from perturbkit.core.filters import by_type  # noqa: F401
+from perturbkit.core.filters import module_path  # noqa: F401
 from perturbkit.core.filters import negate  # noqa: F401
 from perturbkit.core.filters import path_string  # noqa: F401
 from perturbkit.core.filters import top_level  # noqa: F401
 
 __all__ = ['all_calls', 'all_of', 'any_of', 'as_filter', 'by_depth', 'by_method', 'by_path',
-           'by_type', 'negate', 'path_string', 'top_level']
+           'by_type', 'module_path', 'negate', 'path_string', 'top_level']
