@@ -14,8 +14,9 @@ import numpy as np
 
 
 def is_array(leaf: Any) -> bool:
-  """Whether a trace takes ``leaf`` as an array: a JAX array (a tracer too) or a NumPy one."""
-  return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+  """Whether a trace takes ``leaf`` as an array: a JAX array (a tracer too) or a NumPy one.
+  A NumPy scalar, like a Python number, is a value."""
+  return isinstance(leaf, (jax.Array, np.ndarray))
 
 
 def partition_values(tree: Any, keep: Callable[[Any], bool] = lambda leaf: False,

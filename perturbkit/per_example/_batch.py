@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from perturbkit.core._values import is_array
 from perturbkit.errors import ExamplesAxisError, InvalidOptionError
 
 BatchAxes = int | None | tuple
@@ -60,7 +61,7 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
     if axis is None:
       continue
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-      if not isinstance(leaf, (jax.Array, np.ndarray)):
+      if not is_array(leaf):
         continue
       where = f'argument {index}{jax.tree_util.keystr(path)}'
       if not -leaf.ndim <= axis < max(leaf.ndim, 1) or leaf.ndim == 0:

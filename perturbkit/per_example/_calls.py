@@ -14,9 +14,9 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
-import numpy as np
 from flax import traverse_util
 
+from perturbkit.core._values import is_array, partition_values
 from perturbkit.core import filters as _filters
 from perturbkit.core._loss import scalar_loss
 from perturbkit.linen._interceptor import Call, intercept
@@ -98,13 +98,9 @@ def add_to_floats(tree: Any, delta: Any) -> Any:
   return merge(tree, jax.tree.map(lambda t, d: t + d, float_part(tree), delta))
 
 
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray))
-
-
 def static_part(tree: Any) -> Any:
   """``tree`` with arrays replaced by ``None``; plain containers keep their shape."""
-  if _is_array(tree):
+  if is_array(tree):
     return None
   if type(tree) in (tuple, list):
     return type(tree)(static_part(t) for t in tree)
@@ -117,7 +113,7 @@ def merge_static(arrays: Any, template: Any, where: str) -> Any:
   """Puts the arrays of a call's recorded inputs back into its ``static_part``."""
   if arrays is None:
     return template
-  if _is_array(arrays):
+  if is_array(arrays):
     return arrays
   if type(arrays) in (tuple, list) and type(template) is type(arrays):
     return type(arrays)(merge_static(a, t, where) for a, t in zip(arrays, template))
@@ -139,7 +135,7 @@ def direct_params(params: Any, path: Path) -> dict[str, Any]:
   node = params
   for name in path:
     node = node[name]
-  return {k: v for k, v in node.items() if _is_array(v)}
+  return {k: v for k, v in node.items() if is_array(v)}
 
 
 def module_variables(variables: Variables, path: Path) -> dict[str, Any]:
@@ -174,7 +170,7 @@ def _mixing_reason(call: Call, batch_stats_owners: set[Path]) -> str | None:
 
 
 def _array_leaves(tree: Any) -> list[Any]:
-  return [leaf for leaf in jax.tree.leaves(tree) if _is_array(leaf)]
+  return [leaf for leaf in jax.tree.leaves(tree) if is_array(leaf)]
 
 
 class _Reads(NamedTuple):
@@ -333,13 +329,10 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     return out
 
   # Keyword arguments are shared; their arrays are jaxpr inputs, the rest (flags) stay static.
-  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
-  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+  kw_arrays, kw_of = partition_values(kwargs)
 
   def traced(variables, kw_arrays, *args):
-    given = iter(kw_arrays)
-    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
-                                      for leaf in kw_leaves])
+    kw = kw_of(kw_arrays)
     with intercept(_filters.all_calls, handler), nested_applies(on_nested, on_top):
       loss = loss_fn(variables, *args, **kw)
     return ([leaf for _, _, leaves in inputs for leaf in leaves]
@@ -352,7 +345,7 @@ def find_uses(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
   jaxpr = closed.jaxpr
   example_axes: list[int | None] = [None] * len(jax.tree.leaves((plain, kw_arrays)))
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
-    example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and _is_array(leaf)
+    example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and is_array(leaf)
                      else None for leaf in jax.tree.leaves(arg)]
   batched = [axis is not None for axis in example_axes]
   variable_leaves = [tuple(getattr(k, 'key', k) for k in path) for path, _ in

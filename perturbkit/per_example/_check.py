@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from perturbkit.core._values import is_array
 from perturbkit.errors import PerturbkitError, ReductionCheckError, ReductionMismatchError
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import (BatchAxes, check_batch_axes, check_reduction_option,
@@ -95,17 +96,13 @@ def check_per_example(loss_fn: Callable[..., Any], variables: Any, *args: Any,
         f'alone is {combined:.6g}')
 
 
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray))
-
-
 def over_arrays(fn: Callable[..., Any], leaves: list[Any],
                 treedef: Any) -> tuple[Callable[[list[Any]], Any], list[Any]]:
   """``fn`` of the tree ``leaves`` make, as a function of its array leaves alone, and those.
 
   The other leaves (Python numbers, strings, ``None``) stay as they are, closed over.
   """
-  where = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+  where = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
 
   def on_arrays(arrays):
     full = list(leaves)
@@ -150,7 +147,7 @@ def _examples(arg: Any, axis: int | None, rows: tuple[int, ...]) -> Any:
   if axis is None:
     return arg
   take = lambda x: jnp.take(x, jnp.asarray(rows), axis=axis)
-  return jax.tree.map(lambda x: take(x) if _is_array(x) else x, arg)
+  return jax.tree.map(lambda x: take(x) if is_array(x) else x, arg)
 
 
 def batch_losses(loss_fn: Callable[..., Any], variables: Any, args: tuple, kwargs: dict,

@@ -30,9 +30,9 @@ inputs (:class:`SharedCallError`, :class:`AmbiguousInputError`).
 from typing import Any, Callable, NamedTuple
 
 import jax
-import numpy as np
 from flax import nnx
 
+from perturbkit.core._values import is_array, partition_values
 from perturbkit.core._dependence import source_kinds
 from perturbkit.core._loss import scalar_loss
 from perturbkit.core._points import array_part
@@ -60,12 +60,8 @@ from perturbkit.per_example._reads import Read, read_of
 from perturbkit.per_example._replay import Pair
 
 
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray))
-
-
 def _array_leaves(tree: Any) -> list[Any]:
-  return [leaf for leaf in jax.tree.leaves(tree) if _is_array(leaf)]
+  return [leaf for leaf in jax.tree.leaves(tree) if is_array(leaf)]
 
 
 def _names(path: NNXPath) -> Path:
@@ -207,13 +203,10 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
     finally:
       active.pop()
 
-  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
-  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+  kw_arrays, kw_of = partition_values(kwargs)
 
   def traced(params, other_values, kw_arrays, *args):
-    given = iter(kw_arrays)
-    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
-                                      for leaf in kw_leaves])
+    kw = kw_of(kw_arrays)
     copy = nnx.merge(graphdef, with_values(template, params),
                      with_values(others, other_values), copy=True)
     with instrument([copy], handler, include_roots=True):
@@ -227,7 +220,7 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
   shared = len(jax.tree.leaves((params, other_values, kw_arrays)))
   example_axes: list[int | None] = [None] * shared
   for arg, axis in zip(args, per_argument(batch_axes, len(args))):
-    example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and _is_array(leaf)
+    example_axes += [axis % jax.numpy.ndim(leaf) if axis is not None and is_array(leaf)
                      else None for leaf in jax.tree.leaves(arg)]
   live = [True] * len(jax.tree.leaves(params))
   mixed, misplaced = mixing(jaxpr, example_axes, live + [False] * (len(example_axes) - len(live)),

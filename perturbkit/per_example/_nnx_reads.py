@@ -13,17 +13,13 @@ given another owner's params into its body, where the child's own call is named)
 from typing import Any, Callable, Mapping
 
 import jax
-import numpy as np
 from flax import nnx
 
+from perturbkit.core._values import is_array, partition_values
 from perturbkit.core._consumers import reads_outside, segment_function_name
 from perturbkit.core._segment_choice import direct_leaf_owners
 from perturbkit.nnx._calls import Call, NNXPath, instrument
 from perturbkit.nnx._segments import params_tree, with_values
-
-
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray))
 
 
 def named_module_call(name: str, call: Call) -> Any:
@@ -45,14 +41,14 @@ def named_module_call(name: str, call: Call) -> Any:
     args, kwargs = jax.tree.map(lambda leaf: leaf, (call.args, call.kwargs))
     leaves, tree = jax.tree.flatten(getattr(replica, call.method_name)(*args, **kwargs))
     found[:] = [tree, leaves]
-    return [leaf for leaf in leaves if _is_array(leaf)]
+    return [leaf for leaf in leaves if is_array(leaf)]
 
   pure.__name__ = segment_function_name(name)
   function = jax.custom_vjp(pure)
   function.defvjp(lambda values: (pure(values), None), lambda res, g: (None,))
   arrays = iter(function(params_tree(params)))
   tree, leaves = found
-  return jax.tree.unflatten(tree, [next(arrays) if _is_array(leaf) else leaf
+  return jax.tree.unflatten(tree, [next(arrays) if is_array(leaf) else leaf
                                    for leaf in leaves])
 
 
@@ -76,8 +72,7 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
       loss. The reads inside them are covered by a per-example replay of the call.
   """
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
-  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
-  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+  kw_arrays, kw_of = partition_values(kwargs)
 
   running: list[NNXPath] = []
 
@@ -92,9 +87,7 @@ def nnx_outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
       running.pop()
 
   def traced(params, kw_arrays, *args):
-    given = iter(kw_arrays)
-    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
-                                      for leaf in kw_leaves])
+    kw = kw_of(kw_arrays)
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     with instrument([copy], on_call, include_roots=outside_model_calls):
       return loss_fn(copy, *args, **kw)

@@ -17,8 +17,8 @@ from typing import Any, Callable, Collection
 
 import flax
 import jax
-import numpy as np
 
+from perturbkit.core._values import partition_values
 from perturbkit.core._consumers import reads_outside, segment_function_name
 from perturbkit.linen._interceptor import Call, in_map_variables, intercept, suspended
 from perturbkit.core.filters import module_path
@@ -26,10 +26,6 @@ from perturbkit.linen._param_reads import named_call
 from perturbkit.per_example._nested import nested_applies, replay
 from perturbkit.core._segment_choice import direct_leaf_owners
 from perturbkit.core._types import Path, Variables
-
-
-def _is_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray))
 
 
 def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
@@ -76,13 +72,10 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
         flax.core.unfreeze(module.variables.get('params', {}))))
     return named_call(name, module, method_name, a, kw, (), replay())
 
-  kw_leaves, kw_tree = jax.tree.flatten(kwargs)
-  kw_arrays = [leaf for leaf in kw_leaves if _is_array(leaf)]
+  kw_arrays, kw_of = partition_values(kwargs)
 
   def traced(params, others, kw_arrays, *args):
-    given = iter(kw_arrays)
-    kw = jax.tree.unflatten(kw_tree, [next(given) if _is_array(leaf) else leaf
-                                      for leaf in kw_leaves])
+    kw = kw_of(kw_arrays)
     with (intercept(select, on_call),
           nested_applies(on_nested, on_top if whole_applies else None)):
       return loss_fn({**others, 'params': params}, *args, **kw)
