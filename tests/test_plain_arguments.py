@@ -100,3 +100,33 @@ def test_run_with_cache_linen_and_nnx_with_a_flag_and_a_slice_bound():
   out, cache = perturbkit.nnx.run_with_cache(lambda m, x, t, n: m(x[:, :n], t))(model, X, True, 3)
   chex.assert_trees_all_close(out, model(X, True), **TOL)
   chex.assert_trees_all_close(cache.outputs['b']['__call__'], out, **TOL)
+
+
+def _sgd(params, grads):
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def test_linen_interleaved_keyword_arguments():
+  """``init``/``step``/``segments`` hand keyword arguments to the loss, as ``jax.grad`` does
+  (they raised a raw TypeError): a flag and a mode string as they are, an array traced."""
+  kwargs = dict(y=Y, train=True, mode='sum')
+  want = jax.grad(linen_loss)(VARIABLES, X, **kwargs)['params']
+  tx = perturbkit.interleaved(linen_loss, optax.sgd(0.1), propagate='original')
+  assert tx.segments(VARIABLES, X, **kwargs).segments == ('Dense_0', 'Dense_1')
+  state, _ = tx.step(tx.init(VARIABLES, X, **kwargs), X, **kwargs)
+  chex.assert_trees_all_close(state.params, _sgd(VARIABLES['params'], want), **TOL)
+
+
+def test_nnx_interleaved_keyword_arguments():
+  model, reference = NNX(nnx.Rngs(0)), NNX(nnx.Rngs(0))
+  want = _sgd(nnx.state(reference, nnx.Param),
+              nnx.grad(lambda m, x: nnx_loss(m, x, Y, train=True, mode='sum'))(reference, X))
+  tx = perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), propagate='original')
+  state, _ = tx.step(tx.init(model, X, Y, train=True, mode='sum'), X, Y, train=True,
+                     mode='sum')
+  chex.assert_trees_all_close(nnx.state(state.model(), nnx.Param), want, **TOL)
+  opt = perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.1), nnx_loss, X, Y,
+                                            propagate='original', train=True, mode='sum')
+  assert opt.segments(model, X, Y, train=True, mode='sum').segments == ('a', 'b')
+  opt.step(model, X, y=Y, train=True, mode='sum')
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), want, **TOL)

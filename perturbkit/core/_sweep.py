@@ -204,13 +204,17 @@ def check_opt_state(optimizer: Optimizer, params: Mapping, opt_state: Mapping,
           'with `init` for the same params and optimizer.')
 
 
-def _argument_name(path: tuple) -> str:
+def _argument_name(path: tuple, keywords: int) -> str:
+  if path[0].idx == keywords:
+    return f'keyword argument {path[1].key!r}{jax.tree_util.keystr(path[2:])}'
   return f'argument {path[0].idx}{jax.tree_util.keystr(path[1:])}'
 
 
 def input_shapes(args: tuple) -> dict[str, jax.ShapeDtypeStruct]:
-  """The shape and dtype of every array in ``args``, by ``'argument 0'``-style names."""
-  return {_argument_name(path): jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
+  """The shape and dtype of every array in ``args`` (the positional arguments and, last, the
+  keyword arguments, ``_keywords.with_keywords``), by ``'argument 0'``-style names."""
+  return {_argument_name(path, len(args) - 1):
+          jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.result_type(leaf))
           for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
           if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype')}
 
@@ -461,9 +465,9 @@ class Interleaved(NamedTuple):
   """A pair of pure functions, like ``optax.GradientTransformation``.
 
   Attributes:
-    init: ``(variables, *example_args) -> InterleavedState``.
-    step: ``(state, *args) -> (state, metrics)``; jittable.
-    segments: ``(variables, *example_args) -> Segmentation``: the segment names
+    init: ``(variables, *example_args, **example_kwargs) -> InterleavedState``.
+    step: ``(state, *args, **kwargs) -> (state, metrics)``; jittable.
+    segments: ``(variables, *example_args, **example_kwargs) -> Segmentation``: the segment names
       in execution order, and which params went to ``REST`` and why.
   """
   init: Callable[..., InterleavedState]

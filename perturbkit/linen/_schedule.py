@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from perturbkit.linen import _segmentation
 from perturbkit.linen._driver import check_variables
 from perturbkit.core._examples import step_examples
+from perturbkit.core._keywords import given, keywords_last, with_keywords
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import (PerturbkitError, SegmentationError, StateMismatchError,
                                 UninitializedStateError)
@@ -90,8 +91,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   backward pass; the first step is not clipped).
 
   Args:
-    loss_fn: ``(variables, *args) -> loss`` (or ``(loss, aux)`` with
-      ``has_aux``), calling ``model.apply(variables, ...)``.
+    loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), calling ``model.apply(variables, ...)``. Its arguments after the
+      variables, positional and keyword, are those given to ``init``/``step``; as under
+      ``jax.grad``, a leaf that is no array (a flag, a string) reaches it as it is.
     optimizer: An ``optax.GradientTransformation`` used for every segment, or a
       function ``segment_name -> GradientTransformation`` (per-segment learning
       rates; the unsegmented params are named ``perturbkit.REST``). A
@@ -99,7 +102,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       arguments, ``segment_inputs`` (the floating-point leaves of the call's
       inputs), ``segment_output_grad`` (the cotangent at its output) and
       ``segment_examples`` (the first axis of the step's first array argument,
-      a raw PRNG key ``uint32[2]`` passed before the batch not counted),
+      a raw PRNG key ``uint32[2]`` passed before the batch not counted; keyword
+      arguments come after the positional ones, in the order of their names),
       e.g. for :func:`kfac_segment`; with either ``propagate`` the segments'
       steps are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
@@ -166,8 +170,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     ['layers_0', 'layers_2']
 
   The pair:
-    ``init(variables, *args) -> state`` and ``step(state, *args) -> (state,
-    metrics)`` are pure and jittable; ``segments(variables, *args)`` returns the
+    ``init(variables, *args, **kwargs) -> state`` and ``step(state, *args, **kwargs) ->
+    (state, metrics)`` are pure and jittable; ``segments(variables, *args, **kwargs)`` returns the
     segments in execution order (``Segmentation(segments=('Dense_0', ...),
     rest={...})``) and, in ``rest``, the modules left to ``perturbkit.REST``
     with the reason. ``init`` and ``segments`` take example arguments, since
@@ -335,6 +339,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   hooks = hooks_tuple(hooks, 'perturbkit.interleaved')
   if hooks:
     loss_fn = with_hooks(loss_fn, *hooks)
+  # Every function below passes the loss's arguments as one tuple, the keywords last.
+  loss_fn = keywords_last(loss_fn)
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
   # (variables, args, segment names) whose segments passed their checks, by type.
@@ -342,8 +348,11 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   # Segment names -> those that run inside a scan and their number of iterations.
   scanned: dict[tuple[str, ...], Mapping[str, int]] = {}
 
-  def segmentation(variables: Variables, *args) -> _segmentation.Segmentation:
-    if not args:
+  def segmentation(variables: Variables, *args, **kwargs) -> _segmentation.Segmentation:
+    return _segmentation_of(variables, with_keywords(args, kwargs))
+
+  def _segmentation_of(variables: Variables, args: tuple) -> _segmentation.Segmentation:
+    if not given(args):
       raise SegmentationError(
           'Segments are calls, which are only known by tracing the loss: pass example '
           'arguments, `init(variables, *args)` / `segments(variables, *args)`, the same '
@@ -351,9 +360,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     with suspended(), explaining_unbound_axes('perturbkit.interleaved(...).init'):
       return _segmentation.choose(loss_fn, _plain(variables), args, segments)
 
-  def init(variables: Variables, *args) -> InterleavedState:
+  def init(variables: Variables, *args, **kwargs) -> InterleavedState:
     variables = _plain(variables)
-    chosen = segmentation(variables, *args)
+    args = with_keywords(args, kwargs)
+    chosen = _segmentation_of(variables, args)
     names = list(chosen.segments)
     checked.add(_checked_key(variables, args, names))
     scanned[tuple(sorted(names))] = chosen.iterations
@@ -363,13 +373,13 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
                                            chosen.iterations),
                             jnp.zeros((), jnp.float32))
 
-  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+  def step(state: InterleavedState, *args, **kwargs) -> tuple[InterleavedState, dict]:
     if not isinstance(state, InterleavedState):
       raise UninitializedStateError(
           describe(state) + (' (the model variables?)' if _is_variables(state) else ''),
           _INIT_CALL)
     with suspended():
-      return _step(state, args)
+      return _step(state, with_keywords(args, kwargs))
 
   def _step(state: InterleavedState, args: tuple) -> tuple[InterleavedState, dict]:
     check_unchecked(axis_name, 'perturbkit.interleaved')

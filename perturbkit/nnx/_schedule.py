@@ -21,6 +21,7 @@ from flax.nnx import filterlib
 
 from perturbkit.nnx import _segmentation as _nnx_segmentation
 from perturbkit.core._examples import step_examples
+from perturbkit.core._keywords import given, keywords_last, with_keywords
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
 from perturbkit.errors import InvalidOptionError, SegmentationError, UninitializedStateError
 from perturbkit.core._hooks import Hook, hooks_tuple
@@ -97,7 +98,7 @@ def _checked_key(settings: _Settings, model: nnx.Module, args: tuple, names) -> 
 
 def _segmentation(settings: _Settings, model: nnx.Module, args: tuple, spec: Any
                   ) -> _nnx_segmentation.Segmentation:
-  if not args:
+  if not given(args):
     raise SegmentationError(
         'Segments are calls, which are only known by tracing the loss: pass example '
         'arguments, `init(model, *args)` / `segments(model, *args)`, the same arguments '
@@ -215,7 +216,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   new weights included.
 
   Args:
-    loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+    loss_fn: ``(model, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with ``has_aux``);
+      its arguments after the model, positional and keyword, are those given to
+      ``init``/``step``, a leaf that is no array (a flag) reaching it as it is.
     optimizer: An ``optax.GradientTransformation`` for every segment, or a
       function ``segment_name -> GradientTransformation``.
     wrt: Filter of the trained variables (as ``nnx.Optimizer``'s ``wrt``),
@@ -243,9 +246,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
       gradient before the segment's own ``dw``, as in an ordinary backward pass.
 
   Returns:
-    An ``Interleaved`` of pure functions: ``init(model, *example_args) ->
-    InterleavedState``, ``step(state, *args) -> (state, metrics)`` (jittable)
-    and ``segments(model, *example_args) -> Segmentation``.
+    An ``Interleaved`` of pure functions: ``init(model, *example_args, **example_kwargs)
+    -> InterleavedState``, ``step(state, *args, **kwargs) -> (state, metrics)`` (jittable)
+    and ``segments(model, *example_args, **example_kwargs) -> Segmentation``.
 
   Raises:
     NotAHookError: ``hooks`` holds something else than hooks.
@@ -272,24 +275,27 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   checked_wrt(wrt)
   check_optimizer(optimizer)
   warn_whole_gradient(optimizer, 'perturbkit.nnx.interleaved')
-  settings = _Settings(loss_fn, optimizer, wrt, segments, propagate, axis_name, has_aux,
+  # Every function below passes the loss's arguments as one tuple, the keywords last.
+  settings = _Settings(keywords_last(loss_fn), optimizer, wrt, segments, propagate, axis_name, has_aux,
                        clip_global_norm, skip_nonfinite,
                        hooks_tuple(hooks, 'perturbkit.nnx.interleaved'), TypesSeen(), {})
   # What `init` was last given, only to word the error of a step that fails on other inputs.
   at_init: dict = {}
 
-  def segmentation(model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+  def segmentation(model: nnx.Module, *args, **kwargs) -> _nnx_segmentation.Segmentation:
     _check_model(model)
-    return _segmentation(settings, model, args, segments)
+    return _segmentation(settings, model, with_keywords(args, kwargs), segments)
 
-  def init(model: nnx.Module, *args) -> InterleavedState:
+  def init(model: nnx.Module, *args, **kwargs) -> InterleavedState:
+    args = with_keywords(args, kwargs)
     opt_state = init_opt_state_of(settings, model, args)
     graphdef, variables = nnx.split(model)
     at_init['shapes'] = input_shapes(args)
     return InterleavedState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state,
                             jnp.zeros((), jnp.float32))
 
-  def step(state: InterleavedState, *args) -> tuple[InterleavedState, dict]:
+  def step(state: InterleavedState, *args, **kwargs) -> tuple[InterleavedState, dict]:
+    args = with_keywords(args, kwargs)
     if not isinstance(state, InterleavedState):
       raise UninitializedStateError(
           (f'an nnx.Module ({type(state).__name__}), the model itself'
@@ -379,13 +385,15 @@ class InterleavedOptimizer(nnx.Pytree):
                *example_args, wrt: Any = nnx.Param, segments: int | CallFilter | None = None,
                propagate: str = 'updated', axis_name: str | None = None, has_aux: bool = False,
                clip_global_norm: float | None = None, skip_nonfinite: bool = True,
-               hooks: Sequence[Hook] = ()):
+               hooks: Sequence[Hook] = (), **example_kwargs):
     """Builds the per-segment optimizer states.
 
     Args:
       model: The NNX model to train.
       tx: An ``optax.GradientTransformation``, or ``segment_name -> transformation``.
-      loss_fn: ``(model, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      loss_fn: ``(model, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux``); its arguments after the model, positional and keyword, are those
+        given here and to ``step``, a leaf that is no array (a flag) reaching it as it is.
       *example_args: Arguments of the loss after the model, to find its calls.
       wrt: Filter of the trained variables, on their paths in the model (as for ``interleaved``).
       segments: See :func:`interleaved`.
@@ -395,14 +403,17 @@ class InterleavedOptimizer(nnx.Pytree):
       clip_global_norm: Optional global-norm clip using the previous step's norm.
       skip_nonfinite: Keep a group's variables when its gradient is not finite.
       hooks: Backward hooks, see :func:`interleaved`.
+      **example_kwargs: Keyword arguments of the loss, with ``example_args`` (other than
+        the names above, which are this constructor's own).
     """
+    example_args = with_keywords(example_args, example_kwargs)
     segments = interleaved_options(segments, clip_global_norm, propagate, has_aux,
                                    skip_nonfinite)
     check_loss_fn(loss_fn, 'perturbkit.nnx.InterleavedOptimizer', '(model, *args) -> loss')
     checked_wrt(wrt)
     check_optimizer(tx)
     warn_whole_gradient(tx, 'perturbkit.nnx.InterleavedOptimizer')
-    self.settings = _Settings(loss_fn, tx, wrt, segments, propagate, axis_name, has_aux,
+    self.settings = _Settings(keywords_last(loss_fn), tx, wrt, segments, propagate, axis_name, has_aux,
                               clip_global_norm, skip_nonfinite,
                               hooks_tuple(hooks, 'perturbkit.nnx.InterleavedOptimizer'),
                               TypesSeen(), {})
@@ -413,7 +424,7 @@ class InterleavedOptimizer(nnx.Pytree):
     self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,
                                                               example_args)))
 
-  def segments(self, model: nnx.Module, *args) -> _nnx_segmentation.Segmentation:
+  def segments(self, model: nnx.Module, *args, **kwargs) -> _nnx_segmentation.Segmentation:
     """The segments of the loss on ``model`` and the params left to ``REST`` with why.
 
     Example:
@@ -427,10 +438,12 @@ class InterleavedOptimizer(nnx.Pytree):
       >>> opt.segments(model, x)
       Segmentation(segments=('layers/0',), rest={})
     """
-    return _segmentation(self.settings, model, args, self.settings.segments)
+    return _segmentation(self.settings, model, with_keywords(args, kwargs),
+                         self.settings.segments)
 
-  def step(self, model: nnx.Module, *args) -> dict:
-    """One interleaved step on ``loss_fn(model, *args)``; updates ``model`` and ``self``.
+  def step(self, model: nnx.Module, *args, **kwargs) -> dict:
+    """One interleaved step on ``loss_fn(model, *args, **kwargs)``; updates ``model`` and
+    ``self``.
 
     Call it inside ``nnx.jit`` (see the class example); eagerly it works too,
     tracing the loss at every call.
@@ -443,6 +456,7 @@ class InterleavedOptimizer(nnx.Pytree):
       "metrics" in ``help(perturbkit.interleaved)``).
     """
     _check_model(model)
+    args = with_keywords(args, kwargs)
     with explaining_inputs(dict(self.example_shapes), args, _OPTIMIZER_CALL):
       new_params, new_others, opt_state, norm, metrics = _train(
           self.settings, model, _values(self.opt_state), self.grad_norm.get_value(), args)
