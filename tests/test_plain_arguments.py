@@ -130,3 +130,16 @@ def test_nnx_interleaved_keyword_arguments():
   assert opt.segments(model, X, Y, train=True, mode='sum').segments == ('a', 'b')
   opt.step(model, X, y=Y, train=True, mode='sum')
   chex.assert_trees_all_close(nnx.state(model, nnx.Param), want, **TOL)
+
+
+def test_nnx_interleaved_hooks_with_a_flag_and_a_mode():
+  """``init``'s check of ``hooks=`` runs the loss with a flag and a string as they are (it
+  traced them, so ``init`` raised JAX's TypeError)."""
+  model, reference = NNX(nnx.Rngs(0)), NNX(nnx.Rngs(0))
+  grads = nnx.grad(nnx_loss)(reference, X, Y, True, 'sum')
+  twice = perturbkit.backward_hook(lambda g: 2 * g, perturbkit.nnx.filters.by_path('b'))
+  tx = perturbkit.nnx.interleaved(nnx_loss, optax.sgd(0.1), propagate='original', hooks=twice)
+  state, _ = tx.step(tx.init(model, X, Y, True, 'sum'), X, Y, True, 'sum')
+  chex.assert_trees_all_close(
+      nnx.state(state.model(), nnx.Param),
+      _sgd(nnx.state(reference, nnx.Param), jax.tree.map(lambda g: 2 * g, grads)), **TOL)

@@ -34,6 +34,7 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
                                     input_shapes, warn_whole_gradient)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
+from perturbkit.core._values import partition_values
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
@@ -325,8 +326,11 @@ def _check_hooks(settings: _Settings, model: nnx.Module, args: tuple):
   loss, found by an abstract run of the hooked loss (its paths are those of the segments'
   calls and of the calls inside them)."""
   if settings.hooks:
+    hooked = with_hooks(settings.loss_fn, *settings.hooks)
+    # Only the arrays are traced: a flag or a string reaches the loss as it is.
+    arrays, rebuild = partition_values(args, keep=nnx.graph.is_graph_node)
     with explaining_unbound_axes('perturbkit.nnx.interleaved(...).init'):
-      nnx.eval_shape(with_hooks(settings.loss_fn, *settings.hooks), model, *args)
+      nnx.eval_shape(lambda model, arrays: hooked(model, *rebuild(arrays)), model, arrays)
 
 
 def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
