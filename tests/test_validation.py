@@ -411,6 +411,38 @@ def test_intervention_options_and_edits_are_checked_where_given():
   np.testing.assert_array_equal(vector.init(), np.zeros(3, np.float32))
 
 
+def test_hand_built_edits_and_gate_penalty_are_checked_where_given(mlp):
+  """An Edit built by hand was used as given: positions without an axis, a float axis or a
+  string scale raised raw TypeErrors where applied, ``active='no'`` edited, a vector of active
+  flags edited the features it happened to broadcast to, and a list of positions failed in
+  JAX indexing. gate_penalty of a string or integers failed in JAX, of nothing it was 0."""
+  interpret = perturbkit.interpret
+  Edit, output = interpret.Edit, jnp.arange(6.0).reshape(2, 3)
+  for name, value, edit in [('axis', None, Edit(0.0, 0.0, jnp.array([0]))),
+                            ('axis', 1, Edit(0.0, 0.0, axis=1)),
+                            ('axis', 1.0, Edit(0.0, 0.0, jnp.array([0]), axis=1.0)),
+                            ('positions', None, Edit(0.0, 0.0, jnp.array([0.5]), axis=1)),
+                            ('positions', None, Edit(0.0, 0.0, jnp.array([True, False]), axis=0)),
+                            ('scale', 'x', Edit('x', 0.0)),
+                            ('shift', None, Edit(1.0, None)),
+                            ('active', 'no', Edit(0.0, 0.0, active='no')),
+                            ('active', None, Edit(0.0, 0.0, active=jnp.array([True, False, True]))),
+                            ('view', 'ab', Edit(0.0, 0.0, view='ab'))]:
+    with raises_invalid(name, value):
+      interpret.apply_edit(edit, output)
+  model, variables, _, x, _ = mlp
+  with raises_invalid('active', 'no'):
+    perturbkit.run_with_edits(model.apply)(variables, {'Dense_0/__call__': Edit(
+        0.0, 0.0, active='no')}, x)
+  np.testing.assert_array_equal(interpret.apply_edit(Edit(0.0, 0.0, [1], True, 1), output),
+                                [[0.0, 0.0, 2.0], [3.0, 0.0, 5.0]])
+  for logits in ('x', jnp.arange(3), None, {}, jnp.array([1j])):
+    with raises_invalid('logits', logits if isinstance(logits, str) else None):
+      interpret.gate_penalty(logits)
+  logits = {'a': [0.0], 'b': jnp.array([100.0, -100.0])}
+  np.testing.assert_allclose(interpret.gate_penalty(logits), 1.5, rtol=1e-6)
+
+
 @pytest.mark.parametrize('value', [3, 1.5])
 def test_nnx_wrt_is_a_variable_filter(value):
   """``wrt=3`` failed in Flax with a ValueError from formatting its own message."""

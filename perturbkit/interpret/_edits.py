@@ -130,6 +130,48 @@ def _edit(scale_value, shift, positions, axis, view=None) -> Edit:
               positions, jnp.asarray(True), axis, view)
 
 
+def _numbers(value: Any, field: str, where: str) -> Any:
+  """``value`` with every leaf an array, if it has leaves and each is a number or an array."""
+  leaves = jax.tree.leaves(value)
+  allowed = (f"a number or an array broadcasting to the output of {where}, or a pytree of "
+             "them of the output's structure (a field of the Edit given for it)")
+  if not leaves:
+    raise InvalidOptionError(field, value, allowed)
+  for leaf in leaves:
+    try:
+      jnp.asarray(leaf)
+    except TypeError:
+      raise InvalidOptionError(field, leaf, allowed) from None
+  return jax.tree.map(jnp.asarray, value)
+
+
+def checked_edit(edit: Edit, where: str) -> Edit:
+  """``edit`` with its fields as :func:`replace` and the other constructors make them: the
+  checks of their options, for an :class:`Edit` built by hand.
+
+  Raises:
+    InvalidOptionError: ``positions`` without ``axis`` or the other way round, an ``axis``
+      that is not an int, positions that are not integers, ``scale`` or ``shift`` not
+      numbers or arrays, ``active`` not one boolean, or a ``view`` that is no shape.
+  """
+  if (edit.positions is None) != (edit.axis is None):
+    raise InvalidOptionError('axis', edit.axis, 'given exactly when positions are (an int '
+                             'axis such as 1 for tokens, with positions=[...])')
+  positions = edit.positions
+  if positions is not None:
+    axes('axis', edit.axis)
+    if not _integer_indices(positions):
+      raise InvalidOptionError('positions', positions,
+                               f'integer indices along the axis ({AS_INDICES})')
+    positions = jnp.asarray(positions)
+  if not (_boolean_array(edit.active) and jnp.ndim(edit.active) == 0):
+    raise InvalidOptionError('active', edit.active, 'one boolean, True or False (a stack of '
+                             'edits for jax.vmap holds one per edit, and the map gives each '
+                             'edit its own)')
+  return Edit(_numbers(edit.scale, 'scale', where), _numbers(edit.shift, 'shift', where),
+              positions, edit.active, edit.axis, checked_view(edit.view))
+
+
 def replace(value: Any, *, positions: Any = None, axis: int | None = None,
             view: tuple[int, ...] | None = None) -> Edit:
   """Replaces the output (at ``positions`` along ``axis``) by ``value``.
@@ -431,6 +473,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
 
   Raises:
     NotEditsError: ``edit`` is not an edit of ``perturbkit.interpret``.
+    InvalidOptionError: a field of an :class:`Edit` built by hand is not what the edit
+      constructors make (see :func:`checked_edit`).
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
     EditStructureError: ``scale`` or ``shift`` is a pytree of another
       structure than the output.
@@ -454,6 +498,7 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
   """
   if not isinstance(edit, Edit):
     raise NotEditsError(f'the edit of {where}', type(edit).__name__)
+  edit = checked_edit(edit, where)
   leaves, treedef = jax.tree.flatten(output)
   edited = [_leaf(edit, leaf, s, b, where) for leaf, s, b in
             zip(leaves, _like(edit.scale, output, 'a scale', where),

@@ -182,8 +182,25 @@ def gate_penalty(logits: Any) -> jax.Array:
     >>> from perturbkit import interpret
     >>> float(interpret.gate_penalty(jnp.array([0.0, 0.0, 100.0])))
     2.0
+
+  Raises:
+    InvalidOptionError: ``logits`` holds no array, or a leaf that is not a real
+      floating-point array or number (a string, integers, complex numbers).
   """
-  return sum(jnp.sum(jax.nn.sigmoid(leaf)) for leaf in jax.tree.leaves(logits))
+  leaves = jax.tree.leaves(logits)
+  allowed = ("the gates' logits: a floating-point array, or a pytree of them (params[name] "
+             'of an interpret.gates intervention)')
+  if not leaves:
+    raise InvalidOptionError('logits', logits, allowed)
+  for leaf in leaves:
+    try:
+      floating = jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+    except TypeError:  # a string, an object
+      floating = False
+    if not floating:
+      shown = f'an array of {jnp.result_type(leaf)}' if hasattr(leaf, 'dtype') else leaf
+      raise InvalidOptionError('logits', shown, allowed)
+  return sum(jnp.sum(jax.nn.sigmoid(leaf)) for leaf in leaves)
 
 
 def init_interventions(interventions: Mapping[str, Intervention]) -> dict[str, Any]:
