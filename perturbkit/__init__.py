@@ -186,6 +186,7 @@ from perturbkit.errors import WrongFrontEndError
 from perturbkit.errors import BoundModuleError
 from perturbkit.errors import WrappedModelError
 from perturbkit.errors import FilterError
+from perturbkit.errors import TracedFilterError
 from perturbkit.errors import HookFunctionError
 from perturbkit.errors import HookOutputError
 from perturbkit.errors import KFACFactorShapeError
@@ -331,6 +332,7 @@ __all__ = [
     'BoundModuleError',
     'WrappedModelError',
     'FilterError',
+    'TracedFilterError',
     'HookFunctionError',
     'HookOutputError',
     'KFACFactorShapeError',

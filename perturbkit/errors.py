@@ -24,7 +24,8 @@ acts per segment there.
 
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
-message lists the calls seen), ``FilterError`` (a filter of a type it cannot be),
+message lists the calls seen), ``FilterError`` (a filter of a type it cannot be;
+``TracedFilterError`` for one answering with a traced value),
 ``NoHooksError``, ``NotAHookError`` and ``HookFunctionError`` (``with_hooks`` without
 hooks; something else than a hook where hooks go; a hook that is not callable),
 ``HookOutputError`` (a hook returning another structure, shape or dtype than it got),
@@ -1389,6 +1390,20 @@ class FilterError(PerturbkitError, TypeError):
         f'{function} takes {want}, but it was given {got!r:.80}. Examples: '
         "`filters.by_type(nn.Dense, nn.Conv)`, `filters.by_path('encoder/*', 'Dense_0')`, "
         "`filter=['Dense_*']`, or a function `(module, method_name) -> bool`.")
+
+
+class TracedFilterError(FilterError):
+  """A call filter whose answer is a traced value, not a bool known while tracing."""
+
+  def __init__(self, filter: object, module: str, method_name: str):
+    super(FilterError, self).__init__(
+        f'The call filter {filter!r:.80}, asked about the {method_name} call of a {module}, '
+        'answered with a value traced by JAX (or failed on one): a filter must decide from '
+        'the module and the method name alone. It runs while the model is traced, where an '
+        'array it makes or reads (jnp.array(True), a param, a value closed over under '
+        "jax.jit) has no truth value. Decide from the module's type, path or attributes "
+        "(filters.by_type, filters.by_path, filters.by_method), and make a choice that "
+        'depends on data a Python bool before the call.')
 
 
 class NotInterventionsError(PerturbkitError, TypeError):

@@ -115,3 +115,33 @@ def test_the_filters_import_as_a_module_on_both_front_ends():
   assert linen_face.__all__ == nnx_face.__all__
   for name in linen_face.__all__:
     assert getattr(linen_face, name) is getattr(nnx_face, name), name
+
+
+def test_a_filter_answering_with_a_traced_value_is_a_named_error():
+  """A filter whose answer depends on an array (one closed over under jax.jit, a param it
+  reads, even ``jnp.array(True)`` made while tracing) raised JAX's TracerBoolConversionError
+  from inside the interceptor, for every option that takes a call filter."""
+  from flax import nnx
+  import jax.numpy as jnp
+  model = nn.Sequential([nn.Dense(2), nn.relu, nn.Dense(1)])
+  x = jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  loss = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  match = 'answered with a value traced by JAX.*decide from the module and the method name alone'
+  on = lambda t: lambda module, method_name: t > 0
+  uses = [
+      lambda t: perturbkit.value_and_grad(loss, filter=on(t))(variables, x),
+      lambda t: perturbkit.run_with_cache(model.apply, filter=on(t))(variables, x),
+      lambda t: jax.grad(perturbkit.with_hooks(
+          loss, perturbkit.backward_hook(lambda g: g, on(t))))(variables, x),
+      lambda t: perturbkit.interleaved(loss, optax.sgd(0.1), segments=on(t)).init(variables, x),
+  ]
+  for use in uses:
+    with pytest.raises(perturbkit.FilterError, match=match):
+      jax.jit(use)(1.0)
+  with pytest.raises(perturbkit.TracedFilterError, match='__call__ call of a Dense'):
+    perturbkit.value_and_grad(loss, filter=lambda m, n: jnp.array(True))(variables, x)
+  stack = nnx.Sequential(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+  reads_kernel = lambda m, n: m.kernel[...].sum() > 0
+  with pytest.raises(perturbkit.TracedFilterError, match='__call__ call of a Linear'):
+    perturbkit.nnx.run_with_cache(lambda m, x: m(x), filter=reads_kernel)(stack, x)

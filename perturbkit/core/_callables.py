@@ -8,9 +8,10 @@ import inspect
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
-from perturbkit.errors import FilterError
+from perturbkit.errors import FilterError, TracedFilterError
 
 
 def takes(fn: Any, count: int) -> bool:
@@ -44,3 +45,17 @@ def call_filter(item: Any, function: str, want: str) -> Any:
     raise FilterError(function, 'a call filter of the two arguments (module, method_name) '
                       f'(the function given takes {inspect.signature(item)})', item)
   return item
+
+
+def selects(filter: Any, module: Any, method_name: str) -> bool:
+  """Whether ``filter`` selects the call of ``module``'s ``method_name``, as a Python bool.
+
+  Raises:
+    TracedFilterError: the filter's answer is a traced value (or the filter failed on one),
+      which has no truth value while the model is traced.
+  """
+  try:
+    return bool(filter(module, method_name))
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+          jax.errors.TracerIntegerConversionError) as error:
+    raise TracedFilterError(filter, type(module).__name__, method_name) from error

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from perturbkit.core import filters as _filters
-from perturbkit.core._callables import takes
+from perturbkit.core._callables import selects, takes
 from perturbkit.core._points import differentiable_part, has_differentiable_leaf, merge
 from perturbkit.core._types import CallFilter
 from perturbkit.errors import (HookFunctionError, HookOutputError, NoHooksError, NotAHookError,
@@ -207,7 +207,7 @@ def apply_hooks(hooks: Sequence[Hook], where: str, output: Any) -> Any:
 
 def selecting(hooks: Sequence[Hook], module: Any, method_name: str) -> list[int]:
   """The indices of the hooks whose filters select the call."""
-  return [i for i, hook in enumerate(hooks) if hook.filter(module, method_name)]
+  return [i for i, hook in enumerate(hooks) if selects(hook.filter, module, method_name)]
 
 
 def hook_runner(hooks: Sequence[Hook], matched: set[int] | None = None

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from perturbkit.core._callables import selects
 from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
 from perturbkit.core._loss import check_loss_fn
@@ -177,7 +178,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
 
   def recorder(module: nn.Module, method_name: str) -> bool:
     path = tuple(module.path)
-    if user is not None and not user(module, method_name):
+    if user is not None and not selects(user, module, method_name):
       unselected.add(path)
       return False
     reason = unsupported_reason(module, method_name)

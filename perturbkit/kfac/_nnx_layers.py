@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._callables import selects
 from perturbkit.core import filters as _filters
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._loss import check_loss_fn
@@ -167,7 +168,7 @@ def _recorded_calls(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Modul
   calls: list[tuple[Call, bool]] = []
 
   def record(call: Call, run: Callable[[], Any]) -> Any:
-    calls.append((call, user is None or bool(user(call.module, call.method_name))))
+    calls.append((call, user is None or selects(user, call.module, call.method_name)))
     return run()
 
   def traced(model, inputs):

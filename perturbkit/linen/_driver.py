@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
+from perturbkit.core._callables import selects
 from perturbkit.core import filters as _filters
 from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
@@ -124,7 +125,7 @@ def _point_handler(points: CallFilter, hooks: Sequence[Hook], strict: bool,
 
   def handler(call: Call, run: Callable[[], Any]) -> Any:
     output = run_hooked(call, run)
-    if points(call.module, call.method_name):
+    if selects(points, call.module, call.method_name):
       before = output
       if edit is not None and has_differentiable_leaf(output):
         # A scan's call has its iteration indices next to its point (core/_iterations.py).
@@ -262,11 +263,11 @@ def discover(loss_fn: Callable[..., Any], variables: Variables, args: tuple, kwa
 
   def recording(call, run):
     seen.append(call.name)
-    if filter(call.module, call.method_name):
+    if selects(filter, call.module, call.method_name):
       check_branch_point(call)
     if hooks_matched is not None:
       hooks_matched.update(
-          i for i, h in enumerate(hooks) if h.filter(call.module, call.method_name))
+          i for i, h in enumerate(hooks) if selects(h.filter, call.module, call.method_name))
     return handler(call, run)
 
   def traced(variables, *args):

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 import flax.linen as nn
 import jax.numpy as jnp
 
+from perturbkit.core._callables import selects
 from perturbkit.core.filters import linen_path_prefix, module_path
 from perturbkit.core._points import point_key, raise_counts, transform_name
 from perturbkit.core._types import CallFilter, Path
@@ -393,7 +394,7 @@ def intercept(filter: CallFilter, on_call: Handler,
     key = state.next_key(module, method_name)
     if module.is_mutable_collection(JIT_CALLS) and in_jit(module):
       module.put_variable(JIT_CALLS, key, jnp.zeros((), jnp.int8))
-    if not filter(module, method_name):
+    if not selects(filter, module, method_name):
       return run()
     call = Call(module, method_name, key, args, kwargs, outside, bool(state.function_roots),
                 bool(state.mapped))
@@ -414,7 +415,7 @@ def intercept(filter: CallFilter, on_call: Handler,
     # inside this one never saw it; transparent ones (hooks) still wrap its output,
     # the innermost (the one Flax runs closest to the call) first.
     for inner in reversed(_LOCAL.states[_LOCAL.states.index(state) + 1:]):
-      if inner.transparent and not inner.suspended and inner.filter(module, method_name):
+      if inner.transparent and not inner.suspended and selects(inner.filter, module, method_name):
         output = inner.on_call(call, lambda out=output: out)
     return output
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import jax
 from flax import traverse_util
 
+from perturbkit.core._callables import selects
 from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
@@ -56,7 +57,7 @@ def record_calls(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
     # ones are copied: the nearest enclosing plain call takes them (the scan's own call).
     sliced = params_sliced(call, params) or 'scan' in transforms_of(call.module)
     branch = branching_transform(call.module) or ('nn.while_loop' if call.in_function else '')
-    calls.append(CallRecord(call.path, sliced, bool(filter(call.module, call.method_name)),
+    calls.append(CallRecord(call.path, sliced, selects(filter, call.module, call.method_name),
                             call.key, stacked_iterations(call, params) if sliced else 0,
                             open_calls.nested(call.path), open_calls.running(), branch))
     return open_calls.around(call.path, run)

@@ -5,6 +5,7 @@ from typing import Any, Callable, Mapping
 import flax.linen as nn
 from flax import nnx
 
+from perturbkit.core._callables import selects
 from perturbkit.core import filters as _filters
 from perturbkit.errors import (PerturbationStructureError, UnmatchedFilterError,
                                 UnperturbedCallsWarning, WrongFrontEndError)
@@ -28,7 +29,7 @@ def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
   def handler(call, run):
     if seen is not None:
       seen.append(call.name)
-    if not filter(call.module, call.method_name):
+    if not selects(filter, call.module, call.method_name):
       return run()
     if call.module.is_initializing():
       check_branch_point(call)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge as nnx_bridge
 
+from perturbkit.core._callables import selects
 from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, driver_result, grads_only,
                                   point_options)
@@ -162,7 +163,7 @@ def _selected(points: CallFilter, hooks: Sequence[Hook], matched: set[int] | Non
   run_hooked = hook_runner(hooks, matched)
 
   def prepare(call: Call, run: Callable[[], Any]) -> tuple[Any, bool]:
-    return run_hooked(call, run), points(call.module, call.method_name)
+    return run_hooked(call, run), selects(points, call.module, call.method_name)
   return prepare
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perturbkit.core._callables import selects
 from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
@@ -64,7 +65,7 @@ def record_calls(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wr
       if probe is not None and jnp.shape(probe) == ():
         iterations = stacked_iterations(call.module, modules[call.path], call.path, owners)
     branch = '' if call.conditional is None else (call.conditional or 'nnx.cond and nnx.switch')
-    calls.append(CallRecord(call.path, call.copied, bool(filter(call.module, call.method_name)),
+    calls.append(CallRecord(call.path, call.copied, selects(filter, call.module, call.method_name),
                             call.key, iterations, open_calls.nested(call.path), branch=branch))
     return open_calls.around(call.path, run)
 
