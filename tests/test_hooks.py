@@ -121,6 +121,43 @@ def test_hook_on_pytree_output_gets_none_for_int_leaves():
                               **TOL)
 
 
+def test_hook_cotangents_are_those_of_jax_vjp_with_none_for_int_leaves():
+  """What a hook gets, as documented in ``backward_hook``: the cotangent ``jax.vjp`` takes
+  for the call's output, with ``None`` where it takes a ``float0`` zero (an int leaf); a
+  struct dataclass with an int leaf comes as the tuple of its float leaves' cotangents."""
+  model = models.PytreeOutputs()
+  x = jax.random.normal(jax.random.key(1), (3, 3))
+  variables = model.init(jax.random.key(0), x)
+  heads = ('TupleHead_0', 'DictHead_0', 'StructHead_0')
+  seen = {}
+
+  def record(name):
+    def fn(g):
+      seen[name] = g
+      return g
+    return perturbkit.backward_hook(fn, filters.by_path(name))
+
+  loss = lambda v: models.scalar(model.apply(v, x))
+  jax.grad(perturbkit.with_hooks(loss, *map(record, heads)))(variables)
+  # The reference: jax.vjp of the loss as a function of the three heads' outputs.
+  params = variables['params']
+  outputs = [head().apply({'params': params[name]}, x)
+             for name, head in zip(heads, (models.TupleHead, models.DictHead, models.StructHead))]
+  index = jnp.argmax(_dense(params['ArgmaxOnly_0']['Dense_0'], x), axis=-1)
+  rest = lambda t, d, s: models.scalar((jnp.tanh(t[0]) * d['value'] + jnp.sin(s.value),
+                                        (t[1], d['index'], s.index, index)))
+  _, vjp = jax.vjp(rest, *outputs)
+  t, d, s = vjp(jnp.ones(()))
+  assert t[1].dtype == d['index'].dtype == s.index.dtype == jax.dtypes.float0
+  want = {'TupleHead_0': (t[0], None), 'DictHead_0': {'value': d['value'], 'index': None},
+          'StructHead_0': (s.value,)}
+  none = lambda a: a is None
+  for name in heads:
+    assert jax.tree.structure(seen[name], is_leaf=none) == jax.tree.structure(
+        want[name], is_leaf=none), name
+    chex.assert_trees_all_close(seen[name], want[name], **TOL)
+
+
 def test_hook_errors():
   with pytest.raises(perturbkit.HookFunctionError, match='must be callable'):
     perturbkit.backward_hook(3.0)

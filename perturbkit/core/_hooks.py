@@ -29,7 +29,7 @@ class Hook(NamedTuple):
     fn: ``cotangent -> cotangent``, same structure and shapes (floating-point
       leaves in another precision are cast back to the cotangent's); it gets
       the floating-point leaves of the call's output gradient (other leaves are
-      ``None``).
+      ``None``, see :func:`backward_hook`).
   """
   filter: CallFilter
   fn: Callable[[Any], Any]
@@ -77,9 +77,22 @@ def backward_hook(fn: Callable[[Any], Any], filter: CallFilter | bool | None = N
   replay of it (the one at the new weights too). NNX calls are those of
   ``__call__`` and the other public methods.
 
+  The cotangent: ``fn`` gets the cotangent of the call's floating-point output
+  leaves, laid out as ``value_and_grad`` reports the call's activation gradient
+  and ``run_with_cache`` its output. Where ``jax.vjp`` takes a ``float0`` zero
+  for a leaf that is not floating point (an ``argmax`` index beside the
+  output), the hook gets ``None``, as a PyTorch hook does for an output with no
+  gradient: a call returning ``(h, index)`` hands ``fn`` ``(g, None)``, a dict
+  keeps its keys, and a pytree node of your own (a ``flax.struct`` dataclass,
+  a Hugging Face ``ModelOutput``) with such a leaf comes as the tuple of its
+  floating-point leaves' cotangents in ``jax.tree.leaves`` order (as it is, if
+  every leaf is floating point). So ``lambda g: jax.tree.map(f, g)`` acts on the
+  gradients alone; ``fn`` returns the same layout, ``None`` where it got ``None``.
+
   Args:
     fn: Maps the incoming cotangent to the one passed further down, e.g.
-      ``lambda g: jnp.clip(g, -1, 1)``, with the same structure and shapes.
+      ``lambda g: jnp.clip(g, -1, 1)``, with the same structure and shapes (see
+      "The cotangent" above for a call with leaves that are not floating point).
       A floating-point leaf computed in another precision (float32 on a
       bfloat16 model) is cast back to the cotangent's dtype, so the params'
       gradients keep theirs. It must be a JAX-traceable function.
