@@ -329,6 +329,14 @@ def test_optax_trains_a_steering_vector_to_lower_a_loss(mlp):
   assert loss(params) < 0.5 * losses[0], losses
 
 
+def test_gate_penalty_of_float16_logits_is_summed_past_float16s_range():
+  """200000 float16 gates at logit 0 sum to 100000, past float16's largest value: the
+  penalty was inf, and so was a loss it was added to."""
+  logits = {'a': jnp.zeros(200_000, jnp.float16), 'b': jnp.full((3,), 2.0, jnp.bfloat16)}
+  want = 100_000 + 3 / (1 + np.exp(-2.0))
+  np.testing.assert_allclose(perturbkit.interpret.gate_penalty(logits), want, rtol=1e-3)
+
+
 def test_gates_at_one_are_the_unedited_run_and_nnx_equals_its_linen_twin(mlp):
   model, variables, x = mlp
   gate = {'gate': interpret.gates('Dense_1/__call__', (8,), init_logit=30.0)}

@@ -175,7 +175,8 @@ def gate_penalty(logits: Any) -> jax.Array:
 
   The expected number of open gates were each gate open with probability
   ``sigmoid(logit)``; add ``coefficient * gate_penalty(params[name])`` to the
-  loss to close the gates the metric does not need.
+  loss to close the gates the metric does not need. It is summed in float32 for
+  logits in a narrower dtype (float64 stays float64).
 
   Example:
     >>> import jax.numpy as jnp
@@ -200,7 +201,10 @@ def gate_penalty(logits: Any) -> jax.Array:
     if not floating:
       shown = f'an array of {jnp.result_type(leaf)}' if hasattr(leaf, 'dtype') else leaf
       raise InvalidOptionError('logits', shown, allowed)
-  return sum(jnp.sum(jax.nn.sigmoid(leaf)) for leaf in leaves)
+  # Summed in float32 at least: float16 gates add up past its largest value (65504).
+  return sum(jnp.sum(jax.nn.sigmoid(leaf),
+                     dtype=jnp.promote_types(jnp.result_type(leaf), jnp.float32))
+             for leaf in leaves)
 
 
 def init_interventions(interventions: Mapping[str, Intervention]) -> dict[str, Any]:
