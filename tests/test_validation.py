@@ -443,6 +443,19 @@ def test_hand_built_edits_and_gate_penalty_are_checked_where_given(mlp):
   np.testing.assert_allclose(interpret.gate_penalty(logits), 1.5, rtol=1e-6)
 
 
+def test_complex_edit_values_for_a_real_output_are_refused():
+  """A complex value added to or replacing a real output lost its imaginary part (a
+  DeprecationWarning from the cast only); a complex output takes it."""
+  interpret = perturbkit.interpret
+  for name, edit in (('shift', interpret.add(jnp.array([1j, 0]))),
+                     ('scale', interpret.scale(1j))):
+    with pytest.raises(perturbkit.InvalidOptionError, match=f'{name}=.*complex64.*imaginary'):
+      interpret.apply_edit(edit, jnp.ones((1, 2)))
+  np.testing.assert_array_equal(
+      interpret.apply_edit(interpret.add(jnp.array([1j, 0])), jnp.ones((1, 2), jnp.complex64)),
+      [[1 + 1j, 1]])
+
+
 @pytest.mark.parametrize('value', [3, 1.5])
 def test_nnx_wrt_is_a_variable_filter(value):
   """``wrt=3`` failed in Flax with a ValueError from formatting its own message."""

@@ -421,6 +421,11 @@ def _leaf(edit: Edit, output: jax.Array, scale_value, shift, where: str) -> jax.
     return _leaf(dataclasses.replace(edit, view=None), viewed(output, edit.view, where),
                  scale_value, shift, where).reshape(shape)
   shape = jnp.shape(output)
+  for field, value in (('scale', scale_value), ('shift', shift)):
+    if jnp.iscomplexobj(value) and not jnp.iscomplexobj(output):
+      raise InvalidOptionError(field, f'an array of {jnp.result_type(value)}',
+                               f'real for the real output of {where} (cast to its dtype, a '
+                               'complex value would lose its imaginary part)')
   scale_value = _broadcast(scale_value, shape, where, 'scale')
   # Where the scale is 0 (replace, zero- and mean-ablation), the old value does not enter:
   # 0 * inf would be nan at a masked -inf attention score.
@@ -474,7 +479,8 @@ def apply_edit(edit: Edit, output: Any, where: str = 'the call') -> Any:
   Raises:
     NotEditsError: ``edit`` is not an edit of ``perturbkit.interpret``.
     InvalidOptionError: a field of an :class:`Edit` built by hand is not what the edit
-      constructors make (see :func:`checked_edit`).
+      constructors make (see :func:`checked_edit`), or a complex ``scale`` or ``shift``
+      for a real output.
     EditShapeError: ``scale`` or ``shift`` does not broadcast to the output.
     EditStructureError: ``scale`` or ``shift`` is a pytree of another
       structure than the output.
