@@ -100,9 +100,9 @@ from perturbkit.per_example import (check_per_example, dp_sgd, per_example_grad_
                                     PerExampleNorms, private_grad, PrivateState, PrivateTraining)
 # Caching, interventions and attribution
 from perturbkit.interpret import (activation_patching, attribution_patching, Cache, grad_cam,
-                                  grad_times_activation, layer_integrated_gradients,
-                                  PatchingResult, run_with_cache, run_with_edits,
-                                  run_with_interventions)
+                                  grad_times_activation, IntegratedGradientsResult,
+                                  layer_integrated_gradients, PatchingResult, run_with_cache,
+                                  run_with_edits, run_with_interventions)
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import CaptureInJaxTransformError
@@ -244,6 +244,7 @@ __all__ = [
     'Cache',
     'grad_cam',
     'grad_times_activation',
+    'IntegratedGradientsResult',
     'layer_integrated_gradients',
     'PatchingResult',
     'run_with_cache',

@@ -43,7 +43,9 @@ it. The functions here are written once over those points; the Linen ones take
   output moved from a baseline (zeros, or its output on ``baseline``) to its
   value, ``(a - b) . mean d metric / d a`` along the path (``quadrature``'s
   nodes, swept as the patched runs are); a call's effects sum to
-  ``metric(inputs) - metric(that call at b)``.
+  ``metric(inputs) - metric(that call at b)`` up to the quadrature's error,
+  which ``gaps=True`` measures (an :class:`IntegratedGradientsResult` with
+  each call's ``endpoint_metrics`` and ``gaps``).
 * ``grad_cam(fn, filter=..., upsample=False)(variables, images)``: ``(metric,
   maps)``, ``relu(sum_c mean_hw(d metric / d A)_c A_c)`` per convolution
   (default: every ``nn.Conv``), one ``(batch, height, width)`` map each;
@@ -192,6 +194,7 @@ from perturbkit.interpret._linen import layer_integrated_gradients
 from perturbkit.interpret._linen import run_with_cache
 from perturbkit.interpret._linen import run_with_edits
 from perturbkit.interpret._linen import run_with_interventions
+from perturbkit.interpret._result import IntegratedGradientsResult
 from perturbkit.interpret._result import PatchingResult
 
 __all__ = [
@@ -206,6 +209,7 @@ __all__ = [
     'grad_cam',
     'grad_times_activation',
     'init_interventions',
+    'IntegratedGradientsResult',
     'Intervention',
     'layer_integrated_gradients',
     'mean_ablate',

@@ -16,7 +16,7 @@ from perturbkit.interpret import (_attribution, _cache, _grad_cam, _integrated, 
                                   _learnable, _patching)
 from perturbkit.interpret._cache import Cache
 from perturbkit.interpret._learnable import Intervention
-from perturbkit.interpret._result import PatchingResult
+from perturbkit.interpret._result import IntegratedGradientsResult, PatchingResult
 from perturbkit.nnx._traced_points import traced_points
 
 
@@ -157,11 +157,14 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
                                view: tuple[int, ...] | None = None,
                                leaves: int | Sequence[int] | None = None,
                                steps: int = 16, method: str = 'gauss_legendre',
-                               batch_size: int | None = 8,
-                               progress: bool = False) -> Callable[..., PatchingResult]:
+                               batch_size: int | None = 8, progress: bool = False,
+                               gaps: bool = False
+                               ) -> Callable[..., IntegratedGradientsResult]:
   """Layer integrated gradients of an NNX model: ``(model, inputs, baseline=None)``.
 
-  As :func:`perturbkit.layer_integrated_gradients`, with ``fn(model, inputs) -> metric``.
+  As :func:`perturbkit.layer_integrated_gradients`, with ``fn(model, inputs) -> metric``;
+  ``gaps=True`` adds each call's metric at its baseline and the quadrature's
+  completeness gap there (:class:`perturbkit.IntegratedGradientsResult`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -169,14 +172,17 @@ def layer_integrated_gradients(fn: Callable[..., Any], *, filter: CallFilter | b
     >>> import perturbkit
     >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
-    >>> ig = perturbkit.nnx.layer_integrated_gradients(lambda m, x: m(x).mean(), steps=4)
+    >>> ig = perturbkit.nnx.layer_integrated_gradients(lambda m, x: m(x).mean(), steps=4,
+    ...                                                gaps=True)
     >>> result = ig(model, jnp.ones((2, 3)))
     >>> bool(jnp.allclose(result.effects[1, 0], result.clean_metric, atol=1e-6))  # linear, zero bias
     True
+    >>> result.endpoint_metrics.tolist(), bool(jnp.abs(result.gaps).max() < 1e-6)  # linear: complete
+    ([0.0, 0.0], True)
   """
   return _integrated.layer_integrated_gradients(
       traced_points, fn, filter=filter, axis=axis, positions=positions, view=view, leaves=leaves,
-      steps=steps, method=method, batch_size=batch_size, progress=progress,
+      steps=steps, method=method, batch_size=batch_size, progress=progress, gaps=gaps,
       function='perturbkit.nnx.layer_integrated_gradients')
 
 

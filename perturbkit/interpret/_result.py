@@ -1,4 +1,4 @@
-"""The labelled result of activation patching, attribution patching and gradient x activation."""
+"""The labelled results of activation and attribution patching, gradient x activation and layer IG."""
 import dataclasses
 import functools
 from typing import Any
@@ -158,3 +158,31 @@ class PatchingResult:
     if colorbar:
       ax.figure.colorbar(image, ax=ax, label='change of the metric')
     return image
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=['effects', 'clean_metric', 'corrupted_metric', 'endpoint_metrics',
+                                'gaps'],
+                   meta_fields=['paths', 'positions'])
+@dataclasses.dataclass(frozen=True)
+class IntegratedGradientsResult(PatchingResult):
+  """Layer integrated gradients' :class:`PatchingResult`, with each call's completeness gap.
+
+  Completeness says a call's effects, summed over the positions, equal
+  ``clean_metric - endpoint_metrics[i]``: the metric's change when that call's
+  output goes from its baseline to its value. The quadrature only approximates
+  the integral along the path; ``gaps`` is how far it is from complete.
+
+  Attributes:
+    endpoint_metrics: ``(len(paths),)``: the metric on the inputs with that
+      call's output (its swept arrays, with ``leaves=``) replaced by its
+      baseline, a forward run each, as an activation patch runs; ``None``
+      unless asked for (``gaps=True``).
+    gaps: ``(len(paths),)``: ``effects.sum(positions) - (clean_metric -
+      endpoint_metrics)``, in at least float32; 0 for a complete attribution.
+      A large gap (relative to ``clean_metric - endpoint_metrics``) means the
+      integrand varies faster than ``steps`` nodes follow: take more steps,
+      or a baseline nearer the inputs. ``None`` unless asked for.
+  """
+  endpoint_metrics: jax.Array | None = None
+  gaps: jax.Array | None = None

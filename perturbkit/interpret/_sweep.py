@@ -232,15 +232,17 @@ def _skipping(run: Callable[[jax.Array], Any], advance: Callable[[jax.Array, jax
   return looped(consts, skipped)
 
 
-def call_groups(calls: int) -> list[tuple[int, ...]]:
-  """The call numbers ``0 .. calls - 1`` cut into at most ``GROUPS`` runs of neighbours."""
+def call_groups(calls: int, groups: int | None = None) -> list[tuple[int, ...]]:
+  """The call numbers ``0 .. calls - 1`` cut into at most ``groups`` (default ``GROUPS``) runs
+  of neighbours."""
+  most = GROUPS if groups is None else groups
   return [tuple(int(c) for c in group)
-          for group in np.array_split(np.arange(calls), min(calls, GROUPS))]
+          for group in np.array_split(np.arange(calls), min(calls, most))]
 
 
 def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: int, jobs: Any,
           batch_size: int | None, progress: str | None = None,
-          skip: tuple[jax.Array, Any] | None = None) -> jax.Array:
+          skip: tuple[jax.Array, Any] | None = None, groups: int | None = None) -> jax.Array:
   """``job(group, call, j)`` for every call number and every ``j`` along ``jobs``' leading axis.
 
   The calls are cut into :func:`call_groups` (neighbours in call order), a
@@ -255,7 +257,9 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   bar counts the jobs done, moved after each batch. With ``skip = (needed,
   skipped)``, ``needed`` a ``(calls, jobs)`` boolean array, the jobs where it is
   false give ``skipped`` without running: within a group the needed jobs go
-  first, and a batch with none is not run.
+  first, and a batch with none is not run. ``groups``: at most that many
+  groups instead of ``GROUPS`` (1: the whole model compiled once, the model
+  before the first call run once).
 
   Returns:
     The results stacked as ``(calls, jobs, ...)``.
@@ -263,7 +267,7 @@ def sweep(job: Callable[[tuple[int, ...], jax.Array, Any], jax.Array], calls: in
   per_call = jax.tree.leaves(jobs)[0].shape[0]
   bar = None if progress is None else ProgressBar(calls * per_call, progress)
   results = []
-  for group in call_groups(calls):
+  for group in call_groups(calls, groups):
     pairs = (jnp.repeat(jnp.asarray(group), per_call),
              jax.tree.map(lambda x: jnp.tile(x, (len(group),) + (1,) * (x.ndim - 1)), jobs))
     group_skip = None if skip is None else (skip[0][jnp.asarray(group)].reshape(-1), skip[1])
