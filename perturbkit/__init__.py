@@ -58,6 +58,9 @@ downloaded):
 * the layer-wise default segments (GPT-2 14, BERT 21, ViT 19, ResNet 13,
   Llama 21, CLIP 40, Whisper 48; GPT-2's tied ``wte`` and Whisper's tied decoder
   embedding in ``REST``) lowering the loss.
+* Wav2Vec2 for CTC: its layer-wise default segments (its unread ``masked_spec_embed`` in
+  ``REST``), ``propagate='original'`` against ``jax.grad`` + optax and ``'updated'``
+  against a reference written per segment.
 
 Per-example norms and DP-SGD: ``tests/test_real_models_per_example.py`` (GPT-2,
 BERT, ViT, Llama, ResNet in eval mode, BART, DistilBERT, OPT, Whisper; see ``help(perturbkit.per_example)`` for

@@ -269,6 +269,24 @@ def hf_model(model: str) -> Built:
   return Built(hf.module, filled_variables(hf), hf.config)
 
 
+@functools.cache
+def wav2vec2_ctc() -> Built:
+  """Hugging Face's ``FlaxWav2Vec2ForCTC``, tiny (one conv of the feature extractor, two
+  layers), built once per process. Its ``wav2vec2`` module owns ``masked_spec_embed`` around
+  the whole encoder and reads it only when ``mask_time_indices`` is given. Its positional
+  convolution adds a rank-1 bias to a rank-3 array: run it under
+  ``jax.numpy_rank_promotion('allow')``."""
+  import transformers as T
+  config = T.Wav2Vec2Config(vocab_size=12, hidden_size=16, num_hidden_layers=LAYERS,
+                            num_attention_heads=HEADS, intermediate_size=32, conv_dim=(8,),
+                            conv_stride=(5,), conv_kernel=(10,), num_conv_pos_embeddings=4,
+                            num_conv_pos_embedding_groups=2, do_stable_layer_norm=True,
+                            feat_extract_norm='layer')
+  with jax.numpy_rank_promotion('allow'):
+    hf = T.FlaxWav2Vec2ForCTC(config, input_shape=(1, 100), _do_init=False)
+  return Built(hf.module, filled_variables(hf), hf.config)
+
+
 def filled_variables(hf) -> dict:
   """The variables of an HF Flax model built with ``_do_init=False``, filled in numpy."""
   shapes = flax.traverse_util.flatten_dict(flax.core.unfreeze(hf.params_shape_tree))

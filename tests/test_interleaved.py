@@ -401,6 +401,48 @@ def test_root_params_are_updated_with_their_ordinary_gradient():
   np.testing.assert_allclose(state.params['scale'], p['scale'] - lr * g_scale, **TOL)
 
 
+class MaskedEncoder(nn.Module):
+  """Owns a mask embedding, read only when ``mask`` is given (as Hugging Face Wav2Vec2's
+  ``masked_spec_embed``), around two Dense layers."""
+
+  @nn.compact
+  def __call__(self, x, mask=None):
+    embed = self.param('mask_embed', nn.initializers.normal(1.0), (x.shape[-1],))
+    if mask is not None:
+      x = jnp.where(mask[..., None], embed, x)
+    h = jnp.tanh(nn.Dense(6)(x))
+    return jnp.tanh(nn.Dense(4)(h))
+
+
+class MaskedNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(1)(MaskedEncoder(name='encoder')(x))
+
+
+def test_params_the_loss_never_reads_leave_the_layers_around_them_segments_of_their_own():
+  """A module whose own params the loss never reads was one segment with every layer inside
+  it; now those layers are segments, updated as a hand-coded backward, and the unread params
+  go to REST."""
+  model, lr = MaskedNet(), 0.1
+  x = jax.random.normal(jax.random.key(1), (16, 3))
+  y = jnp.sin(x[:, :1])
+  v = model.init(jax.random.key(0), x)
+  p = v['params']
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  listing = tx.segments(v, x, y)
+  assert listing.segments == ('encoder/Dense_0', 'encoder/Dense_1', 'Dense_0'), listing
+  assert list(listing.rest) == ['encoder'] and 'does not read' in listing.rest['encoder']
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  e = p['encoder']
+  new = hand_chain([dense] * 3, [jnp.tanh, jnp.tanh, lambda z: z],
+                   [e['Dense_0'], e['Dense_1'], p['Dense_0']], x,
+                   lambda out: 2 * (out - y) / out.size, lr)
+  want = {'encoder': {'mask_embed': e['mask_embed'], 'Dense_0': new[0], 'Dense_1': new[1]},
+          'Dense_0': new[2]}
+  chex.assert_trees_all_close(state.params, want, **TOL)
+
+
 def test_nonfinite_gradient_skips_the_step():
   model = SkipMLP()
   x = jnp.ones((4, 3))

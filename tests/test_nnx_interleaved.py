@@ -944,6 +944,54 @@ def test_a_linear_subclass_calling_its_own_method_updated_matches_hand_coded_bac
   chex.assert_trees_all_close(params_of(model), expected, **TOL)
 
 
+class MaskedEncoder(nnx.Module):
+  """Owns a mask embedding, read only when ``mask`` is given (as Hugging Face Wav2Vec2's
+  ``masked_spec_embed``), around two Linear layers."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.mask_embed = nnx.Param(jax.random.normal(rngs.params(), (3,)))
+    self.dense_0 = nnx.Linear(3, 6, rngs=rngs)
+    self.dense_1 = nnx.Linear(6, 4, rngs=rngs)
+
+  def __call__(self, x, mask=None):
+    if mask is not None:
+      x = jnp.where(mask[..., None], self.mask_embed[...], x)
+    return jnp.tanh(self.dense_1(jnp.tanh(self.dense_0(x))))
+
+
+class MaskedNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.encoder = MaskedEncoder(rngs)
+    self.head = nnx.Linear(4, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.encoder(x))
+
+
+def test_params_the_loss_never_reads_leave_the_layers_around_them_segments_of_their_own():
+  """A module whose own params the loss never reads was one segment with every layer inside
+  it; now those layers are segments, and the unread params go to REST, where weight decay
+  updates them as the standard step does."""
+  x, y = batch()
+  model = MaskedNet(nnx.Rngs(0))
+  optimizer = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(0.1))
+  tx = perturbkit.nnx.interleaved(mse, optimizer, propagate='original')
+  listing = tx.segments(model, x, y)
+  assert listing.segments == ('encoder/dense_0', 'encoder/dense_1', 'head'), listing
+  assert list(listing.rest) == ['encoder'] and 'does not read' in listing.rest['encoder']
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit  # one compile; nnx.grad run op by op costs more here
+  def standard_step(params):
+    grads = jax.grad(lambda p: mse(nnx.merge(graphdef, p, rest), x, y))(params)
+    return optax.apply_updates(params, optimizer.update(grads, optimizer.init(params), params)[0])
+
+  got = one_step(tx, model, x, y)
+  chex.assert_trees_all_close(got, nnx_models.pure(standard_step(params)), **TOL)
+  decayed = params_of(model)['encoder']['mask_embed'] * (1 - 0.1 * 0.5)
+  chex.assert_trees_all_close(got['encoder']['mask_embed'], decayed, **TOL)
+
+
 def test_a_loss_calling_the_model_twice_says_what_to_change():
   x, y = lora_batch()
   siamese = lambda model, x, y: jnp.mean((model(x) - model(x[::-1])) ** 2)

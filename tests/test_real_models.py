@@ -16,8 +16,12 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
 * BART's decoder (handed the shared embedding) chosen as a segment: a named error;
 * the same checkpointed BERT with dropout on and each layer a segment, ``propagate='updated'``:
   one step equals a per-layer reference run on the plain model at the layers' own paths.
+* Wav2Vec2 for CTC, whose ``masked_spec_embed`` the loss does not read: its default segments
+  are its layers; two 'original' steps equal ``jax.grad`` + optax, and one 'updated' step
+  equals a reference written per segment with ``nn.intercept_methods`` and ``jax.custom_vjp``.
 """
 import dataclasses
+import threading
 from typing import Any, Callable
 
 import chex
@@ -443,3 +447,134 @@ def test_bert_checkpointed_layer_segments_with_dropout_updated_equals_per_layer_
   chex.assert_trees_all_close(metrics['loss'], loss, **TOL)
   chex.assert_trees_all_close(state.params, params, **TOL)
   assert float(moved) > 1e-3, float(moved)
+
+
+# --- interleaved: Wav2Vec2 for CTC, its default segments -------------------------------------
+
+W2V_SEGMENTS = tuple(
+    ['wav2vec2/feature_extractor/conv_layers/0/conv',
+     'wav2vec2/feature_extractor/conv_layers/0/layer_norm',
+     'wav2vec2/feature_projection/layer_norm', 'wav2vec2/feature_projection/projection',
+     'wav2vec2/encoder/pos_conv_embed/conv']
+    + [f'wav2vec2/encoder/layers/{i}/{m}' for i in range(hf_models.LAYERS) for m in (
+        'layer_norm', 'attention/q_proj', 'attention/k_proj', 'attention/v_proj',
+        'attention/out_proj', 'final_layer_norm', 'feed_forward/intermediate_dense',
+        'feed_forward/output_dense')]
+    + ['wav2vec2/encoder/layer_norm', 'lm_head'])
+
+
+@pytest.fixture(scope='module')
+def wav2vec2():
+  """``(loss_fn, variables, batch, value_and_grad)``: CTC loss of the tiny Wav2Vec2 on random
+  audio, and its jitted ``jax.value_and_grad`` in the params (one compile for the tests)."""
+  hf = hf_models.wav2vec2_ctc()
+  audio = jax.random.normal(jax.random.key(0), (hf_models.BATCH, 100))
+  labels = jax.random.randint(jax.random.key(1), (hf_models.BATCH, 3), 1, hf.config.vocab_size)
+
+  def loss_fn(variables, audio, labels):
+    logits = hf.module.apply(variables, audio)[0]
+    no_padding = jnp.zeros(logits.shape[:2])
+    return optax.ctc_loss(logits, no_padding, labels, jnp.zeros(labels.shape)).mean()
+
+  value_and_grad = jax.jit(jax.value_and_grad(lambda p, *b: loss_fn({'params': p}, *b)))
+  with jax.numpy_rank_promotion('allow'):
+    yield loss_fn, hf.variables, (audio, labels), value_and_grad
+
+
+def test_wav2vec2_default_segments_are_its_layers_and_original_equals_optax(wav2vec2):
+  """``wav2vec2`` owns ``masked_spec_embed``, which this loss (no ``mask_time_indices``) never
+  reads; it made the whole model below the CTC head one segment. Each layer is a segment now,
+  the unread param is in REST, and two 'original' steps with weight decay (which moves that
+  param) and momentum equal jax.grad + optax. (Not adam: the key projection's bias has a zero
+  gradient up to rounding, which adam's normalization turns into steps of any sign.)"""
+  loss_fn, variables, batch, value_and_grad = wav2vec2
+  lr = 1e-2
+  optimizer = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(lr, momentum=0.9))
+  tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original')
+  listing = tx.segments(variables, *batch)
+  assert listing.segments == W2V_SEGMENTS, listing.segments
+  assert list(listing.rest) == ['wav2vec2'], listing.rest
+  state, step = tx.init(variables, *batch), jax.jit(tx.step)
+  params, opt_state = variables['params'], optimizer.init(variables['params'])
+  for _ in range(2):
+    state, metrics = step(state, *batch)
+    loss, grads = value_and_grad(params, *batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(metrics['loss'], loss, **TOL)
+    chex.assert_trees_all_close(state.params, params, **TOL)
+  assert set(metrics['grad_norm']) - {perturbkit.REST} == set(W2V_SEGMENTS)
+  unread = variables['params']['wav2vec2']['masked_spec_embed']
+  w1 = unread * (1 - lr * 0.5)
+  chex.assert_trees_all_close(state.params['wav2vec2']['masked_spec_embed'],
+                              w1 - lr * (0.9 * 0.5 * unread + 0.5 * w1), **TOL)
+
+
+def _updated_sgd_reference(loss_fn, names, lr):
+  """One ``propagate='updated'`` SGD step with the modules at ``names`` as segments, written
+  with ``nn.intercept_methods`` and ``jax.custom_vjp`` (no perturbkit code).
+
+  Each named call runs as ``clone(parent=None).apply`` of its own params; its backward takes
+  the params' gradient at the old values, steps, and sends the cotangent to its inputs through
+  the NEW params. ``jax.grad`` then gives each segment the gradient its step used and every
+  other param its ordinary gradient; all take one SGD step with them.
+  """
+  replaying = threading.local()
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if getattr(replaying, 'depth', 0) or '/'.join(module.path) not in names:
+      return next_fun(*args, **kwargs)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [isinstance(leaf, jax.Array) for leaf in leaves]
+    unbound = module.clone(parent=None)
+
+    def run(w, arrays):
+      given = iter(arrays)
+      a, k = jax.tree.unflatten(treedef, [next(given) if t else leaf
+                                          for leaf, t in zip(leaves, traced)])
+      replaying.depth = getattr(replaying, 'depth', 0) + 1
+      try:
+        return unbound.apply({'params': w}, *a, **k, method=context.method_name)
+      finally:
+        replaying.depth -= 1
+
+    @jax.custom_vjp
+    def call(w, arrays):
+      return run(w, arrays)
+
+    def backward(saved, g):
+      w, arrays = saved
+      dw, _ = jax.vjp(run, w, arrays)[1](g)
+      new = jax.tree.map(lambda a, b: a - lr * b, w, dw)
+      (d_arrays,) = jax.vjp(lambda arrays: run(new, arrays), arrays)[1](g)
+      return dw, d_arrays
+
+    call.defvjp(lambda w, arrays: (run(w, arrays), (w, arrays)), backward)
+    return call(module.variables['params'], [x for x, t in zip(leaves, traced) if t])
+
+  def step(params, *batch):
+    def loss(params):
+      with nn.intercept_methods(interceptor):
+        return loss_fn({'params': params}, *batch)
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda a, b: a - lr * b, params, grads)
+
+  return step
+
+
+def test_wav2vec2_default_segments_updated_equals_a_reference_written_per_segment(wav2vec2):
+  loss_fn, variables, batch, value_and_grad = wav2vec2
+  lr = 1e-2  # the CTC loss is ~36 here: at 0.1 'updated' overflows (a skipped step)
+  tx = perturbkit.interleaved(loss_fn, optax.sgd(lr))
+  state = tx.init(variables, *batch)
+  assert set(state.opt_state) == set(W2V_SEGMENTS) | {perturbkit.REST}
+  state, metrics = jax.jit(tx.step)(state, *batch)
+  loss, params = jax.jit(_updated_sgd_reference(loss_fn, set(W2V_SEGMENTS), lr))(
+      variables['params'], *batch)
+  chex.assert_trees_all_close(metrics['loss'], loss, **TOL)
+  chex.assert_trees_all_close(state.params, params, **TOL)
+  # Not the ordinary step: the layers below the head took their gradient through new weights.
+  _, grads = value_and_grad(variables['params'], *batch)
+  plain = jax.tree.map(lambda a, b: a - lr * b, variables['params'], grads)
+  assert _max_abs(jax.tree.map(jnp.subtract, plain, params)) > 1e-3

@@ -240,7 +240,8 @@ def _outside_reason(what: set[str]) -> str:
 def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
            at_depth: Callable[[int], list[Path]],
            outside_reads: Callable[[list[Path]], Mapping[str, set[str]]],
-           transforms: str, in_transform_error: Callable[[str], Exception]) -> Segmentation:
+           transforms: str, in_transform_error: Callable[[str], Exception],
+           unread: Callable[[], set[Path]] = set) -> Segmentation:
   """The segments for ``spec`` (None: layer-wise; int: depth; filter; names).
 
   Args:
@@ -256,6 +257,9 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
     transforms: The transforms that copy or slice modules, named in reasons.
     in_transform_error: ``name -> error`` for a chosen segment that runs
       inside such a transform.
+    unread: ``() -> paths`` of the modules none of whose own params the loss
+      reads (``_unread``); asked only by the layer-wise default, and only when a
+      module owning params encloses others that do.
 
   Returns:
     The :class:`Segmentation`.
@@ -286,7 +290,7 @@ def choose(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path], *,
   by_name = {name_of(p): p for p in {c.path for c in calls} | set(owners)}
   # rest: {module: (kind of reason, reason)}; the kind picks NoSegmentError's advice.
   if spec is None:
-    chosen, rest = _layerwise(owners, count, transformed, branched, transforms)
+    chosen, rest = _layerwise(owners, count, transformed, branched, transforms, unread)
   else:
     chosen, rest = _user_choice(spec, calls, owners, count, transformed, branched, at_depth,
                                 by_name, in_transform_error), {}
@@ -349,16 +353,25 @@ def _user_choice(spec: SegmentSpec, calls: list[CallRecord], owners: list[Path],
 
 
 def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[Path],
-               branched: Mapping[Path, str],
-               transforms: str) -> tuple[set[Path], dict[str, tuple[str, str]]]:
+               branched: Mapping[Path, str], transforms: str,
+               unread: Callable[[], set[Path]]) -> tuple[set[Path], dict[str, tuple[str, str]]]:
   """Every module owning params directly, or its nearest enclosing call that can be one.
 
+  A module whose own params are read in its call, around modules with params of
+  their own (ViT's embeddings: a class token around a patch convolution), is one
+  segment with them. Own params the loss never reads (Wav2Vec2's
+  ``masked_spec_embed`` without ``mask_time_indices``) do not make it one: they go
+  to ``REST`` with their zero gradient, and the modules inside are segments.
   The modules left out map to ``(kind, reason)``.
   """
   chosen: set[Path] = set()
   rest: dict[str, tuple[str, str]] = {}
   cannot = lambda path: path in transformed or path in branched
+  enclosing = {o[:n] for o in owners for n in range(1, len(o))} & set(owners)
+  idle = unread() & enclosing if enclosing else set()
   for owner in owners:
+    if owner in idle:
+      continue
     target = owner
     # Copied or sliced params, or a call in a conditional or loop: the nearest enclosing
     # plain call takes them.
@@ -377,6 +390,12 @@ def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[P
     chosen.add(target)
   # A segment's replay covers everything called inside it.
   chosen = {p for p in chosen if _nearest_ancestor(p, chosen) is None}
+  for p in sorted(idle, key=lambda p: tuple(map(str, p))):
+    if p in chosen or _nearest_ancestor(p, chosen) is not None:
+      continue  # a segment around it (or itself, for a call in a transform) holds its params
+    rest[name_of(p)] = ('unread', 'the loss does not read its own params on these arguments '
+                                  '(their gradient is zero), so they do not make its call one '
+                                  'segment with the modules inside it')
   for p in sorted(chosen, key=lambda p: tuple(map(str, p))):
     if count[p] > 1:
       chosen.discard(p)

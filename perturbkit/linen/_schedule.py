@@ -208,6 +208,14 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       it. A read that reaches the loss only through ``jax.lax.stop_gradient``
       adds nothing to the gradient and does not exclude a segment
       (``tests/test_stop_gradient_reads.py``).
+    * A module that owns params directly around modules that own params too
+      (ViT's embeddings: a class token around the patch convolution) is one
+      segment with them. Own params the loss does not read on the example
+      arguments (Hugging Face Wav2Vec2's ``masked_spec_embed``, read only with
+      ``mask_time_indices``) do not make it one: they go to ``REST`` (listed
+      in ``rest``), where weight decay updates them as in the standard step,
+      and the layers inside are segments. A later step that reads them gives
+      them their ordinary gradient there.
     * A call a module makes inside its own call (a method calling another of
       its methods, or ``super().__call__(x)`` in a subclass such as a LoRA
       ``nn.Dense``) is part of that call, not a second use of its params.

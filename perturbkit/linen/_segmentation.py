@@ -17,6 +17,7 @@ from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
+from perturbkit.core._unread import unread_owners
 from perturbkit.errors import SegmentationError
 from perturbkit.linen._branches import branching_transform
 from perturbkit.linen._interceptor import intercept, transforms_of
@@ -84,6 +85,13 @@ def outside_reads(loss_fn: Callable[..., Any], variables: Variables, args: tuple
   return reads_outside(jaxpr, flat_leaf_owners(params, list(names.values())))
 
 
+def unread(loss_fn: Callable[..., Any], variables: Variables, args: tuple) -> set[Path]:
+  """The modules none of whose own params ``loss_fn`` reads."""
+  arrays, rebuild = partition_values(args)
+  fn = lambda params, arrays: loss_fn({**variables, 'params': params}, *rebuild(arrays))
+  return unread_owners(fn, variables['params'], [arrays], lambda keys: keys[:-1])
+
+
 def _in_lifted_transform(name: str) -> SegmentationError:
   return SegmentationError(
       f'The segment {name!r} runs inside a lifted transform (nn.scan, nn.vmap) whose params '
@@ -112,4 +120,5 @@ def choose(loss_fn: Callable[..., Any], variables: Variables, args: tuple,
                                                           scanned),
       transforms=('nn.scan/nn.vmap with its params broadcast to every iteration or stacked other '
                   'than along their first axis'),
-      in_transform_error=_in_lifted_transform)
+      in_transform_error=_in_lifted_transform,
+      unread=lambda: unread(loss_fn, variables, args))

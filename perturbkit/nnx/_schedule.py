@@ -194,6 +194,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *, wrt: Any =
   left, ``NoSegmentError`` says what to change). A call a module makes inside
   its own call (a method calling another of its methods, or
   ``super().__call__(x)`` in a subclass of ``nnx.Linear``) is part of that call.
+  A module holding variables directly around modules that hold some too is one
+  segment with them, unless the loss does not read its own variables on the
+  example arguments: those go to ``REST`` and the modules inside are segments.
   A Variable held by several modules (``self.head.w = self.embed.embedding``)
   belongs to the module where ``nnx.state(model, wrt)`` lists it; another
   module holding it reads that module's params (its owner goes to ``REST``,

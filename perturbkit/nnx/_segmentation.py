@@ -19,11 +19,12 @@ from perturbkit.core._values import partition_values
 from perturbkit.core import filters as _filters, _segment_choice
 from perturbkit.core._consumers import reads_outside
 from perturbkit.core._segment_vjp import FORWARD_ONLY
+from perturbkit.core._unread import unread_owners
 from perturbkit.errors import SegmentationError
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._ownership import owned_state, ownership
 from perturbkit.nnx._segments import (iteration_state, params_tree, segment_name, segmented_loss,
-                                      stacked_iterations, with_iteration_states)
+                                      stacked_iterations, with_iteration_states, with_values)
 from perturbkit.core._segment_choice import (CallRecord, Exactly, Segmentation, exactly,
                                         flat_leaf_owners, leading_length)
 from perturbkit.core._types import CallFilter
@@ -135,6 +136,23 @@ def outside_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, w
   return reads_outside(jaxpr, flat_leaf_owners(params, list(names.values())))
 
 
+def unread(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
+           wrt: Any) -> set[NNXPath]:
+  """The modules none of whose own ``wrt`` params ``loss_fn`` reads."""
+  modules = {tuple(map(str, path)): tuple(path) for path, _ in nnx.iter_modules(model)}
+  graphdef, template, others = nnx.split(model, wrt, ...)
+  arrays, rebuild = partition_values(args, keep=nnx.graph.is_graph_node)
+
+  def fn(params, arrays):
+    copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    return loss_fn(copy, *rebuild(arrays))
+
+  def owner_of(keys):
+    return next(modules[keys[:n]] for n in range(len(keys) - 1, -1, -1) if keys[:n] in modules)
+
+  return unread_owners(fn, params_tree(template), [arrays], owner_of)
+
+
 def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any,
            spec: int | CallFilter | Exactly | None) -> Segmentation:
   """The segments of ``loss_fn`` for ``spec`` (None: layer-wise; int: depth; filter; names).
@@ -156,4 +174,5 @@ def choose(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, wrt: Any
       transforms=('an NNX transform that does not hand it its slice of the whole module '
                   'along axis 0 (nnx.remat; nnx.scan with a StateAxes that broadcasts some '
                   'of its state, or inside a scan)'),
-      in_transform_error=SegmentInTransformError)
+      in_transform_error=SegmentInTransformError,
+      unread=lambda: unread(loss_fn, model, args, wrt))
