@@ -384,24 +384,89 @@ def test_exact_categorical_g_is_the_expectation_over_labels():
   np.testing.assert_allclose(stats['layers_0'].g, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_float64_loss_and_gradient_equal_jax_grad_in_float64():
-  """A float64 model's loss and gradient from the estimator are ``jax.grad``'s in float64 (the
-  softmax cross-entropy was taken in float32: a float32 loss, and gradients off by 1e-8)."""
+def assert_float64_close(got, want, err_msg=''):
+  """``got`` is float64 and equals ``want`` to 1e-12 of its largest entry."""
+  assert got.dtype == jnp.float64, err_msg
+  want = np.asarray(want, np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max(),
+                             err_msg=err_msg)
+
+
+def kernel_matrix(leaves):
+  """``[W; b]`` of a Dense/Conv layer's ``{'kernel', 'bias'}`` (a Conv's kernel flattened)."""
+  kernel = np.asarray(leaves['kernel'], np.float64)
+  return np.concatenate([kernel.reshape(-1, kernel.shape[-1]), np.asarray(leaves['bias'])[None]])
+
+
+def exact_fisher_factors(hand_fn, params, x, eps_shapes):
+  """A hand model's layer inputs, and each layer's exact-Fisher
+  ``G = (1/(N T)) Σ_n Σ_t J_ntᵀ (diag p_n - p_n p_nᵀ) J_nt``, with ``J_nt`` the Jacobian of
+  example ``n``'s logits at its output location ``t`` (``jax.jacrev``), in numpy float64."""
+  @jax.jit
+  def run(params, x):
+    zeros = [jnp.zeros(s) for s in eps_shapes]
+    logits, inputs = hand_fn(params, x, zeros)
+    return logits, inputs, jax.jacrev(lambda eps: hand_fn(params, x, eps)[0])(zeros)
+
+  logits, inputs, jacobians = jax.tree.map(lambda a: np.asarray(a, np.float64), run(params, x))
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  fisher = np.stack([np.diag(q) - np.outer(q, q) for q in p])
+  gs = []
+  for jac, shape in zip(jacobians, eps_shapes):
+    n = shape[0]
+    per_example = np.stack([jac[i, :, i] for i in range(n)])
+    per_example = per_example.reshape(n, logits.shape[1], -1, shape[-1])   # (n, k, t, d)
+    gs.append(np.einsum('nkti,nkl,nltj->ij', per_example, fisher, per_example) /
+              (n * per_example.shape[2]))
+  return inputs, gs
+
+
+def test_float64_loss_gradient_factors_and_step_are_the_textbook_ones_in_float64():
+  """A float64 MLP's loss and gradient are ``jax.grad``'s in float64 (the softmax
+  cross-entropy was taken in float32: a float32 loss, gradients off by 1e-8); its factors
+  are the textbook ``E[ã ãᵀ]`` and exact-Fisher ``G`` of the hand twin in float64, and the
+  running factors, damped inverses and preconditioned gradient are float64 (they were
+  float32, about 1e-7 off). A Conv's: the NNX CNN's test in ``test_nnx_kfac.py`` (the
+  rules are the same)."""
+  shapes = [(6, 6), (6, 5), (6, 4)]
   with jax.enable_x64(True):
-    model = nn.Sequential([nn.Dense(5, param_dtype=jnp.float64), jnp.tanh,
-                           nn.Dense(4, param_dtype=jnp.float64)])
     x = jax.random.normal(jax.random.key(1), (6, 3), jnp.float64)
     y = jnp.arange(6) % 4
-    variables, predict, layers = setup(model, x)
-    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='exact')
-    loss, grads, _ = jax.jit(estimate)(variables, x, y)
+    variables = jax.tree.map(lambda v: v.astype(jnp.float64),
+                             jax.jit(MLP().init)(jax.random.key(0), x))
+    predict = lambda v, inputs: MLP().apply(v, inputs)
+    layers = perturbkit.kfac_layers(predict, variables, x)
+    estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                         fisher='exact')
+    tx = perturbkit.kfac_preconditioner(layers, damping=0.1)
+
+    @jax.jit
+    def step(params, state):
+      loss, grads, stats = estimate({'params': params}, x, y, with_stats=True)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      return loss, grads, stats, updates, state
+
+    loss, grads, stats, updates, state = step(variables['params'],
+                                              tx.init(variables['params']))
     loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
         predict({'params': p}, x), y).mean()
-    want_loss, want = jax.jit(jax.value_and_grad(loss_fn))(variables['params'])
-    assert loss.dtype == jnp.float64
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-14)
-    chex.assert_trees_all_equal_dtypes(grads, want)
-    chex.assert_trees_all_close(grads, want, rtol=1e-12, atol=1e-15)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn))(variables['params'])
+    inputs, want_gs = exact_fisher_factors(hand_mlp, variables['params'], x, shapes)
+  assert loss.dtype == jnp.float64
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-14)
+  chex.assert_trees_all_equal_dtypes(grads, want_grads)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-12, atol=1e-15)
+  for i, (a, want_g) in enumerate(zip(inputs, want_gs)):
+    name = f'Dense_{i}'
+    rows = with_bias(a)
+    want_a = rows.T @ rows / 6
+    assert_float64_close(stats[name].a, want_a, f'{name}.a')
+    assert_float64_close(stats[name].g, want_g, f'{name}.g')
+    for leaf in (*state.factors[name], *state.inverses[name], *updates[name].values()):
+      assert leaf.dtype == jnp.float64, name
+    want = hand_precondition(kernel_matrix(grads[name]), want_a, want_g, 0.1)
+    assert_float64_close(kernel_matrix(updates[name]), want, name)
 
 
 # ---------------------------------------------------------------- preconditioner

@@ -8,6 +8,8 @@ in float64 numpy: each layer's factors, damped inverses and step, then the
 cotangent sent to the layer below computed with the layer's NEW kernel. On the test
 process's 8 host CPU devices the sweep's factors and steps are checked against one device.
 """
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -158,6 +160,32 @@ def test_a_prng_key_passed_before_the_batch_is_not_counted_as_the_examples():
   rng = jax.random.PRNGKey(0)
   state, _ = jax.jit(tx.step)(tx.init(variables, rng, x, y), rng, x, y)
   assert_hand_mlp_factors(state, variables, x, y)
+
+
+def test_float64_segment_factors_and_step_are_float64():
+  """A float64 segment's factors are the textbook ``E[ã ãᵀ]`` and ``E[g gᵀ]`` (``g`` the
+  per-example gradient, ``examples`` times the mean loss's cotangent) in float64, and its
+  running factors, inverses and step are float64 (they were float32, off by 1e-7)."""
+  from test_kfac import assert_float64_close, hand_precondition, kernel_matrix
+  layer = perturbkit.LayerInfo('dense', ('Dense_0',), 'kernel', (3, 2), True, ('__call__',))
+  tx = perturbkit.kfac_segment(layer, damping=DAMPING)
+  with jax.enable_x64(True):
+    x, cotangent, kernel = (jax.random.normal(jax.random.key(i), shape, jnp.float64)
+                            for i, shape in enumerate([(5, 3), (5, 2), (3, 2)]))
+    params = {'kernel': kernel, 'bias': jnp.zeros(2, jnp.float64)}
+    grads = {'kernel': x.T @ cotangent, 'bias': cotangent.sum(0)}
+    update = jax.jit(functools.partial(tx.update, segment_examples=5))
+    updates, state = update(grads, tx.init(params), params, segment_inputs=(x,),
+                            segment_output_grad=cotangent)
+  a = np.concatenate([np.asarray(x), np.ones((5, 1))], axis=1)
+  g = 5 * np.asarray(cotangent)
+  want_a, want_g = a.T @ a / 5, g.T @ g / 5
+  assert_float64_close(state.factors['segment'].a, want_a)
+  assert_float64_close(state.factors['segment'].g, want_g)
+  assert all(leaf.dtype == jnp.float64 for leaf in state.inverses['segment'])
+  assert all(leaf.dtype == jnp.float64 for leaf in updates.values())
+  assert_float64_close(kernel_matrix(updates),
+                       hand_precondition(kernel_matrix(grads), want_a, want_g, DAMPING))
 
 
 def assert_hand_mlp_factors(state, variables, x, y):

@@ -165,6 +165,50 @@ def test_traced_with_stats_and_the_preconditioner_state():
       assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(stats))
 
 
+def test_float64_factors_inverses_and_steps_are_the_textbook_ones_in_float64():
+  """A CNN with float64 Conv layers: every layer's factors are the textbook ones of the
+  Linen hand twin in float64, and the Conv layers' running factors, damped inverses and
+  preconditioned gradients are float64 (they were float32, off by 1e-7). Its Dense keeps
+  float32 params on float64 activations: its factors, formed from float64 inputs and
+  gradients, are float64 too, while its state and step stay in its params' float32 (and the
+  traced ``with_stats``' other branch, with no statistics, takes the factors' float64)."""
+  from test_kfac import (CONV_SETTINGS, assert_float64_close, dense_reference, hand_cnn,
+                         hand_factors, hand_patches, hand_precondition, kernel_matrix)
+  with jax.enable_x64(True):
+    model = NNXCNN(nnx.Rngs(0))
+    for layer in (model.Conv_0, model.Conv_1):
+      nnx.update(layer, jax.tree.map(lambda a: a.astype(jnp.float64), nnx.state(layer)))
+    x = jax.random.normal(jax.random.key(1), (4, 7, 7, 2), jnp.float64)
+    y = jnp.arange(4) % 5
+    layers = perturbkit.nnx.kfac_layers(model, x)
+    estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='empirical')
+    tx = perturbkit.nnx.kfac_preconditioner(layers, damping=0.1)
+
+    @nnx.jit
+    def step(model, state):
+      _, grads, stats = estimate(model, x, y, with_stats=state.stats_due)
+      updates, state = tx.update(grads, state, nnx.state(model, nnx.Param), kfac_stats=stats)
+      return grads, stats, updates, state
+
+    grads, stats, updates, state = step(model, tx.init(nnx.state(model, nnx.Param)))
+    inputs, gs = hand_factors(hand_cnn, M.linen_variables(model)['params'], x,
+                              lambda logits: y, [(4, 7, 7, 4), (4, 3, 3, 3), (4, 5)])
+  grads, updates = M.pure(grads), M.pure(updates)
+  rows = [hand_patches(inputs[i], 3, *CONV_SETTINGS[f'Conv_{i}']) for i in range(2)]
+  for name, a, g in zip(['Conv_0', 'Conv_1', 'Dense_0'], rows + [inputs[2]], gs):
+    want_a, want_g = dense_reference(a, g, 4)
+    assert_float64_close(stats[name].a, want_a, f'{name}.a')
+    assert_float64_close(stats[name].g, want_g, f'{name}.g')
+    dtype = jnp.float32 if name == 'Dense_0' else jnp.float64
+    for leaf in (*state.factors[name], *state.inverses[name], *updates[name].values()):
+      assert leaf.dtype == dtype, name
+    want = hand_precondition(kernel_matrix(grads[name]), want_a, want_g, 0.1)
+    if name == 'Dense_0':
+      np.testing.assert_allclose(kernel_matrix(updates[name]), want, rtol=1e-5, atol=1e-6)
+    else:
+      assert_float64_close(kernel_matrix(updates[name]), want, name)
+
+
 def linen_steps(kind, steps, kfac):
   _, linen, variables, x, y = twins(kind)
   predict, layers = linen_kfac(linen, variables, x)

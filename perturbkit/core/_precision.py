@@ -12,6 +12,12 @@ def accumulation_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def accumulation_dtype_of(*arrays: Any) -> jnp.dtype:
+  """The accumulation dtype of ``arrays`` together: their promoted dtype, at least float32
+  (integer arrays, such as token ids, do not widen a float32 one)."""
+  return accumulation_dtype(jnp.result_type(*arrays))
+
+
 def widened(x: jax.Array) -> jax.Array:
   """``x`` in at least float32, where it is summed or multiplied with many others.
 

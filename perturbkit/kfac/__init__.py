@@ -117,6 +117,14 @@ stats of a step without statistics are NaN, so a step that skips them where they
 were due (``stats_due`` true) turns the factors NaN at once instead of quietly
 folding in zeros.
 
+The factors follow the model's precision: a batch's are formed in the
+accumulation dtype of the layer's inputs and output gradients, and the running
+factors, their damped inverses and the preconditioned gradient are kept in that
+of the layer's params: float32 for a float32, bfloat16 or float16 model, float64
+for a float64 one (``jax_enable_x64`` and ``param_dtype=jnp.float64``). A layer with
+float32 params run on float64 activations has float64 batch factors, and keeps its
+running factors and step in float32, as its gradient is.
+
 On CPU, where XLA runs convolutions inside a ``lax.cond`` slowly, two jitted
 steps picked in Python take the conditional away (one boolean read back from the
 device per step)::
@@ -183,7 +191,7 @@ Fisher block is preconditioned by its exact diagonal, as kfac-jax's
 scale-and-shift blocks are by default: ``F = (1/N) Σ_n (∂ℓ_n/∂θ)²`` (summed over
 the Fisher's lanes), with each example's gradient ``Σ_t g_t ⊙ x̂_t`` for the scale
 and ``Σ_t g_t`` for the bias, summed over its locations and over the layer's
-calls, ``x̂`` recomputed from the call's input in float32. The update is
+calls, ``x̂`` recomputed from the call's input in at least float32. The update is
 ``∇θ / (F + λ)``: the damping is added once, where a Kronecker block adds it to
 each of its two factors. ``LayerFactors.a`` is the scale's diagonal and ``.g``
 the bias's (the bias's in ``.a`` for a norm without a scale). The rule needs the

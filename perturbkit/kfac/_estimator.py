@@ -36,8 +36,8 @@ from perturbkit.kfac._examples import batch_examples
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import OutputLoss, as_output_loss, mean_loss
 from perturbkit.kfac._reads import outside_reads
-from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, factor_shapes,
-                                    linen_override_reason)
+from perturbkit.kfac._rules import (LayerFactors, batch_factors, call_input, filled_factors,
+                                    linen_override_reason, params_dtype)
 from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._trees import find_in, get_in
 from perturbkit.core._types import Variables
@@ -45,15 +45,29 @@ from perturbkit.core._validate import flag
 from perturbkit.core._varying import typed_like, varying_axes
 
 
-def absent_stats(layers: KFACLayers) -> dict[str, LayerFactors]:
-  """The stats of a step that took none: NaN factors of every layer's shapes.
+def absent_stats(layers: KFACLayers, grads: Any) -> dict[str, LayerFactors]:
+  """The stats of a step that took none: NaN factors of every layer's shapes, in the
+  precision of its params (``grads``, the param gradients as a nested dict, say which).
 
   The preconditioner folds stats only where its ``stats_due`` is true; NaN makes
   a step without statistics on such a step show at once (NaN factors and
   updates) instead of quietly pulling the running factors towards zero.
   """
-  return {name: LayerFactors(*(jnp.full(s, jnp.nan, jnp.float32) for s in factor_shapes(info)))
+  flat = traverse_util.flatten_dict(flax.core.unfreeze(grads))
+  leaves = lambda info: {leaf: flat[info.path + (leaf,)]
+                         for leaf in (info.param, 'bias') if info.path + (leaf,) in flat}
+  return {name: filled_factors(info, jnp.nan, params_dtype(info, leaves(info)))
           for name, info in layers.layers.items()}
+
+
+def absent_like(absent: dict[str, LayerFactors], taken: Callable[[], Any]) -> Any:
+  """``absent`` as the other branch of a ``lax.cond`` whose first is ``taken()``: in the
+  dtypes of its stats and varying over the devices as they do. Where float64 is enabled
+  (``jax_enable_x64``) ``taken`` is traced abstractly for the dtypes: a layer with float32
+  params run on float64 activations has float64 factors; otherwise every factor is float32."""
+  if jax.config.jax_enable_x64:
+    absent = jax.tree.map(lambda a, s: a.astype(s.dtype), absent, jax.eval_shape(taken))
+  return typed_like(absent, taken)
 
 
 def layer_stats(layers: KFACLayers, captured: Any, output_grads: Any, examples: int
@@ -333,7 +347,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
   def without_stats(variables, inputs, targets):
     (value, aux), param_grads = jax.value_and_grad(loss_of_params, has_aux=True)(
         variables['params'], variables, inputs, targets)
-    return value, param_grads, absent_stats(layers), aux
+    return value, param_grads, absent_stats(layers, param_grads), aux
 
   def estimate(variables: Variables, inputs: Any, targets: Any, key: jax.Array | None = None,
                *, with_stats: bool | jax.Array = True):
@@ -352,7 +366,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       value, param_grads, absent, aux = without_stats(variables, inputs, targets)
       taken = lambda: with_stats_fn(variables, inputs, targets, key, fisher_only=True)[2]
       stats = jax.lax.cond(jnp.asarray(with_stats, bool), taken,
-                           lambda: typed_like(absent, taken))
+                           lambda: absent_like(absent, taken))
       out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

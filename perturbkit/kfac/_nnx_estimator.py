@@ -18,13 +18,12 @@ from flax import nnx
 
 from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._validate import flag
-from perturbkit.core._varying import typed_like
 from perturbkit.kfac._checks import (check_kernel_shapes, check_layer_info, check_layers_given,
                                      refuse_outside_reads,
                                      refuse_override, signature)
 from perturbkit.kfac._examples import batch_examples
-from perturbkit.kfac._estimator import (absent_stats, check_estimate_args, lane_loss_fn,
-                                        lane_stats, require_key, split_output)
+from perturbkit.kfac._estimator import (absent_like, absent_stats, check_estimate_args,
+                                        lane_loss_fn, lane_stats, require_key, split_output)
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._losses import as_output_loss, mean_loss
 from perturbkit.nnx._calls import path_of, submodules
@@ -144,7 +143,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
   def without_stats(model, inputs, targets):
     (value, aux), param_grads = nnx.value_and_grad(loss_of_model, has_aux=True)(
         model, inputs, targets)
-    return value, param_grads, absent_stats(layers), aux
+    return value, param_grads, absent_stats(layers, nnx.to_pure_dict(param_grads)), aux
 
   def with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=False):
     """``(value, param_grads, stats, aux, new_state)`` from the pure ``state``."""
@@ -180,7 +179,7 @@ def kfac_estimator(loss: Any, layers: KFACLayers, *,
       value, param_grads, absent, aux = without_stats(model, inputs, targets)
       taken = lambda: with_stats_fn(graphdef, state, inputs, targets, key, fisher_only=True)[2]
       stats = jax.lax.cond(jnp.asarray(with_stats, bool), taken,
-                           lambda: typed_like(absent, taken))
+                           lambda: absent_like(absent, taken))
     out = value, param_grads, stats, aux
     return out if has_aux else out[:3]
 

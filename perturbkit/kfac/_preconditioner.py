@@ -25,7 +25,8 @@ from flax import traverse_util
 from perturbkit.errors import KFACShapeError, KFACUpdateArgsError, NotAnOptimizerError
 from perturbkit.kfac._checks import check_layers_given
 from perturbkit.kfac._layers import KFACLayers
-from perturbkit.kfac._rules import LayerFactors, LayerInfo, factor_shapes, precondition
+from perturbkit.kfac._rules import (LayerFactors, LayerInfo, factor_shapes, filled_factors,
+                                    params_dtype, precondition)
 from perturbkit.core._validate import fraction, positive, positive_int
 from perturbkit.core._varying import check_unchecked
 from perturbkit.errors import KFACFactorShapeError
@@ -225,7 +226,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   def init(params: Any) -> KFACState:
     per_layer, rest = _split(params, layers)
     _check_params(layers, per_layer)
-    zeros = {name: LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
+    # Each layer's factors in its params' precision (float64 for a float64 layer).
+    zeros = {name: filled_factors(info, 0.0, params_dtype(info, per_layer[name]))
              for name, info in layers.layers.items()}
     return KFACState(jnp.zeros((), jnp.int32), zeros, zeros,
                      fallback.init(traverse_util.unflatten_dict(rest)), jnp.ones((), bool))
@@ -241,7 +243,10 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
     _check_stats(layers, kfac_stats)
     per_layer, rest = _split(updates, layers)
     _check_params(layers, per_layer)
-    stats = jax.tree.map(lambda s: s.astype(jnp.float32), kfac_stats)
+    # The batch's factors are kept in the state's dtype, the layer's params' precision.
+    stats = {name: LayerFactors(*(jnp.asarray(new).astype(old.dtype) for new, old in zip(
+                 (kfac_stats[name].a, kfac_stats[name].g), state.factors[name])))
+             for name in layers.layers}
     factors = jax.lax.cond(state.stats_due,
                            lambda: fold(state.factors, stats, state.count == 0),
                            lambda: state.factors)

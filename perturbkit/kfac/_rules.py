@@ -37,6 +37,7 @@ import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from perturbkit.core._conv_patches import conv_patches as patches_of
+from perturbkit.core._precision import accumulation_dtype_of
 from perturbkit.kfac._scale_shift import (NormGeometry, diagonal_factors, diagonal_shapes,
                                           precondition_diagonal)
 from perturbkit.linen._hf_modules import hf_rms_norm_epsilon, is_hf_conv1d
@@ -281,6 +282,19 @@ def factor_shapes(info: LayerInfo) -> LayerFactors:
   return LayerFactors((rows, rows), (d_out, d_out))
 
 
+def params_dtype(info: LayerInfo, params: dict) -> jnp.dtype:
+  """The dtype the factors of a layer with ``params`` (``{leaf: array}``, its leaves) are
+  kept in: the accumulation dtype of its weight and bias, float32 for float32, bfloat16
+  and float16 params, float64 for float64 ones."""
+  return accumulation_dtype_of(params[info.param],
+                               *([params['bias']] if info.use_bias else []))
+
+
+def filled_factors(info: LayerInfo, value: float, dtype: Any) -> LayerFactors:
+  """Factors of the layer's shapes (:func:`factor_shapes`) holding ``value``, in ``dtype``."""
+  return LayerFactors(*(jnp.full(s, value, dtype) for s in factor_shapes(info)))
+
+
 def conv_patches(geometry: ConvGeometry, x: jax.Array) -> jax.Array:
   """The input patches of a Conv call, ``(batch, *out_spatial, prod(kernel_size) * in)``.
 
@@ -308,9 +322,9 @@ def _examples(x: jax.Array, batch_ndim: int) -> int:
   return x.shape[0] if batch_ndim > 0 else 1
 
 
-def input_rows(info: LayerInfo, x: jax.Array) -> tuple[jax.Array, int]:
-  """``(rows, N)``: the call's input as weight-matrix rows (token ids for an Embed)
-  and its number of examples (the size of the first axis)."""
+def input_rows(info: LayerInfo, x: jax.Array, dtype: Any) -> tuple[jax.Array, int]:
+  """``(rows, N)``: the call's input as weight-matrix rows in ``dtype`` (token ids for an
+  Embed) and its number of examples (the size of the first axis)."""
   if info.kind == 'embed':
     return x.reshape(-1), _examples(x, x.ndim)
   if info.kind == 'dense':
@@ -323,7 +337,7 @@ def input_rows(info: LayerInfo, x: jax.Array) -> tuple[jax.Array, int]:
     flat = x.reshape((-1,) + x.shape[batch_ndim:])
     patches = conv_patches(info.conv, flat)
     rows = patches.reshape(-1, patches.shape[-1])
-  rows = rows.astype(jnp.float32)
+  rows = rows.astype(dtype)
   if info.use_bias:
     rows = jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], axis=1)
   return rows, examples
@@ -375,17 +389,20 @@ def batch_factors(info: LayerInfo, inputs: list[jax.Array], output_grads: list[j
   if info.kind == 'norm':
     return LayerFactors(*diagonal_factors(info.param, info.use_bias, info.norm, inputs,
                                           output_grads, examples))
+  # In the model's precision: float32 for a float32, bfloat16 or float16 model, float64
+  # for a float64 one.
+  dtype = accumulation_dtype_of(*inputs, *output_grads)
   a_sum = g_sum = None
   rows = 0
   for x, g in zip(inputs, output_grads):
-    a, n = input_rows(info, x)
+    a, n = input_rows(info, x, dtype)
     examples = n if examples is None else examples
     if info.kind == 'embed':
-      term = jnp.zeros((info.kernel_shape[0],), jnp.float32).at[a].add(1.0)
+      term = jnp.zeros((info.kernel_shape[0],), dtype).at[a].add(1.0)
     else:
       term = jnp.einsum('mi,mj->ij', a, a, precision=_HIGHEST)
     a_sum = term if a_sum is None else a_sum + term
-    g = g.reshape(g.shape[0], -1, g.shape[-1]).astype(jnp.float32)
+    g = g.reshape(g.shape[0], -1, g.shape[-1]).astype(dtype)
     rows += g.shape[1]
     term = jnp.einsum('lmi,lmj->ij', g, g, precision=_HIGHEST)
     g_sum = term if g_sum is None else g_sum + term

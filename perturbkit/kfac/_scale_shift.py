@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from perturbkit.core._precision import accumulation_dtype_of
+
 
 class NormGeometry(NamedTuple):
   """The static attributes of a normalisation over the last axis that decide ``x̂``.
@@ -79,6 +81,7 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
                      'normalises: build the layers with perturbkit.kfac_layers (or '
                      'perturbkit.nnx.kfac_layers), which records it.')
   examples = examples_of(inputs[0]) if examples is None else examples
+  dtype = accumulation_dtype_of(*inputs, *output_grads)
   sums: dict[str, jax.Array] = {}
   for x, g in zip(inputs, output_grads):
     n = examples_of(x)
@@ -86,7 +89,7 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
       raise ValueError(f'A norm\'s input of shape {x.shape} does not have the batch\'s '
                        f'{examples} examples on its first axis: its diagonal Fisher squares '
                        'each example\'s gradient, so this layer cannot have one.')
-    g = g.reshape(g.shape[0], n, -1, g.shape[-1]).astype(jnp.float32)
+    g = g.reshape(g.shape[0], n, -1, g.shape[-1]).astype(dtype)
     parts = {'bias': jnp.sum(g, axis=2)}
     if param != 'bias':
       x_hat = normalized(geometry, x).reshape(1, n, -1, x.shape[-1])
@@ -94,7 +97,7 @@ def diagonal_factors(param: str, use_bias: bool, geometry: NormGeometry | None,
     for k, v in parts.items():
       sums[k] = sums[k] + v if k in sums else v
   diagonal = lambda k: jnp.sum(sums[k] * sums[k], axis=(0, 1)) / examples
-  bias = diagonal('bias') if use_bias else jnp.zeros((0,), jnp.float32)
+  bias = diagonal('bias') if use_bias else jnp.zeros((0,), dtype)
   return diagonal(param), bias
 
 

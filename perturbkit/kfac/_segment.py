@@ -22,8 +22,7 @@ from perturbkit.errors import KFACExamplesError, KFACUnsupportedLayerError, KFAC
 from perturbkit.kfac._checks import check_layer_given, check_layer_info
 from perturbkit.kfac._layers import KFACLayers
 from perturbkit.kfac._preconditioner import kfac_preconditioner
-from perturbkit.kfac._rules import (LayerFactors, LayerInfo, batch_factors, factor_shapes,
-                                    one_iteration)
+from perturbkit.kfac._rules import LayerFactors, LayerInfo, batch_factors, one_iteration
 
 _NAME = 'segment'
 
@@ -194,11 +193,12 @@ def kfac_segment(layer: LayerInfo, *, damping: float = 1e-3, decay: float = 0.95
           'passes segment_inputs= and segment_output_grad=. For a whole model use '
           'kfac_preconditioner with kfac_estimator.')
     check_segment(updates)
-    zeros = LayerFactors(*(jnp.zeros(s, jnp.float32) for s in factor_shapes(info)))
-    stats = jax.lax.cond(state.stats_due,
-                         lambda: segment_factors(info, segment_inputs, segment_output_grad,
-                                                 segment_examples, '/'.join(map(str, layer.path))),
-                         lambda: zeros)
+    taken = lambda: segment_factors(info, segment_inputs, segment_output_grad,
+                                    segment_examples, '/'.join(map(str, layer.path)))
+    # Zeros of the factors' shapes and dtype (float64 for a float64 segment).
+    stats = jax.lax.cond(state.stats_due, taken,
+                         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                              jax.eval_shape(taken)))
     return inner.update(updates, state, params, kfac_stats={_NAME: stats})
 
   def init(params: Any) -> Any:
