@@ -182,7 +182,8 @@ def test_float64_factors_inverses_and_steps_are_the_textbook_ones_in_float64():
     y = jnp.arange(4) % 5
     layers = perturbkit.nnx.kfac_layers(model, x)
     estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='empirical')
-    tx = perturbkit.nnx.kfac_preconditioner(layers, damping=0.1)
+    # A NumPy float64 damping leaves the float32 Dense's inverses float32, as its state.
+    tx = perturbkit.nnx.kfac_preconditioner(layers, damping=np.float64(0.1))
 
     @nnx.jit
     def step(model, state):

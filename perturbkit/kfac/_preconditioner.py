@@ -93,8 +93,11 @@ def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.
   batched Cholesky: jaxlib's CPU kernels for batched Cholesky and triangular solves
   wait for their batch on the thread pool that runs them, and several of them at once
   (a model's layers are independent) hung a 2-core CPU for good.
+
+  The inverses keep the factors' dtype: a NumPy float64 damping (with ``jax_enable_x64``)
+  would otherwise promote a float32 layer's inverses to float64, unlike the state's.
   """
-  invert = lambda f: damped_inverse(f, damping)
+  invert = lambda f: damped_inverse(f, damping).astype(f.dtype)
   if info.iterations:
     return LayerFactors(*(jax.lax.map(invert, f) for f in factors))
   return LayerFactors(*(invert(f) for f in factors))
