@@ -367,6 +367,8 @@ def test_unknown_iterations_are_named_with_the_paths_there_are(case):
 
 # --- A scanned, rematerialized transformer against the same layers unrolled ---------------
 
+_DEPTH = 2  # two layers: the second one's input is the first one's output
+
 
 class _LinenBlock(nn.Module):
   @nn.compact
@@ -385,10 +387,10 @@ class _LinenTransformer(nn.Module):
     x = nn.Embed(11, 8, name='embed')(tokens)
     if self.scan:   # the layout of large Linen models: nn.scan over nn.remat'd layers
       body = nn.scan(nn.remat(_LinenBlock), variable_axes={'params': 0, 'perturbations': 0},
-                     split_rngs={'params': True}, length=3)
+                     split_rngs={'params': True}, length=_DEPTH)
       x, _ = body(name='layers')(x, None)
     else:
-      for i in range(3):
+      for i in range(_DEPTH):
         x, _ = _LinenBlock(name=f'layers_{i}')(x, None)
     return nn.Dense(11, name='head')(x)
 
@@ -412,7 +414,7 @@ class _NNXTransformer(nnx.Module):
   def __init__(self, rngs):
     self.embed = nnx.Embed(11, 8, rngs=rngs)
 
-    @nnx.split_rngs(splits=3)
+    @nnx.split_rngs(splits=_DEPTH)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
       return _NNXBlock(rngs)
@@ -432,7 +434,7 @@ class _NNXTransformer(nnx.Module):
 class _NNXUnrolled(nnx.Module):
   def __init__(self, scanned: _NNXTransformer):
     self.embed, self.head = scanned.embed, scanned.head
-    self.layers = nnx_models.unstacked(scanned.layers, 3)
+    self.layers = nnx_models.unstacked(scanned.layers, _DEPTH)
 
   def __call__(self, tokens):
     x = self.embed(tokens)
@@ -461,7 +463,8 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
     variables = scanned.init(jax.random.key(1), tokens)
     params = dict(variables['params'])
     layers = params.pop('layers')
-    params.update({f'layers_{i}': jax.tree.map(lambda a, i=i: a[i], layers) for i in range(3)})
+    params.update({f'layers_{i}': jax.tree.map(lambda a, i=i: a[i], layers)
+                   for i in range(_DEPTH)})
     fn, model = perturbkit, variables
     twin, twin_model = _LinenTransformer(scan=False), {'params': params}
     metric, twin_metric = metric_of(scanned.apply), metric_of(twin.apply)
@@ -484,7 +487,7 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
                          (integrated, (corrupted,))):
     got = jax.jit(function(metric, filter=calls, axis=1))(model, *args)
     want = jax.jit(function(twin_metric, filter=twin_calls, axis=1))(twin_model, *args)
-    assert len(got.paths) == 6
+    assert len(got.paths) == 2 * _DEPTH
     rows = []
     for path in got.paths:
       call, i = path[:-1].split('[')
