@@ -235,12 +235,14 @@ def test_conv_direct_paths():
   loss_fn = classification_loss(model)
   assert_norms_match(loss_fn, variables, x, y, dense_method='direct')
   key = jax.random.key(3)
-  _, total = norms_of(reference_grads(loss_fn, variables, x, y))
+  per_example = reference_grads(loss_fn, variables, x, y)
+  _, total = norms_of(per_example)
   clip = float(jnp.median(total))
   dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.5,
                                dense_method='direct')
   grads, _ = jax.jit(dp)(variables, key, x, y)
-  want, _, _ = reference_private_grad(loss_fn, variables, key, clip, 0.5, x, y)
+  want, _, _ = reference_private_grad(loss_fn, variables, key, clip, 0.5, x, y,
+                                      per_example=per_example)
   chex.assert_trees_all_close(grads, want, **TOL)
 
 
@@ -402,8 +404,17 @@ def documented_noise(key, shape):
   return jnp.concatenate(draws).reshape(shape)
 
 
-def reference_private_grad(loss_fn, variables, key, clip_norm, noise_multiplier, *args):
-  per_example = reference_grads(loss_fn, variables, *args)
+def reference_private_grad(loss_fn, variables, key, clip_norm, noise_multiplier, *args,
+                           per_example=None):
+  """Clip :func:`reference_grads` (or the given ``per_example``), sum, add the documented noise
+  and divide by B: jitted, as the reference gradients are."""
+  if per_example is None:
+    per_example = reference_grads(loss_fn, variables, *args)
+  return _clipped_noised_mean(per_example, key, clip_norm, noise_multiplier)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _clipped_noised_mean(per_example, key, clip_norm, noise_multiplier):
   _, total = norms_of(per_example)
   factors = jnp.minimum(1.0, clip_norm / total)
   summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
@@ -430,12 +441,13 @@ def test_private_grad_matches_vmap_grad(name):
   variables = model.init(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   key = jax.random.key(7)
-  _, total = norms_of(reference_grads(loss_fn, variables, x, y))
+  per_example = reference_grads(loss_fn, variables, x, y)
+  _, total = norms_of(per_example)
   clip = float(jnp.median(total))  # about half the examples are clipped
   dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.7))
   grads, metrics = dp(variables, key, x, y)
   want, want_norms, want_clipped = reference_private_grad(loss_fn, variables, key, clip, 0.7,
-                                                          x, y)
+                                                          x, y, per_example=per_example)
   chex.assert_trees_all_close(grads, want, **TOL)
   np.testing.assert_allclose(metrics['per_example_norms'], want_norms, **TOL)
   np.testing.assert_allclose(metrics['fraction_clipped'], want_clipped)
