@@ -184,9 +184,29 @@ def reference_private_grad(per_example, key, clip_norm, noise_multiplier):
   summed = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1), per_example)
   leaves, treedef = jax.tree.flatten(summed)
   keys = jax.random.split(key, len(leaves))
-  noised = [s + noise_multiplier * clip_norm * documented_noise(k, s.shape)
-            for s, k in zip(leaves, keys)]
+  # No noise (noise_multiplier=0): the same sum, without drawing it.
+  noised = [s + noise_multiplier * clip_norm * n
+            for s, n in zip(leaves, leaf_noises(keys, [s.shape for s in leaves]))
+            ] if noise_multiplier else leaves
   return jax.tree.unflatten(treedef, [x / total.shape[0] for x in noised]), total
+
+
+def leaf_noises(keys, shapes):
+  """``documented_noise(keys[i], shapes[i])`` for each leaf. Leaves under 2**15 entries are
+  drawn in one row; with ``jax_threefry_partitionable`` (JAX's default) each entry of a draw
+  depends only on its key and its flat index, so one batched draw of the largest size, cut to
+  each leaf's, gives the same values with one random-number kernel to compile instead of one a
+  leaf (the first leaf is also drawn on its own and compared: NaN if it differs)."""
+  sizes = [int(np.prod(shape)) for shape in shapes]
+  if not jax.config.jax_threefry_partitionable or max(sizes) >= 2 ** 15:
+    return [documented_noise(k, shape) for k, shape in zip(keys, shapes)]
+  draws = jax.vmap(lambda k: jax.random.normal(k, (max(sizes),)))(keys)
+  noises = [draws[i, :size].reshape(shape) for i, (size, shape) in enumerate(zip(sizes, shapes))]
+  first = documented_noise(keys[0], shapes[0])
+  # Equal to rounding (the two draws' arithmetic may be fused differently); another stream
+  # would be far off.
+  same = jnp.allclose(noises[0], first, rtol=1e-5, atol=1e-6)
+  return [noises[0] + jnp.where(same, 0.0, jnp.nan)] + noises[1:]
 
 
 @pytest.mark.parametrize('problem', ['gpt2', 'llama', 'vit'], indirect=True)
@@ -298,13 +318,25 @@ def _opt():
 
 
 def _whisper():
-  module = hf_models.hf_model('whisper').module
+  # One encoder and one decoder layer (hf_models' Whisper has two of each): the encoder's
+  # positions at jnp.arange are looked up before any layer.
+  import transformers as T
+  config = T.WhisperConfig(vocab_size=hf_models.VOCAB, num_mel_bins=8, encoder_layers=1,
+                           decoder_layers=1, encoder_attention_heads=hf_models.HEADS,
+                           decoder_attention_heads=hf_models.HEADS, d_model=hf_models.WIDTH,
+                           encoder_ffn_dim=hf_models.WIDTH, decoder_ffn_dim=hf_models.WIDTH,
+                           max_source_positions=hf_models.SEQ, max_target_positions=16,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           decoder_start_token_id=1)
+  hf = T.FlaxWhisperForConditionalGeneration(config, input_shape=(1, 8, 2 * hf_models.SEQ),
+                                             _do_init=False)
+  module = hf.module
 
   def loss_fn(variables, features, ids, mask, positions):
     logits = module.apply(variables, features, ids, mask, positions).logits
     return _token_losses(logits, ids).mean()
   features = jax.random.normal(jax.random.key(3), (B, 8, 2 * hf_models.SEQ))
-  return module, loss_fn, (features, _ids(), _ones(), _positions())
+  return module, loss_fn, (features, _ids(), _ones(), _positions()), hf_models.filled_variables(hf)
 
 
 REPLAYED = {'bart': _bart, 'distilbert': _distilbert, 'opt': _opt, 'whisper': _whisper}
@@ -323,9 +355,8 @@ def test_owners_no_call_reaches_replay_the_apply(name):
   ``vmap(grad)`` and (``PRIVATE_GRAD_CHECKED``) ``private_grad`` with no clipping nor noise
   equals ``jax.grad``."""
   with jax.numpy_rank_promotion('allow'):
-    module, loss_fn, batch = REPLAYED[name]()
-    variables = (hf_models.hf_model('whisper').variables if name == 'whisper'
-                 else _init(module, batch))
+    module, loss_fn, batch, *filled = REPLAYED[name]()
+    variables = filled[0] if filled else _init(module, batch)
     per_example = reference_grads(loss_fn, variables, *batch)
     _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *batch)
     if name in PRIVATE_GRAD_CHECKED:
@@ -348,7 +379,8 @@ def _init(module, batch):
       jnp.asarray(0.02 * rng.standard_normal(leaf.shape), leaf.dtype) for leaf in leaves])}
 
 
-def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks():
+@pytest.mark.parametrize('problem', ['gpt2'], indirect=True)
+def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks(problem):
   """GPT-2 trained with its dropout on (``deterministic=False``): the norms are those of the
   batched pass's own masks, each example's row of the Jacobian of the per-example losses
   (``vmap(grad)`` would draw other masks, one batch of one at a time)."""
@@ -367,8 +399,8 @@ def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks():
         hf.variables, ids, mask, positions, key)
     rows = jax.jit(jax.jacrev(lambda p: terms({**hf.variables, 'params': p}, ids, mask,
                                                 positions, key)))(hf.variables['params'])
-    deterministic_loss, _ = _causal_lm(hf.module)
-    without_dropout = reference_grads(deterministic_loss, hf.variables, ids, mask, positions)
+  # The same model, loss and batch without dropout: the fixture's vmap(grad).
+  without_dropout = problem.per_example
   _, total = norms_of(rows)
   np.testing.assert_allclose(norms.total, total, **TOL)
   # The masks matter: the same model without dropout has other norms.
