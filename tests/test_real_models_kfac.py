@@ -636,15 +636,21 @@ def test_opt_feed_forward_layers_on_token_rows_average_over_the_batch():
     estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                          fisher='empirical')
     _, _, stats = jax.jit(estimate)(variables, ids, ids[:, 1:])
-    seen = {}
 
-    def interceptor(next_fun, args, kwargs, context):
-      if context.method_name == '__call__' and context.module.scope is not None:
-        seen.setdefault('/'.join(context.module.path), args[0] if args else None)
-      return next_fun(*args, **kwargs)
+    @jax.jit  # the forward pass, compiled rather than op by op: only its values are read
+    def inputs_seen(variables, ids):
+      seen = {}
 
-    with nn.intercept_methods(interceptor):
-      predict(variables, ids)
+      def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == '__call__' and context.module.scope is not None:
+          seen.setdefault('/'.join(context.module.path), args[0] if args else None)
+        return next_fun(*args, **kwargs)
+
+      with nn.intercept_methods(interceptor):
+        predict(variables, ids)
+      return {'model/decoder/layers/0/fc1': seen['model/decoder/layers/0/fc1']}
+
+    seen = inputs_seen(variables, ids)
   for i in range(2):
     assert "does not have the batch's 2 examples" in layers.skipped[
         f'model/decoder/layers/{i}/final_layer_norm']
