@@ -132,6 +132,24 @@ def test_damped_inverse_takes_a_traced_damping():
                              got, rtol=1e-6)
 
 
+def test_damped_inverse_keeps_the_factors_dtype_whatever_the_dampings():
+  """With jax_enable_x64 a NumPy float64 damping promoted a float32 factor's inverse to
+  float64; integer factors (a nested list of ints) are inverted in the default float dtype.
+  The reference is numpy's inverse."""
+  factor = np.array([[2.0, 1.0], [1.0, 3.0]])
+  with jax.enable_x64(True):
+    for dtype in (np.float32, np.float64):
+      for damping in (np.float64(0.5), np.float32(0.5), 0.5, jnp.asarray(0.5, jnp.float64)):
+        got = perturbkit.damped_inverse(jnp.asarray(factor, dtype), damping)
+        assert got.dtype == dtype, (dtype, type(damping), got.dtype)
+        np.testing.assert_allclose(got, np.linalg.inv(factor + 0.5 * np.eye(2)), rtol=1e-6)
+      vector = perturbkit.damped_inverse(jnp.asarray([1.0, 3.0], dtype), np.float64(1.0))
+      assert vector.dtype == dtype
+  got = perturbkit.damped_inverse([[2, 1], [1, 3]], 0.5)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, np.linalg.inv(factor + 0.5 * np.eye(2)), rtol=1e-6)
+
+
 @pytest.mark.parametrize('value', BAD_FRACTION)
 def test_decay(layers, nnx_layers, value):
   with raises_invalid('decay', value):

@@ -57,7 +57,8 @@ class KFACState(NamedTuple):
 
 def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   """``(F + damping·I)⁻¹`` of a symmetric PSD ``F`` (Cholesky), or ``1 / (F + damping)``
-  of a diagonal given as a vector.
+  of a diagonal given as a vector, in ``factor``'s dtype (JAX's default float dtype for
+  integers), whatever the type of ``damping``.
 
   Raises:
     InvalidOptionError: a concrete ``damping`` that is not a finite number > 0 (the
@@ -73,6 +74,11 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   """
   positive('damping', damping)
   factor = jnp.asarray(factor)  # a nested list or a NumPy array too
+  if not jnp.issubdtype(factor.dtype, jnp.inexact):
+    factor = factor.astype(jnp.result_type(float))
+  # The inverse keeps the factor's dtype: a NumPy float64 damping (with jax_enable_x64)
+  # does not promote a float32 factor's inverse to float64.
+  damping = jnp.asarray(damping, factor.dtype)
   if factor.ndim == 1:
     return 1.0 / (jnp.maximum(factor, 0.0) + damping)
   if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
@@ -93,11 +99,8 @@ def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.
   batched Cholesky: jaxlib's CPU kernels for batched Cholesky and triangular solves
   wait for their batch on the thread pool that runs them, and several of them at once
   (a model's layers are independent) hung a 2-core CPU for good.
-
-  The inverses keep the factors' dtype: a NumPy float64 damping (with ``jax_enable_x64``)
-  would otherwise promote a float32 layer's inverses to float64, unlike the state's.
   """
-  invert = lambda f: damped_inverse(f, damping).astype(f.dtype)
+  invert = lambda f: damped_inverse(f, damping)
   if info.iterations:
     return LayerFactors(*(jax.lax.map(invert, f) for f in factors))
   return LayerFactors(*(invert(f) for f in factors))
