@@ -400,3 +400,42 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
     out, _ = jax.jit(perturbkit.run_with_cache(dropped))(p.variables, p.clean)
     np.testing.assert_array_equal(out, jax.jit(dropped)(p.variables, p.clean))
     assert not np.allclose(out, plain_output)
+
+
+def test_checkpointed_whisper_encoder_through_a_returned_submodule_equals_the_plain_model():
+  """Hugging Face's ``model.encode`` calls the encoder that a root method returns
+  (``module._get_encoder_module()``); with gradient checkpointing its layers run inside
+  ``nn.remat``. ``run_with_cache`` equals Linen's ``capture_intermediates`` of the plain
+  model, and ``run_with_edits`` equals the plain model with the same delta added by an
+  ``nn.intercept_methods`` interceptor."""
+  with hf_models.CASES['whisper'].strictness():
+    plain = hf_models._whisper()
+    # What `enable_gradient_checkpointing()` builds.
+    checkpointed = plain.module.clone(gradient_checkpointing=True)
+    variables = hf_models.filled_variables(plain)
+    features = jax.random.normal(jax.random.key(3), (2, 8, 16))
+    encoder = lambda m, f: m._get_encoder_module()(f).last_hidden_state
+    encode = lambda v, f: checkpointed.apply(v, f, method=encoder)
+    fc2 = 'model/encoder/layers/0/fc2'
+    delta = jax.random.normal(jax.random.key(4), (2, 8, plain.config.d_model))
+
+    def edited_by_hand(v, f):
+      def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        return out + delta if '/'.join(context.module.path) == fc2 else out
+      with nn.intercept_methods(interceptor):
+        return plain.module.apply(v, f, method=encoder)
+
+    want, state = plain.module.apply(variables, features, method=encoder,
+                                     capture_intermediates=True, mutable=['intermediates'])
+    wanted = flat(state['intermediates'])
+    out, cache = perturbkit.run_with_cache(encode)(variables, features)
+    got = flat(cache.outputs)
+    chex.assert_trees_all_close(out, want, **TOL)
+    for path in ('model/encoder/layers/0/self_attn_layer_norm', fc2, 'model/encoder/layers/0'):
+      chex.assert_trees_all_close(hidden(got[f'{path}/__call__']),
+                                  hidden(wanted[f'{path}/__call__'][0]), **TOL)
+    edited = perturbkit.run_with_edits(encode)(variables, {f'{fc2}/__call__': interpret.add(delta)},
+                                               features)
+    chex.assert_trees_all_close(edited, edited_by_hand(variables, features), **TOL)
+    assert float(jnp.abs(edited - want).max()) > 1e-3

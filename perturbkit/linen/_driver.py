@@ -397,7 +397,6 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     return None if stacking is None else with_stacked_axis(shapes_inside[path], stacking)
 
   def on_root(module, method, run, a, kw):
-    del run
     unbound, own = module.unbind()
     mutable = _also_mutable(_also_mutable(module.scope.mutable, CAPTURES), JIT_CALLS)
     if per_iteration:
@@ -428,6 +427,11 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       if collection not in (CAPTURES, COLLECTION, JIT_CALLS):
         for name, value in tree.items():
           module.put_variable(collection, name, value)
+    if _holds_module(out):
+      # A submodule it returns is bound to the replay's scope, which is gone: the caller's
+      # own, whose calls run as root calls in turn (see `intercept`).
+      with suspended():
+        return run()
     return out
 
   handler = _point_handler(points, hooks, strict, on_point, edit)

@@ -38,6 +38,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from perturbkit.core._callables import selects
@@ -196,6 +197,8 @@ class _State:
     self.modules: list[nn.Module] = []  # the modules whose calls run now, innermost last
     self.suspended = 0
     self.rootless_scope = None  # the root scope of the last call outside a method call
+    # id -> (it, root module, root -> it) of each submodule a root method returned
+    self.returned: dict[int, tuple[nn.Module, nn.Module, Callable[[nn.Module], Any]]] = {}
     self.mapped = 0  # how many nn.map_variables traces with writable mapped collections run
 
   def start_apply(self):
@@ -273,6 +276,23 @@ class _State:
     return None
 
 
+def returned_modules(root: nn.Module, method: Any, out: Any, args: tuple,
+                     kwargs: dict) -> dict[int, tuple[nn.Module, nn.Module, Callable]]:
+  """The submodules in ``out``, what the root call ``method(*args, **kwargs)`` of ``root``
+  returned, by id: each with itself, ``root`` and a function that gets it from a copy of
+  ``root`` (calling the method again), so that a call of it can run as a root call."""
+  leaves = jax.tree.leaves(out)
+  found = {}
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, nn.Module) and leaf.scope is not None and leaf.path:
+      def fetch(r, i=i):
+        got = getattr(r, method)(*args, **kwargs) if isinstance(method, str) else method(
+            r, *args, **kwargs)
+        return jax.tree.leaves(got)[i]
+      found[id(leaf)] = (leaf, root, fetch)
+  return found
+
+
 def _is_method_call(module: nn.Module, method_name: str) -> bool:
   # Flax also routes `setup` through interceptors, and, for submodules, internal
   # helpers named like lambdas; neither is a call of the model. A root call may
@@ -335,6 +355,12 @@ def intercept(filter: CallFilter, on_call: Handler,
       return state.run_function(module, getattr(context.orig_method, 'func', None), run)
     if state.suspended or not _is_method_call(module, method_name):
       return next_fun(*args, **kwargs)
+    if not state.roots_active and state.returned.get(id(module), (None,))[0] is module:
+      # A submodule a root method returned (Hugging Face's `_get_encoder_module()`), called
+      # by the function given to `apply`: a call of the model, as in that root method.
+      _, root, fetch = state.returned[id(module)]
+      replay = lambda r, *a, **kw: getattr(fetch(r), method_name)(*a, **kw)
+      return _root(root, replay, run, args, kwargs)
     if not module.path:
       if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
         child = state.applied_child(module, method_name) if nested_applies else None
@@ -342,18 +368,12 @@ def intercept(filter: CallFilter, on_call: Handler,
         if child is not None:
           return _call(child, method_name, nested, args, kwargs)
         return nested()
-      state.start_apply()
-      state.roots_active += 1
-      state.modules.append(module)
-      try:
-        if on_root is None:
-          return run()
-        method = method_name if hasattr(type(module), method_name) else getattr(
-            context.orig_method, 'func', context.orig_method)
-        return on_root(module, method, run, args, kwargs)
-      finally:
-        state.roots_active -= 1
-        state.modules.pop()
+      method = method_name if hasattr(type(module), method_name) else getattr(
+          context.orig_method, 'func', context.orig_method)
+      out = _root(module, method, run, args, kwargs)
+      if on_root is not None and outside_apply:
+        state.returned.update(returned_modules(module, method, out, args, kwargs))
+      return out
     if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
       with state.trace(state.traces[-1].seen if _traced_once(module) else {}), \
           state.mapping(module):
@@ -363,6 +383,16 @@ def intercept(filter: CallFilter, on_call: Handler,
           return run()
         return _call(module, method_name, run, args, kwargs)
     return _call(module, method_name, run, args, kwargs)
+
+  def _root(module, method, run, args, kwargs):
+    state.start_apply()
+    state.roots_active += 1
+    state.modules.append(module)
+    try:
+      return run() if on_root is None else on_root(module, method, run, args, kwargs)
+    finally:
+      state.roots_active -= 1
+      state.modules.pop()
 
   def _in_trace_of_its_own(module, run):
     state.modules.append(module)
