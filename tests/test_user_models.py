@@ -251,3 +251,27 @@ def test_a_submodule_returned_by_a_root_method_runs_on_the_callers_variables():
   edits = {'encoder/Dense_0/__call__': perturbkit.interpret.add(0.5)}
   chex.assert_trees_all_close(perturbkit.run_with_edits(metric)(variables, edits, ids),
                               by_hand(delta + 0.5), **TOL)
+
+
+def test_cache_of_a_submodule_of_a_model_bound_inside_the_function():
+  """``model.bind(v).encoder(ids)``: Flax holds a module's parent weakly, so the bound copy
+  of the model is gone while its encoder runs. The encoder's calls are the model's own,
+  outside every transform: cached as ``capture_intermediates`` sees them."""
+  class Model(nn.Module):
+    def setup(self):
+      self.encoder = _SharingEncoder(nn.Embed(10, 4))
+
+    def __call__(self, ids):
+      return self.encoder(ids)
+
+  model = Model()
+  ids = jnp.array([[1, 2, 3]])
+  variables = model.init(jax.random.key(0), ids)
+  metric = lambda v, ids: jnp.sin(model.bind(v).encoder(ids)).sum()
+  _, state = model.apply(variables, ids, capture_intermediates=True, mutable=['intermediates'])
+  want = state['intermediates']['encoder']
+  out, cache = perturbkit.run_with_cache(metric)(variables, ids)
+  chex.assert_trees_all_close(out, metric(variables, ids), **TOL)
+  chex.assert_trees_all_close(cache.outputs['encoder']['Dense_0']['__call__'],
+                              want['Dense_0']['__call__'][0], **TOL)
+  chex.assert_trees_all_close(cache.outputs['encoder']['__call__'], want['__call__'][0], **TOL)

@@ -133,6 +133,11 @@ def inside_lifted_transform(module: nn.Module) -> bool:
   """
   while isinstance(module.parent, nn.Module):
     module = module.parent
+  if module.path and module.scope is not None and not any(
+      transform_name(part) for part in module.scope.debug_path):
+    # A child of a root that is gone (`model.bind(v).encoder(x)`: Flax holds the parent
+    # weakly), bound to a scope no transform made.
+    return False
   return bool(module.path) or bool(module.scope is not None and module.scope.debug_path)
 
 
