@@ -109,6 +109,7 @@ from perturbkit.interpret import (activation_patching, attribution_patching, Cac
 # Errors and warnings (also in perturbkit.errors)
 from perturbkit.errors import ActivationsUnavailableError
 from perturbkit.errors import CaptureInJaxTransformError
+from perturbkit.errors import CaptureOutsideMethodCallError
 from perturbkit.errors import AmbiguousInputError
 from perturbkit.errors import AxisLengthMismatchError
 from perturbkit.errors import BranchCallsMismatchError
@@ -256,6 +257,7 @@ __all__ = [
     # Errors and warnings (also in perturbkit.errors)
     'ActivationsUnavailableError',
     'CaptureInJaxTransformError',
+    'CaptureOutsideMethodCallError',
     'AmbiguousInputError',
     'AxisLengthMismatchError',
     'BranchCallsMismatchError',

@@ -41,7 +41,9 @@ not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.apply``),
 ``ActivationsUnavailableError`` (``CaptureInJaxTransformError``: the loss applies
-``jax.jit``, ``jax.vmap``, ... around ``model.apply`` itself), ``SegmentationError``, ``SharedSegmentError``,
+``jax.jit``, ``jax.vmap``, ... around ``model.apply`` itself;
+``CaptureOutsideMethodCallError``: a submodule reached by attribute outside every method
+of the model runs a lifted transform), ``SegmentationError``, ``SharedSegmentError``,
 ``NoSegmentError`` (no call of the loss can be a segment; the message says why
 and what to change),
 ``StateMismatchError``, ``OptimizerStateError``; the warning ``UnperturbedCallsWarning`` (calls inside
@@ -407,6 +409,27 @@ class ActivationsUnavailableError(PerturbkitError, ValueError):
           'filter (e.g. filter=perturbkit.filters.by_path(...) naming calls outside the '
           'transform, such as the module that calls the transformed one), or run a copy of '
           'the model built without the transform on the same variables.')
+
+
+class CaptureOutsideMethodCallError(ActivationsUnavailableError):
+  """A call whose output is read runs inside a lifted transform of a submodule called outside
+  every method of the model."""
+
+  def __init__(self, where, function=None):
+    self.where = where
+    reader = (f'{function} cannot read or edit' if function is not None else
+              'return_activations=True (or return_inputs=True) cannot return')
+    super(ActivationsUnavailableError, self).__init__(
+        f'{reader} the output (or inputs) of {where}: it runs inside a lifted transform '
+        '(nn.remat, as with gradient checkpointing, nn.scan, ...) of a submodule that the '
+        'function calls outside every method of the model (reached by attribute in the '
+        'function given to apply, `method=lambda m, x: m.encoder(x)`, or through '
+        '`model.bind(variables)`), where no collection can carry its values out of the '
+        'transform. Call the submodule through a method of the model that calls it '
+        '(`def encode(self, x): return self.encoder(x)`, `method=Model.encode`), or, where '
+        'the transform is inside the submodule (its layers), one that returns it '
+        '(`method=lambda m, x: m.get_encoder()(x)`, as Hugging Face\'s model.encode does '
+        'with `_get_encoder_module()`).')
 
 
 class CaptureInJaxTransformError(ActivationsUnavailableError):

@@ -253,6 +253,44 @@ def test_a_submodule_returned_by_a_root_method_runs_on_the_callers_variables():
                               by_hand(delta + 0.5), **TOL)
 
 
+def test_remat_in_a_submodule_called_outside_every_method_is_a_named_error():
+  """A submodule reached by attribute in the function given to ``apply`` runs outside every
+  method of the model; the outputs inside its ``nn.remat`` cannot come out: a named error
+  whose message says to call it through a method, which then caches it."""
+  class Encoder(nn.Module):
+    def setup(self):
+      self.layer = nn.remat(_SharingEncoder)(nn.Embed(10, 4))
+
+    def __call__(self, ids):
+      return self.layer(ids)
+
+  class Model(nn.Module):
+    def setup(self):
+      self.encoder = Encoder()
+
+    def __call__(self, ids):
+      return self.encoder(ids)
+
+    def get_encoder(self):
+      return self.encoder
+
+  model = Model()
+  ids = jnp.array([[1, 2, 3]])
+  variables = model.init(jax.random.key(0), ids)
+  by_attribute = lambda v, ids: model.apply(v, ids, method=lambda m, ids: m.encoder(ids)).sum()
+  by_method = lambda v, ids: model.apply(v, ids, method=lambda m, ids: m.get_encoder()(ids)).sum()
+  for function in (perturbkit.run_with_cache(by_attribute),
+                   lambda v, ids: perturbkit.run_with_edits(by_attribute)(v, {}, ids)):
+    with pytest.raises(perturbkit.CaptureOutsideMethodCallError,
+                       match='encoder/layer/embed/__call__.*through a method of the model'):
+      function(variables, ids)
+  _, state = model.apply(variables, ids, capture_intermediates=True, mutable=['intermediates'])
+  _, cache = perturbkit.run_with_cache(by_method)(variables, ids)
+  chex.assert_trees_all_close(
+      cache.outputs['encoder']['layer']['Dense_0']['__call__'],
+      state['intermediates']['encoder']['layer']['Dense_0']['__call__'][0], **TOL)
+
+
 def test_cache_of_a_submodule_of_a_model_bound_inside_the_function():
   """``model.bind(v).encoder(ids)``: Flax holds a module's parent weakly, so the bound copy
   of the model is gone while its encoder runs. The encoder's calls are the model's own,

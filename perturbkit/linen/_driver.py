@@ -28,6 +28,7 @@ from perturbkit.core._validate import flag
 from perturbkit.core._loss import (check_loss, check_loss_fn, describe, driver_result, grads_only,
                                   point_options)
 from perturbkit.errors import (ActivationsUnavailableError, BranchCallsMismatchError,
+                                CaptureOutsideMethodCallError,
                                 MapVariablesInitError,
                                 NoPerturbationPointsError,
                                 NotVariablesError, PerturbationsNotAppliedError,
@@ -386,6 +387,8 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
       # carries no other collection: the captures leave with them, one per iteration.
       call.module.put_variable(COLLECTION, _captures_name(call.key), captures)
       in_points.add(path)
+    elif call.outside_apply:
+      raise CaptureOutsideMethodCallError(call.name)
     else:
       raise ActivationsUnavailableError(call.name)
     shapes_inside[path] = leaf_shapes(captures)
