@@ -16,6 +16,7 @@ import numpy as np
 from perturbkit.core._callables import takes
 from perturbkit.core._traced_points import PointEdit, point_name
 from perturbkit.core._naming import named_after
+from perturbkit.core._precision import accumulation_dtype
 from perturbkit.core._validate import finite
 from perturbkit.errors import (InterventionOutputError, InterventionParamsError,
                                InvalidOptionError, UnknownEditPathError)
@@ -202,8 +203,7 @@ def gate_penalty(logits: Any) -> jax.Array:
       shown = f'an array of {jnp.result_type(leaf)}' if hasattr(leaf, 'dtype') else leaf
       raise InvalidOptionError('logits', shown, allowed)
   # Summed in float32 at least: float16 gates add up past its largest value (65504).
-  return sum(jnp.sum(jax.nn.sigmoid(leaf),
-                     dtype=jnp.promote_types(jnp.result_type(leaf), jnp.float32))
+  return sum(jnp.sum(jax.nn.sigmoid(leaf), dtype=accumulation_dtype(jnp.result_type(leaf)))
              for leaf in leaves)
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from perturbkit.core._precision import accumulation_dtype_of
+from perturbkit.core._precision import accumulation_dtype_of, widened
 
 
 class NormGeometry(NamedTuple):
@@ -41,7 +41,7 @@ class NormGeometry(NamedTuple):
 
 def normalized(geometry: NormGeometry, x: jax.Array) -> jax.Array:
   """``x̂`` of the layer's input ``x``, in at least float32, as Flax computes it."""
-  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  x = widened(x)
   if not geometry.centered:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + geometry.epsilon)
   mean = jnp.mean(x, axis=-1, keepdims=True)
