@@ -9,6 +9,8 @@ underlying Linen module (``hf_model.module``) applied to ``{'params': hf_model.p
 import contextlib
 import dataclasses
 import functools
+import inspect
+import types
 from typing import Any, Callable
 
 import flax
@@ -284,6 +286,67 @@ def wav2vec2_ctc() -> Built:
                             feat_extract_norm='layer')
   with jax.numpy_rank_promotion('allow'):
     hf = T.FlaxWav2Vec2ForCTC(config, input_shape=(1, 100), _do_init=False)
+  return Built(hf.module, filled_variables(hf), hf.config)
+
+
+# T5 in the names of its own config: the smallest model with every part of the real one (two
+# layers per stack, two heads, a relative position bias of 8 buckets).
+T5_CONFIG = dict(vocab_size=VOCAB, d_model=16, d_ff=32, num_layers=LAYERS,
+                 num_decoder_layers=LAYERS, num_heads=HEADS, d_kv=8,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                 dropout_rate=0.0)
+
+
+class _NumpyWithClipKeywords(types.ModuleType):
+  """``jax.numpy``, whose ``clip`` also takes the ``a_min``/``a_max`` keywords that JAX has
+  since removed (now ``min``/``max``), as older JAX did."""
+
+  def __getattr__(self, name):
+    return getattr(jnp, name)
+
+  @staticmethod
+  def clip(x, a_min=None, a_max=None, **kwargs):
+    return jnp.clip(x, kwargs.pop('min', a_min), kwargs.pop('max', a_max), **kwargs)
+
+
+@contextlib.contextmanager
+def t5_numpy():
+  """Runs Hugging Face's Flax T5 and LongT5 (mT5 is T5) on this JAX, unmodified otherwise.
+
+  Their relative position buckets call ``jnp.clip(x, a_max=...)``, a keyword JAX no longer
+  takes; while this runs, their modules' ``jnp`` is one whose ``clip`` takes it as older JAX
+  did (a bucket index: nothing differentiable). Building a T5 model and tracing a function
+  that runs it must happen inside. Nothing changes where JAX still takes the keyword.
+  """
+  if 'a_max' in inspect.signature(jnp.clip).parameters:
+    yield
+    return
+  import transformers.models.longt5.modeling_flax_longt5 as longt5
+  import transformers.models.t5.modeling_flax_t5 as t5
+  modules = (t5, longt5)
+  saved = [m.jnp for m in modules]
+  try:
+    for m in modules:
+      m.jnp = _NumpyWithClipKeywords('jax.numpy')
+    yield
+  finally:
+    for m, numpy in zip(modules, saved):
+      m.jnp = numpy
+
+
+@functools.cache
+def t5(model: str = 'FlaxT5ForConditionalGeneration', gradient_checkpointing: bool = False,
+       **config) -> Built:
+  """Hugging Face's Flax T5 ``model`` (``FlaxT5EncoderModel``: the encoder alone) at
+  :data:`T5_CONFIG` (updated by ``config``), built once per process; run it inside
+  :func:`t5_numpy` and ``jax.numpy_rank_promotion('allow')`` (its LayerNorm scales a rank-3
+  array by a rank-1 weight). Each stack's first layer owns the relative position bias and
+  hands it to the later layers as an output; the encoder, the decoder and the (tied) LM head
+  share one embedding."""
+  import transformers as T
+  with t5_numpy(), jax.numpy_rank_promotion('allow'):
+    hf = getattr(T, model)(T.T5Config(**{**T5_CONFIG, **config}), _do_init=False,
+                           gradient_checkpointing=gradient_checkpointing)
   return Built(hf.module, filled_variables(hf), hf.config)
 
 

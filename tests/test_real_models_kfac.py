@@ -3,7 +3,8 @@
 BERT (Dense + Embed + LayerNorm, token-classification logits), ViT (Conv patch embedding +
 Dense, image logits), GPT-2 (tied LM head, ``FlaxConv1D`` layers), Llama (bias-free Dense, its
 own RMSNorm module with a ``weight``, untied LM head) and ResNet in train mode (Conv + Dense, BatchNorm through
-``has_aux``), each with the ordinary softmax cross-entropy:
+``has_aux``), each with the ordinary softmax cross-entropy (and T5's encoder, whose own
+``FlaxT5LayerNorm`` is an RMSNorm with a ``weight`` too):
 
 * ``kfac_layers`` against the module tree seen by an interceptor written here: every
   Dense/Conv/Embed/LayerNorm owner, every Hugging Face ``FlaxConv1D`` (a Dense layer with a
@@ -47,10 +48,11 @@ RULES = {nn.Dense: 'dense', nn.Conv: 'conv', nn.Embed: 'embed'}
 def rule_of(module: nn.Module) -> str | None:
   """The kind of layer K-FAC should make of ``module``: ``'conv1d'`` for Hugging Face's
   ``FlaxConv1D`` (``x @ kernel.T + bias``), ``'norm'`` for a LayerNorm, ``'rms'`` for
-  Llama's RMSNorm (``weight * x / sqrt(mean(x²) + eps)``), else by type."""
+  Llama's RMSNorm and T5's LayerNorm (``weight * x / sqrt(mean(x²) + eps)``), else by
+  type."""
   if type(module).__name__ == 'FlaxConv1D':
     return 'conv1d'
-  if type(module).__name__ == 'FlaxLlamaRMSNorm':
+  if type(module).__name__ in ('FlaxLlamaRMSNorm', 'FlaxT5LayerNorm'):
     return 'rms'
   if type(module) is nn.LayerNorm:
     return 'norm'
@@ -262,8 +264,9 @@ def reference(s: Setup) -> Reference:
         modules[name] = (kind, module.kernel_size, module.strides, module.padding)
       elif kind == 'norm':
         modules[name] = (kind, module.epsilon)
-      elif kind == 'rms':
-        modules[name] = (kind, module.config.rms_norm_eps)
+      elif kind == 'rms':  # T5 keeps its epsilon in a field, Llama in its config
+        eps = module.eps if hasattr(module, 'eps') else module.config.rms_norm_eps
+        modules[name] = (kind, eps)
       else:
         modules[name] = (kind,)
       return out if deltas is None else out + deltas[name]
@@ -452,6 +455,38 @@ def test_gpt2_conv1d_layers_are_transposed_dense_and_the_tied_embedding_is_named
                               filters.negate(filters.by_path('transformer/wte'))))
   assert list(only.layers) == ['transformer/wpe']
   assert only.skipped['transformer/wte'] == 'not selected by the filter'
+
+
+def test_t5_layer_norms_get_the_rms_diagonal():
+  """Hugging Face's T5 normalises with a ``FlaxT5LayerNorm`` of its own, an RMSNorm with a
+  ``weight`` and an ``eps`` field: each of its encoder's (every sublayer's and the final one)
+  is a norm layer whose empirical factor is the mean square of each example's
+  ``Σ_t g_t ⊙ x̂_t``, against the explicit-delta reference (token classification on the
+  hidden states). Its relative position table, looked up at buckets the model makes itself,
+  is skipped."""
+  t5 = hf_models.t5('FlaxT5EncoderModel')
+  ids = hf_models._tokens()[0]
+  labels = _labels((hf_models.SEQ,), t5.config.d_model)
+  predict = lambda variables, ids: t5.module.apply(variables, ids,
+                                                   jnp.ones_like(ids)).last_hidden_state
+  checked = ('encoder/block/0/layer/0/layer_norm', 'encoder/final_layer_norm')
+  with jax.numpy_rank_promotion('allow'), hf_models.t5_numpy():
+    layers = perturbkit.kfac_layers(predict, t5.variables, ids)
+    s = Setup(KFACCase('t5', None, None, checked, checked[0]), None, predict, t5.variables,
+              ids, labels, layers)
+    ref = reference(s)
+    _, grads, stats = jax.jit(perturbkit.kfac_estimator(
+        predict, 'softmax_cross_entropy', layers, fisher='empirical'))(t5.variables, ids, labels)
+  norms = {name for name, info in layers.layers.items() if info.kind == 'norm'}
+  assert len(norms) == 2 * hf_models.LAYERS + 1, norms
+  assert all(name.endswith('layer_norm') and layers.layers[name].param == 'weight'
+             and not layers.layers[name].use_bias for name in norms)
+  assert list(layers.skipped) == ['encoder/block/0/layer/0/SelfAttention/relative_attention_bias']
+  chex.assert_trees_all_close(grads, ref.param_grads, **TOL)
+  for name in checked:
+    a, g = hand_factors(s, ref, name, ref.g_true)
+    assert_close(stats[name].a, a, f'{name}.a')
+    assert_close(stats[name].g, g, f'{name}.g')
 
 
 def test_batchnorm_in_train_mode_needs_has_aux():

@@ -7,7 +7,7 @@ kernels, too), Conv (patches, Grosse & Martens 2016) and Embed (diagonal ``A``)
 call of an unmodified model come from one forward pass, with no model changes
 and no loss registration; so does the exact diagonal Fisher of every LayerNorm's
 and RMSNorm's scale and bias (kfac-jax's scale-and-shift blocks; Hugging Face's
-Llama, Mistral and Gemma RMSNorms included). The names here are also in
+Llama, Mistral and Gemma RMSNorms and T5's LayerNorm included). The names here are also in
 ``perturbkit``; ``perturbkit.nnx`` has the NNX ``kfac_layers``,
 ``kfac_estimator`` and ``kfac_preconditioner``.
 
@@ -40,7 +40,7 @@ Which layers are skipped
 ------------------------
 Layers without a rule (BatchNorm, GroupNorm, a grouped or masked Conv, a norm over other axes than the
 last, a normalisation module a model defines itself, other than Hugging Face's
-Llama, Mistral and Gemma RMSNorms, a tied ``attend``, a layer run by ``nn.scan``
+Llama, Mistral and Gemma RMSNorms and T5's LayerNorm, a tied ``attend``, a layer run by ``nn.scan``
 whose params every iteration shares, see below) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
 share of the gradient) are listed in ``layers.skipped`` with the reason and go to

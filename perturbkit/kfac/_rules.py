@@ -24,7 +24,7 @@ in the flattened kernel's ``(*kernel_size, in_features)`` order. An Embed's ``ã
 are a Dense layer's, and its gradient is transposed around the preconditioning.
 
 A LayerNorm's or RMSNorm's scale and bias (over the last axis; Hugging Face's
-Llama, Mistral and Gemma RMSNorms too) get the exact diagonal of their Fisher
+Llama, Mistral and Gemma RMSNorms and T5's LayerNorm too) get the exact diagonal of their Fisher
 block instead, from the same pairs (``perturbkit.kfac._scale_shift``), as
 kfac-jax's scale-and-shift blocks do.
 """

@@ -3,7 +3,8 @@
 ``FlaxConv1D`` (GPT-2's attention and MLP projections) is a Dense layer whose
 kernel is stored transposed: ``inputs @ kernel.T + bias``, ``kernel`` of shape
 ``(features, in_features)``. The per-example and K-FAC rules treat it as such.
-Llama's, Mistral's and Gemma's RMSNorms are an RMSNorm whose scale is named
+Llama's, Mistral's and Gemma's RMSNorms, and T5's (mT5's) and LongT5's
+``LayerNorm`` (no mean subtracted, no bias), are an RMSNorm whose scale is named
 ``weight``: K-FAC gives them a norm's diagonal.
 """
 import dataclasses
@@ -19,19 +20,30 @@ def is_hf_conv1d(module: nn.Module) -> bool:
           and fields == {'features', 'use_bias', 'dtype', 'precision'})
 
 
-_RMS_NORMS = ('FlaxLlamaRMSNorm', 'FlaxMistralRMSNorm', 'FlaxGemmaRMSNorm')
+# Each class name with its fields (besides parent and name) as transformers 4.x defines it,
+# and where its epsilon is: Llama's three take it from their config, T5's own field.
+_RMS_NORMS = {
+    'FlaxLlamaRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
+    'FlaxMistralRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
+    'FlaxGemmaRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
+    'FlaxT5LayerNorm': ({'hidden_size', 'dtype', 'eps', 'weight_init'}, lambda module: module.eps),
+    'FlaxLongT5LayerNorm': ({'hidden_size', 'dtype', 'eps', 'weight_init'},
+                            lambda module: module.eps),
+}
 
 
 def hf_rms_norm_epsilon(module: nn.Module) -> float | None:
-  """The ``epsilon`` of a Hugging Face Llama, Mistral or Gemma RMSNorm, else ``None``.
+  """The ``epsilon`` of a Hugging Face RMSNorm (Llama, Mistral, Gemma; T5's, mT5's and
+  LongT5's ``LayerNorm``), else ``None``.
 
   Each is an RMSNorm over the last axis with a scale named ``weight`` and no bias:
   ``weight * x̂`` (Gemma: ``(1 + weight) * x̂``, whose gradient is the same),
-  ``x̂ = x / sqrt(mean(x²) + config.rms_norm_eps)``.
+  ``x̂ = x / sqrt(mean(x²) + eps)`` with ``eps`` the config's ``rms_norm_eps`` (T5: the
+  module's ``eps``, the config's ``layer_norm_epsilon``).
   """
   kind = type(module)
+  known = _RMS_NORMS.get(kind.__name__)
   fields = {f.name for f in dataclasses.fields(module)} - {'parent', 'name'}
-  if (kind.__name__ in _RMS_NORMS and kind.__module__.startswith('transformers.')
-      and fields == {'config', 'dtype'}):
-    return float(module.config.rms_norm_eps)
+  if known is not None and kind.__module__.startswith('transformers.') and fields == known[0]:
+    return float(known[1](module))
   return None
