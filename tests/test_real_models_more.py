@@ -4,7 +4,9 @@ Each family brings something the main set (``tests/test_real_models.py``) does n
 ALBERT runs one layer's modules at every depth (calls counted ``'#1'``, ``'#2'``...), BLOOM
 has ALiBi attention, GPT-J rotary embeddings and attention parallel to the MLP, RoFormer
 rotary embeddings in an encoder, ELECTRA an embedding projection, OPT a projected embedding
-size, XGLM sinusoidal positions, BEiT relative position biases and layer scales. For each:
+size, XGLM sinusoidal positions, BEiT relative position biases and layer scales, T5 a relative
+position bias that each stack's first layer computes and hands to the later layers as an
+output, an encoder and a decoder sharing one embedding with the LM head. For each:
 ``perturbkit.value_and_grad`` equals explicit deltas added by the tests' own interceptor
 (``tests/explicit_deltas.py``) and ``jax.grad``; every call's cached output, patched back in,
 gives the model's output bit for bit. OPT's feed-forward calls, on ``(examples * tokens,
@@ -65,6 +67,13 @@ def _albert(module):
                                       _positions()).last_hidden_state, ids)
 
 
+def _t5(module):
+  ids = _ids()
+  decoder_ids = ids[:, ::-1][:, :5]  # another length than the encoder's
+  return (lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), decoder_ids,
+                                      jnp.ones_like(decoder_ids)).logits, ids)
+
+
 def _image(module):
   pixels = jax.random.normal(jax.random.key(1), (B, hf_models.IMAGE, hf_models.IMAGE, 3))
   return lambda v, pixels: module.apply(v, pixels).last_hidden_state, pixels
@@ -87,6 +96,9 @@ def _families():
       'xglm': (lambda: T.FlaxXGLMForCausalLM(T.XGLMConfig(
           vocab_size=V, d_model=W, num_layers=2, attention_heads=2, ffn_dim=32,
           max_position_embeddings=16), _do_init=False), _causal),
+      # One decoder layer: the encoder's two show the bias handed on, at half the compile.
+      't5': (lambda: T.FlaxT5ForConditionalGeneration(T.T5Config(
+          **{**hf_models.T5_CONFIG, 'num_decoder_layers': 1}), _do_init=False), _t5),
       'opt': (lambda: T.FlaxOPTForCausalLM(T.OPTConfig(
           vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
           max_position_embeddings=16, word_embed_proj_dim=8), _do_init=False), _causal),
@@ -98,10 +110,11 @@ def _families():
 
 
 @pytest.mark.parametrize('name', ['albert', 'beit', 'bloom', 'electra', 'gptj', 'opt',
-                                  'roformer', 'xglm'])
+                                  'roformer', 't5', 'xglm'])
 def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
   build, make = _families()[name]
-  with jax.numpy_rank_promotion('allow'):
+  # t5_numpy: what T5's own code needs of jax.numpy (the others do not run it).
+  with jax.numpy_rank_promotion('allow'), hf_models.t5_numpy():
     hf = build()
     variables = hf_models.filled_variables(hf)
     run, inputs = make(hf.module)
@@ -133,6 +146,10 @@ def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(act_grads)) > 1e-3
   if name == 'albert':  # one layer's modules at both depths
     assert any(point[-1] == '__call__#1' for point in points)
+  if name == 't5':  # the first layer's bias, an output of its attention, and the tied head
+    bias = ('encoder', 'block', '0', 'layer', '0', 'SelfAttention', '__call__')
+    assert len(points[bias]) == 2 and ('lm_head', '__call__') in points
+    assert float(jnp.abs(act_grads[bias][1]).max()) > 0
   np.testing.assert_array_equal(output, plain)
   np.testing.assert_array_equal(patched, plain)
   assert len(back) == len(points)
