@@ -103,7 +103,9 @@ def _not_from_batch(shape: tuple[int, ...]) -> str:
           'from the examples and does not guess. To cover the layer, pass that array as '
           'part of the batch `inputs`, with the examples on its first axis, and from there '
           'to the model (Hugging Face: `position_ids=jnp.broadcast_to(jnp.arange(length), '
-          'ids.shape)` built outside predict_fn)')
+          'ids.shape)` built outside predict_fn); where the model takes no such argument '
+          '(T5\'s relative position buckets, made inside its attention), leave the layer '
+          'to the plain gradient of the fallback')
 
 
 def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
