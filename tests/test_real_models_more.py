@@ -6,7 +6,10 @@ has ALiBi attention, GPT-J rotary embeddings and attention parallel to the MLP, 
 rotary embeddings in an encoder, ELECTRA an embedding projection, OPT a projected embedding
 size, XGLM sinusoidal positions, BEiT relative position biases and layer scales, T5 a relative
 position bias that each stack's first layer computes and hands to the later layers as an
-output, an encoder and a decoder sharing one embedding with the LM head. For each:
+output, an encoder and a decoder sharing one embedding with the LM head, BigBird
+block-sparse attention (queries and keys gathered in blocks: global, sliding and random ones;
+Flax's BigBird draws the random blocks from its ``'indices'`` stream only at the lengths of its
+paper, 1024 tokens and more, and attends the same fixed blocks at other lengths). For each:
 ``perturbkit.value_and_grad`` equals explicit deltas added by the tests' own interceptor
 (``tests/explicit_deltas.py``) and ``jax.grad``; every call's cached output, patched back in,
 gives the model's output bit for bit. OPT's feed-forward calls, on ``(examples * tokens,
@@ -29,6 +32,9 @@ pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATIO
 
 TOL = dict(rtol=2e-5, atol=1e-6)
 B, S, V, W = 2, hf_models.SEQ, hf_models.VOCAB, SMALL_CONFIG['hidden_size']
+# BigBird's block-sparse attention runs its own code path only on a sequence of enough blocks:
+# two global, three sliding and the random ones; 8 blocks of 4 tokens.
+BLOCK_SPARSE_LENGTH = 32
 
 
 def _ids():
@@ -74,6 +80,13 @@ def _t5(module):
                                       jnp.ones_like(decoder_ids)).logits, ids)
 
 
+def _block_sparse(module):
+  ids = jax.random.randint(jax.random.key(0), (B, BLOCK_SPARSE_LENGTH), 3, V)
+  positions = jnp.broadcast_to(jnp.arange(BLOCK_SPARSE_LENGTH), ids.shape)
+  return (lambda v, ids: module.apply(v, ids, jnp.ones_like(ids), jnp.zeros_like(ids),
+                                      positions, None).logits, ids)
+
+
 def _image(module):
   pixels = jax.random.normal(jax.random.key(1), (B, hf_models.IMAGE, hf_models.IMAGE, 3))
   return lambda v, pixels: module.apply(v, pixels).last_hidden_state, pixels
@@ -102,6 +115,11 @@ def _families():
       'opt': (lambda: T.FlaxOPTForCausalLM(T.OPTConfig(
           vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
           max_position_embeddings=16, word_embed_proj_dim=8), _do_init=False), _causal),
+      'bigbird': (lambda: T.FlaxBigBirdForMaskedLM(T.BigBirdConfig(
+          attention_type='block_sparse', block_size=4, num_random_blocks=1, **{
+              **SMALL_CONFIG, 'num_hidden_layers': 1,
+              'max_position_embeddings': BLOCK_SPARSE_LENGTH}),
+          input_shape=(1, BLOCK_SPARSE_LENGTH), _do_init=False), _block_sparse),
       'beit': (lambda: T.FlaxBeitModel(T.BeitConfig(
           image_size=hf_models.IMAGE, patch_size=8, use_relative_position_bias=True,
           layer_scale_init_value=0.1, **{k: v for k, v in SMALL_CONFIG.items() if k not in (
@@ -109,7 +127,7 @@ def _families():
   }
 
 
-@pytest.mark.parametrize('name', ['albert', 'beit', 'bloom', 'electra', 'gptj', 'opt',
+@pytest.mark.parametrize('name', ['albert', 'beit', 'bigbird', 'bloom', 'electra', 'gptj', 'opt',
                                   'roformer', 't5', 'xglm'])
 def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
   build, make = _families()[name]

@@ -21,9 +21,11 @@ arguments of the loss, since ids built inside the model or the loss (``jnp.arang
   found while tracing.
 * More families, norms against the reference: ALBERT (factorized embedding, one layer
   shared by every block), RoBERTa, Mistral and Gemma (grouped-query attention), GPT-Neo
-  (local and global attention), DINOv2, RegNet in eval mode (grouped convolutions), and ViT
-  and GPT-2 composed for captioning (``VisionEncoderDecoder``: the decoder's cross-attention
-  reads the encoder's output, and its LM head is tied to its embedding).
+  (local and global attention), DINOv2, Pegasus (its root ``final_logits_bias`` added under
+  ``stop_gradient``, sinusoidal positions made in ``setup``, scaled embeddings), RegNet in eval
+  mode (grouped convolutions), and ViT and GPT-2 composed for captioning
+  (``VisionEncoderDecoder``: the decoder's cross-attention reads the encoder's output, and its
+  LM head is tied to its embedding).
 """
 import dataclasses
 from typing import Any, Callable
@@ -501,6 +503,15 @@ def _transcription_loss(module):
                    jnp.ones((B, hf_models.SEQ), jnp.int32), _positions())
 
 
+def _seq2seq_loss(module):
+  def loss_fn(variables, ids, mask, decoder_ids, decoder_mask, positions, decoder_positions):
+    out = module.apply(variables, ids, mask, decoder_ids, decoder_mask, positions,
+                       decoder_positions)
+    return _token_losses(out.logits, decoder_ids).mean()
+  ones = jnp.ones((B, hf_models.SEQ), jnp.int32)
+  return loss_fn, (_ids(), ones, _ids(1), ones, _positions(), _positions())
+
+
 def _more_families():
   import transformers as T
   return {
@@ -522,14 +533,19 @@ def _more_families():
       'dinov2': (lambda: T.FlaxDinov2Model(T.Dinov2Config(
           hidden_size=16, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
           image_size=hf_models.IMAGE, patch_size=8), _do_init=False), _image_loss),
+      'pegasus': (lambda: T.FlaxPegasusForConditionalGeneration(T.PegasusConfig(
+          vocab_size=hf_models.VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+          decoder_ffn_dim=32, max_position_embeddings=16, scale_embedding=True, pad_token_id=0,
+          decoder_start_token_id=0), _do_init=False), _seq2seq_loss),
       'regnet': (lambda: T.FlaxRegNetForImageClassification(T.RegNetConfig(
           embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
           num_labels=3), _do_init=False), _image_loss),
   }
 
 
-@pytest.mark.parametrize('name', ['albert', 'dinov2', 'gemma', 'gpt_neo', 'mistral', 'regnet',
-                                  'roberta', 'speech_gpt2', 'vision_gpt2'])
+@pytest.mark.parametrize('name', ['albert', 'dinov2', 'gemma', 'gpt_neo', 'mistral', 'pegasus',
+                                  'regnet', 'roberta', 'speech_gpt2', 'vision_gpt2'])
 def test_more_families_norms_equal_vmap_grad(name):
   build, make_loss = _more_families()[name]
   with jax.numpy_rank_promotion('allow'):
