@@ -172,6 +172,7 @@ from perturbkit.errors import PerturbationStructureError
 from perturbkit.errors import PerturbkitError
 from perturbkit.errors import PositionOutOfRangeError
 from perturbkit.errors import PRNGKeyError
+from perturbkit.errors import RandomApplyReplayError
 from perturbkit.errors import RandomCallError
 from perturbkit.errors import ReductionCheckError
 from perturbkit.errors import ReductionMismatchError
@@ -320,6 +321,7 @@ __all__ = [
     'PerturbkitError',
     'PositionOutOfRangeError',
     'PRNGKeyError',
+    'RandomApplyReplayError',
     'RandomCallError',
     'ReductionCheckError',
     'ReductionMismatchError',

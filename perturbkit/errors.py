@@ -968,6 +968,27 @@ class RandomCallError(PerExampleError):
         'is supported: it is part of the recorded forward pass).')
 
 
+class RandomApplyReplayError(RandomCallError):
+  """A whole ``apply`` replayed per example draws random numbers (e.g. dropout in layers run
+  inside ``nn.remat``, as with Hugging Face's gradient checkpointing)."""
+
+  def __init__(self, where, detail):
+    super(RandomCallError, self).__init__(
+        f'The {where} draws random numbers ({detail}), and the whole apply is replayed per '
+        'example: some params it holds get no per-example gradient from their own calls. '
+        'That is the case for every module run inside nn.remat, nn.checkpoint or nn.scan '
+        '(Hugging Face\'s `gradient_checkpointing=True`, scanned layers), for params of the '
+        'root module, for params read outside their module\'s calls, for a module.apply '
+        'nested in the model (other than a tied output head), and for the other cases '
+        'in help(perturbkit.per_example), "Replaying the whole apply". A replay of one '
+        'example cannot draw the random numbers the batched forward pass drew (dropout '
+        'masks, random attention blocks), so its gradients would not be those of the loss. '
+        'Build the model without gradient checkpointing for the per-example step (its '
+        'layers\' calls then record the batched pass\'s random numbers, dropout between '
+        'layers included), or make the apply deterministic (`deterministic=True`, no '
+        '`rngs`).')
+
+
 class OptaxPrivacyError(PerExampleError):
   """optax's per-example DP transformation was given gradients without an examples axis."""
 

@@ -4,7 +4,8 @@ Dropout between layers is part of the recorded forward pass: the norms equal the
 rows of the Jacobian of the per-example losses of the SAME batched forward pass
 (same masks; ``jax.vmap(jax.grad)`` would draw other masks per example). A call
 that is replayed per example (no fast rule) and draws random numbers cannot
-reproduce the batched masks and raises ``RandomCallError``.
+reproduce the batched masks and raises ``RandomCallError``; layers inside ``nn.remat``,
+replayed with their whole apply, raise ``RandomApplyReplayError``.
 """
 import flax.linen as nn
 import jax
@@ -44,6 +45,14 @@ class DropoutInside(nn.Module):
   @nn.compact
   def __call__(self, x, train):
     return nn.Dense(3)(ScaledDropout()(nn.Dense(8)(x), train))
+
+
+class CheckpointedDropoutBetween(nn.Module):
+  """``DropoutBetween`` run inside ``nn.remat``, as gradient checkpointing runs layers."""
+
+  @nn.compact
+  def __call__(self, x, train):
+    return nn.remat(DropoutBetween, static_argnums=(2,))(name='layers')(x, train)
 
 
 class KeyedNoise(nn.Module):
@@ -134,6 +143,20 @@ def test_dropout_inside_a_replayed_call_is_a_named_error(make):
   rows = jax.jit(jax.vmap(jax.grad(lambda p, x, y: det({'params': p}, x[None], y[None])),
                           in_axes=(None, 0, 0)))(variables['params'], X, Y)
   np.testing.assert_allclose(norms.total, _norms(rows), rtol=1e-5)
+
+
+def test_dropout_inside_remat_is_a_named_error_that_names_the_replayed_apply():
+  """Layers inside ``nn.remat`` get per-example gradients from a replay of the whole apply,
+  which cannot draw the batched pass's masks: the error says so and that the same layers
+  outside the remat are supported (``test_dropout_between_layers_gives_the_norms_of_the_same_
+  masks``), not that dropout applied between layers is."""
+  model = CheckpointedDropoutBetween()
+  variables = model.init(jax.random.key(1), X, False)
+  loss_fn = lambda v, x, y, key: jnp.mean(_terms(model, v, x, y, key))
+  fn = perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0, None))
+  with pytest.raises(perturbkit.RandomApplyReplayError,
+                     match=r'CheckpointedDropoutBetween.*dropout.*whole apply.*nn\.remat'):
+    fn(variables, X, Y, DROPOUT_KEY)
 
 
 def test_a_typed_key_given_to_a_replayed_call_is_a_named_error():

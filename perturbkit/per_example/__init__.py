@@ -180,7 +180,12 @@ dropout on). A param-owning call without a fast rule is replayed per example,
 and a replay cannot redraw the batched pass's random numbers: one that draws
 them (Flax RNG streams, a typed PRNG key among its arguments) raises
 ``RandomCallError``, naming the call. A raw ``uint32`` key cannot be told from
-data.
+data. Layers run inside ``nn.remat``, ``nn.checkpoint`` or ``nn.scan`` (Hugging
+Face's ``gradient_checkpointing=True``) are covered by a replay of the whole
+apply ("Replaying the whole apply"), so dropout (or any draw from a Flax RNG
+stream) anywhere in that apply raises ``RandomApplyReplayError``, a
+``RandomCallError``; without gradient checkpointing, dropout between layers is
+recorded as above.
 
 DP-SGD from one backward pass
 -----------------------------

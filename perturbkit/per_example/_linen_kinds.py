@@ -41,8 +41,16 @@ def linen_kind(module: nn.Module) -> LayerKind:
   return GENERAL
 
 
-def linen_replay(module: nn.Module, method_name: str, where: str) -> Replay:
+def linen_replay(module: nn.Module, method_name: str, where: str,
+                 random_error: type[RandomCallError] = RandomCallError) -> Replay:
   """The call of the unbound ``module`` as ``module.apply``, given its params subtree.
+
+  Args:
+    module: The unbound module.
+    method_name: The method the replay calls.
+    where: The call's name in errors.
+    random_error: What a draw from a Flax RNG stream raises (a whole apply's replay names
+      why the apply is replayed).
 
   Raises (from the replay):
     RandomCallError: the call draws from a Flax RNG stream; the replay is given none.
@@ -52,6 +60,6 @@ def linen_replay(module: nn.Module, method_name: str, where: str) -> Replay:
       return module.apply({**variables, 'params': params}, *args, method=method_name,
                           **kwargs)
     except flax.errors.InvalidRngError as err:
-      raise RandomCallError(where, str(err).split(' (https://')[0]) from err
+      raise random_error(where, str(err).split(' (https://')[0]) from err
 
   return replay

@@ -25,6 +25,7 @@ from perturbkit.core._points import array_part
 from perturbkit.core._trees import find_in
 from perturbkit.core._types import Path, Variables
 from perturbkit.core._varying import zeros_like_type
+from perturbkit.errors import RandomApplyReplayError
 
 
 class Layer(NamedTuple):
@@ -113,7 +114,8 @@ def _read(read: ReadUse, found: Any, grads: list[Any], num_examples: int,
   args, kwargs = merge_static(arrays, read.template, where)
   use = Use((), where, read.method_name, read.module, read.template, read.sources,
             kind=linen_kind(read.module),
-            replay=linen_replay(read.module, read.method_name, where))
+            replay=linen_replay(read.module, read.method_name, where,
+                                random_error=RandomApplyReplayError))
   check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
   # The cotangent of the replayed call's floating-point outputs (``call_output``).
   grad = jax.tree.unflatten(read.out_tree, list(grads))
