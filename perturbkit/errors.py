@@ -53,7 +53,8 @@ Per-example gradients and DP-SGD (subclasses of ``PerExampleError``):
 ``ExamplesMixedError`` (``ExamplesCoupledError`` for DP-SGD), ``ExamplesAxisError``,
 ``AmbiguousInputError``,
 ``SharedCallError``, ``UncoveredParamsError``, ``ParamsReadOutsideError``,
-``RandomCallError``, ``InterleavedClippingError``, ``OptaxPrivacyError``,
+``RandomCallError`` (``RandomApplyReplayError`` where the whole apply is replayed,
+e.g. layers inside ``nn.remat``), ``InterleavedClippingError``, ``OptaxPrivacyError``,
 ``PrivateAccumulationError`` (``dp_sgd`` given ``optax.MultiSteps``); also
 ``ReductionMismatchError`` (the loss combines the examples' terms otherwise than
 ``reduction`` says), ``ReductionCheckError`` (the loss cannot run on the one or two
