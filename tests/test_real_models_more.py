@@ -8,8 +8,8 @@ size, XGLM sinusoidal positions, BEiT relative position biases and layer scales,
 position bias that each stack's first layer computes and hands to the later layers as an
 output, an encoder and a decoder sharing one embedding with the LM head, BigBird
 block-sparse attention (queries and keys gathered in blocks: global, sliding and random ones;
-Flax's BigBird draws the random blocks from its ``'indices'`` stream only at the lengths of its
-paper, 1024 tokens and more, and attends the same fixed blocks at other lengths). For each:
+Flax's BigBird draws the random blocks from its ``'indices'`` stream only at its paper's lengths,
+1024, 3072 and 4096 tokens, in training mode, and attends fixed blocks otherwise). For each:
 ``perturbkit.value_and_grad`` equals explicit deltas added by the tests' own interceptor
 (``tests/explicit_deltas.py``) and ``jax.grad``; every call's cached output, patched back in,
 gives the model's output bit for bit. OPT's feed-forward calls, on ``(examples * tokens,
