@@ -5,6 +5,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -143,3 +144,54 @@ def test_nnx_interleaved_hooks_with_a_flag_and_a_mode():
   chex.assert_trees_all_close(
       nnx.state(state.model(), nnx.Param),
       _sgd(nnx.state(reference, nnx.Param), jax.tree.map(lambda g: 2 * g, grads)), **TOL)
+
+
+class _LinenScaled(nn.Module):
+  """A root owning a param (its per-example gradients come from replaying the root call)."""
+
+  @nn.compact
+  def __call__(self, x, weights):
+    scale = self.param('scale', nn.initializers.constant(1.5), (1, 3))
+    return nn.Dense(2)(x * scale) * weights[:, None]
+
+
+class _NnxScaled(nnx.Module):
+  def __init__(self, rngs):
+    self.scale = nnx.Param(jnp.full((1, 3), 1.5))
+    self.dense = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x, weights):
+    return self.dense(x * self.scale) * weights[:, None]
+
+
+def test_numpy_batches_give_the_per_example_results_of_vmap_grad():
+  """A batch as a NumPy array (before a JAX array) reaches replayed calls as an array: it
+  raised a raw ValueError there, and a dropped example's NumPy rows were not cleared."""
+  x = np.array(jax.random.normal(jax.random.key(3), (4, 3)))
+  x[1, 0] = np.inf  # example 1 is dropped by private_grad
+  weights = jnp.array([1., 2., -1., .5])
+  clip = 1.0
+  linen = _LinenScaled()
+  variables = linen.init(jax.random.key(0), x, weights)
+  linen_fn = lambda v, x, w: jnp.sum((linen.apply(v, x, w) - 1.) ** 2)
+  nnx_model = _NnxScaled(nnx.Rngs(0))
+  nnx_fn = lambda m, x, w: jnp.sum((m(x, w) - 1.) ** 2)
+  cases = (
+      (linen_fn, variables, perturbkit,
+       lambda i: jax.grad(linen_fn)(variables, x[i:i + 1], weights[i:i + 1])['params']),
+      (nnx_fn, nnx_model, perturbkit.nnx,
+       lambda i: nnx.grad(nnx_fn)(nnx_model, x[i:i + 1], weights[i:i + 1])),
+  )
+  for loss_fn, model, front_end, one_grad in cases:
+    grads = [one_grad(i) for i in (0, 2, 3)]
+    norms = [optax.tree.norm(g) for g in grads]
+    _, got = front_end.per_example_grad_norms(loss_fn, reduction='sum')(model, x, weights)
+    chex.assert_trees_all_close(got.total[jnp.array([0, 2, 3])], jnp.stack(norms), **TOL)
+    summed, metrics = front_end.private_grad(
+        loss_fn, clip_norm=clip, noise_multiplier=0., reduction='sum')(
+            model, jax.random.key(0), x, weights)
+    want = jax.tree.map(lambda *g: sum(gi * min(1., clip / float(n)) for gi, n in zip(g, norms)),
+                        *grads)
+    want = jax.tree.map(lambda g: g / 4, want)  # the batch size, dropped examples counted
+    assert int(metrics['dropped']) == 1
+    chex.assert_trees_all_close(jax.tree.map(jnp.asarray, summed), want, **TOL)

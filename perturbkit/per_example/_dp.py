@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from perturbkit.core._values import values_closed_over
+from perturbkit.core._values import is_array, values_closed_over
 from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, check_batch_axes
@@ -75,7 +75,7 @@ def without_dropped(pair: Pair, kept: jax.Array) -> Pair:
   """
   leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
   kinds = iter(pair.use.sources)
-  leaves = [_finite_rows(x, kept) if isinstance(x, jax.Array) and next(kinds) == 'example'
+  leaves = [_finite_rows(jnp.asarray(x), kept) if is_array(x) and next(kinds) == 'example'
             else x for x in leaves]
   args, kwargs = jax.tree.unflatten(treedef, leaves)
   grad = jax.tree.map(lambda g: jnp.where(_rows(kept, g), g, jnp.zeros((), g.dtype)),

@@ -272,7 +272,7 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
 
 
 def _shapes(tree: Any) -> list[tuple[int, ...]]:
-  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if is_array(x)]
 
 
 def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,

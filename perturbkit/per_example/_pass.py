@@ -24,6 +24,7 @@ from perturbkit.per_example._replay import Pair
 from perturbkit.core._points import array_part
 from perturbkit.core._trees import find_in
 from perturbkit.core._types import Path, Variables
+from perturbkit.core._values import is_array
 from perturbkit.core._varying import zeros_like_type
 from perturbkit.errors import RandomApplyReplayError
 
@@ -62,7 +63,7 @@ class Pass(NamedTuple):
 
 
 def _shapes(tree: Any) -> list[tuple[int, ...]]:
-  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if is_array(x)]
 
 
 def _pair(use: Use, inputs: Any, grads: Any, variables: Variables,

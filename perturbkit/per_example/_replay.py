@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from perturbkit.core._values import is_array
 from perturbkit.core._varying import vary_like
 from perturbkit.per_example._calls import Use, float_part
 from perturbkit.errors import RandomCallError
@@ -98,10 +99,12 @@ def per_example_grads(pair: Pair, params: Any, num_examples: int) -> Any:
   examples: each device gets its own examples' gradients, as the rules give them.
   """
   arrays_in = [x for x in jax.tree.leaves((pair.args, pair.kwargs, pair.grad))
-               if isinstance(x, jax.Array)]
+               if isinstance(x, jax.Array)]  # what can vary over devices
   params = jax.tree.map(lambda p: vary_like(p, *arrays_in), params)
   leaves, treedef = jax.tree.flatten((pair.args, pair.kwargs))
-  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  # NumPy inputs too (a batch as the data pipeline gives it): the trace that recorded
+  # ``sources`` took them as arrays.
+  arrays = [i for i, x in enumerate(leaves) if is_array(x)]
   batched = [kind == 'example' for kind in pair.use.sources]
   if len(batched) != len(arrays):
     raise ValueError(f'{len(arrays)} array inputs, {len(batched)} recorded: '
