@@ -120,4 +120,6 @@ def test_nnx_norms_through_dataclass_outputs_equal_nnx_grad():
   loss_fn = lambda m, x: jnp.mean(jnp.sum(m(x).activated ** 2, axis=1))
   _, norms = perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)
   want = [optax.tree.norm(nnx.grad(loss_fn)(model, x[i:i + 1])) for i in range(len(x))]
-  np.testing.assert_allclose(norms.total, want, rtol=1e-5)
+  # XLA's CPU tanh is an approximation whose rounding differs between a batch and one
+  # example by up to about 2e-5 here (the float64 norms lie between the two).
+  np.testing.assert_allclose(norms.total, want, rtol=5e-5)
