@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import perturbkit
@@ -195,3 +196,45 @@ def test_numpy_batches_give_the_per_example_results_of_vmap_grad():
     want = jax.tree.map(lambda g: g / 4, want)  # the batch size, dropped examples counted
     assert int(metrics['dropped']) == 1
     chex.assert_trees_all_close(jax.tree.map(jnp.asarray, summed), want, **TOL)
+
+
+class _LinenTied(nn.Module):
+  """With ``tied``, ``d0``'s kernel is also read outside ``d0``'s call: no segment then."""
+
+  @nn.compact
+  def __call__(self, x, tied):
+    d0 = nn.Dense(3, name='d0')
+    h = nn.tanh(d0(x))
+    out = nn.Dense(3, name='d1')(h)
+    return out + h @ d0.variables['params']['kernel'] if tied else out
+
+
+class _NnxTied(nnx.Module):
+  def __init__(self, rngs):
+    self.d0 = nnx.Linear(3, 3, rngs=rngs)
+    self.d1 = nnx.Linear(3, 3, rngs=rngs)
+
+  def __call__(self, x, tied):
+    h = nnx.tanh(self.d0(x))
+    out = self.d1(h)
+    return out + h @ self.d0.kernel[...] if tied else out
+
+
+def test_numpy_scalar_flags_are_values_for_the_segment_checks():
+  """A ``np.bool_`` flag reaches the loss as it is, like a Python bool, so a step whose flag
+  differs from ``init``'s checks its segments again: the segments were taken as checked (the
+  flag counted as an array of the same type) and ``d0`` was updated from a wrong gradient."""
+  linen = _LinenTied()
+  variables = linen.init(jax.random.key(0), X, True)
+  linen_fn = lambda v, x, tied: jnp.sum(linen.apply(v, x, tied) ** 2)
+  nnx_fn = lambda m, x, tied: jnp.sum(m(x, tied) ** 2)
+  for flags in ((False, True), (np.bool_(False), np.bool_(True))):
+    tx = perturbkit.interleaved(linen_fn, optax.sgd(0.1), propagate='original')
+    state = tx.init(variables, X, flags[0])
+    with pytest.raises(perturbkit.SharedSegmentError, match="'d0'"):
+      tx.step(state, X, flags[1])
+    model = _NnxTied(nnx.Rngs(0))
+    tx = perturbkit.nnx.interleaved(nnx_fn, optax.sgd(0.1), propagate='original')
+    state = tx.init(model, X, flags[0])
+    with pytest.raises(perturbkit.SharedSegmentError, match="'d0'"):
+      tx.step(state, X, flags[1])

@@ -7,11 +7,15 @@ for the other, without tracing again.
 from typing import Any
 
 import jax
-import numpy as np
+
+from perturbkit.core._values import is_array
 
 
 def _type(leaf: Any) -> tuple:
-  if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+  # The arrays a trace takes as arrays (``is_array``): a NumPy scalar (``np.bool_(True)``
+  # as a flag) reaches the function as it is, like a Python number, so its value decides
+  # the trace too.
+  if is_array(leaf):
     aval = jax.typeof(leaf)
     return 'array', aval, aval.weak_type
   return 'value', type(leaf), leaf
@@ -20,9 +24,9 @@ def _type(leaf: Any) -> tuple:
 def input_types(tree: Any) -> tuple:
   """``tree``'s structure and what a trace sees of each leaf.
 
-  An array leaf (a tracer too) is its type: shape, dtype, weak type and, inside
-  ``shard_map``, the devices it varies over. Any other leaf (a Python number, a
-  string) is its value.
+  An array leaf (a JAX or NumPy array, a tracer too) is its type: shape, dtype, weak
+  type and, inside ``shard_map``, the devices it varies over. Any other leaf (a Python
+  or NumPy number, a string) is its value.
   """
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple(_type(leaf) for leaf in leaves)
