@@ -238,3 +238,23 @@ def test_numpy_scalar_flags_are_values_for_the_segment_checks():
     state = tx.init(model, X, flags[0])
     with pytest.raises(perturbkit.SharedSegmentError, match="'d0'"):
       tx.step(state, X, flags[1])
+
+
+class _LinenExtra(nn.Module):
+  @nn.compact
+  def __call__(self, x, extra):
+    h = nn.tanh(nn.Dense(3)(x))
+    return nn.Dense(2, name='out')(nn.tanh(nn.Dense(3, name='extra')(h)) if extra else h)
+
+
+def test_numpy_scalar_flags_of_clean_and_corrupted_inputs_are_compared_by_value():
+  """Patching reuses the clean inputs' trace for corrupted ones only when a trace of them
+  makes the same calls: ``np.bool_`` flags that differ counted as inputs of one type, so the
+  clean calls were patched into a run that does not make them (a PerturbationsNotAppliedError
+  about the loss, not the inputs)."""
+  model = _LinenExtra()
+  variables = model.init(jax.random.key(0), X, True)
+  metric = lambda v, inputs: model.apply(v, *inputs)[:, 0].sum()
+  for clean, corrupted in ((True, False), (np.bool_(True), np.bool_(False))):
+    with pytest.raises(perturbkit.CallStructureMismatchError, match='extra/__call__'):
+      perturbkit.activation_patching(metric)(variables, (X, clean), (X * 0, corrupted))
