@@ -3,6 +3,7 @@ loss as they are, as under ``jax.grad``: they were traced as arrays, so ``if tra
 and a string raised JAX's own error."""
 import chex
 import flax.linen as nn
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,3 +259,33 @@ def test_numpy_scalar_flags_of_clean_and_corrupted_inputs_are_compared_by_value(
   for clean, corrupted in ((True, False), (np.bool_(True), np.bool_(False))):
     with pytest.raises(perturbkit.CallStructureMismatchError, match='extra/__call__'):
       perturbkit.activation_patching(metric)(variables, (X, clean), (X * 0, corrupted))
+
+
+def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
+  """A state restored from a checkpoint holds NumPy arrays (``flax.serialization``): its
+  optimizer state's floats were not counted as the step's own, and the step raised JAX's raw
+  custom-VJP TypeError. Two Adam steps, the second from the restored state, are those of
+  ``jax.grad`` and optax."""
+  adam = optax.adam(0.1)
+  want = VARIABLES['params']
+  opt_state = adam.init(want)
+  for _ in range(2):
+    updates, opt_state = adam.update(jax.grad(linen_loss)(
+        {'params': want}, X, Y, True, 'sum')['params'], opt_state)
+    want = optax.apply_updates(want, updates)
+  tx = perturbkit.interleaved(linen_loss, adam, propagate='original')
+  state, _ = tx.step(tx.init(VARIABLES, X, Y, True, 'sum'), X, Y, True, 'sum')
+  restored = flax.serialization.from_bytes(state, flax.serialization.to_bytes(state))
+  assert isinstance(jax.tree.leaves(restored.opt_state)[1], np.ndarray)
+  state, _ = tx.step(restored, X, Y, True, 'sum')
+  chex.assert_trees_all_close(state.params, want, **TOL)
+  model, reference = NNX(nnx.Rngs(0)), NNX(nnx.Rngs(0))
+  reference_opt = nnx.Optimizer(reference, adam, wrt=nnx.Param)
+  for _ in range(2):
+    reference_opt.update(reference, nnx.grad(nnx_loss)(reference, X, Y, True, 'sum'))
+  tx = perturbkit.nnx.interleaved(nnx_loss, adam, propagate='original')
+  state, _ = tx.step(tx.init(model, X, Y, True, 'sum'), X, Y, True, 'sum')
+  state, _ = tx.step(state._replace(opt_state=jax.tree.map(np.asarray, state.opt_state)),
+                     X, Y, True, 'sum')
+  chex.assert_trees_all_close(nnx.state(state.model(), nnx.Param),
+                              nnx.state(reference, nnx.Param), **TOL)

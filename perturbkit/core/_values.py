@@ -50,3 +50,15 @@ def values_closed_over(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..
     return fn(first, *rebuild(jax.tree.leaves(given)), **kwargs)
 
   return fn_on_arrays, hollow
+
+
+def jax_arrays(tree: Any) -> Any:
+  """``tree`` with each NumPy array (or scalar) leaf as a JAX array, every other leaf as it is.
+
+  State restored from a checkpoint (``flax.serialization``) holds NumPy arrays where
+  the state a step returns holds JAX ones; code that splits a state into its
+  floating-point arrays must see both as the same arrays (under ``jax.jit`` they
+  are tracers already, and nothing changes)."""
+  return jax.tree.map(
+      lambda leaf: jax.numpy.asarray(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf,
+      tree)

@@ -33,6 +33,7 @@ from perturbkit.core._sweep import (REST, InterleavedState, Optimizer, Sweep, ba
                                warn_whole_gradient)
 from perturbkit.core._types import CallFilter, Variables
 from perturbkit.core._validate import interleaved_options
+from perturbkit.core._values import jax_arrays
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['REST', 'Interleaved', 'InterleavedState', 'interleaved']
@@ -413,7 +414,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       checked.add(key)
     iterations = scanned[tuple(sorted(names))]
     check_opt_state(optimizer, params, state.opt_state, iterations)
-    sweep = Sweep(optimizer, state.opt_state, clip_scale(clip_global_norm, state.grad_norm),
+    # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
+    # state into its floating-point JAX arrays.
+    sweep = Sweep(optimizer, jax_arrays(state.opt_state), clip_scale(clip_global_norm, state.grad_norm),
                   propagate, skip_nonfinite, step_examples(args), iterations)
     swept: dict[str, dict] = {}
     groups = group(params, names)

@@ -34,7 +34,7 @@ from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backwar
                                     input_shapes, warn_whole_gradient)
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import interleaved_options
-from perturbkit.core._values import partition_values
+from perturbkit.core._values import jax_arrays, partition_values
 from perturbkit.core._varying import check_unchecked, explaining_unbound_axes
 
 __all__ = ['InterleavedOptimizer', 'InterleavedState', 'interleaved']
@@ -126,7 +126,9 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   iterations = settings.scanned[tuple(sorted(names))]
   check_opt_state(settings.optimizer, params, opt_state, iterations)
   paths = {name: path for name, path in _segment_paths(model, names)}
-  sweep = Sweep(settings.optimizer, opt_state, clip_scale(settings.clip_global_norm, grad_norm),
+  # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
+  # state into its floating-point JAX arrays.
+  sweep = Sweep(settings.optimizer, jax_arrays(opt_state), clip_scale(settings.clip_global_norm, grad_norm),
                 settings.propagate, settings.skip_nonfinite, step_examples(args), iterations)
   swept: dict[str, dict] = {}
   groups = group(params, names)
