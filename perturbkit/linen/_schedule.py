@@ -416,8 +416,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     check_opt_state(optimizer, params, state.opt_state, iterations)
     # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
     # state into its floating-point JAX arrays.
-    sweep = Sweep(optimizer, jax_arrays(state.opt_state), clip_scale(clip_global_norm, state.grad_norm),
-                  propagate, skip_nonfinite, step_examples(args), iterations)
+    sweep = Sweep(optimizer, jax_arrays(state.opt_state),
+                  clip_scale(clip_global_norm, state.grad_norm), propagate, skip_nonfinite,
+                  step_examples(args), iterations)
     swept: dict[str, dict] = {}
     groups = group(params, names)
     carriers = {name: carrier(sweep, name, groups[name]) for name in names}

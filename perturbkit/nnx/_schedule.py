@@ -128,8 +128,9 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   paths = {name: path for name, path in _segment_paths(model, names)}
   # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
   # state into its floating-point JAX arrays.
-  sweep = Sweep(settings.optimizer, jax_arrays(opt_state), clip_scale(settings.clip_global_norm, grad_norm),
-                settings.propagate, settings.skip_nonfinite, step_examples(args), iterations)
+  sweep = Sweep(settings.optimizer, jax_arrays(opt_state),
+                clip_scale(settings.clip_global_norm, grad_norm), settings.propagate,
+                settings.skip_nonfinite, step_examples(args), iterations)
   swept: dict[str, dict] = {}
   groups = group(params, names)
   carriers = {name: carrier(sweep, name, groups[name]) for name in names}
