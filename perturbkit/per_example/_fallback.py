@@ -27,9 +27,12 @@ replayed per example either (an ``apply`` given a constant made in the loss) kee
 params no call of theirs is seen for (the root's own) get that ``apply``'s error
 (:func:`unreplayed_error`).
 """
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
+
+import jax
 
 from perturbkit.core._types import Path
+from perturbkit.core._values import is_array
 from perturbkit.errors import (AmbiguousInputError, ExamplesAxisError, PerExampleError,
                                SharedCallError)
 
@@ -62,6 +65,12 @@ def source_error(sources: Sequence[str], shapes: Sequence[Shape], num_examples: 
   if 'example' not in sources:
     return SharedCallError(where)
   return None
+
+
+def array_shapes(tree: Any) -> list[Shape]:
+  """The shapes of ``tree``'s array leaves (JAX and NumPy, as a trace takes them), in the
+  order of a call's ``sources``."""
+  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if is_array(x)]
 
 
 def check_sources(sources: Sequence[str], shapes: Sequence[Shape], num_examples: int,

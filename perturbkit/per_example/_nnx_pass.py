@@ -51,7 +51,7 @@ from perturbkit.per_example._batch import (BatchAxes, count_examples, per_argume
 from perturbkit.per_example._kinds import GENERAL
 from perturbkit.per_example._calls import (Use, add_to_floats, float_part, merge_static,
                                            static_part)
-from perturbkit.per_example._fallback import check_sources, source_error
+from perturbkit.per_example._fallback import array_shapes, check_sources, source_error
 from perturbkit.per_example._mixing import mixing
 from perturbkit.per_example._nnx_kinds import nnx_kind, nnx_mixing_reason, nnx_replay
 from perturbkit.per_example._nnx_reads import nnx_outside_reads
@@ -271,10 +271,6 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
                  tuple(model_calls) if covered else (), covered)
 
 
-def _shapes(tree: Any) -> list[tuple[int, ...]]:
-  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if is_array(x)]
-
-
 def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
                       kwargs: dict, calls: tuple[ModelCall, ...],
                       num_examples: int) -> tuple[jax.Array, list[Read]]:
@@ -316,7 +312,7 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
   for position, (call, arrays, cotangent) in enumerate(zip(calls, seen, cotangents)):
     where = f'the model call #{position} ({type(model).__name__}.{call.method_name})'
     call_args, call_kwargs = merge_static(arrays, call.template, where)
-    check_sources(call.sources, _shapes((call_args, call_kwargs)), num_examples, where)
+    check_sources(call.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
     grad = jax.tree.unflatten(call.out_tree, list(cotangent))
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
               replay=nnx_replay(plain_graphdef, nnx.state(model, nnx.Param), call.method_name,
@@ -364,7 +360,7 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
       where = '/'.join(name + (use.key,))
       call_args, call_kwargs = merge_static(find_in(inputs, path + (use.key,)), use.template,
                                             where)
-      check_sources(use.sources, _shapes((call_args, call_kwargs)), num_examples, where)
+      check_sources(use.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
       pairs.append(Pair(use, tuple(call_args), dict(call_kwargs), grad, others[path]))
     subtree = find_in(params, name)
     layers.append(Layer(name, pairs, subtree,

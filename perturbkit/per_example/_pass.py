@@ -16,7 +16,7 @@ from perturbkit.per_example._batch import BatchAxes, count_examples, reduction_s
 from perturbkit.per_example._calls import (PERTURBATIONS, ReadUse, Use, add_to_floats,
                                            direct_params, find_uses, merge_static,
                                            module_variables)
-from perturbkit.per_example._fallback import check_sources
+from perturbkit.per_example._fallback import array_shapes, check_sources
 from perturbkit.per_example._linen_kinds import linen_kind, linen_replay
 from perturbkit.per_example._nested import nested_applies, nested_others, nested_params
 from perturbkit.per_example._reads import READS, Read, read_of
@@ -24,7 +24,6 @@ from perturbkit.per_example._replay import Pair
 from perturbkit.core._points import array_part
 from perturbkit.core._trees import find_in
 from perturbkit.core._types import Path, Variables
-from perturbkit.core._values import is_array
 from perturbkit.core._varying import zeros_like_type
 from perturbkit.errors import RandomApplyReplayError
 
@@ -62,10 +61,6 @@ class Pass(NamedTuple):
   scale: float = 1.0
 
 
-def _shapes(tree: Any) -> list[tuple[int, ...]]:
-  return [jax.numpy.shape(x) for x in jax.tree.leaves(tree) if is_array(x)]
-
-
 def _pair(use: Use, inputs: Any, grads: Any, variables: Variables,
           num_examples: int) -> Pair | None:
   where = '/'.join(use.path + (use.key,))
@@ -73,7 +68,7 @@ def _pair(use: Use, inputs: Any, grads: Any, variables: Variables,
   if grad is None:
     return None  # no floating-point output: nothing flows back through this call
   args, kwargs = merge_static(find_in(inputs, use.path + (use.key,)), use.template, where)
-  check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
+  check_sources(use.sources, array_shapes((args, kwargs)), num_examples, where)
   return Pair(use, tuple(args), dict(kwargs), grad, module_variables(variables, use.path))
 
 
@@ -117,7 +112,7 @@ def _read(read: ReadUse, found: Any, grads: list[Any], num_examples: int,
             kind=linen_kind(read.module),
             replay=linen_replay(read.module, read.method_name, where,
                                 random_error=RandomApplyReplayError))
-  check_sources(use.sources, _shapes((args, kwargs)), num_examples, where)
+  check_sources(use.sources, array_shapes((args, kwargs)), num_examples, where)
   # The cotangent of the replayed call's floating-point outputs (``call_output``).
   grad = jax.tree.unflatten(read.out_tree, list(grads))
   return read_of(Pair(use, tuple(args), dict(kwargs), grad, others), params, pullback,
