@@ -22,13 +22,14 @@ def is_hf_conv1d(module: nn.Module) -> bool:
 
 # Each class name with its fields (besides parent and name) as transformers 4.x defines it,
 # and where its epsilon is: Llama's three take it from their config, T5's own field.
+_FROM_CONFIG = ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps)
+_OWN_FIELD = ({'hidden_size', 'dtype', 'eps', 'weight_init'}, lambda module: module.eps)
 _RMS_NORMS = {
-    'FlaxLlamaRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
-    'FlaxMistralRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
-    'FlaxGemmaRMSNorm': ({'config', 'dtype'}, lambda module: module.config.rms_norm_eps),
-    'FlaxT5LayerNorm': ({'hidden_size', 'dtype', 'eps', 'weight_init'}, lambda module: module.eps),
-    'FlaxLongT5LayerNorm': ({'hidden_size', 'dtype', 'eps', 'weight_init'},
-                            lambda module: module.eps),
+    'FlaxLlamaRMSNorm': _FROM_CONFIG,
+    'FlaxMistralRMSNorm': _FROM_CONFIG,
+    'FlaxGemmaRMSNorm': _FROM_CONFIG,
+    'FlaxT5LayerNorm': _OWN_FIELD,
+    'FlaxLongT5LayerNorm': _OWN_FIELD,
 }
 
 
