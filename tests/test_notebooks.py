@@ -91,7 +91,9 @@ def run_small(path, kernel):
   assert 'PERTURBKIT_NOTEBOOK_SMALL' in first.source, 'the first code cell sets the sizes'
   fresh = 'XLA_FLAGS' in first.source
   manager = kernel(fresh)
-  nb.cells.insert(0, nbformat.v4.new_code_cell('%reset -f'))
+  # conftest.py's garbage-collector thresholds, which a kernel does not import.
+  nb.cells.insert(0, nbformat.v4.new_code_cell(
+      '%reset -f\nimport gc\ngc.set_threshold(50_000, 20, 20)\ndel gc'))
   client = NotebookClient(nb, km=manager, timeout=TIMEOUT_S, kernel_name='python3',
                           resources={'metadata': {'path': str(path.parent)}})
   try:
