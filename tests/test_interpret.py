@@ -231,6 +231,30 @@ def test_mean_ablation_vmap_over_stacked_edits_and_grad_through_them(mlp):
 # --- activation patching -------------------------------------------------------------
 
 
+def patching_by_hand(v, clean, corrupted):
+  """``(calls, tokens)``: each Dense call's output patched from ``clean`` at one token, by hand."""
+  params = v['params']
+  outputs = by_hand_outputs(params, clean)
+  base = metric_of(mlp_by_hand(params, corrupted))
+  return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
+                                           _on_tokens(lambda _: outputs[n], [t])(h)
+                                           if n == c else h)) - base
+                     for token in range(SHAPE[1])] for call in NAMES])
+
+
+def attribution_by_hand(params, clean, corrupted):
+  """``(calls, tokens)``: ``(a_clean - a_corrupted) . g`` per token, ``g`` from ``jax.vjp``."""
+  a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
+  _, grads = by_hand_grads(params, corrupted)
+  return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
+
+
+# The references, compiled once for every test of this file (once per input shape).
+compiled_patching_by_hand = jax.jit(patching_by_hand)
+compiled_attribution_by_hand = jax.jit(attribution_by_hand)
+metric_by_hand = jax.jit(lambda params, x: metric_of(mlp_by_hand(params, x)))
+
+
 @pytest.mark.parametrize('groups', [1, 2, 8])
 def test_activation_patching_equals_each_patch_by_hand(mlp, groups, monkeypatch):
   """At most ``groups`` groups of neighbouring calls: one group of all three, groups of two
@@ -240,14 +264,11 @@ def test_activation_patching_equals_each_patch_by_hand(mlp, groups, monkeypatch)
   params = variables['params']
   result = perturbkit.activation_patching(metric, axis=1)(variables, clean, corrupted)
   assert result.paths == NAMES and result.positions == (0, 1, 2, 3, 4)
-  clean_outputs = by_hand_outputs(params, clean)
-  base = metric_of(mlp_by_hand(params, corrupted))
-  want = [[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
-                                 _on_tokens(lambda _: clean_outputs[n], [t])(h) if n == c else h))
-           - base for token in range(SHAPE[1])] for call in NAMES]
-  chex.assert_trees_all_close(result.effects, jnp.array(want), **TOL)
+  base = metric_by_hand(params, corrupted)
+  chex.assert_trees_all_close(result.effects, compiled_patching_by_hand(variables, clean, corrupted),
+                              **TOL)
   chex.assert_trees_all_close((result.clean_metric, result.corrupted_metric),
-                              (metric_of(mlp_by_hand(params, clean)), base), **TOL)
+                              (metric_by_hand(params, clean), base), **TOL)
 
   whole = perturbkit.activation_patching(metric)(variables, clean, corrupted)
   assert whole.positions is None and whole.effects.shape == (3, 1)
@@ -275,7 +296,6 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
 
   monkeypatch.setattr(sweep_module, 'tqdm', Recorded)
   model, variables, clean, _, _ = mlp
-  params = variables['params']
   corrupted = clean.at[:, [1, 3]].set(jax.random.normal(jax.random.key(3), (SHAPE[0], 2, 3)))
   runs = []
 
@@ -288,12 +308,8 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
                                                   progress=True))(variables, clean, corrupted)
   jax.effects_barrier()
   assert [bar.n for bar in bars] == [len(NAMES) * SHAPE[1]]
-  clean_outputs = by_hand_outputs(params, clean)
-  base = metric_of(mlp_by_hand(params, corrupted))
-  want = [[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
-                                 _on_tokens(lambda _: clean_outputs[n], [t])(h) if n == c else h))
-           - base for token in (1, 3)] for call in NAMES]
-  chex.assert_trees_all_close(result.effects[:, jnp.array([1, 3])], jnp.array(want), **TOL)
+  want = compiled_patching_by_hand(variables, clean, corrupted)[:, jnp.array([1, 3])]
+  chex.assert_trees_all_close(result.effects[:, jnp.array([1, 3])], want, **TOL)
   assert float(jnp.abs(jnp.array(want)).min()) > 1e-5
   assert np.all(np.asarray(result.effects[:, jnp.array([0, 2, 4])]) == 0)
   tokens = SHAPE[1]
@@ -301,26 +317,29 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
   assert len(runs) == 2 + len(NAMES) * per_call
 
 
-def patching_by_hand(v, clean, corrupted):
-  """``(calls, tokens)``: each Dense call's output patched from ``clean`` at one token, by hand."""
-  params = v['params']
-  outputs = by_hand_outputs(params, clean)
-  base = metric_of(mlp_by_hand(params, corrupted))
-  return jnp.array([[metric_of(mlp_by_hand(params, corrupted, lambda n, h, c=call, t=token:
-                                           _on_tokens(lambda _: outputs[n], [t])(h)
-                                           if n == c else h)) - base
-                     for token in range(SHAPE[1])] for call in NAMES])
-
-
-def attribution_by_hand(params, clean, corrupted):
-  """``(calls, tokens)``: ``(a_clean - a_corrupted) . g`` per token, ``g`` from ``jax.vjp``."""
-  a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
-  _, grads = by_hand_grads(params, corrupted)
-  return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
+@pytest.fixture(scope='module')
+def patching_derivatives(mlp):
+  """``jax.grad`` (w.r.t. the params and both inputs) of a loss of activation patching's effects
+  and ``jax.jvp`` of the effects, and the same of the patches by hand: made once, so that each
+  compiles once for all the inputs below."""
+  metric = mlp[-1]
+  weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
+  # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
+  loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
+  grad = lambda effects: jax.grad(lambda *a: loss(effects(*a)), argnums=(0, 1, 2))
+  jvp = lambda effects: jax.jit(lambda a, t: jax.jvp(effects, a, t))
+  patched = lambda batch_size: lambda *a: perturbkit.activation_patching(
+      metric, axis=1, batch_size=batch_size)(*a).effects
+  return {'grad_by_hand': jax.jit(grad(patching_by_hand)),
+          'grad_in_one_vmap': jax.jit(grad(patched(None))),
+          'grad_in_batches_of_2': jax.jit(grad(patched(2))),
+          'grad_in_batches_of_2_op_by_op': grad(patched(2)),
+          'jvp_by_hand': jvp(patching_by_hand), 'jvp_in_batches_of_2': jvp(patched(2))}
 
 
 @pytest.mark.parametrize('changed_from', [0, 3])
-def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_from):
+def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, patching_derivatives,
+                                                                  changed_from):
   """``jax.grad`` of a loss of the effects, with respect to the params and both inputs: one
   ``jax.vmap`` (``batch_size=None``) and in batches of 2, each under ``jax.jit`` (in batches
   also outside it), against the same loss of the patched runs written by hand; and
@@ -329,26 +348,19 @@ def test_activation_patching_differentiates_as_the_patches_by_hand(mlp, changed_
   token 3 on: then the patches of tokens 0-2 change nothing and in batches do not run, their
   effects are exactly 0, and their derivatives are not (moving the clean input there changes
   what they patch). Outside ``jax.jit``, only the second."""
-  _, variables, clean, corrupted, metric = mlp
+  _, variables, clean, corrupted, _ = mlp
   corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
-  weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
-
-  by_hand = patching_by_hand
+  derivatives = patching_derivatives
   args = (variables, clean, corrupted)
-  # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
-  loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
-  want = jax.jit(jax.grad(lambda *a: loss(by_hand(*a)), argnums=(0, 1, 2)))(*args)
+  want = derivatives['grad_by_hand'](*args)
   assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
   # Outside jax.jit (op by op, the slowest to run) only where the skipped patches are in play.
-  eager = ((2, lambda f: f),) if changed_from else ()
-  for batch_size, wrap in ((None, jax.jit), (2, jax.jit), *eager):
-    patch = perturbkit.activation_patching(metric, axis=1, batch_size=batch_size)
-    got = wrap(jax.grad(lambda *a: loss(patch(*a).effects), argnums=(0, 1, 2)))(*args)
-    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+  eager = ('grad_in_batches_of_2_op_by_op',) if changed_from else ()
+  for grad in ('grad_in_one_vmap', 'grad_in_batches_of_2', *eager):
+    chex.assert_trees_all_close(derivatives[grad](*args), want, rtol=1e-4, atol=1e-6)
   directions = jax.tree.map(lambda x: jax.random.normal(jax.random.key(5), x.shape), args)
-  patch = perturbkit.activation_patching(metric, axis=1, batch_size=2)
-  got = jax.jit(lambda a, t: jax.jvp(lambda *a: patch(*a).effects, a, t))(args, directions)
-  want = jax.jit(lambda a, t: jax.jvp(by_hand, a, t))(args, directions)
+  got = derivatives['jvp_in_batches_of_2'](args, directions)
+  want = derivatives['jvp_by_hand'](args, directions)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   if changed_from:
     assert not jnp.any(got[0][:, :changed_from]) and jnp.all(got[0][:, changed_from:])
@@ -433,8 +445,8 @@ def test_effects_per_example_under_vmap_and_one_bar_per_run(mlp, monkeypatch):
   bars = recorded_bars(monkeypatch)
   examples = range(SHAPE[0])
   one = lambda f, i: f(variables, clean[i:i + 1], corrupted[i:i + 1])
-  patched = jnp.stack([one(patching_by_hand, i) for i in examples])
-  attributed = jnp.stack([attribution_by_hand(params, clean[i:i + 1], corrupted[i:i + 1])
+  patched = jnp.stack([one(compiled_patching_by_hand, i) for i in examples])
+  attributed = jnp.stack([compiled_attribution_by_hand(params, clean[i:i + 1], corrupted[i:i + 1])
                           for i in examples])
   assert float(jnp.abs(patched[0, :, 3:]).min()) > 1e-6 and not jnp.any(patched[0, :, :3])
   patch = perturbkit.activation_patching(metric, axis=1, batch_size=2, progress=True)
@@ -442,15 +454,16 @@ def test_effects_per_example_under_vmap_and_one_bar_per_run(mlp, monkeypatch):
   got = jax.jit(per_example)(variables, clean, corrupted)
   chex.assert_trees_all_close(got.effects, patched, **TOL)
   chex.assert_trees_all_close(got.corrupted_metric,
-                              jnp.stack([metric(variables, x) for x in corrupted]), **TOL)
+                              jnp.stack([metric_by_hand(params, x[None]) for x in corrupted]),
+                              **TOL)
   attribute = jax.jit(jax.vmap(perturbkit.attribution_patching(metric, axis=1),
                                in_axes=(None, 0, 0)))
   chex.assert_trees_all_close(attribute(variables, clean, corrupted).effects, attributed, **TOL)
 
   weights = jax.random.normal(jax.random.key(4), patched.shape)
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
-  want = jax.grad(lambda v: loss(jnp.stack([
-      patching_by_hand(v, clean[i:i + 1], corrupted[i:i + 1]) for i in examples])))(variables)
+  want = jax.jit(jax.grad(lambda v: loss(jnp.stack([
+      patching_by_hand(v, clean[i:i + 1], corrupted[i:i + 1]) for i in examples]))))(variables)
   got = jax.jit(jax.grad(lambda v: loss(per_example(v, clean, corrupted).effects)))(variables)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   nested = jax.jit(jax.vmap(per_example, in_axes=(None, 0, 0)))(
@@ -522,40 +535,51 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
     chex.assert_trees_all_close(gxa.effects, every[:, jnp.array(positions)], **TOL)
 
 
-@pytest.mark.parametrize('changed_from', [0, 3])
-def test_attributions_differentiate_as_their_formulas_by_hand(mlp, changed_from):
-  """The effects are differentiable again: ``jax.grad`` of a loss of the attribution
-  patching (and gradient x activation) effects, with respect to the params and the
-  inputs, equals ``jax.grad`` of the same loss of the formulas written with the hand
-  MLP's outputs and ``jax.vjp`` gradients; also where the clean and corrupted inputs (and
-  outputs) agree, on tokens 0-2, where ``a_clean - a_corrupted`` is 0 and its derivative
-  is not."""
-  _, variables, clean, corrupted, metric = mlp
-  corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
+@pytest.fixture(scope='module')
+def attribution_derivatives(mlp):
+  """``jax.grad`` of a loss of the attribution patching (w.r.t. the params and both inputs) and
+  gradient x activation (the params and the input) effects, and the same of their formulas
+  written with the hand MLP's outputs and ``jax.vjp`` gradients: each compiled once for all the
+  inputs below."""
+  metric = mlp[-1]
   weights = jax.random.normal(jax.random.key(4), (len(NAMES), SHAPE[1]))
   # Linear and quadratic: the derivative of a square alone vanishes where an effect is 0.
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
   attribution = perturbkit.attribution_patching(metric, axis=1)
   gxa = perturbkit.grad_times_activation(metric, axis=1)
 
-  def attribution_by_hand(params, clean, corrupted):
-    a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
-    _, grads = by_hand_grads(params, corrupted)
-    return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
-
   def gxa_by_hand(params, x):
     outputs, (_, grads) = by_hand_outputs(params, x), by_hand_grads(params, x)
     return jnp.stack([per_token(outputs[n] * grads[n]) for n in NAMES])
 
-  got = jax.grad(lambda v, c, x: loss(attribution(v, c, x).effects), argnums=(0, 1, 2))(
-      variables, clean, corrupted)
-  want = jax.grad(lambda v, c, x: loss(attribution_by_hand(v['params'], c, x)),
-                  argnums=(0, 1, 2))(variables, clean, corrupted)
+  return {
+      'attribution': jax.jit(jax.grad(lambda v, c, x: loss(attribution(v, c, x).effects),
+                                      argnums=(0, 1, 2))),
+      'attribution_by_hand': jax.jit(jax.grad(
+          lambda v, c, x: loss(attribution_by_hand(v['params'], c, x)), argnums=(0, 1, 2))),
+      'gxa': jax.jit(jax.grad(lambda v, x: loss(gxa(v, x).effects), argnums=(0, 1))),
+      'gxa_by_hand': jax.jit(jax.grad(lambda v, x: loss(gxa_by_hand(v['params'], x)),
+                                      argnums=(0, 1)))}
+
+
+@pytest.mark.parametrize('changed_from', [0, 3])
+def test_attributions_differentiate_as_their_formulas_by_hand(mlp, attribution_derivatives,
+                                                              changed_from):
+  """The effects are differentiable again: ``jax.grad`` of a loss of the attribution
+  patching (and gradient x activation) effects, with respect to the params and the
+  inputs, equals ``jax.grad`` of the same loss of the formulas written with the hand
+  MLP's outputs and ``jax.vjp`` gradients; also where the clean and corrupted inputs (and
+  outputs) agree, on tokens 0-2, where ``a_clean - a_corrupted`` is 0 and its derivative
+  is not."""
+  _, variables, clean, corrupted, _ = mlp
+  corrupted = clean.at[:, changed_from:].set(corrupted[:, changed_from:])
+  grads = attribution_derivatives
+  got = grads['attribution'](variables, clean, corrupted)
+  want = grads['attribution_by_hand'](variables, clean, corrupted)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(want[1][:, :3]).max()) > 1e-3
-  got = jax.grad(lambda v, x: loss(gxa(v, x).effects), argnums=(0, 1))(variables, corrupted)
-  want = jax.grad(lambda v, x: loss(gxa_by_hand(v['params'], x)), argnums=(0, 1))(
-      variables, corrupted)
+  got = grads['gxa'](variables, corrupted)
+  want = grads['gxa_by_hand'](variables, corrupted)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   assert float(jnp.abs(got[1]).max()) > 1e-3
 
@@ -968,10 +992,10 @@ def test_gpt2_one_attention_head_ablated_through_a_view():
   with jax.numpy_rank_promotion('allow'):
     edit = interpret.zero_ablate(positions=[1], axis=3,
                                  view=(-1, hf_models.SEQ, 3, heads, head_dim))
-    got = perturbkit.run_with_edits(logits)(hf.variables, {f'{path}/__call__': edit}, ids)
-    with nn.intercept_methods(by_hand):
-      want = logits(hf.variables, ids)
-    plain = logits(hf.variables, ids)
+    got = jax.jit(perturbkit.run_with_edits(logits))(hf.variables, {f'{path}/__call__': edit}, ids)
+    with nn.intercept_methods(by_hand):  # traced here, with the interceptor: its own function
+      want = jax.jit(lambda v, ids: logits(v, ids))(hf.variables, ids)
+    plain = jax.jit(logits)(hf.variables, ids)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
   assert float(jnp.abs(got - plain).max()) > 1e-4
 
