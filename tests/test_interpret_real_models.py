@@ -18,6 +18,7 @@ model is checked against references that use no perturbkit code:
 * BERT with gradient checkpointing (its layers in ``nn.remat``) equals the plain model.
 """
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import chex
@@ -203,6 +204,8 @@ class Runs:
     reference: ``jax.value_and_grad`` of :func:`by_hand` w.r.t. the deltas, jitted.
     corrupted_metric: The metric on the corrupted inputs, from ``reference``.
     grads: d metric / d hidden state of each layer on the corrupted inputs, from ``reference``.
+    activation: ``activation_patching`` of the two layers, jitted with ``run_with_cache``.
+    attribution: ``attribution_patching`` of the two layers, jitted with it too.
   """
   output: jax.Array
   cached: dict[str, Any]
@@ -212,6 +215,8 @@ class Runs:
   reference: Callable[..., Any]
   corrupted_metric: jax.Array
   grads: dict[str, jax.Array]
+  activation: Any
+  attribution: Any
 
   def nothing_replaced(self, p: Problem) -> dict[str, tuple[jax.Array, jax.Array]]:
     return {layer: (jnp.asarray(False), jnp.zeros(())) for layer in p.layers}
@@ -226,14 +231,24 @@ def built(request) -> tuple[hf_models.Case, Problem, Runs]:
   case = hf_models.CASES[request.param]
   hf = hf_models.hf_model(case.model)
   p = Problem(hf.variables, **MAKERS[request.param](hf))
+  layers = filters.by_path(*p.layers)
+  sweep = dict(filter=layers, axis=p.axis, positions=p.positions)
+
+  def under_test(variables, clean, corrupted):
+    """The functions under test, compiled together (one compile per model)."""
+    return (perturbkit.run_with_cache(p.run)(variables, clean),
+            perturbkit.activation_patching(p.metric, **sweep)(variables, clean, corrupted),
+            perturbkit.attribution_patching(p.metric, **sweep)(variables, clean, corrupted))
+
   with case.strictness():
-    output, cache = jax.jit(perturbkit.run_with_cache(p.run))(p.variables, p.clean)
+    (output, cache), activation, attribution = jax.jit(under_test)(
+        p.variables, p.clean, p.corrupted)
     captured = jax.jit(p.intermediates)
     captured_output, clean = captured(p.variables, p.clean)
     _, corrupted = captured(p.variables, p.corrupted)
     reference = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))
     partial = Runs(output, flat(cache.outputs), captured_output, clean, corrupted, reference,
-                   None, None)
+                   None, None, activation, attribution)
     value, grads = reference(p.variables, p.corrupted, partial.zero_deltas(p),
                              partial.nothing_replaced(p))
   return case, p, dataclasses.replace(partial, corrupted_metric=value, grads=grads)
@@ -279,9 +294,7 @@ def test_cache_patch_back_and_capture_intermediates(problem):
 def test_activation_patching(problem):
   p, runs = problem
   layers = filters.by_path(*p.layers)
-  result = jax.jit(perturbkit.activation_patching(p.metric, filter=layers, axis=p.axis,
-                                                  positions=p.positions))(
-      p.variables, p.clean, p.corrupted)
+  result = runs.activation
   names = tuple(f'{layer}/__call__' for layer in p.layers)
   assert result.paths == names
   chex.assert_trees_all_close(result.corrupted_metric, runs.corrupted_metric, **TOL)
@@ -321,9 +334,7 @@ def test_activation_patching(problem):
 
 def test_attribution_patching(problem):
   p, runs = problem
-  result = jax.jit(perturbkit.attribution_patching(
-      p.metric, filter=filters.by_path(*p.layers), axis=p.axis, positions=p.positions))(
-          p.variables, p.clean, p.corrupted)
+  result = runs.attribution
   chex.assert_trees_all_close(result.corrupted_metric, runs.corrupted_metric, **TOL)
   # g: the metric's gradient w.r.t. a delta added to each layer's hidden state (jax.grad).
   difference = {layer: hidden(runs.clean[f'{layer}/__call__'])
@@ -370,27 +381,34 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
   plain = hf_models.hf_model(case.model)
   checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
   p, twin = (Problem(plain.variables, **_bert(hf)) for hf in (checkpointed, plain))
+  # Every call but the pooler's, whose (batch, features) outputs have no token axis.
+  every_call = filters.negate(filters.by_path('pooler*'))
+  layers = filters.by_path(*p.layers)
+
+  def runs(metric):
+    """Caching, ``value_and_grad`` with activations, attribution and activation patching,
+    compiled together (one compile per model)."""
+    def run(variables, clean, corrupted):
+      return (perturbkit.run_with_cache(metric, grads=True)(variables, clean),
+              perturbkit.value_and_grad(metric, return_activations=True)(variables, clean),
+              perturbkit.attribution_patching(metric, filter=every_call, axis=1)(
+                  variables, clean, corrupted),
+              perturbkit.activation_patching(metric, filter=layers, axis=1)(
+                  variables, clean, corrupted))
+    return jax.jit(run)
+
   with case.strictness():
-    got = jax.jit(perturbkit.run_with_cache(p.metric, grads=True))(p.variables, p.clean)
-    want = jax.jit(perturbkit.run_with_cache(twin.metric, grads=True))(p.variables, p.clean)
+    got_all = runs(p.metric)(p.variables, p.clean, p.corrupted)
+    want_all = runs(twin.metric)(p.variables, p.clean, p.corrupted)
+    got, want = got_all[0], want_all[0]
     assert 'encoder/layer/1/attention/self/query/__call__' in flat(got[1].outputs)
     chex.assert_trees_all_close(got, want, **TOL)
     # The model's output without dropout: the encoder's, cached above.
     plain_output = flat(want[1].outputs)['encoder/__call__']['last_hidden_state']
     # value_and_grad's activations too: the encoder's point holds a ModelOutput, which the
     # replay with the perturbations mutable reads back as a dict.
-    got = jax.jit(perturbkit.value_and_grad(p.metric, return_activations=True))(
-        p.variables, p.clean)
-    want = jax.jit(perturbkit.value_and_grad(twin.metric, return_activations=True))(
-        p.variables, p.clean)
-    chex.assert_trees_all_close(got, want, **TOL)
-    # Every call but the pooler's, whose (batch, features) outputs have no token axis.
-    for name, layers in (('attribution_patching', filters.negate(filters.by_path('pooler*'))),
-                         ('activation_patching', filters.by_path(*p.layers))):
-      got = jax.jit(getattr(perturbkit, name)(p.metric, filter=layers, axis=1))(
-          p.variables, p.clean, p.corrupted)
-      want = jax.jit(getattr(perturbkit, name)(twin.metric, filter=layers, axis=1))(
-          p.variables, p.clean, p.corrupted)
+    chex.assert_trees_all_close(got_all[1], want_all[1], **TOL)
+    for got, want in zip(got_all[2:], want_all[2:], strict=True):
       assert got.paths == want.paths
       chex.assert_trees_all_close(got, want, **TOL)
       assert float(jnp.abs(want.effects).max()) > 1e-4
@@ -426,16 +444,17 @@ def test_checkpointed_whisper_encoder_through_a_returned_submodule_equals_the_pl
       with nn.intercept_methods(interceptor):
         return plain.module.apply(v, f, method=encoder)
 
-    want, state = plain.module.apply(variables, features, method=encoder,
-                                     capture_intermediates=True, mutable=['intermediates'])
+    captured = functools.partial(plain.module.apply, method=encoder, capture_intermediates=True,
+                                 mutable=['intermediates'])
+    want, state = jax.jit(captured)(variables, features)
     wanted = flat(state['intermediates'])
-    out, cache = perturbkit.run_with_cache(encode)(variables, features)
+    out, cache = jax.jit(perturbkit.run_with_cache(encode))(variables, features)
     got = flat(cache.outputs)
     chex.assert_trees_all_close(out, want, **TOL)
     for path in ('model/encoder/layers/0/self_attn_layer_norm', fc2, 'model/encoder/layers/0'):
       chex.assert_trees_all_close(hidden(got[f'{path}/__call__']),
                                   hidden(wanted[f'{path}/__call__'][0]), **TOL)
-    edited = perturbkit.run_with_edits(encode)(variables, {f'{fc2}/__call__': interpret.add(delta)},
-                                               features)
-    chex.assert_trees_all_close(edited, edited_by_hand(variables, features), **TOL)
+    edited = jax.jit(perturbkit.run_with_edits(encode))(
+        variables, {f'{fc2}/__call__': interpret.add(delta)}, features)
+    chex.assert_trees_all_close(edited, jax.jit(edited_by_hand)(variables, features), **TOL)
     assert float(jnp.abs(edited - want).max()) > 1e-3
