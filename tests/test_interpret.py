@@ -1314,15 +1314,20 @@ def test_leaves_sweep_one_array_of_a_call_as_a_call_returning_it_alone():
   corrupted = x.at[:, 2].add(1.0)
   variables = jax.jit(model.init)(jax.random.key(1), x)
   keep = filters.negate(filters.by_path('pooler'))
-  paired = (('activation_patching', (x, corrupted), {}),
-            ('attribution_patching', (x, corrupted), {}),
-            ('grad_times_activation', (x,), {}),
-            ('layer_integrated_gradients', (x,), {'steps': 4}))
-  for name, inputs, options in paired:
-    got = jax.jit(getattr(perturbkit, name)(model.apply, axis=1, filter=keep, leaves=0,
-                                            **options))(variables, *inputs)
-    want = jax.jit(getattr(perturbkit, name)(twin.apply, axis=1, filter=keep, **options))(
-        variables, *inputs)
+  paired = (('activation_patching', True, {}),  # (name, takes the corrupted input, options)
+            ('attribution_patching', True, {}),
+            ('grad_times_activation', False, {}),
+            ('layer_integrated_gradients', False, {'steps': 4}))
+
+  def sweeps(apply, **leaves):
+    """Every sweep, compiled together (one compile per model)."""
+    def run(variables, x, corrupted):
+      return [getattr(perturbkit, name)(apply, axis=1, filter=keep, **leaves, **options)(
+          variables, *((x, corrupted) if two else (x,))) for name, two, options in paired]
+    return jax.jit(run)
+
+  for (name, _, _), got, want in zip(paired, sweeps(model.apply, leaves=0)(variables, x, corrupted),
+                                     sweeps(twin.apply)(variables, x, corrupted), strict=True):
     assert got.paths == want.paths == ('tokens/__call__', 'attn/__call__',
                                        'attn/Dense_0/__call__'), name
     chex.assert_trees_all_close(got, want, **TOL)
@@ -1543,10 +1548,27 @@ def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transf
   metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(m.apply(v, x)))
   inner = ('block', 'Dense_0', '__call__')
 
-  got = jax.jit(perturbkit.run_with_cache(metric(model), grads=True, return_inputs=True))(
-      variables, x)
-  want = jax.jit(perturbkit.run_with_cache(metric(twin), grads=True, return_inputs=True))(
-      variables, x)
+  edits = {'/'.join(inner): interpret.add(jnp.ones(4)),
+           'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
+  grads = dict(return_activations=True, return_inputs=True)
+
+  def everything(m):
+    """Caching, edits, both patchings and ``value_and_grad``, compiled together (one compile
+    per model)."""
+    def run(variables, x, corrupted):
+      return {'cache': perturbkit.run_with_cache(metric(m), grads=True, return_inputs=True)(
+                  variables, x),
+              'edits': perturbkit.run_with_edits(m.apply)(variables, edits, x),
+              'activation_patching': perturbkit.activation_patching(metric(m), axis=0)(
+                  variables, x, corrupted),
+              'attribution_patching': perturbkit.attribution_patching(metric(m), axis=0)(
+                  variables, x, corrupted),
+              'value_and_grad': perturbkit.value_and_grad(metric(m), **grads)(variables, x)}
+    return jax.jit(run)
+
+  got_all = everything(model)(variables, x, corrupted)
+  want_all = everything(twin)(variables, x, corrupted)
+  got, want = got_all['cache'], want_all['cache']
   assert set(flat(got[1].outputs)) == {'Dense_0/__call__', 'block/Dense_0/__call__',
                                        'block/__call__', 'Dense_1/__call__'}
   chex.assert_trees_all_close(got, want, **TOL)
@@ -1556,21 +1578,13 @@ def test_calls_inside_remat_and_jit_equal_the_model_without_the_transform(transf
                               state['intermediates']['block']['Dense_0']['__call__'][0], **TOL)
   assert float(jnp.abs(got[1].grads['block']['Dense_0']['__call__']).max()) > 1e-3
 
-  edits = {'/'.join(inner): interpret.add(jnp.ones(4)),
-           'block/__call__': interpret.scale(2.0, positions=[1], axis=0)}
-  chex.assert_trees_all_close(
-      jax.jit(perturbkit.run_with_edits(model.apply))(variables, edits, x),
-      jax.jit(perturbkit.run_with_edits(twin.apply))(variables, edits, x), **TOL)
+  chex.assert_trees_all_close(got_all['edits'], want_all['edits'], **TOL)
   for name in ('activation_patching', 'attribution_patching'):
-    got = jax.jit(getattr(perturbkit, name)(metric(model), axis=0))(variables, x, corrupted)
-    want = jax.jit(getattr(perturbkit, name)(metric(twin), axis=0))(variables, x, corrupted)
+    got, want = got_all[name], want_all[name]
     assert got.paths == want.paths and '/'.join(inner) in got.paths
     chex.assert_trees_all_close(got, want, **TOL)
   assert float(jnp.abs(want.effects).max()) > 1e-3
-  grads = dict(return_activations=True, return_inputs=True)
-  chex.assert_trees_all_close(
-      jax.jit(perturbkit.value_and_grad(metric(model), **grads))(variables, x),
-      jax.jit(perturbkit.value_and_grad(metric(twin), **grads))(variables, x), **TOL)
+  chex.assert_trees_all_close(got_all['value_and_grad'], want_all['value_and_grad'], **TOL)
 
 
 def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_transform():
