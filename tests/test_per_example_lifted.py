@@ -23,7 +23,7 @@ import pytest
 import hf_models
 import models
 import perturbkit
-from test_per_example import assert_norms_equal, reference_grads
+from test_per_example import assert_norms_equal, per_example_grads, reference_grads
 
 pytestmark = [pytest.mark.filterwarnings(f) for f in hf_models.FILTER_DEPRECATION]
 
@@ -134,14 +134,22 @@ def _loss(model):
 
 
 def assert_matches_vmap_grad(loss_fn, variables, *args):
-  """Norms by param, by layer and in total equal ``vmap(grad)``'s; so does DP-SGD unclipped."""
-  loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, *args)
-  by_param = assert_norms_equal(norms, reference_grads(loss_fn, variables, *args), TOL)
-  want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(
-      {**variables, 'params': p}, *args)))(variables['params'])
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  """Norms by param, by layer and in total equal ``vmap(grad)``'s; so does DP-SGD unclipped.
+  Both of perturbkit's functions and both references are jitted together (one compile)."""
   dp = perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0)
-  grads, _ = jax.jit(dp)(variables, jax.random.key(1), *args)
+
+  @jax.jit
+  def run(variables, key, *args):
+    mean_loss = lambda p: loss_fn({**variables, 'params': p}, *args)
+    return (perturbkit.per_example_grad_norms(loss_fn)(variables, *args),
+            dp(variables, key, *args)[0],
+            per_example_grads(loss_fn, variables, *args),
+            jax.value_and_grad(mean_loss)(variables['params']))
+
+  (loss, norms), grads, per_example, (want_loss, want_grads) = run(
+      variables, jax.random.key(1), *args)
+  by_param = assert_norms_equal(norms, per_example, TOL)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   chex.assert_trees_all_close(grads, want_grads, **TOL)
   return norms, by_param
 
