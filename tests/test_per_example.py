@@ -52,6 +52,7 @@ def reference_grads(loss_fn, variables, *args):
   return jax.jit(functools.partial(per_example_grads, loss_fn))(variables, *args)
 
 
+@jax.jit  # one compile per tree instead of one op-by-op compile per leaf shape
 def norms_of(per_example):
   """``(examples,)`` norms of each leaf, and the total, of per-example gradients."""
   sq = jax.tree.map(lambda g: jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1), per_example)
@@ -81,6 +82,29 @@ def assert_norms_match(loss_fn, variables, *args, **options):
         variables, *args)
 
   loss, norms, (by_param, total), want_loss = both(variables, *args)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  return norms
+
+
+def norms_by_method(loss_fn, variables, methods, *args):
+  """``per_example_grad_norms``' ``(loss, norms)`` for each ``dense_method`` in ``methods``,
+  the reference's norms ``(by_param, total)`` and the loss: jitted together, one compile for
+  every method and the reference."""
+  @jax.jit
+  def run(variables, *args):
+    return ({method: perturbkit.per_example_grad_norms(loss_fn, dense_method=method)(
+        variables, *args) for method in methods},
+            norms_of(per_example_grads(loss_fn, variables, *args)), loss_fn(variables, *args))
+  return run(variables, *args)
+
+
+def assert_method_matches(results, method):
+  """``method``'s norms and loss in :func:`norms_by_method`'s ``results`` equal the
+  reference's, as :func:`assert_norms_match` checks them."""
+  by_method, (by_param, total), want_loss = results
+  loss, norms = by_method[method]
   chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
   np.testing.assert_allclose(norms.total, total, **TOL)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -218,13 +242,19 @@ def test_mean_loss_scaled_to_each_term():
   np.testing.assert_allclose(mean.total, summed.total, rtol=1e-5)
 
 
-@pytest.mark.parametrize('method', ['ghost', 'direct'])
-def test_cnn(method):
+@pytest.fixture(scope='module')
+def cnn_norms():
+  """:func:`norms_by_method` of ``ConvNet`` by the ghost and direct methods."""
   model = ConvNet()
   x = jax.random.normal(jax.random.key(0), (4, 9, 9, 2))
   y = jnp.arange(4) % 3
   variables = model.init(jax.random.key(1), x)
-  assert_norms_match(classification_loss(model), variables, x, y, dense_method=method)
+  return norms_by_method(classification_loss(model), variables, ('ghost', 'direct'), x, y)
+
+
+@pytest.mark.parametrize('method', ['ghost', 'direct'])
+def test_cnn(method, cnn_norms):
+  assert_method_matches(cnn_norms, method)
 
 
 def test_conv_direct_paths():
@@ -233,26 +263,38 @@ def test_conv_direct_paths():
   y = jnp.arange(3) % 3
   variables = model.init(jax.random.key(1), x)
   loss_fn = classification_loss(model)
-  assert_norms_match(loss_fn, variables, x, y, dense_method='direct')
+  norms_fn = perturbkit.per_example_grad_norms(loss_fn, dense_method='direct')
+  # Each step jitted with its reference: one compile for both sides.
+  (loss, norms), per_example, want_loss = jax.jit(lambda v, x, y: (
+      norms_fn(v, x, y), per_example_grads(loss_fn, v, x, y), loss_fn(v, x, y)))(
+          variables, x, y)
+  by_param, total = norms_of(per_example)
+  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
+  np.testing.assert_allclose(norms.total, total, **TOL)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   key = jax.random.key(3)
-  per_example = reference_grads(loss_fn, variables, x, y)
-  _, total = norms_of(per_example)
   clip = float(jnp.median(total))
   dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.5,
                                dense_method='direct')
-  grads, _ = jax.jit(dp)(variables, key, x, y)
-  want, _, _ = reference_private_grad(loss_fn, variables, key, clip, 0.5, x, y,
-                                      per_example=per_example)
+  grads, (want, _, _) = jax.jit(lambda v, per_example, key, x, y: (
+      dp(v, key, x, y)[0], _clipped_noised_mean(per_example, key, clip, 0.5)))(
+          variables, per_example, key, x, y)
   chex.assert_trees_all_close(grads, want, **TOL)
 
 
-@pytest.mark.parametrize('method', ['ghost', 'direct', 'auto'])
-def test_transformer(method):
+@pytest.fixture(scope='module')
+def transformer_norms():
+  """:func:`norms_by_method` of ``SeqModel`` by each method."""
   model = SeqModel()
   ids, y = _seq_problem(jax.random.key(0))
   variables = model.init(jax.random.key(1), ids)
-  norms = assert_norms_match(classification_loss(model), variables, ids, y,
-                             dense_method=method)
+  return norms_by_method(classification_loss(model), variables, ('ghost', 'direct', 'auto'),
+                         ids, y)
+
+
+@pytest.mark.parametrize('method', ['ghost', 'direct', 'auto'])
+def test_transformer(method, transformer_norms):
+  norms = assert_method_matches(transformer_norms, method)
   assert set(norms.by_layer) >= {'Embed_0', 'LayerNorm_0', 'RMSNorm_0', 'Dense_0',
                                  'MultiHeadDotProductAttention_0/query'}
 
@@ -262,8 +304,9 @@ def test_shared_and_tied():
   model = Tied()
   ids, y = _seq_problem(jax.random.key(2), vocab=7)
   variables = model.init(jax.random.key(1), ids)
+  results = norms_by_method(classification_loss(model), variables, ('ghost', 'direct'), ids, y)
   for method in ('ghost', 'direct'):
-    assert_norms_match(classification_loss(model), variables, ids, y, dense_method=method)
+    assert_method_matches(results, method)
 
 
 def test_shared_dense_cross_terms_matter():
@@ -444,10 +487,12 @@ def test_private_grad_matches_vmap_grad(name):
   per_example = reference_grads(loss_fn, variables, x, y)
   _, total = norms_of(per_example)
   clip = float(jnp.median(total))  # about half the examples are clipped
-  dp = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.7))
-  grads, metrics = dp(variables, key, x, y)
-  want, want_norms, want_clipped = reference_private_grad(loss_fn, variables, key, clip, 0.7,
-                                                          x, y, per_example=per_example)
+  dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.7)
+  # One compile for both sides.
+  (grads, metrics), (want, want_norms, want_clipped) = jax.jit(
+      lambda v, per_example, key, x, y: (
+          dp(v, key, x, y), _clipped_noised_mean(per_example, key, clip, 0.7)))(
+              variables, per_example, key, x, y)
   chex.assert_trees_all_close(grads, want, **TOL)
   np.testing.assert_allclose(metrics['per_example_norms'], want_norms, **TOL)
   np.testing.assert_allclose(metrics['fraction_clipped'], want_clipped)
@@ -662,6 +707,7 @@ def test_inputs_are_per_example_by_where_they_come_from_not_by_shape():
   def loss_fn(v, x, table, y):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x, table), y).mean()
 
+  @jax.jit
   def reference(table):
     one = lambda xi, yi: jax.grad(lambda p: loss_fn({'params': p}, xi[None], table, yi[None]))(
         variables['params'])
