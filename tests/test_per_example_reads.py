@@ -9,6 +9,8 @@ modules, methods such as ``attend``, nested applies on tied weights and reads in
 the ``apply`` must all give the norms of ``jax.vmap(jax.grad)``, as must a read under
 ``jax.lax.stop_gradient`` (it adds nothing to the gradient).
 """
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -125,14 +127,15 @@ def test_reads_outside_the_apply_are_refused(model, inputs, penalty, layer, prim
 def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
   variables = model.init(jax.random.key(2), inputs)
   loss_fn = _loss(model)
-  loss, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, inputs)
 
-  def one(example):
-    grads = jax.grad(lambda p: loss_fn({'params': p}, example[None]))(variables['params'])
-    return jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+  @jax.jit  # one compile for both sides
+  def run(variables, inputs):
+    return (perturbkit.per_example_grad_norms(loss_fn)(variables, inputs),
+            _norms_of_vmap_grad(loss_fn, variables, inputs), loss_fn(variables, inputs))
 
-  np.testing.assert_allclose(norms.total, jax.vmap(one)(inputs), rtol=2e-4, atol=1e-5)
-  np.testing.assert_allclose(loss, loss_fn(variables, inputs), rtol=1e-5)
+  (loss, norms), want, want_loss = run(variables, inputs)
+  np.testing.assert_allclose(norms.total, want, rtol=2e-4, atol=1e-5)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
 
 
 class _NormedEncoder(nn.Module):
@@ -172,6 +175,7 @@ class TwoNestedApplies(nn.Module):
 
 
 def _norms_of_vmap_grad(loss_fn, variables, inputs):
+  """Each example's gradient norm, by ``jax.vmap(jax.grad)`` of the loss of it alone."""
   def one(example):
     grads = jax.grad(lambda p: loss_fn({'params': p}, example[None]))(variables['params'])
     return jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
@@ -190,9 +194,10 @@ def test_every_nested_apply_counts_after_the_first(applies):
     out = jnp.mean(model.apply(variables, ids) ** 2)
     return out + jnp.mean(jnp.tanh(model.apply(variables, ids[:, ::-1]))) if applies == 2 else out
 
-  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, IDS)
-  np.testing.assert_allclose(norms.total, _norms_of_vmap_grad(loss_fn, variables, IDS),
-                             rtol=2e-4, atol=1e-5)
+  (_, norms), want = jax.jit(lambda v, ids: (  # one compile for both sides
+      perturbkit.per_example_grad_norms(loss_fn)(v, ids), _norms_of_vmap_grad(loss_fn, v, ids)))(
+          variables, IDS)
+  np.testing.assert_allclose(norms.total, want, rtol=2e-4, atol=1e-5)
 
 
 class TiedLM(nn.Module):
@@ -240,26 +245,34 @@ def _per_example_reference(loss_fn, variables, ids):
   return reference(variables, ids)
 
 
-@pytest.mark.parametrize('dense_method', ['auto', 'ghost', 'direct'])
-@pytest.mark.parametrize('head', ['nested', 'stored_transposed', 'attend'])
-def test_tied_heads_give_the_norms_and_clipped_sum_of_vmap_grad(head, dense_method):
+@functools.cache
+def _tied_lm_problem(head):
+  """``TiedLM(head)``'s variables, batch, loss and :func:`_per_example_reference` (computed
+  once per head, for every dense method)."""
   # Six tokens out of seven ids: repeated ids, so the cross terms between the lookups and
   # the head (and between lookups) are all exercised.
   ids = jax.random.randint(jax.random.key(4), (4, 6), 0, 7)
   model = TiedLM(head)
   variables = model.init(jax.random.key(5), ids)
   loss_fn = _lm_loss(model)
-  grads, norms = _per_example_reference(loss_fn, variables, ids)
-  _, got = jax.jit(perturbkit.per_example_grad_norms(loss_fn, dense_method=dense_method))(
-      variables, ids)
+  return variables, ids, loss_fn, _per_example_reference(loss_fn, variables, ids)
+
+
+@pytest.mark.parametrize('dense_method', ['auto', 'ghost', 'direct'])
+@pytest.mark.parametrize('head', ['nested', 'stored_transposed', 'attend'])
+def test_tied_heads_give_the_norms_and_clipped_sum_of_vmap_grad(head, dense_method):
+  variables, ids, loss_fn, (grads, norms) = _tied_lm_problem(head)
+  clip_norm = float(jnp.median(norms))  # half the examples clipped
+  private = perturbkit.private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=0.0,
+                                    dense_method=dense_method)
+  norms_fn = perturbkit.per_example_grad_norms(loss_fn, dense_method=dense_method)
+  # The norms and the clipped sum in one compile.
+  (_, got), (got_sum, metrics) = jax.jit(lambda v, key, ids: (
+      norms_fn(v, ids), private(v, key, ids)))(variables, jax.random.key(6), ids)
   np.testing.assert_allclose(got.total, norms, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got.by_layer['embed'], jnp.sqrt(jnp.sum(
       grads['embed']['embedding'] ** 2, axis=(1, 2))), rtol=1e-5, atol=1e-6)
 
-  clip_norm = float(jnp.median(norms))  # half the examples clipped
-  private = perturbkit.private_grad(loss_fn, clip_norm=clip_norm, noise_multiplier=0.0,
-                                    dense_method=dense_method)
-  got_sum, metrics = jax.jit(private)(variables, jax.random.key(6), ids)
   factors = jnp.minimum(1.0, clip_norm / norms)
   want = jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1) / len(ids), grads)
   chex.assert_trees_all_close(got_sum, want, rtol=1e-5, atol=1e-6)
