@@ -45,11 +45,13 @@ def per_example_grads(loss_fn, variables, x, y):
   return jax.jit(jax.vmap(one))(x, y)
 
 
+@jax.jit  # one compile, not an op-by-op compile per leaf shape
 def total_norms(per_example):
   return jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
                       for g in jax.tree.leaves(per_example)))
 
 
+@jax.jit
 def clipped_sum(per_example, keep, clip_norm):
   """``sum_{i kept} min(1, C/‖g_i‖) g_i``."""
   norms = total_norms(per_example)
@@ -157,7 +159,8 @@ def test_how_the_loss_combines_examples_is_judged_from_traces_of_one_or_two(prob
 def test_the_reduction_is_checked_once_per_loss(problem, monkeypatch):
   """The functions built from one loss (norms, a private gradient, a DP-SGD step) check it
   on the first call of the first of them; another loss, reduction or examples axis is
-  checked again, and a check that fails is not remembered."""
+  checked again, and a check that fails is not remembered. (Called under ``jax.eval_shape``:
+  the check is made while tracing, so nothing needs running.)"""
   from perturbkit.per_example import _check
   model, variables, x, y = problem
   checked = []
@@ -166,17 +169,19 @@ def test_the_reduction_is_checked_once_per_loss(problem, monkeypatch):
                       lambda *a, **k: (checked.append(k['reduction']), check(*a, **k)))
   loss_fn = mean_loss(model)
   key = jax.random.key(0)
-  perturbkit.per_example_grad_norms(loss_fn)(variables, x, y)
-  perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0)(variables, key, x, y)
+  jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x, y)
+  jax.eval_shape(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0),
+                 variables, key, x, y)
   tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=0.0)
-  tx.step(tx.init(variables), key, x, y)
+  jax.eval_shape(tx.step, tx.init(variables), key, x, y)
   assert checked == ['mean']
-  perturbkit.per_example_grad_norms(mean_loss(model))(variables, x, y)
+  jax.eval_shape(perturbkit.per_example_grad_norms(mean_loss(model)), variables, x, y)
   assert checked == ['mean'] * 2
   for _ in range(2):
     with pytest.raises(perturbkit.ReductionMismatchError):
-      perturbkit.per_example_grad_norms(loss_fn, reduction='sum')(variables, x, y)
-  perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0))(variables, x, y)
+      jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, reduction='sum'), variables, x,
+                     y)
+  jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(0, 0)), variables, x, y)
   assert checked == ['mean'] * 2 + ['sum'] * 2 + ['mean']
 
   class Unreferable:  # no weak reference to it: each function checks it once, as its own
@@ -187,9 +192,9 @@ def test_the_reduction_is_checked_once_per_loss(problem, monkeypatch):
 
   checked.clear()
   norms = perturbkit.per_example_grad_norms(Unreferable())
-  norms(variables, x, y)
-  norms(variables, x, y)
-  perturbkit.per_example_grad_norms(Unreferable())(variables, x, y)
+  jax.eval_shape(norms, variables, x, y)
+  jax.eval_shape(norms, variables, x, y)
+  jax.eval_shape(perturbkit.per_example_grad_norms(Unreferable()), variables, x, y)
   assert checked == ['mean'] * 2
 
 
@@ -299,8 +304,8 @@ def test_float16_per_example_gradients_above_its_range_are_clipped_not_nan():
   y = jnp.zeros((8, 1)).at[0].set(-400.0)
   variables = model.init(jax.random.key(0), x.astype(jnp.float16))
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
-  grads, metrics = perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0,
-                                           dense_method='direct')(
+  grads, metrics = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0,
+                                                   dense_method='direct'))(
       variables, jax.random.key(0), x.astype(jnp.float16), y)
   assert int(metrics['dropped']) == 0
   wide = nn.Sequential([nn.Dense(4), nn.Dense(1)])
