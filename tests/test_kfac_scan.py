@@ -77,11 +77,12 @@ def setup():
   tokens = jax.random.randint(jax.random.key(1), (4, 7), 0, 11)
   targets = jax.random.randint(jax.random.key(2), (4, 7), 0, 5)
   scanned, unrolled = Scanned(), Unrolled()
-  variables = scanned.init(jax.random.key(0), tokens)
+  variables = jax.jit(scanned.init)(jax.random.key(0), tokens)
   twin = {'params': unrolled_params(variables['params'])}
   predict = lambda v, x: scanned.apply(v, x)
   predict_twin = lambda v, x: unrolled.apply(v, x)
-  np.testing.assert_allclose(predict(variables, tokens), predict_twin(twin, tokens), **TOL)
+  np.testing.assert_allclose(*jax.jit(lambda v, t: (predict(v, tokens), predict_twin(t, tokens)))(
+      variables, twin), **TOL)
   return dict(tokens=tokens, targets=targets, variables=variables, twin=twin, predict=predict,
               predict_twin=predict_twin, unrolled=unrolled,
               layers=perturbkit.kfac_layers(predict, variables, tokens),
@@ -122,7 +123,8 @@ def test_factors_and_step_are_each_iterations_of_the_unrolled_model(setup, fishe
 
   def step(layers, params, grads, stats):
     tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.05), optax.sgd(1.0))
-    return tx.update(grads, tx.init(params), params, kfac_stats=stats)[0]
+    return jax.jit(lambda p, g, st: tx.update(g, tx.init(p), p, kfac_stats=st)[0])(
+        params, grads, stats)
 
   updates = step(s['layers'], s['variables']['params'], grads, stats)
   updates_twin = unrolled_params(updates)
@@ -141,9 +143,10 @@ def test_a_scanned_dense_layers_input_factor_is_formed_from_each_iterations_inpu
   s = setup
   estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'],
                                        fisher='empirical')
-  stats = estimate(s['variables'], s['tokens'], s['targets'])[2]['blocks/Dense_0']
-  _, inter = s['unrolled'].apply(s['twin'], s['tokens'], capture_intermediates=True,
-                                 mutable=['intermediates'])
+  stats = jax.jit(estimate)(s['variables'], s['tokens'], s['targets'])[2]['blocks/Dense_0']
+  _, inter = jax.jit(lambda v, x: s['unrolled'].apply(v, x, capture_intermediates=True,
+                                                      mutable=['intermediates']))(
+      s['twin'], s['tokens'])
   carries = [inter['intermediates']['Embed_0']['__call__'][0]] + [
       inter['intermediates'][f'blocks_{i}']['__call__'][0][0] for i in range(DEPTH - 1)]
   examples = s['tokens'].shape[0]
@@ -219,7 +222,7 @@ def test_scanned_layers_without_per_iteration_factors_are_skipped_or_refused(cas
   else:
     body = FlatBlock
   model = Scanned(body=body, scan=scan)
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
   predict = lambda v, x: model.apply(v, x)
   layers = perturbkit.kfac_layers(predict, variables, tokens)
   assert reason in layers.skipped[layer]
@@ -280,22 +283,26 @@ def test_nnx_scanned_layers_get_the_unrolled_twins_factors_and_steps():
   assert layers.layers['blocks/dense'].iterations == DEPTH
   estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
   estimate_twin = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', twin_layers)
-  _, _, stats = estimate(model, x, y, jax.random.key(3))
-  _, _, stats_twin = estimate_twin(twin, x, y, jax.random.key(3))
+
+  def train(model, estimate, layers):
+    """The first step's factors, after two compiled K-FAC steps (one compile)."""
+    tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, damping=0.5), optax.sgd(0.05))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, key):
+      _, grads, stats = estimate(model, x, y, key)
+      optimizer.update(model, grads, kfac_stats=stats)
+      return stats
+
+    return [step(model, optimizer, jax.random.key(k)) for k in (3, 11)][0]
+
+  stats = train(model, estimate, layers)
+  stats_twin = train(twin, estimate_twin, twin_layers)
   for name in ('dense', 'norm'):
     for i in range(DEPTH):
       for stacked, one in zip(stats[f'blocks/{name}'], stats_twin[f'blocks/{i}/{name}']):
         np.testing.assert_allclose(stacked[i], one, **TOL)
-
-  def train(model, estimate, layers):
-    tx = optax.chain(perturbkit.nnx.kfac_preconditioner(layers, damping=0.5), optax.sgd(0.05))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    for i in range(2):
-      _, grads, stats = estimate(model, x, y, jax.random.key(10 + i))
-      optimizer.update(model, grads, kfac_stats=stats)
-
-  train(model, estimate, layers)
-  train(twin, estimate_twin, twin_layers)
   stacked = nnx.state(model.blocks, nnx.Param)
   for i, block in enumerate(twin.blocks):
     jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-3, atol=1e-4),
