@@ -148,15 +148,22 @@ def assert_factors(stats, name, a, g):
 
 # ---------------------------------------------------------------- factors
 
-@pytest.mark.parametrize('fisher', ['sampled', 'empirical'])
-def test_mlp_factors_equal_hand_reference(fisher):
+@functools.cache
+def mlp_estimate(fisher):
+  """``((x, y, key), variables, (loss, grads, stats))``: the jitted MLP estimator on one batch,
+  once per process for the two tests below."""
   x = jax.random.normal(jax.random.key(1), (9, 3))
   y = jnp.arange(9) % 4
   key = jax.random.key(2)
   variables, predict, layers = setup(MLP(), x)
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                                fisher=fisher))
-  loss, grads, stats = estimate(variables, x, y, key)
+  return (x, y, key), variables, estimate(variables, x, y, key)
+
+
+@pytest.mark.parametrize('fisher', ['sampled', 'empirical'])
+def test_mlp_factors_equal_hand_reference(fisher):
+  (x, y, key), variables, (loss, grads, stats) = mlp_estimate(fisher)
 
   params = variables['params']
   # The documented sampling: labels drawn with jax.random.categorical(key, logits).
@@ -166,19 +173,15 @@ def test_mlp_factors_equal_hand_reference(fisher):
   for i in range(3):
     assert_factors(stats, f'Dense_{i}', *dense_reference(inputs[i], gs[i], 9))
 
-  ref_loss, ref_grads = jax.value_and_grad(
-      lambda p: cross_entropy_sum(hand_mlp(p, x, [0.0, 0.0, 0.0])[0], y) / 9)(params)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(
+      lambda p: cross_entropy_sum(hand_mlp(p, x, [0.0, 0.0, 0.0])[0], y) / 9))(params)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
 def test_sampled_factors_differ_from_empirical():
   # Guards the test above: the two label choices must give different G.
-  x = jax.random.normal(jax.random.key(1), (9, 3))
-  y = jnp.arange(9) % 4
-  variables, predict, layers = setup(MLP(), x)
-  g = {f: jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher=f))(
-      variables, x, y, jax.random.key(2))[2]['Dense_2'].g for f in ('sampled', 'empirical')}
+  g = {f: mlp_estimate(f)[2][2]['Dense_2'].g for f in ('sampled', 'empirical')}
   assert not np.allclose(g['sampled'], g['empirical'], rtol=1e-2)
 
 
@@ -230,15 +233,15 @@ def test_shared_dense_calls_are_pooled_as_locations():
   y = jnp.array([0, 1, 2, 0])
   variables, predict, layers = setup(Twice(), x)
   assert layers.layers['shared'].calls == ('__call__', '__call__#1')
-  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                          fisher='empirical')(variables, x, y)
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                  fisher='empirical'))(variables, x, y)
   p = variables['params']['shared']
 
   def hand(eps):
     h = jnp.tanh(bias(x @ p['kernel'], p['bias']) + eps[0])
     return cross_entropy_sum(bias(h @ p['kernel'], p['bias']) + eps[1], y), h
 
-  g, h = jax.grad(hand, has_aux=True)([jnp.zeros((4, 3)), jnp.zeros((4, 3))])
+  g, h = jax.jit(jax.grad(hand, has_aux=True))([jnp.zeros((4, 3)), jnp.zeros((4, 3))])
   a = with_bias(np.concatenate([x, h]))
   gg = np.concatenate([g[0], g[1]]).astype(np.float64)
   assert_factors(stats, 'shared', a.T @ a / 4, gg.T @ gg / 8)
@@ -261,15 +264,19 @@ def test_conv_patches_times_kernel_is_the_conv(kwargs):
   shape = (2,) + (6, 5, 4)[:len(kwargs['kernel_size'])] + (3,)
   x = jax.random.normal(jax.random.key(0), shape)
   variables, _, layers = setup(nn.Sequential([conv]), x)
-  params = variables['params']['layers_0']
-  kernel = params['kernel']
   info = layers.layers['layers_0']
-  patches = conv_patches(info.conv, x)
-  out = jnp.einsum('...k,kf->...f', patches, kernel.reshape(-1, kernel.shape[-1]),
-                   precision='highest')
-  if conv.use_bias:
-    out = bias(out, params['bias'])
-  np.testing.assert_allclose(out, conv.apply({'params': params}, x), rtol=1e-5, atol=1e-5)
+
+  @jax.jit  # one compile for the patches, their product and the conv, not one per op
+  def patches_times_kernel_and_conv(params, x):
+    kernel = params['kernel']
+    out = jnp.einsum('...k,kf->...f', conv_patches(info.conv, x),
+                     kernel.reshape(-1, kernel.shape[-1]), precision='highest')
+    if conv.use_bias:
+      out = bias(out, params['bias'])
+    return out, conv.apply({'params': params}, x)
+
+  out, want = patches_times_kernel_and_conv(variables['params']['layers_0'], x)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- exact Fisher
@@ -315,7 +322,7 @@ def test_batchnorm_in_train_mode_with_has_aux():
                                       lambda logits: y, [(8, 6), (8, 4)])
   for i, name in enumerate(['Dense_0', 'Dense_1']):
     assert_factors(stats, name, *dense_reference(inputs[i], output_grads[i], 8))
-  logits, want_updates = train(variables, x)
+  logits, want_updates = jax.jit(train)(variables, x)
   chex.assert_trees_all_close(updates, want_updates, rtol=1e-6)
   np.testing.assert_allclose(loss, optax.softmax_cross_entropy_with_integer_labels(
       logits, y).mean(), rtol=1e-6)
@@ -340,7 +347,7 @@ def test_single_dense_gaussian_kfac_is_the_exact_fisher():
 
   dense = variables['params']['layers_0']
   theta = jnp.concatenate([dense['kernel'], dense['bias'][None]])
-  jac = jax.vmap(lambda xi: jax.jacobian(output)(theta, xi).reshape(3, -1))(x)  # (N, 3, 15)
+  jac = jax.jit(jax.vmap(lambda xi: jax.jacobian(output)(theta, xi).reshape(3, -1)))(x)  # (N, 3, 15)
   exact = np.einsum('nki,nkj->ij', jac, jac) / (6 * variance)
   kron = np.kron(stats['layers_0'].a, stats['layers_0'].g)
   np.testing.assert_allclose(kron, exact, rtol=1e-5, atol=1e-6)
@@ -366,8 +373,8 @@ def test_named_squared_losses_have_their_hessian_as_g(loss, optax_loss):
   variables, predict, layers = setup(model, x)
   estimate = perturbkit.kfac_estimator(predict, loss, layers, fisher='exact')
   _, _, stats = jax.jit(estimate)(variables, x, y)
-  output = predict(variables, x)
-  hessians = jax.vmap(jax.hessian(lambda o, t: optax_loss(o, t).sum()))(output, y)
+  output = jax.jit(predict)(variables, x)
+  hessians = jax.jit(jax.vmap(jax.hessian(lambda o, t: optax_loss(o, t).sum())))(output, y)
   np.testing.assert_allclose(stats['layers_0'].g, hessians.mean(0), rtol=1e-5, atol=1e-6)
 
 
@@ -680,7 +687,7 @@ def test_jitted_training_step_traces_once_and_lowers_the_loss():
 def test_explicitly_selected_layer_without_rule_is_an_error():
   x = jnp.ones((2, 3))
   model = nn.Sequential([nn.Dense(4), nn.GroupNorm(num_groups=2), nn.Dense(2)])
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='GroupNorm'):
     perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
                            filter=perturbkit.filters.by_type(nn.Dense, nn.GroupNorm))
@@ -708,7 +715,7 @@ def test_a_masked_conv_is_skipped_or_refused_and_its_masked_taps_do_not_move():
   from flax import nnx
   x = jax.random.normal(jax.random.key(1), (4, 5, 5, 2))
   model = MaskedCNN()
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   predict = lambda v, x: model.apply(v, x)
   layers = perturbkit.kfac_layers(predict, variables, x)
   assert list(layers.layers) == ['head'] and 'masked Conv' in layers.skipped['conv']
@@ -717,12 +724,14 @@ def test_a_masked_conv_is_skipped_or_refused_and_its_masked_taps_do_not_move():
   nnx_model = nnx.Sequential(nnx.Conv(2, 4, (3, 3), mask=MASK, rngs=nnx.Rngs(0)))
   nnx_layers = perturbkit.nnx.kfac_layers(nnx.Sequential(nnx_model, nnx.Linear(4, 3, rngs=nnx.Rngs(1))), x)
   assert list(nnx_layers.layers) == ['layers/1'] and 'masked Conv' in nnx_layers.skipped['layers/0/layers/0']
-  _, grads, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                              fisher='empirical')(variables, x, jnp.array([0, 1, 2, 0]))
+  _, grads, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                      fisher='empirical'))(
+      variables, x, jnp.array([0, 1, 2, 0]))
   masked = np.asarray(MASK) == 0
   assert float(np.abs(np.asarray(grads['conv']['kernel'])[masked]).max()) == 0.0
   tx = perturbkit.kfac_preconditioner(layers, damping=1e-2)
-  updates, _ = tx.update(grads, tx.init(variables['params']), variables['params'], kfac_stats=stats)
+  updates, _ = jax.jit(lambda p, g, st: tx.update(g, tx.init(p), p, kfac_stats=st))(
+      variables['params'], grads, stats)
   np.testing.assert_array_equal(np.asarray(updates['conv']['kernel'])[masked], 0.0)
   assert float(np.abs(np.asarray(updates['conv']['kernel'])[~masked]).max()) > 0
 
@@ -734,12 +743,12 @@ def test_layers_in_a_scan_are_stacked_layers_or_skipped_with_the_reason():
   a filter selects it. The layers around the scan are layers."""
   x = jax.random.normal(jax.random.key(1), (3, 3))
   model = models.Scanned(map_perturbations=True)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
   assert sorted(layers.layers) == ['Dense_0', 'Dense_1', 'scan/Dense_0']
   assert layers.layers['scan/Dense_0'].iterations == model.length
   model = models.Scanned(map_perturbations=False)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   predict = lambda v, x: model.apply(v, x)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', perturbkit.UnperturbedCallsWarning)
@@ -815,8 +824,8 @@ def test_a_subclass_keeping_call_and_a_dense_submodule_have_the_dense_factors():
   variables, predict, layers = setup(nn.Sequential([RenamedDense(4), nn.tanh, LoRA(3)]), x)
   assert sorted(layers.layers) == ['layers_0', 'layers_2/Dense_0']
   assert layers.skipped == {'layers_2': 'LoRA has no K-FAC rule'}
-  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                          fisher='empirical')(variables, x, y)
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                  fisher='empirical'))(variables, x, y)
 
   def hand(params, x, eps):
     first, adapter = params['layers_0'], params['layers_2']
@@ -843,10 +852,10 @@ def test_a_bare_layer_as_the_model_is_refused_with_the_fix_that_works():
     perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
 
   variables, predict, layers = setup(nn.Sequential([nn.Dense(3)]), x)
-  _, _, stats = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                          fisher='empirical')(variables, x, y)
-  logits = predict(variables, x)
-  g = jax.grad(cross_entropy_sum)(logits, y)  # per example: each row is one example's
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                  fisher='empirical'))(variables, x, y)
+  # per example: each row of the gradient is one example's
+  g = jax.jit(lambda v: jax.grad(cross_entropy_sum)(predict(v, x), y))(variables)
   assert_factors(stats, 'layers_0', *dense_reference(x, np.asarray(g, np.float64), 4))
 
 
@@ -870,7 +879,7 @@ def test_arguments_of_the_wrong_kind_are_named_errors_where_given():
   from flax import nnx
   model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
   x, y = jnp.ones((8, 5)), jnp.zeros((8,), jnp.int32)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   layers = perturbkit.kfac_layers(model.apply, variables, x)
   estimate = perturbkit.kfac_estimator(model.apply, 'softmax_cross_entropy', layers)
   with pytest.raises(perturbkit.NotVariablesError, match=r'pass the whole dict'):
@@ -917,7 +926,7 @@ def test_loss_without_distribution_names_what_to_pass():
   with pytest.raises(perturbkit.KFACLossError, match="fisher='empirical'"):
     perturbkit.kfac_estimator(predict, custom, layers, fisher='sampled')
   # The empirical Fisher needs no distribution: any per-example loss works.
-  _, _, stats = perturbkit.kfac_estimator(predict, custom, layers, fisher='empirical')(
+  _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, custom, layers, fisher='empirical'))(
       variables, x, jnp.zeros((2, 4)))
   assert stats['Dense_2'].g.shape == (4, 4)
 
@@ -932,12 +941,13 @@ def test_a_loss_function_without_one_loss_per_example_is_refused():
                    lambda *a: perturbkit.kfac_estimator(predict, per_token, layers,
                                                         fisher='empirical')(*a, with_stats=False)):
     with pytest.raises(perturbkit.KFACLossShapeError, match=r'shape \(2, 5\).*\(2,\)'):
-      estimate(variables, x, jnp.zeros((2, 5), jnp.int32))
+      jax.jit(estimate)(variables, x, jnp.zeros((2, 5), jnp.int32))
   summed = lambda out, t: per_token(out, t).sum(axis=1)
   named = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='empirical')
   own = perturbkit.kfac_estimator(predict, summed, layers, fisher='empirical')
   y = jnp.zeros((2, 5), jnp.int32)
-  jax.tree.map(np.testing.assert_allclose, own(variables, x, y), named(variables, x, y))
+  jax.tree.map(np.testing.assert_allclose,
+               *jax.jit(lambda v: (own(v, x, y), named(v, x, y)))(variables))
 
 
 def test_state_of_another_model_is_a_shape_error():
@@ -946,11 +956,11 @@ def test_state_of_another_model_is_a_shape_error():
   wider = nn.Sequential([nn.Dense(6), nn.Dense(5), nn.Dense(4)])
   tx = perturbkit.kfac_preconditioner(layers)
   other = {f'Dense_{i}': p for i, p in enumerate(
-      wider.init(jax.random.key(0), jnp.ones((2, 4)))['params'].values())}
+      jax.jit(wider.init)(jax.random.key(0), jnp.ones((2, 4)))['params'].values())}
   with pytest.raises(perturbkit.KFACShapeError, match='Dense_0'):
     tx.init(other)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
-  _, grads, stats = estimate(variables, x, jnp.zeros(2, jnp.int32), jax.random.key(0))
+  _, grads, stats = jax.jit(estimate)(variables, x, jnp.zeros(2, jnp.int32), jax.random.key(0))
   bad = {**stats, 'Dense_1': perturbkit.LayerFactors(jnp.zeros((3, 3)), stats['Dense_1'].g)}
   with pytest.raises(perturbkit.KFACShapeError, match='Dense_1'):
     tx.update(grads, tx.init(variables['params']), kfac_stats=bad)
