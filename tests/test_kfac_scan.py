@@ -104,16 +104,26 @@ def test_each_scanned_layer_is_one_layer_with_its_iterations(setup):
   assert layers.layers['Dense_0'].iterations == 0
 
 
+@pytest.fixture(scope='module')
+def estimates(setup):
+  """``{fisher: (scanned model's estimate, unrolled twin's)}``, jitted, at one key: computed
+  once for the tests below."""
+  s, key = setup, jax.random.key(3)
+  out = {}
+  for fisher in ('empirical', 'sampled'):
+    estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'],
+                                         fisher=fisher)
+    estimate_twin = perturbkit.kfac_estimator(s['predict_twin'], 'softmax_cross_entropy',
+                                              s['twin_layers'], fisher=fisher)
+    out[fisher] = (jax.jit(estimate)(s['variables'], s['tokens'], s['targets'], key),
+                   jax.jit(estimate_twin)(s['twin'], s['tokens'], s['targets'], key))
+  return out
+
+
 @pytest.mark.parametrize('fisher', ['empirical', 'sampled'])
-def test_factors_and_step_are_each_iterations_of_the_unrolled_model(setup, fisher):
+def test_factors_and_step_are_each_iterations_of_the_unrolled_model(setup, estimates, fisher):
   s = setup
-  estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'], fisher=fisher)
-  estimate_twin = perturbkit.kfac_estimator(s['predict_twin'], 'softmax_cross_entropy', s['twin_layers'],
-                                            fisher=fisher)
-  key = jax.random.key(3)
-  loss, grads, stats = jax.jit(estimate)(s['variables'], s['tokens'], s['targets'], key)
-  loss_twin, grads_twin, stats_twin = jax.jit(estimate_twin)(s['twin'], s['tokens'],
-                                                             s['targets'], key)
+  (loss, grads, stats), (loss_twin, grads_twin, stats_twin) = estimates[fisher]
   np.testing.assert_allclose(loss, loss_twin, **TOL)
   for name in BLOCK_LAYERS:
     for i in range(DEPTH):
@@ -137,13 +147,12 @@ def test_factors_and_step_are_each_iterations_of_the_unrolled_model(setup, fishe
                updates_twin, expected)
 
 
-def test_a_scanned_dense_layers_input_factor_is_formed_from_each_iterations_input(setup):
+def test_a_scanned_dense_layers_input_factor_is_formed_from_each_iterations_input(setup,
+                                                                                  estimates):
   """``A`` of ``blocks/Dense_0`` at iteration ``i``, by hand: its input is the carry, the
   embedding (i = 0) or the previous block's output in the unrolled model."""
   s = setup
-  estimate = perturbkit.kfac_estimator(s['predict'], 'softmax_cross_entropy', s['layers'],
-                                       fisher='empirical')
-  stats = jax.jit(estimate)(s['variables'], s['tokens'], s['targets'])[2]['blocks/Dense_0']
+  stats = estimates['empirical'][0][2]['blocks/Dense_0']
   _, inter = jax.jit(lambda v, x: s['unrolled'].apply(v, x, capture_intermediates=True,
                                                       mutable=['intermediates']))(
       s['twin'], s['tokens'])
