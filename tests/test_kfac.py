@@ -687,7 +687,8 @@ def test_jitted_training_step_traces_once_and_lowers_the_loss():
 def test_explicitly_selected_layer_without_rule_is_an_error():
   x = jnp.ones((2, 3))
   model = nn.Sequential([nn.Dense(4), nn.GroupNorm(num_groups=2), nn.Dense(2)])
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  # The layers are found by tracing: the variables' shapes are all it reads.
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='GroupNorm'):
     perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
                            filter=perturbkit.filters.by_type(nn.Dense, nn.GroupNorm))
@@ -743,12 +744,13 @@ def test_layers_in_a_scan_are_stacked_layers_or_skipped_with_the_reason():
   a filter selects it. The layers around the scan are layers."""
   x = jax.random.normal(jax.random.key(1), (3, 3))
   model = models.Scanned(map_perturbations=True)
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  # The layers are found by tracing: the variables' shapes are all it reads.
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
   layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
   assert sorted(layers.layers) == ['Dense_0', 'Dense_1', 'scan/Dense_0']
   assert layers.layers['scan/Dense_0'].iterations == model.length
   model = models.Scanned(map_perturbations=False)
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
   predict = lambda v, x: model.apply(v, x)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', perturbkit.UnperturbedCallsWarning)
