@@ -1,6 +1,8 @@
 """K-FAC on Flax NNX models: the inputs next to the output gradients, the layers, the
 factors and the preconditioned steps, against inputs captured by hand and the Linen twin;
 the steps on the test process's 8 host CPU devices against one device."""
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -154,7 +156,7 @@ def test_traced_with_stats_and_the_preconditioner_state():
   predict, linen_layers = linen_kfac(linen, variables, x)
   layers = perturbkit.nnx.kfac_layers(model, x)
   estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))
-  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers)(
+  want = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers))(
       variables, x, y, jax.random.key(3))
   for due in (True, False):
     loss, grads, stats = estimate(model, x, y, jax.random.key(3), with_stats=jnp.asarray(due))
@@ -210,23 +212,27 @@ def test_float64_factors_inverses_and_steps_are_the_textbook_ones_in_float64():
       assert_float64_close(kernel_matrix(updates[name]), want, name)
 
 
-def linen_steps(kind, steps, kfac):
+KFAC = dict(damping=0.05, decay=0.5, inverse_every=2, stats_every=1)
+
+
+@functools.cache
+def linen_steps(kind, steps):
+  """The Linen twin's params, factors and losses after ``steps`` K-FAC steps with ``KFAC``
+  then SGD with momentum (once per process: two tests compare with the MLP's)."""
   _, linen, variables, x, y = twins(kind)
   predict, layers = linen_kfac(linen, variables, x)
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
-  tx = optax.chain(perturbkit.kfac_preconditioner(layers, **kfac), optax.sgd(0.2, momentum=0.5))
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, **KFAC), optax.sgd(0.2, momentum=0.5))
+  update = jax.jit(tx.update)
   params, opt_state = variables['params'], tx.init(variables['params'])
   losses = []
   for i in range(steps):
     loss, grads, stats = estimate({'params': params}, x, y, jax.random.key(i),
                                   with_stats=opt_state[0].stats_due)
-    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    updates, opt_state = update(grads, opt_state, params, kfac_stats=stats)
     params = optax.apply_updates(params, updates)
     losses.append(loss)
   return params, opt_state[0].factors, losses
-
-
-KFAC = dict(damping=0.05, decay=0.5, inverse_every=2, stats_every=1)
 
 
 @pytest.mark.parametrize('kind', ['mlp', 'cnn'])
@@ -234,7 +240,7 @@ def test_nnx_optimizer_steps_equal_the_linen_twins(kind):
   """``nnx.Optimizer`` with the NNX preconditioner, ``optimizer.update(model, grads,
   kfac_stats=stats)`` inside ``nnx.jit``: the Linen twin's params after 3 steps."""
   steps = 3
-  want_params, want_factors, want_losses = linen_steps(kind, steps, KFAC)
+  want_params, want_factors, want_losses = linen_steps(kind, steps)
   model, _, _, x, y = twins(kind)
   layers = perturbkit.nnx.kfac_layers(model, x)
   estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers)
@@ -263,7 +269,7 @@ def test_plain_optax_on_the_param_state_equals_the_linen_twin():
   """Plain optax on ``nnx.state(model, nnx.Param)`` (``Param`` leaves in and out), then
   ``nnx.update(model, optax.apply_updates(params, updates))``."""
   steps = 3
-  want_params, _, _ = linen_steps('mlp', steps, KFAC)
+  want_params, _, _ = linen_steps('mlp', steps)
   model, _, _, x, y = twins('mlp')
   layers = perturbkit.nnx.kfac_layers(model, x)
   estimate = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))
@@ -304,7 +310,7 @@ def test_embed_and_sequence_dense_factors_equal_the_linen_twin():
   assert layers == linen_layers
   assert layers.layers['Embed_0'].kind == 'embed'
   key = jax.random.key(2)
-  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers)(
+  want = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers))(
       variables, tokens, y, key)
   _, grads, stats = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers))(
       model, tokens, y, key)
@@ -363,8 +369,8 @@ def test_a_linear_subclass_overriding_call_is_skipped_or_refused_and_one_keeping
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='overrides nnx.Linear'):
     estimate(model, x, y)
 
-  _, _, stats = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
-                                              fisher='empirical')(model, x, y)
+  _, _, stats = nnx.jit(perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers,
+                                                      fisher='empirical'))(model, x, y)
   first, last = model.layers[0], model.layers[2]
   z = x @ first.kernel[...] + first.bias[...][None]
   g = jax.grad(lambda z: -jnp.sum(jnp.take_along_axis(
@@ -536,8 +542,8 @@ def test_batchnorm_dropout_model_with_predict_and_has_aux():
   linen = M.LinenCNN()
   predict = lambda v, x: linen.apply(v, x, dropout_key, mutable=['batch_stats'])
   linen_layers = perturbkit.kfac_layers(lambda v, x: predict(v, x)[0], variables, x)
-  want = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers,
-                                   has_aux=True)(variables, x, y, key)
+  want = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', linen_layers,
+                                           has_aux=True))(variables, x, y, key)
   nnx_predict = lambda m, x: (m(x, dropout_key=dropout_key), jnp.zeros(()))
   layers = perturbkit.nnx.kfac_layers(model, x, predict=lambda m, x: nnx_predict(m, x)[0])
   assert layers == linen_layers
