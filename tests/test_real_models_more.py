@@ -223,7 +223,7 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
       with nn.intercept_methods(write_clean_rows):
         return metric(variables, corrupted)
 
-    want_effect = jax.jit(patched)(variables) - jax.jit(metric)(variables, corrupted)
+    want_effect = jax.jit(lambda v: patched(v) - metric(v, corrupted))(variables)
     one_patch = jax.jit(perturbkit.activation_patching(
         metric, axis=1, view=(B, S, -1), positions=[token],
         filter=filters.by_path('model/decoder/layers/0/fc2')))(variables, ids, corrupted)
