@@ -107,7 +107,7 @@ def test_a_segment_on_flattened_rows_takes_the_batchs_examples():
   states = []
   for flatten in (False, True):
     model = TokenMLP(flatten)
-    variables = model.init(jax.random.key(0), xs[0])
+    variables = jax.jit(model.init)(jax.random.key(0), xs[0])
     predict = lambda v, x, model=model: model.apply(v, x)
     loss_fn = lambda v, x, y, predict=predict: optax.softmax_cross_entropy_with_integer_labels(
         predict(v, x), y).mean()
@@ -115,9 +115,9 @@ def test_a_segment_on_flattened_rows_takes_the_batchs_examples():
     tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, damping=DAMPING,
                                                            inverse_every=1),
                                 propagate='original')
-    state = tx.init(variables, xs[0], ys[0])
+    state, step = tx.init(variables, xs[0], ys[0]), jax.jit(tx.step)
     for x, y in zip(xs, ys):
-      state, _ = jax.jit(tx.step)(state, x, y)
+      state, _ = step(state, x, y)
     states.append(state)
   chex.assert_trees_all_close(states[1].opt_state['Dense_0'][0].factors,
                               states[0].opt_state['Dense_0'][0].factors, rtol=1e-5, atol=1e-7)
@@ -138,7 +138,7 @@ def test_a_step_whose_first_argument_is_not_the_batch_is_refused():
   first = perturbkit.interleaved(lambda v, scale, x, y: loss(v, x, y, scale), optimizer,
                                  propagate='original')
   with pytest.raises(perturbkit.KFACExamplesError, match=r'Pass the batch first') as info:
-    first.step(first.init(variables, scale, x, y), scale, x, y)
+    jax.jit(first.step)(first.init(variables, scale, x, y), scale, x, y)
   assert 'not the (or a multiple of the) 3 examples' in str(info.value)
 
   last = perturbkit.interleaved(loss, optimizer, propagate='original')
@@ -303,8 +303,9 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
       loss_fn, segment_optimizer(layers, **kfac, axis_name='data'), axis_name='data')
   step = sharded_step(parallel.step)
   s1, s8 = single.init(variables, x, y), parallel.init(variables, x, y)
+  step1 = jax.jit(single.step)
   for _ in range(2):
-    s1, _ = jax.jit(single.step)(s1, x, y)
+    s1, _ = step1(s1, x, y)
     s8, _ = step(s8, x, y)
   chex.assert_trees_all_close(s8.opt_state, s1.opt_state, rtol=1e-4, atol=1e-6)
   chex.assert_trees_all_close(s8.params, s1.params, rtol=1e-4, atol=1e-6)
@@ -320,9 +321,10 @@ def stepped_twins(model, nnx_layers, variables, loss_fn, linen_layers, xs, ys, p
   linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
                                     propagate=propagate)
   s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
+  nnx_step, linen_step = jax.jit(nnx_tx.step), jax.jit(linen_tx.step)
   for x, y in zip(xs, ys):
-    s_nnx, m_nnx = jax.jit(nnx_tx.step)(s_nnx, x, y)
-    s_linen, m_linen = jax.jit(linen_tx.step)(s_linen, x, y)
+    s_nnx, m_nnx = nnx_step(s_nnx, x, y)
+    s_linen, m_linen = linen_step(s_linen, x, y)
     np.testing.assert_allclose(m_nnx['loss'], m_linen['loss'], rtol=1e-6)
   return s_nnx, s_linen
 
