@@ -8,6 +8,8 @@ last axis of ``(batch, tokens, features)`` activations, call one RMSNorm twice (
 per-example gradient is the sum over both calls before squaring) and have a LayerNorm
 with a bias only; the NNX twin, given the same weights, gets the same factors.
 """
+import functools
+
 import chex
 import flax
 import flax.linen as nn
@@ -55,13 +57,17 @@ class NNXNormNet(nnx.Module):
 def problem():
   x = jax.random.normal(jax.random.key(0), (6, 5, 3))
   y = jnp.arange(6) % 3
-  variables = NormNet().init(jax.random.key(1), x)
-  # Scales and biases away from their initial 1 and 0, so that both parts of x̂ ⊙ scale + bias
-  # matter.
-  leaves, treedef = jax.tree.flatten(variables)
-  keys = jax.random.split(jax.random.key(2), len(leaves))
-  variables = jax.tree.unflatten(treedef, [
-      leaf + 0.3 * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys)])
+  @jax.jit
+  def initial(x):
+    variables = NormNet().init(jax.random.key(1), x)
+    # Scales and biases away from their initial 1 and 0, so that both parts of
+    # x̂ ⊙ scale + bias matter.
+    leaves, treedef = jax.tree.flatten(variables)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    return jax.tree.unflatten(treedef, [
+        leaf + 0.3 * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys)])
+
+  variables = initial(x)
   predict = lambda v, x: NormNet().apply(v, x)
   return variables, predict, x, y
 
@@ -72,7 +78,7 @@ def per_example_norm_grads(variables, predict, x, y):
     logits = predict({'params': params}, xi[None])
     return optax.softmax_cross_entropy_with_integer_labels(logits, yi[None])[0]
 
-  grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(variables['params'], x, y)
+  grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(variables['params'], x, y)
   return {name: grads[name] for name in NORMS}
 
 
@@ -87,7 +93,7 @@ def exact_fisher_diagonals(variables, predict, x):
     hessian = jnp.diag(p) - jnp.outer(p, p)
     return jax.tree.map(lambda j: jnp.einsum('i...,ij,j...->...', j, hessian, j), jac)
 
-  diagonals = jax.tree.map(lambda d: jnp.mean(d, axis=0), jax.vmap(one)(x))
+  diagonals = jax.tree.map(lambda d: jnp.mean(d, axis=0), jax.jit(jax.vmap(one))(x))
   return {name: diagonals[name] for name in NORMS}
 
 
@@ -193,23 +199,26 @@ class TokensFirst(nn.Module):
     return nn.Dense(2)(h.mean(axis=0))
 
 
-def _layers(model, x):
-  variables = model.init(jax.random.key(0), x)
+def _layers(model, x, shapes_only=False):
+  """The model's variables and K-FAC layers; with ``shapes_only`` the variables are
+  ``jax.eval_shape``'s (the layers are found by tracing: shapes are all it reads)."""
+  init = functools.partial(jax.eval_shape, model.init) if shapes_only else jax.jit(model.init)
+  variables = init(jax.random.key(0), x)
   return variables, perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x)
 
 
 def test_norms_the_rule_does_not_cover_are_skipped_with_the_reason():
   x = jnp.ones((4, 3, 5))
-  _, layers = _layers(OtherAxes(), x)
+  _, layers = _layers(OtherAxes(), x, shapes_only=True)
   assert 'ln' not in layers.layers
   assert 'only the last axis' in layers.skipped['ln']
   # Tokens first: each example's gradient cannot be told apart on the first axis.
-  _, layers = _layers(TokensFirst(), x)
+  variables, layers = _layers(TokensFirst(), x, shapes_only=True)
   assert 'ln' not in layers.layers
   assert "does not have the batch's 4 examples on its first axis" in layers.skipped['ln']
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='first axis'):
     model = TokensFirst()
-    perturbkit.kfac_layers(lambda v, x: model.apply(v, x), model.init(jax.random.key(0), x), x,
+    perturbkit.kfac_layers(lambda v, x: model.apply(v, x), variables, x,
                            filter=perturbkit.filters.by_type(nn.LayerNorm))
 
 
@@ -319,7 +328,7 @@ def test_inputs_given_by_name_give_the_same_factors():
   stats = []
   for by_name in (False, True):
     model = Keywords(by_name)
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     predict = lambda v, x, model=model: model.apply(v, x)
     layers = perturbkit.kfac_layers(predict, variables, x)
     estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
@@ -344,9 +353,14 @@ def _hf_causal_lm(family):
                                                 _do_init=False)}[family]()
   variables = hf_models.filled_variables(hf)
   flat = flax.traverse_util.flatten_dict(variables['params'])
-  keys = iter(jax.random.split(jax.random.key(3), len(flat)))
-  flat = {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
-          for k, v in flat.items()}
+
+  @jax.jit  # one compile rather than a random draw compiled per shape
+  def moved(flat):
+    keys = iter(jax.random.split(jax.random.key(3), len(flat)))
+    return {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
+            for k, v in flat.items()}
+
+  flat = moved(flat)
   ids = jax.random.randint(jax.random.key(4), (3, 6), 0, 64)
   return hf.module, {'params': flax.traverse_util.unflatten_dict(flat)}, ids
 
