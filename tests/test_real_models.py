@@ -21,6 +21,7 @@ and Whisper, with the ordinary loss a user writes on ``hf_model.module``:
   written per segment with ``nn.intercept_methods`` and ``jax.custom_vjp``.
 """
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable
 
@@ -94,8 +95,17 @@ JVP_CASES = ('gpt2', 'resnet_train')
 
 @pytest.fixture(scope='module')
 def reference(built: Setup) -> Reference:
-  """The independent reference of one model, computed once (one jit) for the tests below."""
-  s = built
+  return reference_of(built.case.name)
+
+
+@functools.cache
+def reference_of(name: str) -> Reference:
+  """The independent reference of one model, computed once per process (one jit) for the
+  tests below."""
+  case = hf_models.CASES[name]
+  hf = hf_models.hf_model(case.model)
+  loss_fn, batch = case.make(hf.module)
+  s = Setup(case, hf.module, hf.variables, loss_fn, batch)
   with s.case.strictness():
     points = reference_points(s)
     names = list(points)
@@ -348,26 +358,28 @@ def test_bart_decoder_chosen_as_a_segment_runs_the_shared_embedding_and_raises()
 
 def test_bert_with_gradient_checkpointing_gives_the_plain_models_gradients():
   """Hugging Face's gradient checkpointing runs every BERT layer inside ``nn.remat``. On the
-  same variables, every activation gradient (the calls inside the layers included) equals the
-  plain model's, which the test above checks against explicit deltas; the parameter gradients
-  equal ``jax.grad`` of the checkpointed model."""
+  same variables, the loss and every activation gradient (the calls inside the layers
+  included) equal the plain model's explicit-delta reference above, and the parameter
+  gradients its ``jax.grad`` (``nn.remat`` recomputes, it does not change the function)."""
   import transformers as T
   case = hf_models.CASES['bert']
   plain = hf_models.hf_model(case.model)
   checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
   loss_fn, batch = case.make(checkpointed.module)
-  plain_loss, _ = case.make(plain.module)
   variables = plain.variables
   assert 'remat' in str(jax.make_jaxpr(loss_fn)(variables, *batch))  # jax.checkpoint's primitive
   value, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, *batch)
-  want_value, want = jax.jit(perturbkit.value_and_grad(plain_loss))(variables, *batch)
+  ref = reference_of('bert')
   calls = flax.traverse_util.flatten_dict(grads['perturbations'], sep='/')
   assert 'encoder/layer/1/attention/self/query/__call__' in calls and len(calls) > 40
-  chex.assert_trees_all_close((value, grads['perturbations']), (want_value, want['perturbations']),
-                              **TOL)
-  params = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, *batch)))(
-      variables['params'])
-  chex.assert_trees_all_close(grads['params'], params, **TOL)
+  assert len(jax.tree.leaves(grads['perturbations'])) == sum(map(len, ref.points.values()))
+  chex.assert_trees_all_close(value, ref.value, **TOL)
+  for name in ref.points:
+    got_leaves = jax.tree.leaves(at(grads['perturbations'], name))
+    assert len(got_leaves) == len(ref.act_grads[name]), name
+    for g, w in zip(got_leaves, ref.act_grads[name]):
+      np.testing.assert_allclose(g, w, **TOL, err_msg='/'.join(name))
+  chex.assert_trees_all_close(grads['params'], ref.param_grads, **TOL)
 
 
 def _bert_reference_step(plain, mask, key):
