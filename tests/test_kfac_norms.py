@@ -353,14 +353,9 @@ def _hf_causal_lm(family):
                                                 _do_init=False)}[family]()
   variables = hf_models.filled_variables(hf)
   flat = flax.traverse_util.flatten_dict(variables['params'])
-
-  @jax.jit  # one compile rather than a random draw compiled per shape
-  def moved(flat):
-    keys = iter(jax.random.split(jax.random.key(3), len(flat)))
-    return {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
-            for k, v in flat.items()}
-
-  flat = moved(flat)
+  keys = iter(jax.random.split(jax.random.key(3), len(flat)))
+  flat = {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
+          for k, v in flat.items()}
   ids = jax.random.randint(jax.random.key(4), (3, 6), 0, 64)
   return hf.module, {'params': flax.traverse_util.unflatten_dict(flat)}, ids
 
