@@ -1,4 +1,6 @@
 """value_and_grad against hand-written ``self.perturb`` twins, per-layer VJPs and JVPs."""
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -21,13 +23,21 @@ def _setup(name, seed=0):
   return case, variables, x, jax.random.key(7)
 
 
-@pytest.mark.parametrize('name', sorted(models.CASES))
-def test_equals_hand_written_perturb(name):
+@functools.cache
+def _kit_value_and_grad(name):
+  """perturbkit's jitted ``value_and_grad`` of a case at ``_setup(name)``, once per module."""
   case, variables, x, key = _setup(name)
   vg = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), filter=case.filter,
                                  has_aux=True)
-  (loss, updates), grads = vg(variables, x, key)
-  (want_loss, want_updates), want = models.hand_value_and_grad(case, variables, x, key)
+  return jax.jit(vg)(variables, x, key)
+
+
+@pytest.mark.parametrize('name', sorted(models.CASES))
+def test_equals_hand_written_perturb(name):
+  case, variables, x, key = _setup(name)
+  (loss, updates), grads = _kit_value_and_grad(name)
+  (want_loss, want_updates), want = jax.jit(
+      lambda v, x, key: models.hand_value_and_grad(case, v, x, key))(variables, x, key)
   chex.assert_trees_all_close(loss, want_loss, **TOL)
   chex.assert_trees_all_close(updates, want_updates, **TOL)
   chex.assert_trees_all_close(grads, want, **TOL)
@@ -40,8 +50,7 @@ def test_directional_derivative_matches_jvp(name):
   case, variables, x, key = _setup(name)
   wrapped = perturbkit.wrap(case.model, case.filter)
   loss_fn = models.loss_fn_for(case, wrapped)
-  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), filter=case.filter,
-                                       has_aux=True)(variables, x, key)
+  _, grads = _kit_value_and_grad(name)
   zeros = grads['perturbations']
   leaves, treedef = jax.tree.flatten(zeros)
   keys = jax.random.split(jax.random.key(3), len(leaves))
@@ -52,7 +61,7 @@ def test_directional_derivative_matches_jvp(name):
     eps = jax.tree.map(lambda v: t * v, direction)
     return loss_fn({**variables, 'perturbations': eps}, x, key)[0]
 
-  _, derivative = jax.jvp(along, (0.0,), (1.0,))
+  _, derivative = jax.jit(lambda: jax.jvp(along, (0.0,), (1.0,)))()
   predicted = sum(jnp.vdot(g, v) for g, v in zip(leaves, jax.tree.leaves(direction)))
   np.testing.assert_allclose(derivative, predicted, rtol=1e-4, atol=1e-5)
 
@@ -63,21 +72,25 @@ def _dense(p, h):
 
 def test_mlp_equals_layerwise_vjp():
   """The MLP's backward pass written by hand, one ``jax.vjp`` per layer."""
-  case, variables, x, key = _setup('mlp')
-  p = variables['params']
-  a0, back0 = jax.vjp(lambda h: _dense(p['Dense_0'], h), x)
-  r0, back_relu0 = jax.vjp(jax.nn.relu, a0)
-  a1, back1 = jax.vjp(lambda h: _dense(p['Dense_1'], h), r0)
-  r1, back_relu1 = jax.vjp(jax.nn.relu, a1)
-  h = r1 + r0
-  out, back2 = jax.vjp(lambda h: _dense(p['Dense_2'], h), h)
-  g_out = jax.grad(models.scalar)(out)
-  g_h, = back2(g_out)
-  g_a1, = back_relu1(g_h)
-  g_r0, = back1(g_a1)
-  g_a0, = back_relu0(g_r0 + g_h)
-  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), has_aux=True)(
-      variables, x, key)
+  _, variables, x, _ = _setup('mlp')
+
+  @jax.jit
+  def layerwise(p, x):
+    a0, back0 = jax.vjp(lambda h: _dense(p['Dense_0'], h), x)
+    r0, back_relu0 = jax.vjp(jax.nn.relu, a0)
+    a1, back1 = jax.vjp(lambda h: _dense(p['Dense_1'], h), r0)
+    r1, back_relu1 = jax.vjp(jax.nn.relu, a1)
+    h = r1 + r0
+    out, back2 = jax.vjp(lambda h: _dense(p['Dense_2'], h), h)
+    g_out = jax.grad(models.scalar)(out)
+    g_h, = back2(g_out)
+    g_a1, = back_relu1(g_h)
+    g_r0, = back1(g_a1)
+    g_a0, = back_relu0(g_r0 + g_h)
+    return g_out, g_a1, g_a0
+
+  g_out, g_a1, g_a0 = layerwise(variables['params'], x)
+  _, grads = _kit_value_and_grad('mlp')  # the MLP case has no filter: every call
   got = grads['perturbations']
   np.testing.assert_allclose(got['Dense_2']['__call__'], g_out, **TOL)
   np.testing.assert_allclose(got['Dense_1']['__call__'], g_a1, **TOL)
@@ -97,8 +110,8 @@ def test_vmap_per_example_grads_equal_batched_rows():
   """The loss is a sum over examples, so each example's activation gradients are rows."""
   case, variables, x, key = _setup('mlp')
   loss_fn = lambda v, x: models.scalar(case.model.apply(v, x))
-  _, batched = perturbkit.value_and_grad(loss_fn)(variables, x)
-  _, per_example = jax.vmap(perturbkit.value_and_grad(loss_fn), in_axes=(None, 0))(
+  _, batched = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, x)
+  _, per_example = jax.jit(jax.vmap(perturbkit.value_and_grad(loss_fn), in_axes=(None, 0)))(
       variables, x[:, None])
   chex.assert_trees_all_close(
       jax.tree.map(lambda g: g[:, 0], per_example['perturbations']),
@@ -123,18 +136,20 @@ def test_inside_outer_grad_matches_hand_hessian():
         'perturbations']
 
   chex.assert_trees_all_close(
-      jax.grad(lambda x: jnp.sum(kit_point_grads(x)['Dense_1']['__call__'] ** 2))(x),
-      jax.grad(lambda x: jnp.sum(hand_point_grads(x)['Dense_1/__call__'] ** 2))(x), **TOL)
+      jax.jit(jax.grad(lambda x: jnp.sum(kit_point_grads(x)['Dense_1']['__call__'] ** 2)))(x),
+      jax.jit(jax.grad(lambda x: jnp.sum(hand_point_grads(x)['Dense_1/__call__'] ** 2)))(x),
+      **TOL)
   # The Hessian of the loss in the Dense_2 perturbation, from the twin, times a direction.
   direction = jax.random.normal(jax.random.key(5), x.shape)
-  _, kit_tangent = jax.jvp(kit_point_grads, (x,), (direction,))
-  _, hand_tangent = jax.jvp(hand_point_grads, (x,), (direction,))
+  tangent = jax.jit(lambda f, x, v: jax.jvp(f, (x,), (v,))[1], static_argnums=0)
+  kit_tangent = tangent(kit_point_grads, x, direction)
+  hand_tangent = tangent(hand_point_grads, x, direction)
   chex.assert_trees_all_close(kit_tangent, models.nest(hand_tangent), **TOL)
   out_eps = zeros['Dense_2/__call__']
-  hessian = jax.hessian(lambda e: models.scalar(hand.apply(
-      {**variables, 'perturbations': {**zeros, 'Dense_2/__call__': e}}, x)))(out_eps)
+  hessian = jax.jit(jax.hessian(lambda e: models.scalar(hand.apply(
+      {**variables, 'perturbations': {**zeros, 'Dense_2/__call__': e}}, x))))(out_eps)
   # Perturbing the input moves the Dense_2 output by J v; the gradient there moves by H J v.
-  moved = jax.jvp(lambda x: model.apply(variables, x), (x,), (direction,))[1]
+  moved = tangent(lambda x: model.apply(variables, x), x, direction)
   np.testing.assert_allclose(kit_tangent['Dense_2']['__call__'],
                              jnp.einsum('abcd,cd->ab', hessian, moved), **TOL)
 
@@ -202,12 +217,12 @@ def test_grad_equals_value_and_grad_and_return_activations():
 
 def test_scan_per_iteration_grads_equal_unrolled_loop():
   case, variables, x, key = _setup('scan')
-  _, grads = perturbkit.value_and_grad(lambda v, x: models.scalar(case.model.apply(v, x)))(
-      variables, x)
+  _, grads = jax.jit(perturbkit.value_and_grad(
+      lambda v, x: models.scalar(case.model.apply(v, x))))(variables, x)
   got = grads['perturbations']
   zeros = jax.tree.map(jnp.zeros_like, got)
-  want_params, want_points = jax.grad(
-      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1))(
+  want_params, want_points = jax.jit(jax.grad(
+      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1)))(
           variables['params'], zeros)
   chex.assert_trees_all_close(got, want_points, **TOL)
   chex.assert_trees_all_close(grads['params'], want_params, **TOL)
@@ -216,9 +231,9 @@ def test_scan_per_iteration_grads_equal_unrolled_loop():
 
   # Activations and inputs inside the scan come out per iteration too, stacked like the
   # gradients (they leave the scan with the perturbations it maps), against the loop.
-  _, same, acts, inputs = perturbkit.value_and_grad(
+  _, same, acts, inputs = jax.jit(perturbkit.value_and_grad(
       lambda v, x: models.scalar(case.model.apply(v, x)), return_activations=True,
-      return_inputs=True)(variables, x)
+      return_inputs=True))(variables, x)
   chex.assert_trees_all_close(same, grads, **TOL)
   p = variables['params']
   h = x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'][None]
@@ -396,11 +411,13 @@ def test_calls_in_branches_get_one_point_per_call_of_the_model(switch, nested, r
   variables = model.init(jax.random.key(0), x, jnp.array(True), deltas)
   params = variables['params']['block'] if nested else variables['params']
   dense = lambda h: nn.Dense(4).apply({'params': params['a']}, h)
+  loss = lambda v, x, d, pred: jnp.sum(jnp.sin(model.apply(v, x, pred, d)))
+  # The predicate is an argument: one compile of each for both branches.
+  kit = jax.jit(perturbkit.value_and_grad(loss, return_activations=True))
+  reference = jax.jit(jax.grad(loss, argnums=2))
   for pred in (jnp.array(True), jnp.array(False)):
-    loss = lambda v, x, d, pred=pred: jnp.sum(jnp.sin(model.apply(v, x, pred, d)))
-    _, grads, acts = perturbkit.value_and_grad(loss, return_activations=True)(
-        variables, x, deltas)
-    want = jax.grad(loss, argnums=2)(variables, x, deltas)
+    _, grads, acts = kit(variables, x, deltas, pred)
+    want = reference(variables, x, deltas, pred)
     got = grads['perturbations']['block'] if nested else grads['perturbations']
     assert list(got['a']) == ['__call__', '__call__#1', '__call__#2', '__call__#3']
     assert set(got) == ({'a', '__call__'} if nested else {'a'})  # the block's own call
@@ -477,7 +494,8 @@ def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error
     perturbkit.wrap(Looped()).init(jax.random.key(0), x, 0)
   dense = lambda name, h: nn.Dense(3).apply({'params': variables['params'][name]}, h)
   for between in (False, True):
-    _, grads = perturbkit.value_and_grad(loss_of(Looped(not between, between)))(variables, x)
+    _, grads = jax.jit(perturbkit.value_and_grad(loss_of(Looped(not between, between))))(
+        variables, x)
 
     def twin(deltas, between=between):  # branch 1 twice, a delta after each call of `a`
       h = x
@@ -485,7 +503,7 @@ def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error
         h = -(dense('a', h) + delta)
         h = dense('r', h) if between else h
       return jnp.sum(jnp.sin(h))
-    want = jax.grad(twin)([jnp.zeros((2, 3))] * 2)
+    want = jax.jit(jax.grad(twin))([jnp.zeros((2, 3))] * 2)
     np.testing.assert_allclose(grads['perturbations']['a']['__call__'], want[0], **TOL)
     np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)
 
