@@ -95,26 +95,31 @@ def test_skip_mlp_matches_hand_coded_backward():
   x = jax.random.normal(jax.random.key(1), (16, 3))
   y = jnp.sin(x[:, :1])
   v = model.init(jax.random.key(0), x)
-  p = v['params']
-  # Forward at the old weights.
-  z0 = dense(p['Dense_0'], x)
-  h = jax.nn.relu(z0)
-  z1 = dense(p['Dense_1'], h)
-  h2 = jax.nn.relu(z1) + h
-  out = dense(p['Dense_2'], h2)
-  g_out = 2 * (out - y) / out.size
-  # Dense_2: gradient at old weights, update, propagate with the new weights.
-  dw2 = jax.vjp(dense, p['Dense_2'], h2)[1](g_out)[0]
-  w2 = sgd_step(p['Dense_2'], dw2, lr)
-  g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
-  # Dense_1 sees the cotangent through its relu; h gets the skip part directly.
-  g_z1 = g_h2 * (z1 > 0)
-  dw1 = jax.vjp(dense, p['Dense_1'], h)[1](g_z1)[0]
-  w1 = sgd_step(p['Dense_1'], dw1, lr)
-  g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
-  g_z0 = g_h * (z0 > 0)
-  dw0 = jax.vjp(dense, p['Dense_0'], x)[1](g_z0)[0]
-  w0 = sgd_step(p['Dense_0'], dw0, lr)
+
+  @jax.jit  # one compile, not one per op
+  def hand_coded(p):
+    # Forward at the old weights.
+    z0 = dense(p['Dense_0'], x)
+    h = jax.nn.relu(z0)
+    z1 = dense(p['Dense_1'], h)
+    h2 = jax.nn.relu(z1) + h
+    out = dense(p['Dense_2'], h2)
+    g_out = 2 * (out - y) / out.size
+    # Dense_2: gradient at old weights, update, propagate with the new weights.
+    dw2 = jax.vjp(dense, p['Dense_2'], h2)[1](g_out)[0]
+    w2 = sgd_step(p['Dense_2'], dw2, lr)
+    g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
+    # Dense_1 sees the cotangent through its relu; h gets the skip part directly.
+    g_z1 = g_h2 * (z1 > 0)
+    dw1 = jax.vjp(dense, p['Dense_1'], h)[1](g_z1)[0]
+    w1 = sgd_step(p['Dense_1'], dw1, lr)
+    g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
+    g_z0 = g_h * (z0 > 0)
+    dw0 = jax.vjp(dense, p['Dense_0'], x)[1](g_z0)[0]
+    w0 = sgd_step(p['Dense_0'], dw0, lr)
+    return (w0, w1, w2), (g_out, g_z1, g_z0), (dw2, dw1, dw0)
+
+  (w0, w1, w2), (g_out, g_z1, g_z0), (dw2, dw1, dw0) = hand_coded(v['params'])
 
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
   state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
@@ -171,10 +176,11 @@ def three_steps_each(loss_fn, optimizer, propagate, v, *args):
   state = first = tx.init(v, *args)
   params, opt_state = v['params'], optimizer.init(v['params'])
   step = jax.jit(tx.step)
+  standard = jax.jit(lambda params, opt_state, *args: standard_step(
+      lambda p, *a: loss_fn({'params': p}, *a), optimizer, params, opt_state, *args))
   for _ in range(3):
     state, _ = step(state, *args)
-    params, opt_state = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optimizer,
-                                      params, opt_state, *args)
+    params, opt_state = standard(params, opt_state, *args)
   return first, state, params
 
 
@@ -225,7 +231,7 @@ def test_float16_gradient_above_256_is_finite_and_its_step_taken():
   y = jnp.full((8, 1), 300.0)
   v = model.init(jax.random.key(0), x)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
-  grads = jax.grad(loss_fn)(v, x, y)['params']
+  grads = jax.jit(jax.grad(loss_fn))(v, x, y)['params']
   assert not jnp.isfinite(optax.tree.norm(grads))  # in float16
   tx = perturbkit.interleaved(loss_fn, optax.sgd(1e-4), propagate='original')
   state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
@@ -233,8 +239,9 @@ def test_float16_gradient_above_256_is_finite_and_its_step_taken():
   for name, g in grads.items():
     want = optax.tree.norm(jax.tree.map(lambda a: a.astype(jnp.float32), g))
     np.testing.assert_allclose(metrics['grad_norm'][name], want, rtol=1e-6)
-  params, _ = standard_step(lambda p, *a: loss_fn({'params': p}, *a), optax.sgd(1e-4),
-                            v['params'], optax.sgd(1e-4).init(v['params']), x, y)
+  params, _ = jax.jit(lambda params, x, y: standard_step(
+      lambda p, *a: loss_fn({'params': p}, *a), optax.sgd(1e-4), params,
+      optax.sgd(1e-4).init(params), x, y))(v['params'], x, y)
   chex.assert_trees_all_equal_dtypes(state.params, v['params'])
   chex.assert_trees_all_close(state.params, params, rtol=0, atol=1e-3)
   assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), state.params,
@@ -266,13 +273,17 @@ def test_batchnorm_and_dropout_original_equals_standard_step():
   tx = perturbkit.interleaved(loss_fn, optimizer, propagate='original', has_aux=True)
   state = tx.init(v, x, y, jax.random.key(10))
   params, stats, opt_state = v['params'], v['batch_stats'], optimizer.init(v['params'])
-  for i in range(2):
-    rng = jax.random.key(10 + i)
-    state, _ = jax.jit(tx.step)(state, x, y, rng)
+  @jax.jit
+  def standard(params, stats, opt_state, rng):
     grads, updates = jax.grad(
         lambda p: loss_fn({'params': p, 'batch_stats': stats}, x, y, rng), has_aux=True)(params)
     upd, opt_state = optimizer.update(grads, opt_state, params)
-    params, stats = optax.apply_updates(params, upd), updates['batch_stats']
+    return optax.apply_updates(params, upd), updates['batch_stats'], opt_state
+
+  for i in range(2):
+    rng = jax.random.key(10 + i)
+    state, _ = jax.jit(tx.step)(state, x, y, rng)
+    params, stats, opt_state = standard(params, stats, opt_state, rng)
   chex.assert_trees_all_close(state.params, params, **TOL)
   chex.assert_trees_all_close(state.variables['batch_stats'], stats, **TOL)
 
@@ -329,7 +340,7 @@ def test_clip_global_norm_uses_previous_step_norm():
   state = tx.init(v, x, y)
   for _ in range(2):
     state, metrics = jax.jit(tx.step)(state, x, y)
-  grad = jax.grad(lambda p: loss_fn({'params': p}, x, y))
+  grad = jax.jit(jax.grad(lambda p: loss_fn({'params': p}, x, y)))
   g1 = grad(v['params'])
   p1 = sgd_step(v['params'], g1, lr)  # first step: no previous norm, no clipping
   g2 = grad(p1)
@@ -352,7 +363,7 @@ def test_a_whole_gradient_clip_in_the_optimizer_warns_and_clips_each_segment_by_
   with pytest.warns(perturbkit.PerSegmentTransformWarning, match='clip_global_norm=c'):
     tx = perturbkit.interleaved(mse(model), optimizer, propagate='original')
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
-  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: mse(model)({'params': p}, x, y)))(v['params'])
   clipped = {n: jax.tree.map(lambda a: a * jnp.minimum(1.0, c / optax.tree.norm(g[n])), g[n])
              for n in g}
   assert all(optax.tree.norm(g[n]) > c for n in g)  # every segment's clip is active
@@ -475,7 +486,7 @@ def test_shared_segment_is_rejected():
   assert listing.segments == ('Dense_1',)
   assert 'called 2 times' in listing.rest['Dense_0']
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
-  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: mse(model)({'params': p}, x, y)))(v['params'])
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
@@ -576,7 +587,7 @@ def test_per_segment_learning_rates():
   tx = perturbkit.interleaved(mse(model), lambda name: optax.sgd(rates[name]),
                               propagate='original')
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
-  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: mse(model)({'params': p}, x, y)))(v['params'])
   want = {n: sgd_step(v['params'][n], g[n], rates[n]) for n in ('Dense_0', 'Dense_1', 'Dense_2')}
   chex.assert_trees_all_close(state.params, want, **TOL)
 
@@ -631,7 +642,7 @@ def test_segments_by_depth_or_filter(segments):
   assert sorted(tx.segments(v, x, y).segments) == sorted(want)
   state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   assert sorted(metrics['activation_grad_norm']) == sorted(want)
-  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: mse(model)({'params': p}, x, y)))(v['params'])
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
@@ -684,7 +695,7 @@ def test_a_segment_calling_its_own_helper_method_is_one_call():
   v = model.init(jax.random.key(0), x)
   tx = perturbkit.interleaved(mse(model), optax.sgd(0.1), propagate='original')
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
-  g = jax.grad(lambda p: mse(model)({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: mse(model)({'params': p}, x, y)))(v['params'])
   chex.assert_trees_all_close(state.params, sgd_step(v['params'], g, 0.1), **TOL)
 
 
@@ -733,7 +744,7 @@ def weight_penalty(v, only=None):
 
 
 def standard_sgd_step(loss_fn, v, x, y, lr=0.1):
-  g = jax.grad(lambda p: loss_fn({'params': p}, x, y))(v['params'])
+  g = jax.jit(jax.grad(lambda p: loss_fn({'params': p}, x, y)))(v['params'])
   return sgd_step(v['params'], g, lr)
 
 
