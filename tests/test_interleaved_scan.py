@@ -21,7 +21,7 @@ import pytest
 import nnx_models
 import perturbkit
 
-L = 3
+L = 2  # two iterations: enough to tell the iterations' order and slices apart
 TOL = dict(rtol=2e-5, atol=2e-6)
 
 
@@ -251,16 +251,16 @@ def test_dropout_and_batch_norm_inside_a_scan_over_remat_step_as_the_model_runs(
   assert dict(tx.segments(variables, X, Y).iterations) == {
       'blocks/norm': L, 'blocks/up': L, 'blocks/down': L}
   state, _ = jax.jit(tx.step)(tx.init(variables, X, Y), X, Y)
-  grads, mutated = jax.grad(lambda p: loss_fn({**variables, 'params': p}, X, Y),
-                            has_aux=True)(variables['params'])
+  grads, mutated = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, X, Y),
+                                    has_aux=True))(variables['params'])
   want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
   chex.assert_trees_all_close(state.params, want, **TOL)
   chex.assert_trees_all_close(state.variables['batch_stats'], mutated['batch_stats'], **TOL)
   assert not np.allclose(mutated['batch_stats']['blocks']['norm']['mean'],
                          variables['batch_stats']['blocks']['norm']['mean'])
   # The masks matter: without dropout the gradient is another.
-  plain = jax.grad(lambda p: jnp.mean((Net(remat=remat, batch_norm=True).apply(
-      {**variables, 'params': p}, X, True, mutable=['batch_stats'])[0] - Y) ** 2))(
+  plain = jax.jit(jax.grad(lambda p: jnp.mean((Net(remat=remat, batch_norm=True).apply(
+      {**variables, 'params': p}, X, True, mutable=['batch_stats'])[0] - Y) ** 2)))(
           variables['params'])
   assert not np.allclose(plain['blocks']['up']['kernel'], grads['blocks']['up']['kernel'])
   # 'updated' runs too, and moves every iteration's params.
@@ -540,5 +540,5 @@ def test_layers_in_a_scan_broadcasting_their_params_go_to_the_rest_with_the_reas
   assert all('broadcast to every iteration' in r for r in segmentation.rest.values())
   state, _ = jax.jit(tx.step)(tx.init(variables, x), x)
   want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'],
-                      jax.grad(loss_fn)(variables, x)['params'])
+                      jax.jit(jax.grad(loss_fn))(variables, x)['params'])
   chex.assert_trees_all_close(state.variables['params'], want, **TOL)
