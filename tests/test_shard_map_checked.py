@@ -171,9 +171,9 @@ def test_sampled_fisher_draws_each_devices_labels_from_its_own_key():
   stats = lambda v, x, y: estimate(v, x, y, key, with_stats=jnp.asarray(True))[2]
   got = on_devices(stats, variables, features, labels)
   size = len(features) // SHARDS
-  want = [jax.jit(lambda v, x, y, k: estimate(v, x, y, k, with_stats=jnp.asarray(True))[2])(
-      variables, features[i * size:(i + 1) * size], labels[i * size:(i + 1) * size],
-      jax.random.fold_in(key, i)) for i in range(SHARDS)]
+  one = jax.jit(lambda v, x, y, k: estimate(v, x, y, k, with_stats=jnp.asarray(True))[2])
+  want = [one(variables, features[i * size:(i + 1) * size], labels[i * size:(i + 1) * size],
+              jax.random.fold_in(key, i)) for i in range(SHARDS)]  # compiled once
   chex.assert_trees_all_close(got, jax.tree.map(lambda *r: jnp.stack(r), *want), **TOL)
   g = got['Dense_1'].g
   assert float(jnp.abs(g[0] - g[1]).max()) > 1e-4
@@ -329,9 +329,8 @@ def test_per_example_norms_of_a_tied_head_are_each_devices_own_under_check_vma(f
 def _summed_over_shards(grad_of_shard, x, y):
   """The sum of each shard's gradient: what jax.grad of a replicated param gives inside
   shard_map with check_vma=True."""
-  size = x.shape[0] // SHARDS
-  grads = [grad_of_shard(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size])
-           for i in range(SHARDS)]
+  size, one = x.shape[0] // SHARDS, jax.jit(grad_of_shard)  # compiled once
+  grads = [one(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(SHARDS)]
   return jax.tree.map(lambda *g: sum(g), *grads)
 
 
@@ -382,32 +381,40 @@ def test_interleaved_without_axis_name_propagates_through_the_updated_summed_ste
   state, _ = _stepped_on_devices(tx.step, tx.init(variables, x, y), x, y)
 
   params = variables['params']
-  dense = lambda p, h: h @ p['kernel'] + p['bias'][None]
-  size = x.shape[0] // SHARDS
-  shards = [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(SHARDS)]
-  forwards = []
-  for xs, ys in shards:
-    h0 = dense(params['Dense_0'], xs)
-    h1 = dense(params['Dense_1'], nn.relu(h0))
-    out, head = jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))
-    forwards.append((xs, h0, h1, jax.grad(lambda o: jnp.mean((o - ys) ** 2))(out)))
-  new = {}
-  step = lambda p, g: jax.tree.map(lambda w, g: w - 0.1 * g, p, g)
-  # Dense_2, then the gradient at its input with the updated weights, on each device.
-  grads = [jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))[1](g)
-           for _, h0, h1, g in forwards]
-  new['Dense_2'] = step(params['Dense_2'], jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
-  below = [jax.vjp(lambda h: dense(new['Dense_2'], h), nn.relu(h1) + nn.relu(h0))[1](g)[0]
-           for _, h0, h1, g in forwards]
-  at_h1 = [g * (h1 > 0) for (_, _, h1, _), g in zip(forwards, below)]
-  grads = [jax.vjp(dense, params['Dense_1'], nn.relu(h0))[1](g) for (_, h0, _, _), g in
-           zip(forwards, at_h1)]
-  new['Dense_1'] = step(params['Dense_1'], jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
-  at_h0 = [(jax.vjp(lambda h: dense(new['Dense_1'], h), nn.relu(h0))[1](g1)[0] + g) * (h0 > 0)
-           for (_, h0, _, _), g1, g in zip(forwards, at_h1, below)]
-  grads = [jax.vjp(dense, params['Dense_0'], xs)[1](g)[0] for (xs, _, _, _), g in
-           zip(forwards, at_h0)]
-  new['Dense_0'] = step(params['Dense_0'], jax.tree.map(lambda *g: sum(g), *grads))
+
+  @jax.jit  # one compile, not one per op
+  def by_hand(params, x, y):
+    dense = lambda p, h: h @ p['kernel'] + p['bias'][None]
+    size = x.shape[0] // SHARDS
+    shards = [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(SHARDS)]
+    forwards = []
+    for xs, ys in shards:
+      h0 = dense(params['Dense_0'], xs)
+      h1 = dense(params['Dense_1'], nn.relu(h0))
+      out, head = jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))
+      forwards.append((xs, h0, h1, jax.grad(lambda o: jnp.mean((o - ys) ** 2))(out)))
+    new = {}
+    step = lambda p, g: jax.tree.map(lambda w, g: w - 0.1 * g, p, g)
+    # Dense_2, then the gradient at its input with the updated weights, on each device.
+    grads = [jax.vjp(dense, params['Dense_2'], nn.relu(h1) + nn.relu(h0))[1](g)
+             for _, h0, h1, g in forwards]
+    new['Dense_2'] = step(params['Dense_2'],
+                          jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
+    below = [jax.vjp(lambda h: dense(new['Dense_2'], h), nn.relu(h1) + nn.relu(h0))[1](g)[0]
+             for _, h0, h1, g in forwards]
+    at_h1 = [g * (h1 > 0) for (_, _, h1, _), g in zip(forwards, below)]
+    grads = [jax.vjp(dense, params['Dense_1'], nn.relu(h0))[1](g) for (_, h0, _, _), g in
+             zip(forwards, at_h1)]
+    new['Dense_1'] = step(params['Dense_1'],
+                          jax.tree.map(lambda *g: sum(g), *(g[0] for g in grads)))
+    at_h0 = [(jax.vjp(lambda h: dense(new['Dense_1'], h), nn.relu(h0))[1](g1)[0] + g) * (h0 > 0)
+             for (_, h0, _, _), g1, g in zip(forwards, at_h1, below)]
+    grads = [jax.vjp(dense, params['Dense_0'], xs)[1](g)[0] for (xs, _, _, _), g in
+             zip(forwards, at_h0)]
+    new['Dense_0'] = step(params['Dense_0'], jax.tree.map(lambda *g: sum(g), *grads))
+    return new
+
+  new = by_hand(params, x, y)
   chex.assert_trees_all_close(state.params, new, **TOL)
   assert float(jnp.abs(new['Dense_0']['kernel'] - params['Dense_0']['kernel']).max()) > 1e-3
 
