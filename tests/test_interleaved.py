@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import hand_lora
+import hand_skip_mlp
 import models
 import perturbkit
 from flax.core.scope import LazyRng
@@ -96,30 +97,9 @@ def test_skip_mlp_matches_hand_coded_backward():
   y = jnp.sin(x[:, :1])
   v = model.init(jax.random.key(0), x)
 
-  @jax.jit  # one compile, not one per op
-  def hand_coded(p):
-    # Forward at the old weights.
-    z0 = dense(p['Dense_0'], x)
-    h = jax.nn.relu(z0)
-    z1 = dense(p['Dense_1'], h)
-    h2 = jax.nn.relu(z1) + h
-    out = dense(p['Dense_2'], h2)
-    g_out = 2 * (out - y) / out.size
-    # Dense_2: gradient at old weights, update, propagate with the new weights.
-    dw2 = jax.vjp(dense, p['Dense_2'], h2)[1](g_out)[0]
-    w2 = sgd_step(p['Dense_2'], dw2, lr)
-    g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
-    # Dense_1 sees the cotangent through its relu; h gets the skip part directly.
-    g_z1 = g_h2 * (z1 > 0)
-    dw1 = jax.vjp(dense, p['Dense_1'], h)[1](g_z1)[0]
-    w1 = sgd_step(p['Dense_1'], dw1, lr)
-    g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
-    g_z0 = g_h * (z0 > 0)
-    dw0 = jax.vjp(dense, p['Dense_0'], x)[1](g_z0)[0]
-    w0 = sgd_step(p['Dense_0'], dw0, lr)
-    return (w0, w1, w2), (g_out, g_z1, g_z0), (dw2, dw1, dw0)
-
-  (w0, w1, w2), (g_out, g_z1, g_z0), (dw2, dw1, dw0) = hand_coded(v['params'])
+  p = v['params']
+  (w0, w1, w2), (g_z0, g_z1, g_out), (dw0, dw1, dw2) = hand_skip_mlp.updated_step(
+      p['Dense_0'], p['Dense_1'], p['Dense_2'], x, y, lr)
 
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
   state, metrics = jax.jit(tx.step)(tx.init(v, x, y), x, y)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx, traverse_util
 
 import hand_lora
+import hand_skip_mlp
 import nnx_models
 import perturbkit
 from host_devices import sharded_nnx_step, sharded_step
@@ -56,24 +57,8 @@ def test_updated_matches_hand_coded_backward():
   model, lr = SkipMLP(rngs=nnx.Rngs(0)), 0.1
   x, y = batch()
   p = params_of(model)
-  # Forward at the old weights.
-  z0 = dense(p['dense_0'], x)
-  h = jax.nn.relu(z0)
-  z1 = dense(p['dense_1'], h)
-  h2 = jax.nn.relu(z1) + h
-  out = dense(p['dense_2'], h2)
-  g_out = 2 * (out - y) / out.size
-  # Each layer: dw at the old weights, update, input cotangent with the NEW weights.
-  dw2 = jax.vjp(dense, p['dense_2'], h2)[1](g_out)[0]
-  w2 = sgd_step(p['dense_2'], dw2, lr)
-  g_h2 = jax.vjp(lambda a: dense(w2, a), h2)[1](g_out)[0]
-  g_z1 = g_h2 * (z1 > 0)
-  dw1 = jax.vjp(dense, p['dense_1'], h)[1](g_z1)[0]
-  w1 = sgd_step(p['dense_1'], dw1, lr)
-  g_h = g_h2 + jax.vjp(lambda a: dense(w1, a), h)[1](g_z1)[0]
-  g_z0 = g_h * (z0 > 0)
-  dw0 = jax.vjp(dense, p['dense_0'], x)[1](g_z0)[0]
-  w0 = sgd_step(p['dense_0'], dw0, lr)
+  (w0, w1, w2), (g_z0, g_z1, g_out), (dw0, dw1, dw2) = hand_skip_mlp.updated_step(
+      p['dense_0'], p['dense_1'], p['dense_2'], x, y, lr)
 
   tx = perturbkit.nnx.interleaved(mse, optax.sgd(lr))
   assert tx.segments(model, x, y).segments == ('dense_0', 'dense_1', 'dense_2')
