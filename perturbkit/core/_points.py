@@ -11,8 +11,8 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from perturbkit.core._values import is_array
 from perturbkit.core._varying import vary, varying_axes
 from perturbkit.errors import NonDifferentiableOutputError, PerturbationStructureError
 
@@ -49,7 +49,7 @@ def array_part(tree: Any) -> Any:
   """The array leaves of ``tree`` (a call's ``(args, kwargs)``), laid out as
   ``differentiable_part`` does: every leaf that is not an array (a Python flag,
   ``None``, a module) becomes ``None``."""
-  return differentiable_part(tree, keep=lambda leaf: isinstance(leaf, (jax.Array, np.ndarray)))
+  return differentiable_part(tree, keep=is_array)
 
 
 def has_differentiable_leaf(tree: Any) -> bool:

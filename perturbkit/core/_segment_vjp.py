@@ -28,6 +28,7 @@ from jax.custom_derivatives import (CustomVJPPrimal, SymbolicZero,
 
 from perturbkit.core._consumers import segment_function_name
 from perturbkit.core._points import is_inexact_array
+from perturbkit.core._values import is_array
 
 
 class Backward(NamedTuple):
@@ -81,7 +82,7 @@ def split_floats(tree: Any) -> tuple[list, Callable[[list], Any]]:
 
 
 def _other_array(leaf: Any) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray)) and not is_inexact_array(leaf)
+  return is_array(leaf) and not is_inexact_array(leaf)
 
 
 def split_arrays(tree: Any) -> tuple[list, list, Callable[[list, list], Any]]:
