@@ -81,7 +81,14 @@ def assert_norms_match(loss_fn, variables, *args, **options):
     return loss, norms, norms_of(per_example_grads(loss_fn, variables, *args)), loss_fn(
         variables, *args)
 
-  loss, norms, (by_param, total), want_loss = both(variables, *args)
+  loss, norms, reference_norms, want_loss = both(variables, *args)
+  return assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss)
+
+
+def assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss):
+  """``norms`` (by param and in total) equal ``reference_norms`` (:func:`norms_of` the
+  reference per-example gradients) and ``loss`` the loss itself; returns ``norms``."""
+  by_param, total = reference_norms
   chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
   np.testing.assert_allclose(norms.total, total, **TOL)
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -103,12 +110,8 @@ def norms_by_method(loss_fn, variables, methods, *args):
 def assert_method_matches(results, method):
   """``method``'s norms and loss in :func:`norms_by_method`'s ``results`` equal the
   reference's, as :func:`assert_norms_match` checks them."""
-  by_method, (by_param, total), want_loss = results
-  loss, norms = by_method[method]
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  return norms
+  by_method, reference_norms, want_loss = results
+  return assert_loss_and_norms_equal(*by_method[method], reference_norms, want_loss)
 
 
 # -- models ------------------------------------------------------------------------------
@@ -268,10 +271,9 @@ def test_conv_direct_paths():
   (loss, norms), per_example, want_loss = jax.jit(lambda v, x, y: (
       norms_fn(v, x, y), per_example_grads(loss_fn, v, x, y), loss_fn(v, x, y)))(
           variables, x, y)
-  by_param, total = norms_of(per_example)
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  reference_norms = norms_of(per_example)
+  assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss)
+  _, total = reference_norms
   key = jax.random.key(3)
   clip = float(jnp.median(total))
   dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.5,
