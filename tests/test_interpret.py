@@ -249,9 +249,16 @@ def attribution_by_hand(params, clean, corrupted):
   return jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
 
 
+def gxa_by_hand(params, x):
+  """``(calls, tokens)``: ``a . g`` per token, ``g`` from ``jax.vjp``."""
+  outputs, (_, grads) = by_hand_outputs(params, x), by_hand_grads(params, x)
+  return jnp.stack([per_token(outputs[n] * grads[n]) for n in NAMES])
+
+
 # The references, compiled once for every test of this file (once per input shape).
 compiled_patching_by_hand = jax.jit(patching_by_hand)
 compiled_attribution_by_hand = jax.jit(attribution_by_hand)
+compiled_gxa_by_hand = jax.jit(gxa_by_hand)
 metric_by_hand = jax.jit(lambda params, x: metric_of(mlp_by_hand(params, x)))
 
 
@@ -310,7 +317,7 @@ def test_patches_of_equal_values_are_exact_zeros_and_are_not_run(mlp, batch_size
   assert [bar.n for bar in bars] == [len(NAMES) * SHAPE[1]]
   want = compiled_patching_by_hand(variables, clean, corrupted)[:, jnp.array([1, 3])]
   chex.assert_trees_all_close(result.effects[:, jnp.array([1, 3])], want, **TOL)
-  assert float(jnp.abs(jnp.array(want)).min()) > 1e-5
+  assert float(jnp.abs(want).min()) > 1e-5
   assert np.all(np.asarray(result.effects[:, jnp.array([0, 2, 4])]) == 0)
   tokens = SHAPE[1]
   per_call = tokens if batch_size is None or batch_size >= tokens else -(-2 // batch_size) * batch_size
@@ -516,17 +523,17 @@ def test_attribution_patching_equals_vdot_with_vjp_gradients(mlp):
   model, variables, clean, corrupted, metric = mlp
   params = variables['params']
   result = perturbkit.attribution_patching(metric, axis=1)(variables, clean, corrupted)
+  assert result.paths == NAMES
+  chex.assert_trees_all_close(result.effects,
+                              compiled_attribution_by_hand(params, clean, corrupted), **TOL)
   a_clean, a_corrupted = by_hand_outputs(params, clean), by_hand_outputs(params, corrupted)
   _, grads = by_hand_grads(params, corrupted)
-  want = jnp.stack([per_token((a_clean[n] - a_corrupted[n]) * grads[n]) for n in NAMES])
-  assert result.paths == NAMES
-  chex.assert_trees_all_close(result.effects, want, **TOL)
   whole = perturbkit.attribution_patching(metric)(variables, clean, corrupted)
   chex.assert_trees_all_close(
       whole.effects[:, 0], jnp.array([jnp.vdot(a_clean[n] - a_corrupted[n], grads[n])
                                       for n in NAMES]), **TOL)
 
-  every = jnp.stack([per_token(a_corrupted[n] * grads[n]) for n in NAMES])
+  every = compiled_gxa_by_hand(params, corrupted)
   # Scattered, unordered, negative (a run that ends at the last token), neighbouring and
   # repeated positions.
   for positions in ([0, 3], [3, 0], [-2, -1], [1, 2], [2, 0, 2]):
@@ -547,10 +554,6 @@ def attribution_derivatives(mlp):
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
   attribution = perturbkit.attribution_patching(metric, axis=1)
   gxa = perturbkit.grad_times_activation(metric, axis=1)
-
-  def gxa_by_hand(params, x):
-    outputs, (_, grads) = by_hand_outputs(params, x), by_hand_grads(params, x)
-    return jnp.stack([per_token(outputs[n] * grads[n]) for n in NAMES])
 
   return {
       'attribution': jax.jit(jax.grad(lambda v, c, x: loss(attribution(v, c, x).effects),
