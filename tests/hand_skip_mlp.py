@@ -3,7 +3,8 @@
 ``Dense -> relu -> Dense -> relu (+ skip) -> Dense`` with a mean squared error: walking
 backward, each layer's weight gradient at its old weights, its SGD update, then its input's
 cotangent through the UPDATED weights, all with ``jax.vjp`` and no perturbkit code. The
-reference of the Linen and the NNX interleaved tests (``SkipMLP`` in each).
+reference of the Linen and the NNX interleaved tests (``SkipMLP`` in each), whose other
+hand-written references build on the same ``dense`` and ``sgd_step``.
 """
 import jax
 

@@ -9,15 +9,12 @@ import pytest
 
 import hand_lora
 import hand_skip_mlp
+from hand_skip_mlp import dense, sgd_step
 import models
 import perturbkit
 from flax.core.scope import LazyRng
 
 TOL = dict(rtol=2e-5, atol=2e-6)
-
-
-def dense(p, x):
-  return x @ p['kernel'] + p['bias'].reshape((1,) * (x.ndim - 1) + (-1,))
 
 
 class SkipMLP(nn.Module):
@@ -61,10 +58,6 @@ def mse(model):
   return lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
 
 
-def sgd_step(w, g, lr):
-  return jax.tree.map(lambda a, b: a - lr * b, w, g)
-
-
 def hand_chain(layers, glues, weights, x, dloss, lr):
   """Layer-wise backward written out with jax.vjp: update, then propagate.
 
@@ -96,7 +89,6 @@ def test_skip_mlp_matches_hand_coded_backward():
   x = jax.random.normal(jax.random.key(1), (16, 3))
   y = jnp.sin(x[:, :1])
   v = model.init(jax.random.key(0), x)
-
   p = v['params']
   (w0, w1, w2), (g_z0, g_z1, g_out), (dw0, dw1, dw2) = hand_skip_mlp.updated_step(
       p['Dense_0'], p['Dense_1'], p['Dense_2'], x, y, lr)

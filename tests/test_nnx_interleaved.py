@@ -11,6 +11,7 @@ from flax import nnx, traverse_util
 
 import hand_lora
 import hand_skip_mlp
+from hand_skip_mlp import dense, sgd_step
 import nnx_models
 import perturbkit
 from host_devices import sharded_nnx_step, sharded_step
@@ -43,14 +44,6 @@ def batch(n=16, din=3, dout=1):
 
 def params_of(model):
   return nnx_models.pure(nnx.state(model, nnx.Param))
-
-
-def dense(p, x):
-  return x @ p['kernel'] + p['bias'][None]
-
-
-def sgd_step(w, g, lr):
-  return jax.tree.map(lambda a, b: a - lr * b, w, g)
 
 
 def test_updated_matches_hand_coded_backward():
