@@ -11,6 +11,7 @@ kernel's namespace, so a notebook that used a name it does not define (or import
 fails as in a fresh kernel. A kernel that died is replaced. A notebook that sets ``XLA_FLAGS``
 (its own host CPU devices, read when JAX starts) gets a fresh kernel of its own.
 """
+import gc
 import pathlib
 
 import nbformat
@@ -91,9 +92,9 @@ def run_small(path, kernel):
   assert 'PERTURBKIT_NOTEBOOK_SMALL' in first.source, 'the first code cell sets the sizes'
   fresh = 'XLA_FLAGS' in first.source
   manager = kernel(fresh)
-  # conftest.py's garbage-collector thresholds, which a kernel does not import.
+  # This process's garbage-collector thresholds (conftest.py's), which a kernel does not take.
   nb.cells.insert(0, nbformat.v4.new_code_cell(
-      '%reset -f\nimport gc\ngc.set_threshold(50_000, 20, 20)\ndel gc'))
+      f'%reset -f\nimport gc\ngc.set_threshold{gc.get_threshold()}\ndel gc'))
   client = NotebookClient(nb, km=manager, timeout=TIMEOUT_S, kernel_name='python3',
                           resources={'metadata': {'path': str(path.parent)}})
   try:
