@@ -1,5 +1,5 @@
-"""Strict JAX, 8 host CPU devices, XLA's cheaper CPU compile passes, one compilation cache and a
-less frequent Python garbage collector.
+"""Strict JAX, 8 host CPU devices, XLA's cheaper CPU compile passes, one compilation cache, a
+less frequent Python garbage collector and property tests that draw the same examples each run.
 
 Rank promotion is an error, not a silent broadcast.
 
@@ -38,6 +38,8 @@ import os
 import shutil
 import tempfile
 
+import hypothesis
+
 FAST_COMPILE_FLAGS = ('--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true '
                       '--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1')
 HOST_DEVICES_FLAG = '--xla_force_host_platform_device_count=8'
@@ -53,6 +55,12 @@ def _with_flags(flags: str) -> str:
 
 
 gc.set_threshold(50_000, 20, 20)
+
+# The property tests draw the same examples on every run, so a run's result does not depend on
+# chance; `--hypothesis-profile=explore` draws new ones (and more of them) to look for failures.
+hypothesis.settings.register_profile('perturbkit', derandomize=True, database=None)
+hypothesis.settings.register_profile('explore', max_examples=100, database=None)
+hypothesis.settings.load_profile('perturbkit')
 os.environ['XLA_FLAGS'] = _with_flags(os.environ.get('XLA_FLAGS', ''))
 
 _OWN_CACHE = None

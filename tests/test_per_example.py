@@ -26,6 +26,7 @@ import perturbkit
 from host_devices import data_mesh
 
 TOL = dict(rtol=2e-4, atol=1e-5)
+TOL64 = dict(rtol=1e-9, atol=1e-12)  # float64
 
 
 def cross_entropy(logits, labels):
@@ -74,7 +75,7 @@ def assert_norms_equal(norms, per_example, tol):
   return by_param
 
 
-def assert_norms_match(loss_fn, variables, *args, **options):
+def assert_norms_match(loss_fn, variables, *args, tol=None, **options):
   @jax.jit  # one compile for both sides and the loss
   def both(variables, *args):
     loss, norms = perturbkit.per_example_grad_norms(loss_fn, **options)(variables, *args)
@@ -82,16 +83,18 @@ def assert_norms_match(loss_fn, variables, *args, **options):
         variables, *args)
 
   loss, norms, reference_norms, want_loss = both(variables, *args)
-  return assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss)
+  return assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss, tol)
 
 
-def assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss):
+def assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss, tol=None):
   """``norms`` (by param and in total) equal ``reference_norms`` (:func:`norms_of` the
-  reference per-example gradients) and ``loss`` the loss itself; returns ``norms``."""
+  reference per-example gradients) and ``loss`` the loss itself, to ``tol`` (default
+  ``TOL``); returns ``norms``."""
+  tol = tol or TOL
   by_param, total = reference_norms
-  chex.assert_trees_all_close(norms.by_param, by_param, **TOL)
-  np.testing.assert_allclose(norms.total, total, **TOL)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  chex.assert_trees_all_close(norms.by_param, by_param, **tol)
+  np.testing.assert_allclose(norms.total, total, **tol)
+  np.testing.assert_allclose(loss, want_loss, rtol=min(1e-5, tol['rtol']))
   return norms
 
 
@@ -412,6 +415,9 @@ def test_batch_axes_time_major_labels():
        conv=st.booleans(), method=st.sampled_from(['auto', 'ghost', 'direct']),
        batch=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
 def test_random_architectures(depth, width, length, bias, norm, conv, method, batch, seed):
+  """Compared in float64: some drawn models are ill-conditioned in float32 (a LayerNorm over
+  2 features after a saturated tanh amplifies rounding past 1e-3 relative, in the reference as
+  much as in perturbkit), so float32 would test the rounding, not the rules."""
   class Random(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -428,11 +434,13 @@ def test_random_architectures(depth, width, length, bias, norm, conv, method, ba
   shape = (batch, length, 3) if length else (batch, 3)
   if conv and not length:
     shape = (batch, 2, 3)
-  x = jax.random.normal(jax.random.key(seed), shape)
   model = Random()
-  variables = jax.jit(model.init)(jax.random.key(seed + 1), x)
   loss_fn = lambda v, x: jnp.mean(jnp.sum(jnp.sin(model.apply(v, x)), axis=-1))
-  assert_norms_match(loss_fn, variables, x, dense_method=method)
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float64)
+    variables = jax.tree.map(lambda p: p.astype(jnp.float64),
+                             jax.jit(model.init)(jax.random.key(seed + 1), x))
+    assert_norms_match(loss_fn, variables, x, dense_method=method, tol=TOL64)
 
 
 # -- DP-SGD ------------------------------------------------------------------------------
