@@ -125,6 +125,7 @@ from perturbkit.errors import EditStructureError
 from perturbkit.errors import AmbiguousEditError
 from perturbkit.errors import DuplicateEditError
 from perturbkit.errors import EditViewError
+from perturbkit.errors import BatchNotArrayError
 from perturbkit.errors import ExamplesAxisError
 from perturbkit.errors import ExamplesCoupledError
 from perturbkit.errors import ExamplesMixedError
@@ -274,6 +275,7 @@ __all__ = [
     'DuplicateEditError',
     'AmbiguousEditError',
     'EditViewError',
+    'BatchNotArrayError',
     'ExamplesAxisError',
     'ExamplesCoupledError',
     'ExamplesMixedError',

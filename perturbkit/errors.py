@@ -862,6 +862,20 @@ class ExamplesAxisError(PerExampleError):
         'move the examples axis to the front inside the model.')
 
 
+class BatchNotArrayError(ExamplesAxisError):
+  """A batched argument is a Python list (or tuple) with no array in it (a batch written as
+  nested lists of numbers), which has no examples axis."""
+
+  def __init__(self, where, kind):
+    PerExampleError.__init__(
+        self,
+        f'{where} is a Python {kind} with no array in it (a batch written as nested lists of '
+        'numbers?), so it has no examples axis to split: per-example functions find the '
+        'examples along `batch_axes` of array arguments. Pass it as an array '
+        '(`np.asarray(batch)` or `jnp.asarray(batch)`), or give it `None` in `batch_axes` if '
+        'all examples share it.')
+
+
 class UncoveredParamsError(PerExampleError):
   """Some params are not used by any submodule call, so their per-example gradient is unknown."""
 

@@ -705,6 +705,32 @@ def test_examples_axis_errors():
     jax.eval_shape(perturbkit.per_example_grad_norms(features_first), v, x)
 
 
+def test_a_batch_of_nested_python_lists_is_refused_and_its_array_works():
+  """A batch written as nested lists of numbers has no examples axis: a named error that says
+  to pass it as an array, from the Linen and NNX functions and DP-SGD; the array it suggests
+  gives the per-example norms of vmap(grad)."""
+  model = nn.Dense(3)
+  x = np.linspace(-1, 1, 10, dtype=np.float32).reshape(2, 5)
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v, x: jnp.mean(model.apply(v, jnp.asarray(x)) ** 2)
+  linear = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+  nnx_loss = lambda m, x: jnp.mean(m(jnp.asarray(x)) ** 2)
+  refused = [lambda b: perturbkit.per_example_grad_norms(loss_fn)(variables, b),
+             lambda b: perturbkit.check_per_example(loss_fn, variables, b),
+             lambda b: perturbkit.nnx.per_example_grad_norms(nnx_loss)(linear, b),
+             lambda b: perturbkit.nnx.private_grad(nnx_loss, clip_norm=1.0, noise_multiplier=0.0)(
+                 linear, jax.random.key(0), b)]
+  for run in refused:
+    for batch in (x.tolist(), tuple(map(tuple, x.tolist()))):
+      with pytest.raises(perturbkit.BatchNotArrayError,
+                         match=r'argument 0 of the loss is a Python (list|tuple) with no array.*'
+                               r'np\.asarray\(batch\)'):
+        run(batch)
+  _, norms = perturbkit.per_example_grad_norms(loss_fn)(variables, np.asarray(x.tolist()))
+  np.testing.assert_allclose(norms.total, norms_of(reference_grads(loss_fn, variables, x))[1],
+                             **TOL)
+
+
 def test_inputs_are_per_example_by_where_they_come_from_not_by_shape():
   """A shared table with as many rows as examples is passed whole, never split by example."""
   batch = 4

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from perturbkit.core._values import is_array
-from perturbkit.errors import ExamplesAxisError, InvalidOptionError
+from perturbkit.errors import BatchNotArrayError, ExamplesAxisError, InvalidOptionError
 
 BatchAxes = int | None | tuple
 
@@ -67,11 +67,23 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
       if not -leaf.ndim <= axis < max(leaf.ndim, 1) or leaf.ndim == 0:
         raise ExamplesAxisError(f'{where} has shape {leaf.shape}, with no axis {axis}')
       sizes.setdefault(int(leaf.shape[axis]), where)
+  if not sizes:
+    _refuse_lists_without_arrays(args, batch_axes)
   if len(sizes) != 1:
     found = ', '.join(f'{w}: {n}' for n, w in sizes.items()) or 'no batched array argument'
     raise ExamplesAxisError(f'the batched arguments disagree on the number of examples '
                             f'({found})')
   return next(iter(sizes))
+
+
+def _refuse_lists_without_arrays(args: tuple, batch_axes: BatchAxes) -> None:
+  """:class:`BatchNotArrayError` for the first batched argument that is a non-empty Python
+  list or tuple without an array leaf (a batch written as nested lists of numbers, whose
+  numbers the caller has already taken out as static values), which has no examples axis."""
+  for index, (arg, axis) in enumerate(zip(args, per_argument(batch_axes, len(args)))):
+    if (axis is not None and type(arg) in (list, tuple) and len(arg)
+        and not any(map(is_array, jax.tree.leaves(arg)))):
+      raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
 
 
 def reduction_scale(reduction: str, num_examples: int) -> float:
