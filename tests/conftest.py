@@ -57,9 +57,9 @@ def _with_flags(flags: str) -> str:
 gc.set_threshold(50_000, 20, 20)
 
 # The property tests draw the same examples on every run, so a run's result does not depend on
-# chance; `--hypothesis-profile=explore` draws new ones (and more of them) to look for failures.
+# chance; `--hypothesis-profile=explore` draws new ones on each run to look for failures.
 hypothesis.settings.register_profile('perturbkit', derandomize=True, database=None)
-hypothesis.settings.register_profile('explore', max_examples=100, database=None)
+hypothesis.settings.register_profile('explore', database=None)
 hypothesis.settings.load_profile('perturbkit')
 os.environ['XLA_FLAGS'] = _with_flags(os.environ.get('XLA_FLAGS', ''))
 
