@@ -863,17 +863,16 @@ class ExamplesAxisError(PerExampleError):
 
 
 class BatchNotArrayError(ExamplesAxisError):
-  """A batched argument is a Python list (or tuple) with no array in it (a batch written as
-  nested lists of numbers), which has no examples axis."""
+  """A batched argument is a Python list (or tuple) of numbers (a batch written as nested
+  lists), which has no examples axis."""
 
   def __init__(self, where, kind):
     PerExampleError.__init__(
         self,
-        f'{where} is a Python {kind} with no array in it (a batch written as nested lists of '
-        'numbers?), so it has no examples axis to split: per-example functions find the '
-        'examples along `batch_axes` of array arguments. Pass it as an array '
-        '(`np.asarray(batch)` or `jnp.asarray(batch)`), or give it `None` in `batch_axes` if '
-        'all examples share it.')
+        f'{where} is a Python {kind} of numbers (a batch written as nested lists?), not an '
+        'array, so it has no examples axis to split: per-example functions find the examples '
+        'along `batch_axes` of array arguments. Pass it as an array (`np.asarray(batch)` or '
+        '`jnp.asarray(batch)`), or give it `None` in `batch_axes` if all examples share it.')
 
 
 class UncoveredParamsError(PerExampleError):

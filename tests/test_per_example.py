@@ -707,8 +707,9 @@ def test_examples_axis_errors():
 
 def test_a_batch_of_nested_python_lists_is_refused_and_its_array_works():
   """A batch written as nested lists of numbers has no examples axis: a named error that says
-  to pass it as an array, from the Linen and NNX functions and DP-SGD; the array it suggests
-  gives the per-example norms of vmap(grad)."""
+  to pass it as an array, from the Linen and NNX functions and DP-SGD, called as they are or
+  under jax.jit (which makes each number a 0-d array); the array it suggests gives the
+  per-example norms of vmap(grad)."""
   model = nn.Dense(3)
   x = np.linspace(-1, 1, 10, dtype=np.float32).reshape(2, 5)
   variables = model.init(jax.random.key(0), x)
@@ -719,11 +720,12 @@ def test_a_batch_of_nested_python_lists_is_refused_and_its_array_works():
              lambda b: perturbkit.check_per_example(loss_fn, variables, b),
              lambda b: perturbkit.nnx.per_example_grad_norms(nnx_loss)(linear, b),
              lambda b: perturbkit.nnx.private_grad(nnx_loss, clip_norm=1.0, noise_multiplier=0.0)(
-                 linear, jax.random.key(0), b)]
+                 linear, jax.random.key(0), b),
+             lambda b: jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, b)]
   for run in refused:
     for batch in (x.tolist(), tuple(map(tuple, x.tolist()))):
       with pytest.raises(perturbkit.BatchNotArrayError,
-                         match=r'argument 0 of the loss is a Python (list|tuple) with no array.*'
+                         match=r'argument 0 of the loss is a Python (list|tuple) of numbers.*'
                                r'np\.asarray\(batch\)'):
         run(batch)
   _, norms = perturbkit.per_example_grad_norms(loss_fn)(variables, np.asarray(x.tolist()))

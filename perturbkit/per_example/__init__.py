@@ -154,8 +154,8 @@ What is refused, and why
   axis 0, or carry them in another order (rows reversed, rolled or shifted
   along the examples axis before the layer).
 * ``BatchNotArrayError`` (a subclass of ``ExamplesAxisError``): a batched argument
-  is a Python list or tuple with no array in it (a batch written as nested lists of
-  numbers), which has no examples axis; pass it as an array (``np.asarray(batch)``).
+  is a Python list or tuple of numbers (a batch written as nested lists), which has
+  no examples axis; pass it as an array (``np.asarray(batch)``).
 * ``AmbiguousInputError``, ``SharedCallError``: see "Which inputs are
   per-example".
 * ``UncoveredParamsError``: params that no call and no apply in the loss uses.

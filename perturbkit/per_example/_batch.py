@@ -64,6 +64,8 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
       if not is_array(leaf):
         continue
       where = f'argument {index}{jax.tree_util.keystr(path)}'
+      if leaf.ndim == 0 and _numbers_only(arg):  # the numbers of a list, under jax.jit
+        raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
       if not -leaf.ndim <= axis < max(leaf.ndim, 1) or leaf.ndim == 0:
         raise ExamplesAxisError(f'{where} has shape {leaf.shape}, with no axis {axis}')
       sizes.setdefault(int(leaf.shape[axis]), where)
@@ -76,13 +78,20 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
   return next(iter(sizes))
 
 
+def _numbers_only(arg: Any) -> bool:
+  """Whether ``arg`` is a non-empty Python list or tuple of numbers (a batch written as
+  nested lists): Python or NumPy numbers, 0-d arrays (under ``jax.jit``, which makes each
+  number an array), or no leaves at all (where the caller took the numbers out as static
+  values)."""
+  number = lambda leaf: (isinstance(leaf, (int, float, complex, np.number))
+                         or (is_array(leaf) and leaf.ndim == 0))
+  return type(arg) in (list, tuple) and len(arg) > 0 and all(map(number, jax.tree.leaves(arg)))
+
+
 def _refuse_lists_without_arrays(args: tuple, batch_axes: BatchAxes) -> None:
-  """:class:`BatchNotArrayError` for the first batched argument that is a non-empty Python
-  list or tuple without an array leaf (a batch written as nested lists of numbers, whose
-  numbers the caller has already taken out as static values), which has no examples axis."""
+  """:class:`BatchNotArrayError` for the first batched argument that is a list of numbers."""
   for index, (arg, axis) in enumerate(zip(args, per_argument(batch_axes, len(args)))):
-    if (axis is not None and type(arg) in (list, tuple) and len(arg)
-        and not any(map(is_array, jax.tree.leaves(arg)))):
+    if axis is not None and _numbers_only(arg):
       raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
 
 
