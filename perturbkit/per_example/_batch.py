@@ -54,6 +54,7 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
   """The number of examples: the common size of every batched array along its axis.
 
   Raises:
+    BatchNotArrayError: a batched argument is a Python list or tuple of numbers.
     ExamplesAxisError: no argument is batched, or the sizes disagree.
   """
   sizes: dict[int, str] = {}
@@ -64,13 +65,15 @@ def count_examples(args: tuple, batch_axes: BatchAxes) -> int:
       if not is_array(leaf):
         continue
       where = f'argument {index}{jax.tree_util.keystr(path)}'
-      if leaf.ndim == 0 and _numbers_only(arg):  # the numbers of a list, under jax.jit
-        raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
+      if leaf.ndim == 0:  # perhaps one number of a list, under jax.jit
+        _refuse_numbers(index, arg)
       if not -leaf.ndim <= axis < max(leaf.ndim, 1) or leaf.ndim == 0:
         raise ExamplesAxisError(f'{where} has shape {leaf.shape}, with no axis {axis}')
       sizes.setdefault(int(leaf.shape[axis]), where)
   if not sizes:
-    _refuse_lists_without_arrays(args, batch_axes)
+    for index, (arg, axis) in enumerate(zip(args, per_argument(batch_axes, len(args)))):
+      if axis is not None:
+        _refuse_numbers(index, arg)
   if len(sizes) != 1:
     found = ', '.join(f'{w}: {n}' for n, w in sizes.items()) or 'no batched array argument'
     raise ExamplesAxisError(f'the batched arguments disagree on the number of examples '
@@ -88,11 +91,10 @@ def _numbers_only(arg: Any) -> bool:
   return type(arg) in (list, tuple) and len(arg) > 0 and all(map(number, jax.tree.leaves(arg)))
 
 
-def _refuse_lists_without_arrays(args: tuple, batch_axes: BatchAxes) -> None:
-  """:class:`BatchNotArrayError` for the first batched argument that is a list of numbers."""
-  for index, (arg, axis) in enumerate(zip(args, per_argument(batch_axes, len(args)))):
-    if axis is not None and _numbers_only(arg):
-      raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
+def _refuse_numbers(index: int, arg: Any) -> None:
+  """:class:`BatchNotArrayError` if the batched argument at ``index`` is a list of numbers."""
+  if _numbers_only(arg):
+    raise BatchNotArrayError(f'argument {index} of the loss', type(arg).__name__)
 
 
 def reduction_scale(reduction: str, num_examples: int) -> float:
