@@ -150,6 +150,25 @@ def test_damped_inverse_keeps_the_factors_dtype_whatever_the_dampings():
   np.testing.assert_allclose(got, np.linalg.inv(factor + 0.5 * np.eye(2)), rtol=1e-6)
 
 
+def test_damped_inverse_of_a_factor_rounded_below_minus_the_damping_is_finite():
+  """A PSD factor of rank 7 in 8 dimensions with entries ~1e4 (the ``G`` of a layer whose
+  output is L2-normalized, such as a dual encoder's projection), formed in float32: its
+  rounding (~eps·|F| > damping) makes ``F + λI`` indefinite, and Cholesky gave NaN. The
+  inverse is now that of F with its eigenvalues clamped at 0: finite, symmetric, at most
+  ``1/λ``; on a diagonal factor with one such eigenvalue, numpy's inverse of the clamped one."""
+  rng = np.random.default_rng(0)
+  m = jnp.asarray(100 * rng.standard_normal((8, 7)), jnp.float32)
+  got = np.asarray(jax.jit(perturbkit.damped_inverse)(m @ m.T, 1e-3), np.float64)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, got.T, rtol=0, atol=0)
+  values = np.linalg.eigvalsh(got)
+  assert values.max() <= 1e3 * (1 + 1e-4) and values.min() > -1e-3 * values.max()
+  diagonal = jnp.diag(jnp.array([4e4, 1e2, -1e-2], jnp.float32))
+  np.testing.assert_allclose(jax.jit(perturbkit.damped_inverse)(diagonal, 1e-3),
+                             np.linalg.inv(np.diag([4e4, 1e2, 0.0]) + 1e-3 * np.eye(3)),
+                             rtol=1e-5, atol=1e-9)
+
+
 @pytest.mark.parametrize('value', BAD_FRACTION)
 def test_decay(layers, nnx_layers, value):
   with raises_invalid('decay', value):

@@ -56,8 +56,9 @@ class KFACState(NamedTuple):
 
 
 def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
-  """``(F + damping·I)⁻¹`` of a symmetric PSD ``F`` (Cholesky), or ``1 / (F + damping)``
-  of a diagonal given as a vector, in ``factor``'s dtype (JAX's default float dtype for
+  """``(F + damping·I)⁻¹`` of a symmetric PSD ``F`` (Cholesky; where ``F``'s rounding
+  makes ``F + damping·I`` indefinite, its eigendecomposition with the eigenvalues clamped
+  at 0), or ``1 / (F + damping)`` of a diagonal given as a vector, in ``factor``'s dtype (JAX's default float dtype for
   integers), whatever the type of ``damping``.
 
   Raises:
@@ -84,11 +85,22 @@ def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   if factor.ndim != 2 or factor.shape[0] != factor.shape[1]:
     raise KFACFactorShapeError(factor.shape)
   # F is PSD, so F + damping·I is positive definite: Cholesky is enough, and several
-  # times cheaper than an eigendecomposition.
+  # times cheaper than an eigendecomposition. In floating point F's rounding (about
+  # eps·|F|) can be a negative eigenvalue below -damping (a factor of rank less than its
+  # size and large entries: the layer before an L2 normalization); Cholesky then gives
+  # NaN, and the eigendecomposition with F's eigenvalues clamped at 0 is used instead.
   eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
   cholesky = jax.scipy.linalg.cho_factor(factor + damping * eye, lower=True)
   inverse = jax.scipy.linalg.cho_solve(cholesky, eye)
+  inverse = jax.lax.cond(jnp.all(jnp.isfinite(inverse)) | ~jnp.all(jnp.isfinite(factor)),
+                         lambda: inverse, lambda: _clamped_inverse(factor, damping))
   return 0.5 * (inverse + inverse.T)
+
+
+def _clamped_inverse(factor: jax.Array, damping: jax.Array) -> jax.Array:
+  """``(F₊ + damping·I)⁻¹``, ``F₊`` the symmetric ``factor`` with its eigenvalues clamped at 0."""
+  values, vectors = jnp.linalg.eigh(0.5 * (factor + factor.T))
+  return (vectors / (jnp.maximum(values, 0.0) + damping)[None, :]) @ vectors.T
 
 
 def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.Array
