@@ -56,6 +56,29 @@ class Outer(nnx.Module):
     return self.last(jnp.tanh(self.inner(x)))
 
 
+
+class DropoutBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dropout(jnp.tanh(self.linear(x)))
+
+
+def remat_scan_with_dropout(rngs):
+  """Blocks with dropout stacked with ``nnx.vmap`` and run by ``nnx.scan`` under
+  ``nnx.remat``, as Flax's scan-over-layers guide writes them."""
+  return M.ScanMLP(width=4, depth=2, rngs=rngs, block=lambda rngs: RematBlock(rngs))
+
+
+class RematBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.block = DropoutBlock(rngs)
+
+  def __call__(self, x):
+    return nnx.remat(lambda block, x: block(x))(self.block, x)
+
 def squared_error(model, x, reduction='mean'):
   terms = jnp.sum(jnp.sin(model(x)) ** 2, axis=-1)
   return terms.mean() if reduction == 'mean' else terms.sum()
@@ -131,3 +154,16 @@ def test_a_scan_in_the_loss_outside_any_model_call_is_refused():
 
   with pytest.raises(PerExampleError, match='outside any call of the whole model'):
     perturbkit.nnx.per_example_grad_norms(loss_fn)(model, X)
+
+
+def test_dropout_in_eval_mode_under_remat_in_scan_is_no_draw():
+  """``nnx.remat`` inside ``nnx.scan`` hands the RNG counts back as new values though
+  dropout in ``model.eval()`` draws nothing: the model is replayed, not refused; in
+  ``model.train()`` the draw is refused."""
+  model = remat_scan_with_dropout(nnx.Rngs(0))
+  model.eval()
+  _, norms = jax.jit(perturbkit.nnx.per_example_grad_norms(squared_error))(model, X)
+  assert_norms_equal(norms, reference_grads(squared_error, model, X))
+  model.train()
+  with pytest.raises(perturbkit.RandomCallError, match=r'stream blocks\.block\.dropout'):
+    perturbkit.nnx.per_example_grad_norms(squared_error)(model, X)

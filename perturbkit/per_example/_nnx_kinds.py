@@ -15,6 +15,7 @@ from flax.nnx.nn.linear import canonicalize_padding
 
 from perturbkit.errors import RandomCallError
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
+from perturbkit.per_example._nnx_draws import watched_draws
 from perturbkit.nnx._segments import with_values
 
 
@@ -56,16 +57,18 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str)
   the other variables as the module's ``nnx.State`` other than params.
 
   Raises (from the replay):
-    RandomCallError: the call draws from an ``nnx.Rngs`` stream of the model (its
-      RNG counts move); a replay cannot draw the batched pass's numbers.
+    RandomCallError: the call draws from an ``nnx.Rngs`` stream of the model (seen at
+      the draw: a count that an NNX transform hands back unchanged is no draw); a
+      replay cannot draw the batched pass's numbers.
   """
   def replay(params, others, args, kwargs):
     module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     before = _rng_counts(module)
-    out = getattr(module, method_name)(*args, **kwargs)
+    with watched_draws(module) as draws:
+      out = getattr(module, method_name)(*args, **kwargs)
     moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
-             in zip(before, _rng_counts(module)) if a is not b]
-    if moved:
+             in zip(before, _rng_counts(module)) if a is not b] + ['?']
+    if draws:
       raise RandomCallError(where, f'it draws from the nnx.Rngs stream {moved[0]} of the '
                                    'model: for dropout, or the key nnx.RNN draws for its '
                                    'initial carry unless given `initial_carry=`')
