@@ -79,6 +79,18 @@ class RematBlock(nnx.Module):
   def __call__(self, x):
     return nnx.remat(lambda block, x: block(x))(self.block, x)
 
+
+class PositionsInside(nnx.Module):
+  """Token plus position embedding, the positions made inside the model at
+  ``jnp.arange(length)[None, :]`` (shared by the examples), as Flax's MiniGPT does."""
+
+  def __init__(self, rngs):
+    self.tokens = nnx.Embed(9, 2, rngs=rngs)
+    self.positions = nnx.Embed(6, 2, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1])[None, :])
+
 def squared_error(model, x, reduction='mean'):
   terms = jnp.sum(jnp.sin(model(x)) ** 2, axis=-1)
   return terms.mean() if reduction == 'mean' else terms.sum()
@@ -92,6 +104,7 @@ MODELS = {
     'root_param': (lambda: RootScale(nnx.Rngs(0)), X),
     'inline_tied': (lambda: InlineTied(nnx.Rngs(0)), TOKENS),
     'scan_in_a_submodule': (lambda: Outer(nnx.Rngs(0)), X),
+    'positions_inside': (lambda: PositionsInside(nnx.Rngs(0)), TOKENS),
 }
 
 

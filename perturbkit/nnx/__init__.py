@@ -101,10 +101,14 @@ model in place of the variables (``loss_fn(model, *args)``); gradients are the
 clipping and the noise are the Linen ones (``help(perturbkit.per_example)``):
 ``nnx.Linear``, ``nnx.Conv``, ``nnx.Embed``, ``nnx.LayerNorm`` and ``nnx.RMSNorm``
 have the fast rules, any other module owning params is replayed per example.
-Refused with a named error: ``nnx.BatchNorm`` in training mode
-(``ExamplesMixedError``), params read outside their module's calls (the root
-module's own, a weight used inline; ``ParamsReadOutsideError``) and modules
-owning params called inside an NNX transform (``nnx.scan``, ``nnx.remat``).
+Layers called inside ``nnx.scan``/``nnx.remat``, the root module's own params, a
+weight used inline and calls on inputs the model makes without the examples (a
+position embedding at ``jnp.arange``) get theirs from a per-example replay of the
+whole model call (``model(x)``). Refused with a named error: ``nnx.BatchNorm`` in
+training mode (``ExamplesMixedError``), params read outside every call of the
+model (a penalty in the loss; ``ParamsReadOutsideError``), modules owning params
+called inside an NNX transform outside any call of the model, and a replayed call
+that draws from an ``nnx.Rngs`` stream (``RandomCallError``).
 Tested against ``jax.vmap`` of ``nnx.grad`` and the Linen twins
 (``tests/test_nnx_per_example.py``).
 

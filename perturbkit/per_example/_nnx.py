@@ -70,7 +70,9 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   ``nnx.RMSNorm`` have the fast rules; any other submodule owning ``nnx.Param`` s
   (``nnx.LinearGeneral``, ``nnx.BatchNorm`` in eval mode, a module of your own) is
   replayed per example. Modules called inside ``nnx.scan`` or ``nnx.remat``, the
-  root module's own params and weights read inline inside the model get theirs
+  root module's own params, weights read inline inside the model and calls on
+  inputs made inside the model with no examples axis 0 (a position embedding
+  looked up at ``jnp.arange(length)[None, :]``) get theirs
   from a per-example replay of the whole model call in the loss (``model(x)``),
   at the cost of ``jax.vmap(nnx.grad)`` of that call (the scanned layers' stacked
   params: each iteration's gradient in its slice). Layers are named by their path (``'layers/0'``), and

@@ -15,7 +15,9 @@ dicts with string keys (``_segments.params_tree``), so that the rules and the no
 
 Owners no call of theirs can give per-example gradients to (called inside an NNX
 transform: ``nnx.scan``, ``nnx.remat``; the root module's own params; params read
-outside their module's calls inside the model, an inline tied head) get them from
+outside their module's calls inside the model, an inline tied head; calls inside the
+model whose inputs do not hold the examples on axis 0, a position embedding looked
+up at ``jnp.arange`` made inside the model) get them from
 a per-example replay of the whole model's calls in the loss (``model(x)``), as
 Linen's do from the top-level ``apply`` (``_fallback``): the cost of
 ``jax.vmap(nnx.grad)`` of that call, only for models that have such owners.
@@ -118,7 +120,8 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
 
   Owners no call of theirs can give per-example gradients to (called inside an
   NNX transform such as ``nnx.scan`` or ``nnx.remat``, the root's own params,
-  params read outside their module's calls but inside the model) are covered by
+  params read outside their module's calls but inside the model, calls inside the
+  model that ``_fallback.source_error`` finds fault with) are covered by
   a per-example replay of the whole model's calls in the loss (``model(x)``), as
   Linen's are by the top-level ``apply``; their uses inside those calls are
   dropped (the replay carries them).
@@ -235,10 +238,15 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
                  for c, leaves in zip(model_calls, model_inputs)]
   refused = nnx_outside_reads(loss_fn, model, args, kwargs, owners)
   by_name = {name: _names(path) for path, name in owners.items()}
-  wanted = lifted | {by_name[name] for name in refused}
+  num_examples = count_examples(args, batch_axes)
+  # Calls inside a model call whose inputs cannot be replayed on their own (a position
+  # embedding looked up at `jnp.arange` made inside the model): the model call can.
+  misfits = {name for name, index, leaves in inputs if (name, index) in in_model_call
+             and source_error(uses[name][index].sources, [x.shape for x in leaves],
+                              num_examples, '') is not None}
+  wanted = lifted | misfits | {by_name[name] for name in refused}
   covered: frozenset = frozenset()
   if wanted and model_calls:
-    num_examples = count_examples(args, batch_axes)
     outside = nnx_outside_reads(loss_fn, model, args, kwargs, owners,
                                 outside_model_calls=True)
     replayable = all(source_error(c.sources, [x.shape for x in leaves], num_examples, '')
