@@ -445,20 +445,25 @@ def test_nnx_each_iteration_steps_as_its_unrolled_block(propagate, optimizer):
 
 def test_nnx_interleaved_optimizer_steps_each_iteration_in_place():
   """``InterleavedOptimizer`` (state in the object, ``nnx.jit``) on the scanned model gives the
-  pure trainer's params, and those of the unrolled twin."""
+  pure trainer's params, and those of the unrolled twin; the per-iteration optimizer states
+  stay out of the model (its graphdef is unchanged, one trace)."""
   model = NNXNet(nnx.Rngs(0))
   twin = NNXUnrolled(nnx.clone(model))
+  graphdef = nnx.graphdef(model)
   opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(1e-2), nnx_mse, X, Y)
   twin_opt = perturbkit.nnx.InterleavedOptimizer(twin, optax.adam(1e-2), nnx_mse, X, Y)
+  traces = []
 
   @nnx.jit
   def train_step(model, opt, x, y):
+    traces.append(1)
     return opt.step(model, x, y)
 
   for _ in range(2):
     metrics = train_step(model, opt, X, Y)
     train_step(twin, twin_opt, X, Y)
   assert metrics['activation_grad_norm']['blocks/down'].shape == (L,)
+  assert nnx.graphdef(model) == graphdef and len(traces) == 2  # one per model
   chex.assert_trees_all_close(nnx_unrolled(nnx.state(model, nnx.Param)),
                               nnx.to_pure_dict(nnx.state(twin, nnx.Param)), **TOL)
 

@@ -232,7 +232,8 @@ def segmented_loss(loss_fn: Callable[..., Any], graphdef: Any, template: nnx.Sta
     fresh = jax.tree.map(lambda leaf: leaf, args)
     with instrument([model], on_call):
       out = loss_fn(model, *fresh)
-    return out, (nnx.state(model, nnx.Not(wrt)),
+    # The iteration states set above are this trace's, not the model's: left out.
+    return out, (nnx.state(model, nnx.All(nnx.Not(wrt), nnx.Not(IterationState))),
                  [nnx.state(o, nnx.RngState) for o in rng_objects(fresh)])
 
   return fn
