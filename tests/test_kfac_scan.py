@@ -262,9 +262,16 @@ class NNXBlock(nnx.Module):
     return x + jnp.tanh(self.norm(self.dense(x)))
 
 
-def nnx_scanned(rngs: nnx.Rngs) -> nnx_models.ScanMLP:
+class NNXRematBlock(NNXBlock):
+  """The block under ``nnx.remat`` (gradient checkpointing inside the scan over layers)."""
+
+  def __call__(self, x):
+    return nnx.remat(lambda block, x: NNXBlock.__call__(block, x))(self, x)
+
+
+def nnx_scanned(rngs: nnx.Rngs, block: type = NNXBlock) -> nnx_models.ScanMLP:
   """``DEPTH`` :class:`NNXBlock` s stacked and run by ``nnx.scan``, then a head to 5 classes."""
-  return nnx_models.ScanMLP(WIDTH, DEPTH, classes=5, block=NNXBlock, rngs=rngs)
+  return nnx_models.ScanMLP(WIDTH, DEPTH, classes=5, block=block, rngs=rngs)
 
 
 class NNXUnrolled(nnx.Module):
@@ -281,8 +288,9 @@ class NNXUnrolled(nnx.Module):
     return self.head(x)
 
 
-def test_nnx_scanned_layers_get_the_unrolled_twins_factors_and_steps():
-  model = nnx_scanned(nnx.Rngs(0))
+@pytest.mark.parametrize('block', [NNXBlock, NNXRematBlock])
+def test_nnx_scanned_layers_get_the_unrolled_twins_factors_and_steps(block):
+  model = nnx_scanned(nnx.Rngs(0), block)
   twin = NNXUnrolled(model)
   x = jax.random.normal(jax.random.key(1), (4, 7, WIDTH))
   y = jax.random.randint(jax.random.key(2), (4, 7), 0, 5)

@@ -127,9 +127,15 @@ def _spared_operands(eqn, spared: Mapping[str, int]) -> range:
 
 
 def _body_outputs(eqn, body, live_out: list[bool]) -> list[bool]:
-  """Which outputs of a nested jaxpr reach the equation's live outputs (all, if unsure)."""
-  if eqn.primitive.name in ('scan', 'while') or len(body.outvars) != len(eqn.outvars):
+  """Which outputs of a nested jaxpr reach the equation's live outputs (all, if unsure).
+
+  A scan's carry feeds the next iteration, so it is always live; each of its stacked
+  outputs is the equation's output of the same index."""
+  if len(body.outvars) != len(eqn.outvars) or eqn.primitive.name == 'while':
     return [True] * len(body.outvars)
+  if eqn.primitive.name == 'scan':
+    carried = eqn.params['num_carry']
+    return [True] * carried + list(live_out[carried:])
   return list(live_out)
 
 
@@ -188,16 +194,22 @@ def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, i
       for name in read.values():
         report(name, eqn.primitive.name)
       continue
-    loops = eqn.primitive.name in ('scan', 'while')
+    # A loop's carry feeds its next iteration: a param handed back there is a read. A
+    # scan's stacked output is the equation's (nnx.remat inside nnx.scan hands each
+    # iteration's slice of the stacked params back): the param, not a read.
+    carried = {'scan': eqn.params.get('num_carry', 0), 'while': len(eqn.outvars)}.get(
+        eqn.primitive.name, 0)
 
-    def passed(j: int, owner: str, outvars=eqn.outvars):
-      owners[outvars[j]] = owner
+    def passed(j: int, owner: str, outvars=eqn.outvars, carried=carried):
+      if j < carried:
+        report(owner, 'output')
+      else:
+        owners[outvars[j]] = owner
 
     for body, operands in bodies:
       offset = len(eqn.invars) - len(operands)
       inner = {b: read[offset + i] for i, b in enumerate(body.invars) if offset + i in read}
-      # A body whose outputs are the equation's (not a loop's carry) hands params back.
-      same_outputs = not loops and len(body.outvars) == len(eqn.outvars)
+      same_outputs = len(body.outvars) == len(eqn.outvars)
       _walk_live(body, inner, _body_outputs(eqn, body, outs), spared, report,
                  passed if same_outputs else None)
   for j, (v, keep) in enumerate(zip(jaxpr.outvars, live_out)):
