@@ -172,11 +172,12 @@ def test_a_scan_in_the_loss_outside_any_model_call_is_refused():
 def test_dropout_in_eval_mode_under_remat_in_scan_is_no_draw():
   """``nnx.remat`` inside ``nnx.scan`` hands the RNG counts back as new values though
   dropout in ``model.eval()`` draws nothing: the model is replayed, not refused; in
-  ``model.train()`` the draw is refused."""
+  ``model.train()`` the draw is refused, naming the params the model call is replayed for."""
   model = remat_scan_with_dropout(nnx.Rngs(0))
   model.eval()
   _, norms = jax.jit(perturbkit.nnx.per_example_grad_norms(squared_error))(model, X)
   assert_norms_equal(norms, reference_grads(squared_error, model, X))
   model.train()
-  with pytest.raises(perturbkit.RandomCallError, match=r'stream blocks\.block\.dropout'):
+  with pytest.raises(perturbkit.RandomApplyReplayError,
+                     match=r'for the params of blocks/block/linear, .*stream blocks\.block\.dropout'):
     perturbkit.nnx.per_example_grad_norms(squared_error)(model, X)

@@ -49,7 +49,8 @@ def _rng_counts(module: nnx.Module) -> list[tuple[Any, Any]]:
           for path, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
 
 
-def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str) -> Replay:
+def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
+               random_error: type[RandomCallError] = RandomCallError) -> Replay:
   """The call of a module rebuilt from its plain ``graphdef``, given its params subtree.
 
   ``template`` is the module's ``nnx.Param`` state (for the variables' types);
@@ -57,9 +58,9 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str)
   the other variables as the module's ``nnx.State`` other than params.
 
   Raises (from the replay):
-    RandomCallError: the call draws from an ``nnx.Rngs`` stream of the model (seen at
-      the draw: a count that an NNX transform hands back unchanged is no draw); a
-      replay cannot draw the batched pass's numbers.
+    RandomCallError: (``random_error``) the call draws from an ``nnx.Rngs`` stream of
+      the model (seen at the draw: a count that an NNX transform hands back unchanged
+      is no draw); a replay cannot draw the batched pass's numbers.
   """
   def replay(params, others, args, kwargs):
     module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
@@ -69,7 +70,7 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str)
     moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
              in zip(before, _rng_counts(module)) if a is not b] + ['?']
     if draws:
-      raise RandomCallError(where, f'it draws from the nnx.Rngs stream {moved[0]} of the '
+      raise random_error(where, f'it draws from the nnx.Rngs stream {moved[0]} of the '
                                    'model: for dropout, or the key nnx.RNN draws for its '
                                    'initial carry unless given `initial_carry=`')
     return out

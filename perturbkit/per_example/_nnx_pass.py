@@ -43,7 +43,7 @@ from perturbkit.core._types import Path
 from perturbkit.core._varying import typed_shape, zeros_like_type
 from perturbkit.core.filters import module_path
 from perturbkit.errors import (ExamplesMixedError, ParamsReadOutsideError, PerExampleError,
-                               UncoveredParamsError)
+                               RandomApplyReplayError, UncoveredParamsError)
 from perturbkit.nnx._calls import Call, NNXPath, instrument, submodules
 from perturbkit.nnx._driver import value_and_grad
 from perturbkit.nnx._ownership import ownership, owned_state, reads_foreign, unowned_state
@@ -280,13 +280,14 @@ def find_nnx_uses(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, k
 
 
 def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple,
-                      kwargs: dict, calls: tuple[ModelCall, ...],
-                      num_examples: int) -> tuple[jax.Array, list[Read]]:
+                      kwargs: dict, calls: tuple[ModelCall, ...], num_examples: int,
+                      covered: frozenset = frozenset()) -> tuple[jax.Array, list[Read]]:
   """The loss, and each call of the whole model as a :class:`Read` of every param.
 
   One forward and backward pass of the loss on a copy of the model gives each
   model call's inputs and output gradient; the read's per-example gradients are
   its call replayed per example (``_reads``), the cost of ``jax.vmap(nnx.grad)``.
+  ``covered`` (the owners it is replayed for) is named if the replay draws random numbers.
   """
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
   plain_graphdef, other_state = nnx.graphdef(model), nnx.state(model, nnx.Not(nnx.Param))
@@ -322,9 +323,11 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
     call_args, call_kwargs = merge_static(arrays, call.template, where)
     check_sources(call.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
     grad = jax.tree.unflatten(call.out_tree, list(cotangent))
+    owners = ', '.join(sorted('/'.join(name) or '<root>' for name in covered))
+    replayed = f'{where.removeprefix("the ")}, replayed per example for the params of {owners},'
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
               replay=nnx_replay(plain_graphdef, nnx.state(model, nnx.Param), call.method_name,
-                                where))
+                                replayed, RandomApplyReplayError))
     reads.append(read_of(Pair(use, tuple(call_args), dict(call_kwargs), grad, other_state),
                          params, lambda cotangent: cotangent, num_examples))
   return loss, reads
@@ -350,7 +353,7 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
   model_reads: list[Read] = []
   if found.covered:
     loss, model_reads = _model_call_reads(loss_fn, model, args, kwargs, found.model_calls,
-                                          num_examples)
+                                          num_examples, found.covered)
   grads, inputs = {'perturbations': {}}, {}
   if called or not found.covered:
     loss, grads, inputs = value_and_grad(loss_fn, filter=selected, return_inputs=True,
