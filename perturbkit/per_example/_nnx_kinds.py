@@ -67,12 +67,13 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
     before = _rng_counts(module)
     with watched_draws(module) as draws:
       out = getattr(module, method_name)(*args, **kwargs)
-    moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
-             in zip(before, _rng_counts(module)) if a is not b] + ['?']
     if draws:
-      raise random_error(where, f'it draws from the nnx.Rngs stream {moved[0]} of the '
-                                   'model: for dropout, or the key nnx.RNN draws for its '
-                                   'initial carry unless given `initial_carry=`')
+      moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
+               in zip(before, _rng_counts(module)) if a is not b]
+      stream = f'the nnx.Rngs stream {moved[0]}' if moved else 'an nnx.Rngs stream'
+      raise random_error(where, f'it draws from {stream} of the model: for dropout, or the '
+                                'key nnx.RNN draws for its initial carry unless given '
+                                '`initial_carry=`')
     return out
 
   return replay
