@@ -681,13 +681,15 @@ class ReductionCheckError(PerturbkitError, ValueError):
 
 
 class PRNGKeyError(PerturbkitError, TypeError):
-  """A random key that is not a JAX PRNG key (a plain integer seed)."""
+  """A random key that is not one JAX PRNG key (a plain integer seed, an array of keys)."""
 
-  def __init__(self, where: str, got: str):
+  def __init__(self, where: str, got: str, several: bool = False):
+    shard = (' Under jax.shard_map give one key to every device (its in_specs entry `P()`), '
+             'not keys split per device (`P(\'data\')`).' if several else '')
     super().__init__(
-        f'{where} needs a JAX random key, got {got}. Pass `jax.random.key(seed)` (or '
+        f'{where} needs a JAX random key, got {got}. Pass one `jax.random.key(seed)` (or '
         'a raw `jax.random.PRNGKey(seed)`), and a different one at every step, e.g. '
-        '`jax.random.fold_in(key, state.step)`.')
+        f'`jax.random.fold_in(key, state.step)`.{shard}')
 
 
 class KFACUnsupportedLayerError(PerturbkitError, TypeError):

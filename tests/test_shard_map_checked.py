@@ -246,6 +246,17 @@ def test_private_grad_without_axis_name_sums_the_devices_and_noises_once(name):
                                 rtol=1e-4, atol=1e-6)
 
 
+def test_keys_split_per_device_are_refused_by_name():
+  """DP-SGD draws its noise from one key; keys split per device and sharded reach each
+  device as an array of one key, refused by name rather than by ``jax.random``."""
+  variables, cross_entropy, features, labels = private_problem('mlp')
+  dp = perturbkit.private_grad(cross_entropy, clip_norm=0.2, noise_multiplier=1.0)
+  keys = jax.random.split(jax.random.key(0), SHARDS)
+  for batch in (keys, jax.random.key_data(keys)):
+    with pytest.raises(perturbkit.PRNGKeyError, match=r"one key to every device.*P\(\)"):
+      on_devices(lambda v, k, x, y: dp(v, k, x, y)[0], variables, batch, features, labels)
+
+
 def test_families_that_all_reduce_refuse_check_vma():
   """The families that all-reduce over axis_name refuse check_vma=True, by name."""
   model, variables, _, x, _ = linen_problem()
