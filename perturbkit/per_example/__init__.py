@@ -200,8 +200,9 @@ batch_axes=0, axis_name=None, dense_method='auto')`` is the privatized gradient
 (``metrics['per_example_norms']``, ``metrics['fraction_clipped']``,
 ``metrics['dropped']``, and ``metrics['skipped']`` from ``dp_sgd``). The key must
 be a JAX random key, ``jax.random.key(seed)`` (raw ``uint32`` key data from
-``jax.random.PRNGKey`` is accepted too); an integer random seed raises
-``PRNGKeyError``. Use a new key each step, e.g. ``jax.random.fold_in(key,
+``jax.random.PRNGKey`` is accepted too); an integer random seed, or an array of
+several keys (keys split per device and sharded by ``shard_map``: give every device
+the same key, ``P()``), raises ``PRNGKeyError``. Use a new key each step, e.g. ``jax.random.fold_in(key,
 step)``. The loss and examples-axis conventions are those of
 ``per_example_grad_norms``, and so are its refusals.
 
