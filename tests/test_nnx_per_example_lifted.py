@@ -56,7 +56,6 @@ class Outer(nnx.Module):
     return self.last(jnp.tanh(self.inner(x)))
 
 
-
 class DropoutBlock(nnx.Module):
   def __init__(self, rngs):
     self.linear = nnx.Linear(4, 4, rngs=rngs)
@@ -90,6 +89,7 @@ class PositionsInside(nnx.Module):
 
   def __call__(self, tokens):
     return self.tokens(tokens) + self.positions(jnp.arange(tokens.shape[1])[None, :])
+
 
 def squared_error(model, x, reduction='mean'):
   terms = jnp.sum(jnp.sin(model(x)) ** 2, axis=-1)
