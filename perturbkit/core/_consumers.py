@@ -126,17 +126,25 @@ def _spared_operands(eqn, spared: Mapping[str, int]) -> range:
   return range(start, start + n)
 
 
+def _carried(eqn) -> int:
+  """How many leading outputs of ``eqn`` are a loop's carry, which feeds its next
+  iteration: every output of a ``while``, a scan's first ``num_carry``, none otherwise."""
+  if eqn.primitive.name == 'while':
+    return len(eqn.outvars)
+  if eqn.primitive.name == 'scan':
+    return eqn.params['num_carry']
+  return 0
+
+
 def _body_outputs(eqn, body, live_out: list[bool]) -> list[bool]:
   """Which outputs of a nested jaxpr reach the equation's live outputs (all, if unsure).
 
-  A scan's carry feeds the next iteration, so it is always live; each of its stacked
-  outputs is the equation's output of the same index."""
-  if len(body.outvars) != len(eqn.outvars) or eqn.primitive.name == 'while':
+  A loop's carry is always live; each other output (a scan's stacked outputs) is the
+  equation's output of the same index."""
+  if len(body.outvars) != len(eqn.outvars):
     return [True] * len(body.outvars)
-  if eqn.primitive.name == 'scan':
-    carried = eqn.params['num_carry']
-    return [True] * carried + list(live_out[carried:])
-  return list(live_out)
+  carried = _carried(eqn)
+  return [True] * carried + list(live_out[carried:])
 
 
 def _live_vars(jaxpr, live_out: list[bool], spared: Mapping[str, int]) -> set:
@@ -197,8 +205,7 @@ def _walk_live(jaxpr, owners: dict, live_out: list[bool], spared: Mapping[str, i
     # A loop's carry feeds its next iteration: a param handed back there is a read. A
     # scan's stacked output is the equation's (nnx.remat inside nnx.scan hands each
     # iteration's slice of the stacked params back): the param, not a read.
-    carried = {'scan': eqn.params.get('num_carry', 0), 'while': len(eqn.outvars)}.get(
-        eqn.primitive.name, 0)
+    carried = _carried(eqn)
 
     def passed(j: int, owner: str, outvars=eqn.outvars, carried=carried):
       if j < carried:
