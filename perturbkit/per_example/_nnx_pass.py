@@ -317,17 +317,17 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
   loss, vjp, seen = jax.vjp(run, zeros, has_aux=True)
   (cotangents,) = vjp(jax.numpy.ones_like(loss))
   params = params_tree(template)
+  owners = ', '.join(sorted('/'.join(name) or '<root>' for name in covered))
   reads = []
   for position, (call, arrays, cotangent) in enumerate(zip(calls, seen, cotangents)):
     where = f'the model call #{position} ({type(model).__name__}.{call.method_name})'
     call_args, call_kwargs = merge_static(arrays, call.template, where)
     check_sources(call.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
     grad = jax.tree.unflatten(call.out_tree, list(cotangent))
-    owners = ', '.join(sorted('/'.join(name) or '<root>' for name in covered))
     replayed = f'{where.removeprefix("the ")}, replayed per example for the params of {owners},'
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
-              replay=nnx_replay(plain_graphdef, nnx.state(model, nnx.Param), call.method_name,
-                                replayed, RandomApplyReplayError))
+              replay=nnx_replay(plain_graphdef, template, call.method_name, replayed,
+                                RandomApplyReplayError))
     reads.append(read_of(Pair(use, tuple(call_args), dict(call_kwargs), grad, other_state),
                          params, lambda cotangent: cotangent, num_examples))
   return loss, reads
