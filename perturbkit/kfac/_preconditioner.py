@@ -58,8 +58,8 @@ class KFACState(NamedTuple):
 def damped_inverse(factor: jax.Array, damping: float | jax.Array) -> jax.Array:
   """``(F + damping·I)⁻¹`` of a symmetric PSD ``F`` (Cholesky; where ``F``'s rounding
   makes ``F + damping·I`` indefinite, its eigendecomposition with the eigenvalues clamped
-  at 0), or ``1 / (F + damping)`` of a diagonal given as a vector, in ``factor``'s dtype (JAX's default float dtype for
-  integers), whatever the type of ``damping``.
+  at 0), or ``1 / (F + damping)`` of a diagonal given as a vector, in ``factor``'s dtype
+  (JAX's default float dtype for integers), whatever the type of ``damping``.
 
   Raises:
     InvalidOptionError: a concrete ``damping`` that is not a finite number > 0 (the
