@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from perturbkit.core._boxes import in_containers_of, plain
 from perturbkit.linen._driver import check_variables, value_and_grad
 from perturbkit.kfac._checks import (abstract, check_calls, check_kernel_shapes, check_layer_info,
                                      check_layers_given,
@@ -353,6 +354,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
                *, with_stats: bool | jax.Array = True):
     check_variables(variables, 'perturbkit.kfac_estimator')
     check_estimate_args(key, with_stats)
+    given, variables = variables, plain(variables)
     check_layers(variables, inputs)
     if isinstance(with_stats, bool):
       if with_stats:
@@ -368,6 +370,7 @@ def kfac_estimator(predict_fn: Callable[[Variables, Any], jax.Array], loss: Any,
       stats = jax.lax.cond(jnp.asarray(with_stats, bool), taken,
                            lambda: absent_like(absent, taken))
       out = value, param_grads, stats, aux
+    out = (out[0], in_containers_of(given['params'], out[1])) + tuple(out[2:])
     return out if has_aux else out[:3]
 
   def with_stats_fn(variables, inputs, targets, key, fisher_only=False):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from perturbkit.core._boxes import plain
 from perturbkit.core._callables import selects
 from perturbkit.core import filters as _filters
 from perturbkit.core._iterations import leaf_shapes_of
@@ -168,6 +169,7 @@ def kfac_layers(predict_fn: Callable[[Variables, Any], Any], variables: Variable
   check_loss_fn(predict_fn, 'perturbkit.kfac_layers', '(variables, inputs) -> output',
                 'prediction function', 'predict_fn')
   check_variables(variables, 'perturbkit.kfac_layers')
+  variables = plain(variables)
   batch_examples(inputs, 'perturbkit.kfac_layers')
   user = None if filter is None else _filters.as_filter(filter)
   supported: dict[tuple, nn.Module] = {}

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from perturbkit.core._boxes import in_containers_of, plain
 from perturbkit.errors import KFACShapeError, KFACUpdateArgsError, NotAnOptimizerError
 from perturbkit.kfac._checks import check_layers_given
 from perturbkit.kfac._layers import KFACLayers
@@ -119,14 +120,15 @@ def layer_inverses(info: LayerInfo, factors: LayerFactors, damping: float | jax.
 
 
 def _split(tree: Any, layers: KFACLayers) -> tuple[dict, dict]:
-  """``({layer: {leaf: value}}, {path: value})``: the layers' leaves, then the rest."""
+  """``({layer: {leaf: array}}, {path: value})``: the layers' leaves, out of their metadata
+  boxes (``nn.with_partitioning``), then the rest as it is (the fallback keeps the boxes)."""
   flat = traverse_util.flatten_dict(tree)
   owned = {info.path: name for name, info in layers.layers.items()}
   per_layer: dict[str, dict] = {name: {} for name in layers.layers}
   rest = {}
   for key, value in flat.items():
     if key[:-1] in owned:
-      per_layer[owned[key[:-1]]][key[-1]] = value
+      per_layer[owned[key[:-1]]][key[-1]] = plain(value)
     else:
       rest[key] = value
   return per_layer, rest
@@ -284,7 +286,7 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
         traverse_util.unflatten_dict(rest), state.fallback, rest_params)
     out.update(traverse_util.flatten_dict(rest_updates))
     count = state.count + 1
-    return (traverse_util.unflatten_dict(out),
+    return (in_containers_of(updates, traverse_util.unflatten_dict(out)),
             KFACState(count, factors, inverses, fallback_state, count % stats_every == 0))
 
   return optax.GradientTransformationExtraArgs(init, update)

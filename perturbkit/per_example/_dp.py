@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from perturbkit.core._boxes import in_containers_of, plain
 from perturbkit.core._values import is_array, values_closed_over
 from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
@@ -276,13 +277,15 @@ def private_grad(loss_fn: Callable[..., Any], *, clip_norm: float, noise_multipl
   def run(variables, key, *args, **kwargs):
     check_variables(variables, 'perturbkit.private_grad')
     check_key(key, 'The DP-SGD step (its `key` argument)')
+    given, variables = variables, plain(variables)
     on_arrays, array_args = values_closed_over(loss_fn, args)
     result = run_pass(on_arrays, variables, array_args, kwargs, reduction=reduction,
                       batch_axes=batch_axes, private=True)
     check_reduction(variables, args, kwargs, result.num_examples)
-    return privatize(result, variables['params'], key, clip_norm=clip_norm,
-                     noise_multiplier=noise_multiplier, axis_name=axis_name,
-                     dense_method=dense_method, reduction=reduction)
+    grads, metrics = privatize(result, variables['params'], key, clip_norm=clip_norm,
+                               noise_multiplier=noise_multiplier, axis_name=axis_name,
+                               dense_method=dense_method, reduction=reduction)
+    return in_containers_of(given['params'], grads), metrics
 
   return run
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from perturbkit.core._boxes import plain
 from perturbkit.core._values import values_closed_over
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, check_batch_axes
@@ -184,6 +185,7 @@ def per_example_grad_norms(loss_fn: Callable[..., Any], *, reduction: str = 'mea
   @functools.wraps(loss_fn)
   def run(variables, *args, **kwargs):
     check_variables(variables, 'perturbkit.per_example_grad_norms')
+    variables = plain(variables)  # the norms are per example: no boxes, no FrozenDict
     on_arrays, array_args = values_closed_over(loss_fn, args)
     result = run_pass(on_arrays, variables, array_args, kwargs, reduction=reduction,
                       batch_axes=batch_axes)

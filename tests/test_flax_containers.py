@@ -1,0 +1,146 @@
+"""Variables in Flax's containers: params annotated for sharding (``nn.with_partitioning``,
+``nn.with_logical_partitioning``), and variables frozen (``flax.core.freeze``).
+
+Annotated params stay in their ``nn.Partitioned`` boxes in the variables (as the Flax guide to
+sharded models keeps them); frozen variables are ``FrozenDict`` all the way down. Per-example norms are checked against ``vmap(grad)``, DP-SGD
+against clipping that by hand, K-FAC against the same functions on the unboxed variables
+(themselves checked against references in the K-FAC tests). Whatever mirrors the params (a
+gradient, an update, the trained variables) keeps the boxes and the ``FrozenDict``, so that
+``nn.get_partition_spec`` reads the same sharding from it and ``optax.apply_updates`` takes
+it with the params; the rest (norms) holds arrays in dicts.
+"""
+import chex
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import perturbkit
+from host_devices import require_devices
+
+_init = nn.initializers.lecun_normal()
+
+
+class ShardedMLP(nn.Module):
+  """Dense kernels split over 'model' (one by mesh axis, one by logical names), a LayerNorm
+  scale and a root-level temperature in boxes too."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(8, kernel_init=nn.with_partitioning(_init, (None, 'model')))(x)
+    h = nn.LayerNorm(scale_init=nn.with_partitioning(nn.initializers.ones, ('model',)))(h)
+    h = nn.Dense(3, kernel_init=nn.with_logical_partitioning(_init, ('hidden', 'classes')),
+                 bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ('model',)))(
+                     jnp.tanh(h))
+    temperature = self.param('temperature', nn.with_partitioning(nn.initializers.ones, ()), ())
+    return h * temperature
+
+
+MODEL = ShardedMLP()
+X = jax.random.normal(jax.random.key(0), (4, 5))
+Y = jnp.arange(4) % 3
+VARIABLES = MODEL.init(jax.random.key(1), X)
+UNBOXED = nn.meta.unbox(VARIABLES)
+GIVEN = {'boxed': VARIABLES, 'frozen': flax.core.freeze(VARIABLES)}
+
+
+def loss_fn(variables, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(MODEL.apply(variables, x), y).mean()
+
+
+def predict(variables, x):
+  return MODEL.apply(variables, x)
+
+
+def per_example_grads():
+  one = lambda x, y: jax.grad(loss_fn)(UNBOXED, x[None], y[None])['params']
+  return jax.vmap(one)(X, Y)
+
+
+def specs(tree):
+  return nn.get_partition_spec(tree)
+
+
+def test_the_model_keeps_boxes():
+  boxed = [type(leaf).__name__ for leaf in jax.tree.leaves(
+      VARIABLES, is_leaf=lambda leaf: isinstance(leaf, nn.meta.AxisMetadata))]
+  assert boxed.count('Partitioned') == 4 and boxed.count('LogicallyPartitioned') == 1
+
+
+@pytest.mark.parametrize('given', GIVEN)
+def test_per_example_norms_equal_vmap_grad(given):
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(GIVEN[given], X, Y)
+  grads = per_example_grads()
+  squares = jax.tree.map(lambda g: np.sum(np.asarray(g).reshape(4, -1) ** 2, axis=1), grads)
+  np.testing.assert_allclose(norms.total, np.sqrt(sum(jax.tree.leaves(squares))), rtol=1e-5)
+  chex.assert_trees_all_close(norms.by_param, jax.tree.map(np.sqrt, squares), rtol=1e-5,
+                              atol=1e-7)
+
+
+@pytest.mark.parametrize('given, mesh', [('boxed', False), ('boxed', True), ('frozen', False)],
+                         ids=['boxed', 'boxed_model_parallel', 'frozen'])
+def test_dp_sgd_step_equals_clipping_by_hand_and_keeps_the_containers(given, mesh):
+  clip = 0.5
+  dp = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=clip, noise_multiplier=0.0)
+  if mesh:
+    with jax.set_mesh(Mesh(np.array(require_devices(8)).reshape(2, 4), ('data', 'model'))), \
+         nn.logical_axis_rules([('hidden', None), ('classes', 'model')]):
+      state, metrics = jax.jit(dp.step)(dp.init(GIVEN[given]), jax.random.key(2), X, Y)
+  else:
+    state, metrics = jax.jit(dp.step)(dp.init(GIVEN[given]), jax.random.key(2), X, Y)
+  grads = per_example_grads()
+  norms = np.sqrt(sum(np.sum(np.asarray(g).reshape(4, -1) ** 2, axis=1)
+                      for g in jax.tree.leaves(grads)))
+  scale = np.minimum(1.0, clip / norms)
+  clipped_mean = jax.tree.map(lambda g: np.tensordot(scale, np.asarray(g), 1) / 4, grads)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, UNBOXED['params'], clipped_mean)
+  np.testing.assert_allclose(metrics['per_example_norms'], norms, rtol=1e-5)
+  assert specs(state.variables) == specs(VARIABLES)
+  assert type(state.variables['params']) is type(GIVEN[given]['params'])
+  chex.assert_trees_all_close(flax.core.unfreeze(nn.meta.unbox(state.variables['params'])),
+                              expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('given', GIVEN)
+def test_private_grad_is_in_the_containers_of_the_params(given):
+  grads, _ = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=1.0))(
+      GIVEN[given], jax.random.key(3), X, Y)
+  assert jax.tree.structure(grads) == jax.tree.structure(GIVEN[given]['params'])
+  assert specs(grads) == specs(VARIABLES['params'])
+
+
+def kfac_step(variables):
+  layers = perturbkit.kfac_layers(predict, variables, X)
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.1, fallback=optax.sgd(0.5)),
+                   optax.sgd(0.1))
+  state = tx.init(variables['params'])
+  loss, grads, stats = jax.jit(estimate)(variables, X, Y, jax.random.key(4))
+  update = lambda grads, state, params, stats: tx.update(grads, state, params, kfac_stats=stats)
+  updates, state = jax.jit(update)(grads, state, variables['params'], stats)
+  return layers, grads, updates, state
+
+
+def unpacked(tree):
+  return flax.core.unfreeze(nn.meta.unbox(tree))
+
+
+@pytest.mark.parametrize('given', GIVEN)
+def test_kfac_step_equals_the_plain_step_and_keeps_the_containers(given):
+  layers, grads, updates, state = kfac_step(GIVEN[given])
+  plain_layers, plain_grads, plain_updates, plain_state = kfac_step(UNBOXED)
+  assert layers.layers == plain_layers.layers and layers.skipped == plain_layers.skipped
+  assert set(layers.layers) == {'Dense_0', 'LayerNorm_0', 'Dense_1'}
+  params_structure = jax.tree.structure(GIVEN[given]['params'])
+  assert jax.tree.structure(grads) == jax.tree.structure(updates) == params_structure
+  assert specs(grads) == specs(updates) == specs(VARIABLES['params'])
+  chex.assert_trees_all_close(unpacked(grads), plain_grads, rtol=1e-6)
+  chex.assert_trees_all_close(unpacked(updates), plain_updates, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(unpacked(state), plain_state, rtol=1e-5, atol=1e-7)
+  # The gradient itself is jax.grad's.
+  chex.assert_trees_all_close(unpacked(grads), jax.grad(loss_fn)(UNBOXED, X, Y)['params'],
+                              rtol=1e-5, atol=1e-7)
