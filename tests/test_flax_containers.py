@@ -144,3 +144,41 @@ def test_kfac_step_equals_the_plain_step_and_keeps_the_containers(given):
   # The gradient itself is jax.grad's.
   chex.assert_trees_all_close(unpacked(grads), jax.grad(loss_fn)(UNBOXED, X, Y)['params'],
                               rtol=1e-5, atol=1e-7)
+
+
+class _Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, h, _):
+    y = nn.Dense(8, kernel_init=nn.with_partitioning(_init, ('embed', 'mlp')))(h)
+    y = nn.LayerNorm(scale_init=nn.with_partitioning(nn.initializers.ones, ('mlp',)))(jnp.tanh(y))
+    return h + y, None
+
+
+class ScannedBlocks(nn.Module):
+  """Blocks stacked by ``nn.scan`` (and remat), their params annotated with a 'layers' axis."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(nn.remat(_Block), variable_axes={'params': 0}, split_rngs={'params': True},
+                    length=3, metadata_params={nn.PARTITION_NAME: 'layers'})
+    h, _ = stack()(nn.Dense(8)(x), None)
+    return nn.Dense(3)(h)
+
+
+def test_interleaved_segments_and_steps_scanned_boxed_layers_as_plain_ones():
+  model = ScannedBlocks()
+  variables = model.init(jax.random.key(5), X)
+  scanned_loss = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(v, x), y).mean()
+  tx = perturbkit.interleaved(scanned_loss, optax.sgd(0.1))
+  steps = {}
+  for name, given in [('boxed', variables), ('plain', nn.meta.unbox(variables))]:
+    assert tx.segments(given, X, Y).iterations == {'ScanCheckpoint_Block_0/Dense_0': 3,
+                                                   'ScanCheckpoint_Block_0/LayerNorm_0': 3}
+    state, _ = jax.jit(tx.step)(tx.init(given, X, Y), X, Y)
+    steps[name] = state.variables
+  assert specs(steps['boxed']) == specs(variables)
+  assert specs(variables)['params']['ScanCheckpoint_Block_0']['Dense_0']['kernel'] == \
+      jax.sharding.PartitionSpec('layers', 'embed', 'mlp')
+  chex.assert_trees_all_close(nn.meta.unbox(steps['boxed']), steps['plain'], rtol=1e-6)

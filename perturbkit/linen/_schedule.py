@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from perturbkit.linen import _segmentation
 from perturbkit.linen._driver import check_variables
+from perturbkit.core._boxes import in_containers_of, plain
 from perturbkit.core._examples import step_examples
 from perturbkit.core._keywords import given, keywords_last, with_keywords
 from perturbkit.core._loss import check_loss, check_loss_fn, describe
@@ -51,7 +52,10 @@ def _is_variables(value: Any) -> bool:
   return isinstance(value, Mapping) and 'params' in value
 
 
-def _plain(variables: Variables) -> dict:
+def _kept(variables: Variables) -> dict:
+  """The variables a state keeps: unfrozen, without perturbations, and params in the
+  metadata boxes they were given in (``nn.with_partitioning``); the sweep sees them
+  ``plain``."""
   check_variables(variables, 'perturbkit.interleaved')
   variables = flax.core.unfreeze(variables)
   return {c: v for c, v in variables.items() if c != COLLECTION}
@@ -367,17 +371,18 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
           'arguments, `init(variables, *args)` / `segments(variables, *args)`, the same '
           'arguments as `step` takes after the state.')
     with suspended(), explaining_unbound_axes('perturbkit.interleaved(...).init'):
-      return _segmentation.choose(loss_fn, _plain(variables), args, segments)
+      return _segmentation.choose(loss_fn, plain(_kept(variables)), args, segments)
 
   def init(variables: Variables, *args, **kwargs) -> InterleavedState:
-    variables = _plain(variables)
+    kept = _kept(variables)
+    variables = plain(kept)
     args = with_keywords(args, kwargs)
     chosen = _segmentation_of(variables, args)
     names = list(chosen.segments)
     checked.add(_checked_key(variables, args, names))
     scanned[tuple(sorted(names))] = chosen.iterations
     at_init['shapes'] = input_shapes(args)
-    return InterleavedState(jnp.zeros((), jnp.int32), variables,
+    return InterleavedState(jnp.zeros((), jnp.int32), kept,
                             init_opt_state(optimizer, variables['params'], names,
                                            chosen.iterations),
                             jnp.zeros((), jnp.float32))
@@ -392,7 +397,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
 
   def _step(state: InterleavedState, args: tuple) -> tuple[InterleavedState, dict]:
     check_unchecked(axis_name, 'perturbkit.interleaved')
-    variables = _plain(state.variables)
+    kept = _kept(state.variables)
+    variables = plain(kept)
     params = variables['params']
     names = [n for n in state.opt_state if n != REST]
     # The state's segments must pass every check on this loss and batch: checked unless
@@ -441,7 +447,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     loss = device_mean(loss, axis_name)
     global_norm = metrics['global_grad_norm']
     kept_norm = jnp.where(jnp.isfinite(global_norm), global_norm, state.grad_norm)
-    new_variables = {**variables, **mutated, 'params': new_params}
+    new_variables = in_containers_of(kept, {**variables, **mutated, 'params': new_params})
     metrics = {'loss': loss, **metrics}
     if has_aux:
       metrics['aux'] = aux
