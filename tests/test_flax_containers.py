@@ -166,19 +166,36 @@ class ScannedBlocks(nn.Module):
     return nn.Dense(3)(h)
 
 
-def test_interleaved_segments_and_steps_scanned_boxed_layers_as_plain_ones():
-  model = ScannedBlocks()
-  variables = model.init(jax.random.key(5), X)
-  scanned_loss = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
+def segment_params(params, name):
+  for key in name.split('/'):
+    params = params[key]
+  return params
+
+
+@pytest.mark.parametrize('scanned', [False, True], ids=['mlp', 'scanned'])
+def test_interleaved_steps_boxed_params_as_plain_ones_and_keeps_the_boxes(scanned):
+  """The boxes stay on the variables and on each segment's optimizer moments; scanned layers
+  are segments per iteration, as without the boxes."""
+  model = ScannedBlocks() if scanned else MODEL
+  variables = model.init(jax.random.key(5), X) if scanned else VARIABLES
+  boxed_loss = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
       model.apply(v, x), y).mean()
-  tx = perturbkit.interleaved(scanned_loss, optax.sgd(0.1))
-  steps = {}
+  tx = perturbkit.interleaved(boxed_loss, optax.adam(0.1))
+  states = {}
   for name, given in [('boxed', variables), ('plain', nn.meta.unbox(variables))]:
-    assert tx.segments(given, X, Y).iterations == {'ScanCheckpoint_Block_0/Dense_0': 3,
-                                                   'ScanCheckpoint_Block_0/LayerNorm_0': 3}
-    state, _ = jax.jit(tx.step)(tx.init(given, X, Y), X, Y)
-    steps[name] = state.variables
-  assert specs(steps['boxed']) == specs(variables)
-  assert specs(variables)['params']['ScanCheckpoint_Block_0']['Dense_0']['kernel'] == \
-      jax.sharding.PartitionSpec('layers', 'embed', 'mlp')
-  chex.assert_trees_all_close(nn.meta.unbox(steps['boxed']), steps['plain'], rtol=1e-6)
+    segmentation = tx.segments(given, X, Y)
+    if scanned:
+      assert segmentation.iterations == {'ScanCheckpoint_Block_0/Dense_0': 3,
+                                         'ScanCheckpoint_Block_0/LayerNorm_0': 3}
+    step = jax.jit(tx.step)
+    states[name] = step(step(tx.init(given, X, Y), X, Y)[0], X, Y)[0]
+  boxed = states['boxed']
+  assert specs(boxed.variables) == specs(variables)
+  for name in segmentation.segments:
+    adam = boxed.opt_state[name][0]
+    assert specs(adam.mu) == specs(adam.nu) == specs(
+        segment_params(variables['params'], name)), name
+  if scanned:
+    assert specs(variables)['params']['ScanCheckpoint_Block_0']['Dense_0']['kernel'] == \
+        jax.sharding.PartitionSpec('layers', 'embed', 'mlp')
+  chex.assert_trees_all_close(nn.meta.unbox(boxed), states['plain'], rtol=1e-6)

@@ -382,9 +382,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     checked.add(_checked_key(variables, args, names))
     scanned[tuple(sorted(names))] = chosen.iterations
     at_init['shapes'] = input_shapes(args)
+    # The optimizer states of boxed params are boxed as optax makes them (each segment's
+    # moments sharded like its params); the sweep sees them plain.
     return InterleavedState(jnp.zeros((), jnp.int32), kept,
-                            init_opt_state(optimizer, variables['params'], names,
-                                           chosen.iterations),
+                            init_opt_state(optimizer, kept['params'], names, chosen.iterations),
                             jnp.zeros((), jnp.float32))
 
   def step(state: InterleavedState, *args, **kwargs) -> tuple[InterleavedState, dict]:
@@ -400,7 +401,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     kept = _kept(state.variables)
     variables = plain(kept)
     params = variables['params']
-    names = [n for n in state.opt_state if n != REST]
+    opt_state = plain(state.opt_state)
+    names = [n for n in opt_state if n != REST]
     # The state's segments must pass every check on this loss and batch: checked unless
     # they passed on inputs of these types (chosen by `init`, or a step before).
     key = _checked_key(variables, args, names)
@@ -419,10 +421,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
         raise
       checked.add(key)
     iterations = scanned[tuple(sorted(names))]
-    check_opt_state(optimizer, params, state.opt_state, iterations)
+    check_opt_state(optimizer, params, opt_state, iterations)
     # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
     # state into its floating-point JAX arrays.
-    sweep = Sweep(optimizer, jax_arrays(state.opt_state),
+    sweep = Sweep(optimizer, jax_arrays(opt_state),
                   clip_scale(clip_global_norm, state.grad_norm), propagate, skip_nonfinite,
                   step_examples(args), iterations)
     swept: dict[str, dict] = {}
@@ -437,7 +439,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       # Each scanned segment's carrier and optimizer state ride beside its params,
       # stacked, so that the scan hands each iteration its own.
       params = with_iteration_state(params, {
-          _segmentation.path_of(n): (carriers[n], state.opt_state[n]) for n in iterations})
+          _segmentation.path_of(n): (carriers[n], opt_state[n]) for n in iterations})
       out, mutated = forward(params, carriers)
       return check_loss(out, has_aux), (out[1] if has_aux else None, mutated)
 
@@ -451,6 +453,7 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     metrics = {'loss': loss, **metrics}
     if has_aux:
       metrics['aux'] = aux
-    return InterleavedState(state.step + 1, new_variables, new_opt_state, kept_norm), metrics
+    return InterleavedState(state.step + 1, new_variables,
+                            in_containers_of(state.opt_state, new_opt_state), kept_norm), metrics
 
   return Interleaved(init, step, segmentation)
