@@ -2,12 +2,15 @@
 ``nn.with_logical_partitioning``), and variables frozen (``flax.core.freeze``).
 
 Annotated params stay in their ``nn.Partitioned`` boxes in the variables (as the Flax guide to
-sharded models keeps them); frozen variables are ``FrozenDict`` all the way down. Per-example norms are checked against ``vmap(grad)``, DP-SGD
-against clipping that by hand, K-FAC against the same functions on the unboxed variables
-(themselves checked against references in the K-FAC tests). Whatever mirrors the params (a
-gradient, an update, the trained variables) keeps the boxes and the ``FrozenDict``, so that
-``nn.get_partition_spec`` reads the same sharding from it and ``optax.apply_updates`` takes
-it with the params; the rest (norms) holds arrays in dicts.
+sharded models keeps them); frozen variables are ``FrozenDict`` all the way down. Per-example
+norms are checked against ``vmap(grad)``, DP-SGD against clipping that by hand, K-FAC and
+interleaved training against the same functions on the unboxed variables (themselves checked
+against references in their own tests). Whatever mirrors the params (a gradient, an update,
+the trained variables, the optimizer's moments) keeps the boxes and the ``FrozenDict``, so
+that ``nn.get_partition_spec`` reads the same sharding from it and ``optax.apply_updates``
+takes it with the params; the rest (norms) holds arrays in dicts. On NNX, where the sharding
+is the variables' metadata, ``InterleavedOptimizer``'s moments carry their params' as
+``nnx.Optimizer``'s do.
 """
 import chex
 import flax
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 import pytest
 from jax.sharding import Mesh
 
@@ -199,3 +203,42 @@ def test_interleaved_steps_boxed_params_as_plain_ones_and_keeps_the_boxes(scanne
     assert specs(variables)['params']['ScanCheckpoint_Block_0']['Dense_0']['kernel'] == \
         jax.sharding.PartitionSpec('layers', 'embed', 'mlp')
   chex.assert_trees_all_close(nn.meta.unbox(boxed), states['plain'], rtol=1e-6)
+
+
+class ShardedNNX(nnx.Module):
+  """The NNX counterpart: kernels sharded over 'model' by their variables' metadata."""
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(5, 8, kernel_init=nnx.with_partitioning(_init, (None, 'model')),
+                        rngs=rngs)
+    self.b = nnx.Linear(8, 3, kernel_init=nnx.with_partitioning(_init, ('model', None)),
+                        rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jnp.tanh(self.a(x)))
+
+
+def test_nnx_interleaved_optimizer_state_keeps_the_params_sharding_like_nnx_optimizer():
+  nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+  with jax.set_mesh(Mesh(np.array(require_devices(8)).reshape(2, 4), ('data', 'model'))):
+    model, reference = ShardedNNX(nnx.Rngs(0)), ShardedNNX(nnx.Rngs(0))
+    opt = perturbkit.nnx.InterleavedOptimizer(model, optax.adam(0.1), nnx_loss, X, Y,
+                                              propagate='original')
+    plain = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, reference, plain):
+      opt.step(model, X, Y)
+      plain.update(reference, nnx.grad(nnx_loss)(reference, X, Y))
+
+    step(model, opt, reference, plain)
+  for name in ('a', 'b'):
+    mine, theirs = opt.opt_state[name][0], plain.opt_state[0]
+    assert nnx.get_partition_spec(nnx.state(mine.mu)) == nnx.get_partition_spec(
+        nnx.state(theirs.mu[name])), name
+    chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(mine.mu)),
+                                nnx.to_pure_dict(nnx.state(theirs.mu[name])), rtol=1e-6)
+  assert nnx.get_partition_spec(nnx.state(opt.opt_state['a'][0].mu))['kernel'].get_value() == \
+      jax.sharding.PartitionSpec(None, 'model')
+  chex.assert_trees_all_close(nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                              nnx.to_pure_dict(nnx.state(reference, nnx.Param)), rtol=1e-6)

@@ -27,7 +27,8 @@ from perturbkit.errors import InvalidOptionError, SegmentationError, Uninitializ
 from perturbkit.core._hooks import Hook, hooks_tuple
 from perturbkit.core._input_types import TypesSeen
 from perturbkit.nnx._driver import check_module, with_hooks
-from perturbkit.nnx._segments import params_tree, rng_objects, segmented_loss, with_values
+from perturbkit.nnx._segments import (params_tree, rng_objects, segmented_loss, variables_tree,
+                                      with_values)
 from perturbkit.core._sweep import (REST, Interleaved, Optimizer, Sweep, backward_for, carrier,
                                     check_opt_state, check_optimizer, clip_scale, device_mean,
                                     explaining_inputs, finish, group, init_opt_state,
@@ -339,21 +340,34 @@ def _check_hooks(settings: _Settings, model: nnx.Module, args: tuple):
       nnx.eval_shape(lambda model, arrays: hooked(model, *rebuild(arrays)), model, arrays)
 
 
-def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple) -> dict:
-  """One optimizer state per segment of ``model``'s loss, and one for ``REST``."""
+def init_opt_state_of(settings: _Settings, model: nnx.Module, args: tuple,
+                      of_variables: bool = False) -> dict:
+  """One optimizer state per segment of ``model``'s loss, and one for ``REST``; made from the
+  params' variables with ``of_variables`` (the states' arrays are then variables carrying
+  their params' metadata, as ``nnx.Optimizer`` makes them), else from their values."""
   _check_model(model)
   _check_hooks(settings, model, args)
   chosen = _segmentation(settings, model, args, settings.segments)
   names = list(chosen.segments)
   settings.checked.add(_checked_key(settings, model, args, names))
   settings.scanned[tuple(sorted(names))] = chosen.iterations
-  return init_opt_state(settings.optimizer, params_tree(nnx.state(model, settings.wrt)), names,
-                        chosen.iterations)
+  params = (variables_tree if of_variables else params_tree)(nnx.state(model, settings.wrt))
+  return init_opt_state(settings.optimizer, params, names, chosen.iterations)
+
+
+def _as_opt_state(leaf: Any) -> Any:
+  """``leaf`` as an ``nnx.OptState``: with the metadata of the param it mirrors (its sharding;
+  ``optimizer_sharding`` where the param names one), as ``nnx.Optimizer`` keeps it."""
+  if isinstance(leaf, nnx.Variable):
+    metadata = leaf.get_metadata()
+    if 'optimizer_sharding' in metadata:
+      metadata['out_sharding'] = metadata.pop('optimizer_sharding')
+    return nnx.OptState(leaf.get_value(), **metadata)
+  return nnx.OptState(leaf) if isinstance(leaf, jax.Array) else leaf
 
 
 def _as_variables(tree: Any) -> Any:
-  return jax.tree.map(lambda leaf: nnx.OptState(leaf) if isinstance(leaf, jax.Array) else leaf,
-                      tree)
+  return jax.tree.map(_as_opt_state, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _values(tree: Any) -> Any:
@@ -371,7 +385,8 @@ class InterleavedOptimizer(nnx.Pytree):
 
   Attributes:
     step_count: ``nnx.OptState`` with the number of steps taken.
-    opt_state: One optimizer state per segment (``nnx.OptState`` leaves).
+    opt_state: One optimizer state per segment (``nnx.OptState`` leaves with the metadata,
+      the sharding too, of the params they mirror, as in ``nnx.Optimizer``).
     grad_norm: ``nnx.OptState``, the previous step's global gradient norm.
 
   Example:
@@ -432,7 +447,7 @@ class InterleavedOptimizer(nnx.Pytree):
     self.step_count = nnx.OptState(jnp.zeros((), jnp.uint32))
     self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
     self.opt_state = nnx.data(_as_variables(init_opt_state_of(self.settings, model,
-                                                              example_args)))
+                                                              example_args, of_variables=True)))
 
   def segments(self, model: nnx.Module, *args, **kwargs) -> _nnx_segmentation.Segmentation:
     """The segments of the loss on ``model`` and the params left to ``REST`` with why.

@@ -45,6 +45,12 @@ def params_tree(state: nnx.State) -> dict:
   return traverse_util.unflatten_dict(flat) if flat else {}
 
 
+def variables_tree(state: nnx.State) -> dict:
+  """The variables of ``state`` (not their values) as nested dicts with string keys."""
+  flat = {tuple(map(str, path)): var for path, var in nnx.to_flat_state(state)}
+  return traverse_util.unflatten_dict(flat) if flat else {}
+
+
 def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
   """A new ``state`` of the same variables holding the values of ``params_tree``-shaped ``tree``."""
   flat = traverse_util.flatten_dict(tree) if tree else {}
