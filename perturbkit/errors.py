@@ -950,7 +950,22 @@ class AmbiguousInputError(PerExampleError):
 class SharedCallError(PerExampleError):
   """A param-owning call has no per-example input, so its output gradient sums over the examples."""
 
-  def __init__(self, where):
+  def __init__(self, where, nnx: bool = False):
+    if nnx:
+      replay = ('the model call it runs in (`model(x)`, replayed per example); this error means '
+                'that call cannot be replayed per example either: the call is made by the loss '
+                'itself, outside any call of the model, or the model call is given an input made '
+                'in the loss from no batched argument, or it runs inside a transform within the '
+                'loss (`nnx.remat`, `nnx.jit` or `jax.checkpoint` around the model call). A term '
+                'of the loss computed from the params alone (a penalty, a method of the model '
+                'called on no batched input)')
+    else:
+      replay = ('its `model.apply` (replayed per example); this error means that apply cannot '
+                'be replayed per example either: it is given an input made in the loss from no '
+                'batched argument, or it runs inside a JAX transform within the loss '
+                '(`jax.checkpoint`, `jax.jit` around `model.apply`). A term of the loss '
+                'computed from the params alone (a penalty the model computes, '
+                '`model.apply(variables, method=...)` on no batched input)')
     super().__init__(
         f'The call {where} has no per-example input: none of its inputs is computed from '
         'the batched arguments of the loss (`batch_axes`), so its output is the same for '
@@ -959,13 +974,8 @@ class SharedCallError(PerExampleError):
         'module to per-example inputs (for a positional embedding, pass the positions as '
         'a batched argument of the loss), and pass the batch to the loss as an argument '
         'rather than closing over it. A call inside the model that builds such inputs itself '
-        '(Whisper\'s encoder looks up `jnp.arange(max_source_positions)`) is covered by a '
-        'per-example replay of its `model.apply`; this error means that apply cannot be '
-        'replayed per example either: it is given an input made in the loss from no batched '
-        'argument, or it runs inside a JAX transform within the loss (`jax.checkpoint`, '
-        '`jax.jit` around `model.apply`). A term of the loss computed from the params alone '
-        '(a penalty the model computes, `model.apply(variables, method=...)` on no batched '
-        'input) belongs to no example: leave it out of this loss and add its gradient to '
+        '(Whisper\'s encoder looks up `jnp.arange(max_source_positions)`) is covered by '
+        f'{replay} belongs to no example: leave it out of this loss and add its gradient to '
         'the result.')
 
 

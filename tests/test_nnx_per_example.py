@@ -251,6 +251,13 @@ def test_named_errors():
     perturbkit.nnx.private_grad(lambda m, x: squared_error(m, x) + jnp.sum(m.scale[...]),
                                 clip_norm=1.0, noise_multiplier=0.0)(
         RootScale(nnx.Rngs(0)), jax.random.key(0), x)
+  # A call the loss makes itself on an input made from no batched argument: the message
+  # speaks of the model call, which it is outside of, not of Linen's model.apply.
+  tied = TiedLM(nnx.Rngs(0))
+  outside = lambda m, tokens: next_token_loss(m, tokens) + jnp.sum(m.hidden(jnp.ones((1, 6))))
+  with pytest.raises(perturbkit.SharedCallError, match='outside any call of the model') as error:
+    perturbkit.nnx.per_example_grad_norms(outside)(tied, jnp.ones((3, 5), jnp.int32))
+  assert 'model.apply' not in str(error.value)
   perturbkit.nnx.check_per_example(squared_error, model, x)
 
 

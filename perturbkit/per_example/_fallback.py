@@ -40,7 +40,7 @@ Shape = tuple[int, ...]
 
 
 def source_error(sources: Sequence[str], shapes: Sequence[Shape], num_examples: int,
-                 where: str) -> PerExampleError | None:
+                 where: str, nnx: bool = False) -> PerExampleError | None:
   """Why a call cannot be replayed per example from its inputs, if it cannot.
 
   Args:
@@ -48,6 +48,8 @@ def source_error(sources: Sequence[str], shapes: Sequence[Shape], num_examples: 
     shapes: The array inputs' shapes, in the same order.
     num_examples: The number of examples.
     where: The call's name, for the message.
+    nnx: Whether the model is an NNX one (the message speaks of its model calls, not of
+      ``model.apply``).
 
   Returns:
     :class:`ExamplesAxisError` if a per-example input has another axis 0,
@@ -63,7 +65,7 @@ def source_error(sources: Sequence[str], shapes: Sequence[Shape], num_examples: 
     if kind == 'constant' and rows == (num_examples,):
       return AmbiguousInputError(where, index, tuple(shape))
   if 'example' not in sources:
-    return SharedCallError(where)
+    return SharedCallError(where, nnx)
   return None
 
 
@@ -74,9 +76,9 @@ def array_shapes(tree: Any) -> list[Shape]:
 
 
 def check_sources(sources: Sequence[str], shapes: Sequence[Shape], num_examples: int,
-                  where: str) -> None:
+                  where: str, nnx: bool = False) -> None:
   """Raises :func:`source_error`'s error, if there is one."""
-  error = source_error(sources, shapes, num_examples, where)
+  error = source_error(sources, shapes, num_examples, where, nnx)
   if error is not None:
     raise error
 

@@ -322,7 +322,8 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
   for position, (call, arrays, cotangent) in enumerate(zip(calls, seen, cotangents)):
     where = f'the model call #{position} ({type(model).__name__}.{call.method_name})'
     call_args, call_kwargs = merge_static(arrays, call.template, where)
-    check_sources(call.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
+    check_sources(call.sources, array_shapes((call_args, call_kwargs)), num_examples, where,
+                  nnx=True)
     grad = jax.tree.unflatten(call.out_tree, list(cotangent))
     replayed = f'{where.removeprefix("the ")}, replayed per example for the params of {owners},'
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
@@ -371,7 +372,8 @@ def run_nnx_pass(loss_fn: Callable[..., Any], model: nnx.Module, args: tuple, kw
       where = '/'.join(name + (use.key,))
       call_args, call_kwargs = merge_static(find_in(inputs, path + (use.key,)), use.template,
                                             where)
-      check_sources(use.sources, array_shapes((call_args, call_kwargs)), num_examples, where)
+      check_sources(use.sources, array_shapes((call_args, call_kwargs)), num_examples, where,
+                    nnx=True)
       pairs.append(Pair(use, tuple(call_args), dict(call_kwargs), grad, others[path]))
     subtree = find_in(params, name)
     layers.append(Layer(name, pairs, subtree,
