@@ -506,19 +506,36 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
   params = variables['params']
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, kfac_stats=stats)
 
+  hand = {}
   for name in ('Conv_0', 'Dense_0'):
     kernel = np.asarray(grads[name]['kernel'])
     theta = np.concatenate([kernel.reshape(-1, kernel.shape[-1]), grads[name]['bias'][None]])
     expected = hand_precondition(theta, stats[name].a, stats[name].g, damping)
-    np.testing.assert_allclose(updates[name]['kernel'], expected[:-1].reshape(kernel.shape),
-                               rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(updates[name]['bias'], expected[-1], rtol=1e-4, atol=1e-6)
-  expected = hand_precondition(grads['Embed_0']['embedding'], stats['Embed_0'].a,
-                               stats['Embed_0'].g, damping)
-  np.testing.assert_allclose(updates['Embed_0']['embedding'], expected, rtol=1e-4, atol=1e-6)
+    hand[name] = {'kernel': expected[:-1].reshape(kernel.shape), 'bias': expected[-1]}
+  hand['Embed_0'] = {'embedding': hand_precondition(grads['Embed_0']['embedding'],
+                                                    stats['Embed_0'].a, stats['Embed_0'].g,
+                                                    damping)}
+  for name, leaves in hand.items():
+    for leaf, expected in leaves.items():
+      np.testing.assert_allclose(updates[name][leaf], expected, rtol=1e-4, atol=1e-6)
   chex.assert_trees_all_close(updates['GroupNorm_0'],
                               jax.tree.map(lambda g: -3.0 * g, grads['GroupNorm_0']), rtol=1e-6)
   assert int(state.count) == 1
+
+  # norm_constraint=c scales the layers' v by sqrt(c / <v, g>) where <v, g> > c (here
+  # c = <v, g> / 4, so by 1/2), and leaves them as they are where c is larger.
+  inner = sum(np.vdot(np.asarray(v, np.float64), np.asarray(grads[name][leaf], np.float64))
+              for name, leaves in hand.items() for leaf, v in leaves.items())
+  assert inner > 0
+  for c, scale in ((inner / 4, 0.5), (4 * inner, 1.0)):
+    tx = perturbkit.kfac_preconditioner(layers, damping=damping, fallback=optax.scale(-3.0),
+                                        norm_constraint=c)
+    constrained, _ = jax.jit(tx.update)(grads, tx.init(params), params, kfac_stats=stats)
+    for name, leaves in hand.items():
+      for leaf, expected in leaves.items():
+        np.testing.assert_allclose(constrained[name][leaf], scale * expected, rtol=1e-4,
+                                   atol=1e-6)
+    chex.assert_trees_all_close(constrained['GroupNorm_0'], updates['GroupNorm_0'], rtol=1e-6)
 
 
 class TokenMLP(nn.Module):

@@ -169,6 +169,14 @@ def test_damped_inverse_of_a_factor_rounded_below_minus_the_damping_is_finite():
                              rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_norm_constraint(layers, nnx_layers, value):
+  with raises_invalid('norm_constraint', value):
+    perturbkit.kfac_preconditioner(layers, norm_constraint=value)
+  with raises_invalid('norm_constraint', value):
+    perturbkit.nnx.kfac_preconditioner(nnx_layers, norm_constraint=value)
+
+
 @pytest.mark.parametrize('value', BAD_FRACTION)
 def test_decay(layers, nnx_layers, value):
   with raises_invalid('decay', value):
@@ -192,7 +200,8 @@ def test_counts(layers, nnx_layers, name, value):
 
 def test_kfac_options_in_range_are_accepted(layers):
   perturbkit.kfac_preconditioner(layers, damping=np.float32(1e-3), decay=0.0,
-                                 inverse_every=np.int64(3), stats_every=1)
+                                 inverse_every=np.int64(3), stats_every=1,
+                                 norm_constraint=np.float32(1e-2))
 
 
 @pytest.mark.parametrize('value', BAD_POSITIVE)

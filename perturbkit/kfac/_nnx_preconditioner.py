@@ -48,7 +48,8 @@ def kfac_preconditioner(layers: KFACLayers, **options: Any
   Args:
     layers: From :func:`perturbkit.nnx.kfac_layers`.
     **options: ``damping``, ``decay``, ``inverse_every``, ``stats_every``,
-      ``axis_name``, ``fallback``, as for :func:`perturbkit.kfac_preconditioner`.
+      ``axis_name``, ``fallback``, ``norm_constraint``, as for
+      :func:`perturbkit.kfac_preconditioner`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a

@@ -23,6 +23,7 @@ import optax
 from flax import traverse_util
 
 from perturbkit.core._boxes import in_containers_of, plain
+from perturbkit.core._precision import widened
 from perturbkit.errors import KFACShapeError, KFACUpdateArgsError, NotAnOptimizerError
 from perturbkit.kfac._checks import check_layers_given
 from perturbkit.kfac._layers import KFACLayers
@@ -162,10 +163,24 @@ def _check_stats(layers: KFACLayers, stats: Any) -> None:
       raise KFACShapeError(name, f'factor shapes {got} do not match the layer ({expected})')
 
 
+def constrained(preconditioned: dict, grads: dict, norm_constraint: float) -> dict:
+  """``preconditioned`` (``v``, by layer and leaf) times ``min(1, sqrt(c / <v, g>))``.
+
+  ``<v, g>`` is summed in at least float32 over every layer; where it is at most ``c``
+  (also where rounding makes it slightly negative) the scale is exactly 1.
+  """
+  inner = sum(jnp.sum(widened(v) * widened(grads[name][leaf]))
+              for name, leaves in preconditioned.items() for leaf, v in leaves.items())
+  scale = jnp.where(inner > norm_constraint,
+                    jnp.sqrt(norm_constraint / jnp.maximum(inner, norm_constraint)), 1.0)
+  return jax.tree.map(lambda v: (v * scale).astype(v.dtype), preconditioned)
+
+
 def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: float = 0.95,
                         inverse_every: int = 10, stats_every: int | None = None,
                         axis_name: str | None = None,
-                        fallback: optax.GradientTransformation | None = None
+                        fallback: optax.GradientTransformation | None = None,
+                        norm_constraint: float | None = None
                         ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning of the gradients of ``layers``, as an optax transformation.
 
@@ -182,7 +197,9 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   each layer (``diag(A + λ)⁻¹ ∇E (G + λI)⁻¹`` for an Embed, ``∇θ / (F + λ)`` for
   a LayerNorm's or RMSNorm's scale and bias). Every other param's
   gradient goes through ``fallback`` (default: unchanged). Chain it with the
-  step: ``optax.chain(kfac_preconditioner(layers), optax.sgd(lr, momentum=0.9))``.
+  step: ``optax.chain(kfac_preconditioner(layers, norm_constraint=0.1),
+  optax.sgd(lr, momentum=0.9))``; without ``norm_constraint``, a step from
+  factors still near zero in some direction can blow up (see that option).
 
   Args:
     layers: From :func:`kfac_layers`.
@@ -195,13 +212,24 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
       skip the statistics (they are then a plain gradient step).
     axis_name: Mapped axis to average the factors over, or ``None``.
     fallback: Transformation of the params outside ``layers``.
+    norm_constraint: ``c`` or ``None`` (default: no constraint). The layers'
+      preconditioned gradients ``v`` are scaled by ``min(1, sqrt(c / <v, g>))``,
+      ``g`` their gradients, so that their squared norm in the damped Fisher
+      metric, ``<v, (F + λ) v> = <v, g>``, is at most ``c``: a bound on the step
+      where the factors are still near zero in some direction (early steps, a
+      small ``damping``), which untuned K-FAC steps can otherwise blow up. With a
+      learning rate ``η`` chained after it, the step's squared norm is at most
+      ``η² c``: KFAC-pytorch's ``kl_clip`` κ is ``c = κ / η²``, and kfac-jax's
+      ``norm_constraint`` ``n`` is ``c = n / η²``. The params outside ``layers``
+      are not scaled.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`KFACState`.
 
   Raises:
     InvalidOptionError: ``damping`` is not a finite number > 0, ``decay`` not in
-      ``[0, 1)``, or ``inverse_every``/``stats_every`` not an integer >= 1.
+      ``[0, 1)``, ``inverse_every``/``stats_every`` not an integer >= 1, or
+      ``norm_constraint`` neither ``None`` nor a finite number > 0.
     KFACLayersTypeError: ``layers`` is not the ``KFACLayers`` (e.g. ``layers.layers``).
     NotAnOptimizerError: ``fallback`` is not an optax transformation (e.g. ``'adam'``).
     KFACShapeError: the params, gradients or factors do not match ``layers``.
@@ -232,6 +260,8 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
                               '(chained after the preconditioner, the learning rate is '
                               'applied once by the chain).', per_segment=False)
   positive('damping', damping)
+  if norm_constraint is not None:
+    positive('norm_constraint', norm_constraint)
   fraction('decay', decay)
   positive_int('inverse_every', inverse_every)
   stats_every = inverse_every if stats_every is None else positive_int('stats_every', stats_every)
@@ -275,9 +305,13 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
         lambda: {name: layer_inverses(info, factors[name], damping)
                  for name, info in layers.layers.items()},
         lambda: state.inverses)
+    preconditioned = {name: precondition(info, per_layer[name], inverses[name])
+                      for name, info in layers.layers.items()}
+    if norm_constraint is not None:
+      preconditioned = constrained(preconditioned, per_layer, norm_constraint)
     out = {}
     for name, info in layers.layers.items():
-      for leaf, value in precondition(info, per_layer[name], inverses[name]).items():
+      for leaf, value in preconditioned[name].items():
         out[info.path + (leaf,)] = value
     rest_params = None
     if params is not None:
