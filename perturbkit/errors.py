@@ -995,24 +995,35 @@ class RandomCallError(PerExampleError):
 
 
 class RandomApplyReplayError(RandomCallError):
-  """A whole ``apply`` replayed per example draws random numbers (e.g. dropout in layers run
-  inside ``nn.remat``, as with Hugging Face's gradient checkpointing)."""
+  """A whole ``apply`` (NNX: model call) replayed per example draws random numbers (e.g.
+  dropout in layers run inside ``nn.remat``, as with Hugging Face's gradient checkpointing)."""
 
-  def __init__(self, where, detail):
+  def __init__(self, where, detail, nnx: bool = False):
+    if nnx:
+      cases = ('the whole model call is replayed per example: some params it runs get no '
+               'per-example gradient from their own calls. That is the case for the params of '
+               'modules run inside nnx.remat or nnx.scan, of the model itself, read outside '
+               'their module\'s calls, or of a call on an input the model makes itself (a '
+               'position embedding looked up at `jnp.arange`), as help(perturbkit.per_example), '
+               '"Flax NNX", says. ')
+      fix = ('Take the per-example step with the model in `model.eval()` (or its dropout '
+             'layers `deterministic=True`).')
+    else:
+      cases = ('the whole apply is replayed per example: some params it holds get no '
+               'per-example gradient from their own calls. That is the case for every module '
+               'run inside nn.remat, nn.checkpoint or nn.scan (Hugging Face\'s '
+               '`gradient_checkpointing=True`, scanned layers), for params of the root module, '
+               'for params read outside their module\'s calls, for a module.apply nested in the '
+               'model (other than a tied output head), and for the other cases in '
+               'help(perturbkit.per_example), "Replaying the whole apply". ')
+      fix = ('Build the model without gradient checkpointing for the per-example step (its '
+             'layers\' calls then record the batched pass\'s random numbers, dropout between '
+             'layers included), or make the apply deterministic (`deterministic=True`, no '
+             '`rngs`).')
     super(RandomCallError, self).__init__(
-        f'The {where} draws random numbers ({detail}), and the whole apply is replayed per '
-        'example: some params it holds get no per-example gradient from their own calls. '
-        'That is the case for every module run inside nn.remat, nn.checkpoint or nn.scan '
-        '(Hugging Face\'s `gradient_checkpointing=True`, scanned layers), for params of the '
-        'root module, for params read outside their module\'s calls, for a module.apply '
-        'nested in the model (other than a tied output head), and for the other cases '
-        'in help(perturbkit.per_example), "Replaying the whole apply". A replay of one '
-        'example cannot draw the random numbers the batched forward pass drew (dropout '
-        'masks, random attention blocks), so its gradients would not be those of the loss. '
-        'Build the model without gradient checkpointing for the per-example step (its '
-        'layers\' calls then record the batched pass\'s random numbers, dropout between '
-        'layers included), or make the apply deterministic (`deterministic=True`, no '
-        '`rngs`).')
+        f'The {where} draws random numbers ({detail}), and {cases}A replay of one example '
+        'cannot draw the random numbers the batched forward pass drew (dropout masks, random '
+        'attention blocks), so its gradients would not be those of the loss. ' + fix)
 
 
 class OptaxPrivacyError(PerExampleError):

@@ -179,5 +179,9 @@ def test_dropout_in_eval_mode_under_remat_in_scan_is_no_draw():
   assert_norms_equal(norms, reference_grads(squared_error, model, X))
   model.train()
   with pytest.raises(perturbkit.RandomApplyReplayError,
-                     match=r'for the params of blocks/block/linear, .*stream blocks\.block\.dropout'):
+                     match=r'for the params of blocks/block/linear, .*stream blocks\.block\.dropout'
+                     ) as error:
     perturbkit.nnx.per_example_grad_norms(squared_error)(model, X)
+  # In NNX's words: the model call is replayed, and model.eval() is the fix.
+  assert 'whole model call' in str(error.value) and 'model.eval()' in str(error.value)
+  assert 'apply' not in str(error.value)

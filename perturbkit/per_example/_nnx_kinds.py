@@ -7,7 +7,7 @@ counterparts (the same param names and layouts); any other module that owns
 example: a copy of it merged from its graphdef with the given params, its method
 called on one example's inputs.
 """
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -50,7 +50,7 @@ def _rng_counts(module: nnx.Module) -> list[tuple[Any, Any]]:
 
 
 def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
-               random_error: type[RandomCallError] = RandomCallError) -> Replay:
+               random_error: Callable[[str, str], RandomCallError] = RandomCallError) -> Replay:
   """The call of a module rebuilt from its plain ``graphdef``, given its params subtree.
 
   ``template`` is the module's ``nnx.Param`` state (for the variables' types);

@@ -29,6 +29,7 @@ read outside every model call, a penalty in the loss (:class:`ParamsReadOutsideE
 an owner never called (:class:`UncoveredParamsError`); calls without per-example
 inputs (:class:`SharedCallError`, :class:`AmbiguousInputError`).
 """
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -328,7 +329,7 @@ def _model_call_reads(loss_fn: Callable[..., Any], model: nnx.Module, args: tupl
     replayed = f'{where.removeprefix("the ")}, replayed per example for the params of {owners},'
     use = Use((), where, call.method_name, plain_graphdef, call.template, call.sources,
               replay=nnx_replay(plain_graphdef, template, call.method_name, replayed,
-                                RandomApplyReplayError))
+                                functools.partial(RandomApplyReplayError, nnx=True)))
     reads.append(read_of(Pair(use, tuple(call_args), dict(call_kwargs), grad, other_state),
                          params, lambda cotangent: cotangent, num_examples))
   return loss, reads
