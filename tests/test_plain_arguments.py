@@ -289,3 +289,23 @@ def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
                      X, Y, True, 'sum')
   chex.assert_trees_all_close(nnx.state(state.model(), nnx.Param),
                               nnx.state(reference, nnx.Param), **TOL)
+
+
+def test_an_interleaved_step_takes_a_learning_rate_set_by_hand_as_a_python_float():
+  """``state.hyperparams['learning_rate'] = 0.05`` (``optax.inject_hyperparams``) between
+  steps, run without ``jax.jit``: the float was not counted among the state's floating-point
+  arrays, which the update returns as one, and the step raised JAX's raw custom-VJP
+  TypeError. Equals ``jax.grad`` and optax with the same learning rates."""
+  adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0.01)
+  want, opt_state = VARIABLES['params'], adamw.init(VARIABLES['params'])
+  tx = perturbkit.interleaved(linen_loss, adamw, propagate='original')
+  state = tx.init(VARIABLES, X, Y, True, 'sum')
+  for rate in (0.1, 0.05):
+    opt_state.hyperparams['learning_rate'] = rate
+    updates, opt_state = adamw.update(jax.grad(linen_loss)(
+        {'params': want}, X, Y, True, 'sum')['params'], opt_state, want)
+    want = optax.apply_updates(want, updates)
+    for segment_state in state.opt_state.values():
+      segment_state.hyperparams['learning_rate'] = rate
+    state, _ = tx.step(state, X, Y, True, 'sum')
+  chex.assert_trees_all_close(state.params, want, **TOL)

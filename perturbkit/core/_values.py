@@ -53,12 +53,17 @@ def values_closed_over(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..
 
 
 def jax_arrays(tree: Any) -> Any:
-  """``tree`` with each NumPy array (or scalar) leaf as a JAX array, every other leaf as it is.
+  """``tree`` with each NumPy array, NumPy scalar or Python number leaf as a JAX array, every
+  other leaf as it is: what ``jax.jit`` hands a function for these leaves.
 
   State restored from a checkpoint (``flax.serialization``) holds NumPy arrays where
-  the state a step returns holds JAX ones; code that splits a state into its
-  floating-point arrays must see both as the same arrays (under ``jax.jit`` they
-  are tracers already, and nothing changes)."""
+  the state a step returns holds JAX ones, and a hyperparameter set by hand between
+  steps (``state.hyperparams['learning_rate'] = 1e-4`` for
+  ``optax.inject_hyperparams``) is a Python float; code that splits a state into its
+  floating-point arrays must see all of these as the arrays the optimizer's update
+  returns in their place (under ``jax.jit`` they are tracers already, and nothing
+  changes)."""
   return jax.tree.map(
-      lambda leaf: jax.numpy.asarray(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf,
+      lambda leaf: jax.numpy.asarray(leaf)
+      if isinstance(leaf, (np.ndarray, np.generic, bool, int, float, complex)) else leaf,
       tree)

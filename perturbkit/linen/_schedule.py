@@ -422,8 +422,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       checked.add(key)
     iterations = scanned[tuple(sorted(names))]
     check_opt_state(optimizer, params, opt_state, iterations)
-    # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
-    # state into its floating-point JAX arrays.
+    # A state restored from a checkpoint holds NumPy arrays, a hyperparameter set by hand a
+    # Python number: the sweep splits the optimizer state into its floating-point JAX arrays.
     sweep = Sweep(optimizer, jax_arrays(opt_state),
                   clip_scale(clip_global_norm, state.grad_norm), propagate, skip_nonfinite,
                   step_examples(args), iterations)

@@ -127,8 +127,8 @@ def _train(settings: _Settings, model: nnx.Module, opt_state: dict, grad_norm: j
   iterations = settings.scanned[tuple(sorted(names))]
   check_opt_state(settings.optimizer, params, opt_state, iterations)
   paths = {name: path for name, path in _segment_paths(model, names)}
-  # A state restored from a checkpoint holds NumPy arrays: the sweep splits the optimizer
-  # state into its floating-point JAX arrays.
+  # A state restored from a checkpoint holds NumPy arrays, a hyperparameter set by hand a
+  # Python number: the sweep splits the optimizer state into its floating-point JAX arrays.
   sweep = Sweep(settings.optimizer, jax_arrays(opt_state),
                 clip_scale(settings.clip_global_norm, grad_norm), settings.propagate,
                 settings.skip_nonfinite, step_examples(args), iterations)
