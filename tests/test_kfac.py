@@ -676,6 +676,17 @@ def test_two_jitted_steps_picked_in_python_equal_the_traced_flag():
   assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(wrong.factors))
 
 
+def test_a_step_donating_the_state_from_init_equals_the_step_keeping_it():
+  """``jax.jit(step, donate_argnums=...)`` on the state ``init`` returns: its factors and
+  inverses were one buffer each, and XLA refused to donate a buffer twice."""
+  (x, _, _), variables, (_, grads, stats) = mlp_estimate('empirical')
+  params, layers = variables['params'], setup(MLP(), x)[2]
+  tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.1), optax.adam(0.1))
+  update = lambda state: tx.update(grads, state, params, kfac_stats=stats)
+  want = jax.jit(update)(tx.init(params))
+  chex.assert_trees_all_close(jax.jit(update, donate_argnums=0)(tx.init(params)), want)
+
+
 def test_jitted_training_step_traces_once_and_lowers_the_loss():
   x = jax.random.normal(jax.random.key(1), (64, 3))
   y = (x[:, 0] > 0).astype(jnp.int32) + 2 * (x[:, 1] > 0).astype(jnp.int32)

@@ -276,10 +276,12 @@ def kfac_preconditioner(layers: KFACLayers, *, damping: float = 1e-3, decay: flo
   def init(params: Any) -> KFACState:
     per_layer, rest = _split(params, layers)
     _check_params(layers, per_layer)
-    # Each layer's factors in its params' precision (float64 for a float64 layer).
-    zeros = {name: filled_factors(info, 0.0, params_dtype(info, per_layer[name]))
-             for name, info in layers.layers.items()}
-    return KFACState(jnp.zeros((), jnp.int32), zeros, zeros,
+    # Each layer's factors in its params' precision (float64 for a float64 layer). The
+    # factors and the inverses are arrays of their own: a step that donates the state
+    # (`jax.jit(step, donate_argnums=...)`) cannot donate one buffer twice.
+    zeros = lambda: {name: filled_factors(info, 0.0, params_dtype(info, per_layer[name]))
+                     for name, info in layers.layers.items()}
+    return KFACState(jnp.zeros((), jnp.int32), zeros(), zeros(),
                      fallback.init(traverse_util.unflatten_dict(rest)), jnp.ones((), bool))
 
   def update(updates: Any, state: KFACState, params: Any = None, *, kfac_stats: Any = None,
