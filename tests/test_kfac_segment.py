@@ -55,27 +55,39 @@ def problem(steps, model=None):
   return predict, loss_fn, variables, xs, ys
 
 
-def segment_optimizer(layers, **kfac):
+def segment_optimizer(layers, wrap=lambda tx: tx, **kfac):
   def optimizer(name):
     if name not in layers.layers:     # perturbkit.REST: no params in this model
-      return optax.sgd(LR)
-    return optax.chain(perturbkit.kfac_segment(layers.layers[name], **kfac), optax.sgd(LR))
+      return wrap(optax.sgd(LR))
+    return wrap(optax.chain(perturbkit.kfac_segment(layers.layers[name], **kfac),
+                            optax.sgd(LR)))
   return optimizer
 
 
-@pytest.mark.parametrize('model', [MLP(), CNN(), NormMLP()], ids=['mlp', 'cnn', 'norms'])
-def test_original_equals_whole_model_kfac_on_the_same_factors(model):
+def accumulated(tx):
+  """Gradient accumulation over two steps, whose update takes the extra arguments as
+  ``**extra_args`` without being a ``GradientTransformationExtraArgs``."""
+  return optax.MultiSteps(tx, every_k_schedule=2).gradient_transformation()
+
+
+@pytest.mark.parametrize('model, accumulate', [(MLP(), False), (CNN(), False),
+                                               (NormMLP(), False), (MLP(), True)],
+                         ids=['mlp', 'cnn', 'norms', 'mlp-multisteps'])
+def test_original_equals_whole_model_kfac_on_the_same_factors(model, accumulate):
+  wrap, kfac_state = (accumulated, lambda s: s.inner_opt_state[0]) if accumulate else (
+      lambda tx: tx, lambda s: s[0])
   predict, loss_fn, variables, xs, ys = problem(3, model)
   layers = perturbkit.kfac_layers(predict, variables, xs[0])
   kfac = dict(damping=DAMPING, decay=0.8, inverse_every=2, stats_every=1)
-  tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, **kfac), propagate='original')
+  tx = perturbkit.interleaved(loss_fn, segment_optimizer(layers, wrap, **kfac),
+                              propagate='original')
   state = tx.init(variables, xs[0], ys[0])
   assert set(state.opt_state) == {*layers.layers, perturbkit.REST}
   step = jax.jit(tx.step)
 
   estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                                fisher='empirical'))
-  whole = optax.chain(perturbkit.kfac_preconditioner(layers, **kfac), optax.sgd(LR))
+  whole = wrap(optax.chain(perturbkit.kfac_preconditioner(layers, **kfac), optax.sgd(LR)))
   whole_update = jax.jit(whole.update)
   params, whole_state = variables['params'], whole.init(variables['params'])
   for x, y in zip(xs, ys):
@@ -85,13 +97,14 @@ def test_original_equals_whole_model_kfac_on_the_same_factors(model):
     params = optax.apply_updates(params, updates)
     np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-6)
     for name in layers.layers:
-      segment = state.opt_state[name][0]
-      chex.assert_trees_all_close(segment.factors['segment'], whole_state[0].factors[name],
-                                  rtol=1e-5, atol=1e-6)
-      chex.assert_trees_all_close(segment.inverses['segment'], whole_state[0].inverses[name],
-                                  rtol=1e-4, atol=1e-5)
+      segment = kfac_state(state.opt_state[name])
+      chex.assert_trees_all_close(segment.factors['segment'],
+                                  kfac_state(whole_state).factors[name], rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(segment.inverses['segment'],
+                                  kfac_state(whole_state).inverses[name], rtol=1e-4, atol=1e-5)
     chex.assert_trees_all_close(state.params, params, rtol=1e-4, atol=1e-6)
-  assert int(state.opt_state['Dense_0'][0].count) == 3
+  # Accumulating over two steps, the three steps take one K-FAC update.
+  assert int(kfac_state(state.opt_state['Dense_0']).count) == (1 if accumulate else 3)
   assert {info.kind for info in layers.layers.values()} == {
       'mlp': {'dense'}, 'cnn': {'conv', 'dense'}, 'norms': {'dense', 'norm'}}[
           {MLP: 'mlp', CNN: 'cnn', NormMLP: 'norms'}[type(model)]]

@@ -28,6 +28,17 @@ def takes(fn: Any, count: int) -> bool:
   return True
 
 
+def takes_keywords(fn: Any) -> bool:
+  """Whether ``fn`` takes any keyword argument (``**kwargs``), as the ``update`` of
+  ``optax.MultiSteps(...).gradient_transformation()`` does to hand them to its inner
+  transformation (``False`` where its signature cannot be read)."""
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def call_filter(item: Any, function: str, want: str) -> Any:
   """``item`` if it is a call filter: a callable taking ``(module, method_name)``.
 

@@ -21,7 +21,7 @@ from flax import traverse_util
 from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, OptimizerStateError,
                                PerSegmentTransformWarning, PerturbkitError,
                                SegmentOptimizerError)
-from perturbkit.core._callables import takes
+from perturbkit.core._callables import takes, takes_keywords
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._precision import global_norm
 from perturbkit.core._segment_choice import Segmentation
@@ -279,9 +279,16 @@ def scaled(grads: PyTree, scale: jax.Array) -> PyTree:
   return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
 
+def takes_extra_args(tx: optax.GradientTransformation) -> bool:
+  """Whether ``tx``'s update is given the sweep's extra arguments: a
+  ``GradientTransformationExtraArgs``, or an update taking ``**extra_args`` (a wrapper such
+  as ``optax.MultiSteps(...).gradient_transformation()``, which hands them on)."""
+  return isinstance(tx, optax.GradientTransformationExtraArgs) or takes_keywords(tx.update)
+
+
 def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree, params: PyTree,
             extra_args: dict | None):
-  if extra_args and isinstance(tx, optax.GradientTransformationExtraArgs):
+  if extra_args and takes_extra_args(tx):
     return tx.update(grads, opt_state, params, **extra_args)
   return tx.update(grads, opt_state, params)
 
@@ -308,7 +315,7 @@ def guarded_step(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
   With ``guard``, a gradient whose norm is not finite keeps the old params and
   state. A conditional (not an elementwise select) skips the work, so the
   finite path makes no extra pass over the state and can update it in place.
-  ``extra_args`` go to a ``GradientTransformationExtraArgs``'s update. With
+  ``extra_args`` go to an update that takes them (``takes_extra_args``). With
   ``guard`` and ``after``, the conditional also waits for ``after`` (the old
   params' last reads), so that XLA updates the params in place without first
   copying them.

@@ -149,8 +149,9 @@ spin against XLA's thread pool.
 Per-segment K-FAC inside the interleaved sweep
 ----------------------------------------------
 A segment of ``interleaved`` can precondition itself: a segment optimizer that
-is an ``optax.GradientTransformationExtraArgs`` receives the segment's inputs and
-the cotangent at its output as extra arguments in the sweep, and
+is an ``optax.GradientTransformationExtraArgs`` (or a wrapper whose update takes
+``**extra_args``, such as ``optax.MultiSteps(...).gradient_transformation()``) receives
+the segment's inputs and the cotangent at its output as extra arguments in the sweep, and
 ``kfac_segment(layer, damping=..., axis_name=None)`` forms that layer's factors
 from them (the empirical Fisher of the sweep's own cotangents) with the default
 layer-wise segments::

@@ -103,8 +103,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     optimizer: An ``optax.GradientTransformation`` used for every segment, or a
       function ``segment_name -> GradientTransformation`` (per-segment learning
       rates; the unsegmented params are named ``perturbkit.REST``). A
-      segment's ``GradientTransformationExtraArgs`` also gets, as extra
-      arguments, ``segment_inputs`` (the floating-point leaves of the call's
+      segment's ``GradientTransformationExtraArgs`` (or a wrapper whose update
+      takes ``**extra_args``, ``optax.MultiSteps(...).gradient_transformation()``)
+      also gets, as extra arguments, ``segment_inputs`` (the floating-point leaves of the call's
       inputs), ``segment_output_grad`` (the cotangent at its output) and
       ``segment_examples`` (the first axis of the step's first array argument,
       a raw PRNG key ``uint32[2]`` passed before the batch not counted; keyword
