@@ -202,6 +202,7 @@ from perturbkit.errors import NotAHookError
 from perturbkit.errors import NotAModuleError
 from perturbkit.errors import NotInterventionsError
 from perturbkit.errors import PrivateAccumulationError
+from perturbkit.errors import LookaheadParamsError
 
 __all__ = [
     # Namespaces
@@ -352,4 +353,5 @@ __all__ = [
     'NotAModuleError',
     'NotInterventionsError',
     'PrivateAccumulationError',
+    'LookaheadParamsError',
 ]

@@ -12,7 +12,8 @@ goes), ``NotVariablesError``, ``InvalidOptionError`` (an option out of its range
 or not one of its allowed values), ``NotAnOptimizerError``, ``SegmentOptimizerError`` (interleaved training's optimizer built
 for the whole params tree, a mask or label tree), ``UninitializedStateError`` and
 ``InputMismatchError`` (``step`` given something other than ``init``'s state, or
-inputs of other shapes), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis),
+inputs of other shapes), ``LookaheadParamsError`` (``optax.lookahead``, whose params are
+``optax.LookaheadParams``, given to a trainer that holds the model's own params), ``UnboundAxisError`` (the loss run outside the ``shard_map`` that binds its axis),
 ``UnknownAxisError`` (an ``axis_name`` that no ``shard_map`` or ``pmap`` around the step
 binds), ``CheckedShardMapError`` (``axis_name`` given inside
 ``jax.shard_map`` with its default ``check_vma=True``, where it would count the
@@ -1534,3 +1535,17 @@ class PrivateAccumulationError(PerExampleError):
         '`perturbkit.private_grad(loss_fn, clip_norm=C, noise_multiplier=0.0)` over the k '
         'batches, add `σ·C/(k·B) * jax.random.normal(key, shape)` to each leaf once, and '
         'apply the optimizer to that.')
+
+
+class LookaheadParamsError(PerturbkitError, TypeError):
+  """``optax.lookahead`` given to a trainer that holds the model's own params."""
+
+  def __init__(self, where: str):
+    super().__init__(
+        f'{where} was given an optimizer containing `optax.lookahead`, whose update takes '
+        'the params as `optax.LookaheadParams(fast=..., slow=...)`. The trainer holds the '
+        "model's own params and hands them to the optimizer as they are, so the update "
+        "would fail (`'dict' object has no attribute 'fast'`). Give the fast optimizer "
+        'alone and keep the slow weights yourself: every `sync_period` steps set `slow = '
+        'slow + slow_step_size * (params - slow)` and put `slow` back in place of the '
+        "trained params (the state's `variables['params']`, or `nnx.update(model, slow)`).")

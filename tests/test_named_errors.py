@@ -621,3 +621,18 @@ def test_flags_that_are_no_bools_are_refused_where_given(linen, nnx_model):
                                            strict=None)(variables, X)
   chex.assert_trees_all_close(grads['params'], jax.grad(_linen_loss(model))(variables, X)['params'],
                               **TOL)
+
+
+def test_lookahead_is_refused_by_the_trainers_holding_the_models_params(linen, nnx_model):
+  """``optax.lookahead`` reads ``params.fast`` and ``params.slow``: the trainers hand it the
+  model's params tree, and their step failed inside the trace with optax's ``AttributeError``.
+  Each trainer's ``init`` names it and says how to keep the slow weights."""
+  model, variables = linen
+  lookahead = optax.chain(optax.clip(1.0), optax.lookahead(optax.adam(1e-2), 2, 0.5))
+  options = dict(clip_norm=1.0, noise_multiplier=1.0)
+  with pytest.raises(perturbkit.LookaheadParamsError, match='slow_step_size'):
+    perturbkit.interleaved(_linen_loss(model), lookahead).init(variables, X)
+  with pytest.raises(perturbkit.LookaheadParamsError, match='`perturbkit.dp_sgd`'):
+    perturbkit.dp_sgd(_linen_loss(model), lookahead, **options).init(variables)
+  with pytest.raises(perturbkit.LookaheadParamsError, match='perturbkit.nnx.dp_sgd'):
+    perturbkit.nnx.dp_sgd(nnx_models.mse, lookahead, **options).init(nnx_model)

@@ -22,6 +22,7 @@ from perturbkit.errors import (InputMismatchError, NotAnOptimizerError, Optimize
                                PerSegmentTransformWarning, PerturbkitError,
                                SegmentOptimizerError)
 from perturbkit.core._callables import takes, takes_keywords
+from perturbkit.core._lookahead import refuse_lookahead
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.core._precision import global_norm
 from perturbkit.core._segment_choice import Segmentation
@@ -162,12 +163,14 @@ def init_opt_state(optimizer: Optimizer, params: Mapping, names: list[str],
   Raises:
     OptaxPrivacyError: a group's optimizer contains optax's per-example DP
       transformation, which the sweep would hand batch gradients.
+    LookaheadParamsError: a group's optimizer contains ``optax.lookahead``.
   """
   iterations = iterations or {}
   states = {name: _init_group(optimizer_for(optimizer, name), name, w, iterations.get(name, 0))
             for name, w in group(params, names).items()}
   refuse_optax_privacy(states, 'The interleaved schedule',
                        "each segment's batch gradient (summed over the examples)")
+  refuse_lookahead(states, 'The interleaved schedule')
   return states
 
 

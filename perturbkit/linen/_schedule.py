@@ -161,6 +161,8 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
     NoSegmentError: no call of the loss can be a segment (``init``,
       ``segments``).
     NotAHookError: ``hooks`` holds something else than hooks.
+    LookaheadParamsError: (from ``init``) the optimizer contains ``optax.lookahead``,
+      whose params must be ``optax.LookaheadParams``.
     UnmatchedFilterError: a hook's filter selects no call of the loss.
 
   Example:

@@ -34,6 +34,7 @@ from perturbkit.core._values import is_array, values_closed_over
 from perturbkit.core._keys import check_key
 from perturbkit.linen._driver import check_variables
 from perturbkit.per_example._batch import BatchAxes, check_batch_axes
+from perturbkit.core._lookahead import refuse_lookahead
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation, refuse_accumulation_state
 from perturbkit.per_example._check import reduction_checker
@@ -440,6 +441,8 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
       ``init``, contains its ``gradient_transformation()``): each step's batch is
       noised on its own, so the accumulated update has ``√k`` times the noise of
       a DP-SGD step on the ``k``-times larger batch.
+    LookaheadParamsError: (from ``init``) ``optimizer`` contains ``optax.lookahead``,
+      whose params must be ``optax.LookaheadParams``.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
@@ -465,6 +468,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     refuse_optax_privacy(opt_state, '`perturbkit.dp_sgd`',
                          'the mean gradient dp_sgd has already clipped and noised')
     refuse_accumulation_state(opt_state, 'perturbkit.dp_sgd')
+    refuse_lookahead(opt_state, '`perturbkit.dp_sgd`')
     return PrivateState(jnp.zeros((), jnp.int32), dict(variables), opt_state)
 
   def step(state: PrivateState, key: jax.Array, *args, **kwargs):

@@ -15,6 +15,7 @@ import optax
 from flax import nnx, traverse_util
 
 from perturbkit.core._values import values_closed_over
+from perturbkit.core._lookahead import refuse_lookahead
 from perturbkit.core._optax_privacy import refuse_optax_privacy
 from perturbkit.per_example._accumulation import refuse_accumulation_state
 from perturbkit.core._validate import non_negative, positive
@@ -253,6 +254,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     OptaxPrivacyError: (from ``init``) ``optimizer`` contains optax's own DP aggregate.
     PrivateAccumulationError: ``optimizer`` is (or, from ``init``, contains)
       ``optax.MultiSteps``.
+    LookaheadParamsError: (from ``init``) ``optimizer`` contains ``optax.lookahead``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -280,6 +282,7 @@ def dp_sgd(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
     refuse_optax_privacy(opt_state, '`perturbkit.nnx.dp_sgd`',
                          'the mean gradient dp_sgd has already clipped and noised')
     refuse_accumulation_state(opt_state, 'perturbkit.nnx.dp_sgd')
+    refuse_lookahead(opt_state, '`perturbkit.nnx.dp_sgd`')
     graphdef, variables = nnx.split(model)
     return NNXPrivateState(jnp.zeros((), jnp.int32), graphdef, variables, opt_state)
 
