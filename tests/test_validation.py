@@ -99,12 +99,17 @@ def test_numpy_jax_and_traced_scalars_are_accepted(mlp):
                traced(0.5), want)
 
 
+@pytest.mark.parametrize('name', ['damping', 'norm_constraint'])
 @pytest.mark.parametrize('value', BAD_POSITIVE)
-def test_damping(layers, nnx_layers, value):
-  with raises_invalid('damping', value):
-    perturbkit.kfac_preconditioner(layers, damping=value)
-  with raises_invalid('damping', value):
-    perturbkit.nnx.kfac_preconditioner(nnx_layers, damping=value)
+def test_positive_preconditioner_options(layers, nnx_layers, name, value):
+  with raises_invalid(name, value):
+    perturbkit.kfac_preconditioner(layers, **{name: value})
+  with raises_invalid(name, value):
+    perturbkit.nnx.kfac_preconditioner(nnx_layers, **{name: value})
+
+
+@pytest.mark.parametrize('value', BAD_POSITIVE)
+def test_damping(layers, value):
   with raises_invalid('damping', value):
     perturbkit.kfac_segment(layers.layers['layers_0'], damping=value)
   if not isinstance(value, str):
@@ -167,14 +172,6 @@ def test_damped_inverse_of_a_factor_rounded_below_minus_the_damping_is_finite():
   np.testing.assert_allclose(jax.jit(perturbkit.damped_inverse)(diagonal, 1e-3),
                              np.linalg.inv(np.diag([4e4, 1e2, 0.0]) + 1e-3 * np.eye(3)),
                              rtol=1e-5, atol=1e-9)
-
-
-@pytest.mark.parametrize('value', BAD_POSITIVE)
-def test_norm_constraint(layers, nnx_layers, value):
-  with raises_invalid('norm_constraint', value):
-    perturbkit.kfac_preconditioner(layers, norm_constraint=value)
-  with raises_invalid('norm_constraint', value):
-    perturbkit.nnx.kfac_preconditioner(nnx_layers, norm_constraint=value)
 
 
 @pytest.mark.parametrize('value', BAD_FRACTION)
