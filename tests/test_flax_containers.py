@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 import perturbkit
