@@ -93,7 +93,10 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   ``optax.multi_transform``) raises ``SegmentOptimizerError``: give it as a
   function of the params it is given. For a global norm, ``clip_global_norm=c`` scales every gradient of a step by
   ``min(1, c / n)`` where ``n`` is the PREVIOUS step's global norm (no second
-  backward pass; the first step is not clipped).
+  backward pass; the first step is not clipped). A learning-rate schedule counts the
+  steps in each segment's state, as in optax; to set a hyperparameter by hand with
+  ``optax.inject_hyperparams``, set it in every segment's state (``REST``'s too):
+  ``for s in state.opt_state.values(): s.hyperparams['learning_rate'] = lr``.
 
   Args:
     loss_fn: ``(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with

@@ -381,7 +381,9 @@ class InterleavedOptimizer(nnx.Pytree):
   ``opt.step(model, *args)`` runs ``loss_fn(model, *args)`` forward and the
   interleaved backward sweep (see :func:`interleaved`), updating the model's
   variables (params, batch statistics, RNG counts) and the optimizer's state
-  in place, as ``nnx.Optimizer.update`` does; use it inside ``nnx.jit``.
+  in place, as ``nnx.Optimizer.update`` does; use it inside ``nnx.jit``. To set a
+  hyperparameter by hand with ``optax.inject_hyperparams``, set it in every segment's
+  state: ``for s in opt.opt_state.values(): s.hyperparams['learning_rate'][...] = lr``.
 
   Attributes:
     step_count: ``nnx.OptState`` with the number of steps taken.
