@@ -10,9 +10,9 @@ chained or nested.
 """
 from typing import Any
 
-import jax
 import optax
 
+from perturbkit.core._opt_states import holds
 from perturbkit.errors import LookaheadParamsError
 
 
@@ -23,6 +23,5 @@ def refuse_lookahead(opt_state: Any, where: str) -> None:
     opt_state: The state ``optimizer.init`` returned.
     where: Who was given the optimizer (``'perturbkit.dp_sgd'``, ...).
   """
-  is_lookahead = lambda node: isinstance(node, optax.LookaheadState)
-  if any(is_lookahead(node) for node in jax.tree.leaves(opt_state, is_leaf=is_lookahead)):
+  if holds(opt_state, optax.LookaheadState):
     raise LookaheadParamsError(where)

@@ -11,9 +11,9 @@ state, chained or nested.
 """
 from typing import Any
 
-import jax
 import optax.contrib
 
+from perturbkit.core._opt_states import holds
 from perturbkit.errors import OptaxPrivacyError
 
 _STATE = getattr(optax.contrib, 'DifferentiallyPrivateAggregateState', None)
@@ -27,8 +27,5 @@ def refuse_optax_privacy(opt_state: Any, where: str, given: str) -> None:
     where: Who was given the optimizer (``'perturbkit.dp_sgd'``, ...).
     given: What its updates would receive instead of per-example gradients.
   """
-  if _STATE is None:
-    return
-  nodes = jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, _STATE))
-  if any(isinstance(node, _STATE) for node in nodes):
+  if _STATE is not None and holds(opt_state, _STATE):
     raise OptaxPrivacyError(where, given)

@@ -12,9 +12,9 @@ made) and its ``gradient_transformation()`` (its state, when ``init`` runs).
 """
 from typing import Any
 
-import jax
 import optax
 
+from perturbkit.core._opt_states import holds
 from perturbkit.errors import PrivateAccumulationError
 
 
@@ -27,6 +27,5 @@ def refuse_accumulation(optimizer: Any, where: str) -> None:
 def refuse_accumulation_state(opt_state: Any, where: str) -> None:
   """Raises :class:`PrivateAccumulationError` if ``opt_state`` holds a ``MultiStepsState``
   (``optax.MultiSteps(...).gradient_transformation()``, chained or nested)."""
-  is_multi = lambda node: isinstance(node, optax.MultiStepsState)
-  if any(is_multi(node) for node in jax.tree.leaves(opt_state, is_leaf=is_multi)):
+  if holds(opt_state, optax.MultiStepsState):
     raise PrivateAccumulationError(where)
