@@ -29,9 +29,8 @@ def in_containers_of(like: Any, values: Any) -> Any:
   ``values`` itself where ``like`` is already plain or the two hold different numbers of
   arrays (they are not the same params).
   """
-  if jax.tree.structure(like) == jax.tree.structure(values):
+  structure = jax.tree.structure(like)
+  leaves, values_structure = jax.tree.flatten(values)
+  if structure == values_structure or len(leaves) != structure.num_leaves:
     return values
-  leaves = jax.tree.leaves(values)
-  if len(leaves) != jax.tree.structure(like).num_leaves:
-    return values
-  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+  return jax.tree.unflatten(structure, leaves)

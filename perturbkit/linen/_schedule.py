@@ -368,16 +368,17 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
   scanned: dict[tuple[str, ...], Mapping[str, int]] = {}
 
   def segmentation(variables: Variables, *args, **kwargs) -> _segmentation.Segmentation:
-    return _segmentation_of(variables, with_keywords(args, kwargs))
+    return _segmentation_of(plain(_kept(variables)), with_keywords(args, kwargs))
 
-  def _segmentation_of(variables: Variables, args: tuple) -> _segmentation.Segmentation:
+  def _segmentation_of(variables: dict, args: tuple) -> _segmentation.Segmentation:
+    """The segmentation on ``plain`` variables."""
     if not given(args):
       raise SegmentationError(
           'Segments are calls, which are only known by tracing the loss: pass example '
           'arguments, `init(variables, *args)` / `segments(variables, *args)`, the same '
           'arguments as `step` takes after the state.')
     with suspended(), explaining_unbound_axes('perturbkit.interleaved(...).init'):
-      return _segmentation.choose(loss_fn, plain(_kept(variables)), args, segments)
+      return _segmentation.choose(loss_fn, variables, args, segments)
 
   def init(variables: Variables, *args, **kwargs) -> InterleavedState:
     kept = _kept(variables)

@@ -39,16 +39,16 @@ def same_paths(state: nnx.State, like: nnx.State) -> nnx.State:
                               if tuple(path) in paths])
 
 
+def variables_tree(state: nnx.State, leaf: Callable[[nnx.Variable], Any] = lambda var: var
+                   ) -> dict:
+  """The variables of ``state`` (or ``leaf`` of each) as nested dicts with string keys."""
+  flat = {tuple(map(str, path)): leaf(var) for path, var in nnx.to_flat_state(state)}
+  return traverse_util.unflatten_dict(flat) if flat else {}
+
+
 def params_tree(state: nnx.State) -> dict:
   """The values of ``state`` as nested dicts with string keys."""
-  flat = {tuple(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(state)}
-  return traverse_util.unflatten_dict(flat) if flat else {}
-
-
-def variables_tree(state: nnx.State) -> dict:
-  """The variables of ``state`` (not their values) as nested dicts with string keys."""
-  flat = {tuple(map(str, path)): var for path, var in nnx.to_flat_state(state)}
-  return traverse_util.unflatten_dict(flat) if flat else {}
+  return variables_tree(state, lambda var: var.get_value())
 
 
 def with_values(state: nnx.State, tree: Mapping) -> nnx.State:
