@@ -49,7 +49,8 @@ eval), Llama, CLIP and Whisper, built from tiny configs in code (nothing
 downloaded):
 
 * every activation gradient against an independent explicit-delta interceptor
-  and ``jax.jvp``;
+  and ``jax.jvp``; GPT-2, BERT, ViT and ResNet also called as Hugging Face's
+  example scripts call them, ``model(ids, params=variables['params'])``;
 * param gradients against ``jax.grad``;
 * ``propagate='original'`` against ``jax.grad`` + optax;
 * GPT-2 block segments against a hand-coded per-block backward;

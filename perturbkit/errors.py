@@ -37,8 +37,8 @@ or run inside another perturbkit function), ``PerturbationStructureError``,
 whose branches call different submodules), ``BranchesUnseparatedError`` (two ``nn.switch`` in a row on one
 module, given different branch functions), ``MapVariablesInitError``
 (``nn.map_variables(..., init=True)``), ``NonDifferentiableOutputError``,
-``PerturbationsNotAppliedError`` (the loss did
-not pass the variables to ``model.apply``), ``OutsideApplyError`` (interleaved
+``PerturbationsNotAppliedError`` (a loss that
+makes other calls each time it is traced), ``OutsideApplyError`` (interleaved
 training given a submodule called outside a method of the model: ``model.bind``,
 ``nn.apply``),
 ``ActivationsUnavailableError`` (``CaptureInJaxTransformError``: the loss applies
@@ -256,13 +256,10 @@ class PerturbationsNotAppliedError(PerturbkitError, RuntimeError):
     advice = ('The loss function must call the model it receives as its first argument, make '
               'the same calls for the same inputs every time it is traced, and not wrap the '
               'model in its own nnx.capture (perturbkit runs the loss inside one).' if nnx else
-              'The loss function must hand the `variables` it receives to `model.apply` '
-              'unchanged (extra collections included), e.g. `model.apply(variables, x)` or '
-              "`model.apply({**variables, 'params': p}, x)`, and make the same calls for the "
-              'same inputs every time it is traced. A Hugging Face model called as '
-              "`model(x, params=variables['params'])` builds a variables dict of its own from "
-              'the params alone: call its Linen module instead, `model.module.apply(variables, '
-              'x, ...)`.')
+              'perturbkit traces the loss function once to find the calls and once to '
+              'differentiate it: the loss must make the same calls for the same inputs every '
+              'time it is traced (a loss that keeps Python state from one call to the next, '
+              'a counter or a choice drawn with Python\'s `random`, makes others).')
     super().__init__(
         f'{len(missing)} perturbation point(s) were never reached: [{_listed(missing)}]. '
         + advice)

@@ -101,6 +101,10 @@ def _next_token_loss(logits, ids):
   return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
 
 
+def _hidden_state_loss(out, target):
+  return jnp.mean((out.last_hidden_state - target) ** 2) + jnp.mean(out.pooler_output ** 2)
+
+
 def _tokens(seed=0):
   ids = jax.random.randint(jax.random.key(seed), (BATCH, SEQ), 3, VOCAB)
   mask = jnp.ones((BATCH, SEQ), jnp.int32)
@@ -129,15 +133,14 @@ def _llama_case(module):
 def _bert_case(module):
   def loss_fn(variables, ids, mask, positions, target):
     out = module.apply(variables, ids, mask, jnp.zeros_like(ids), positions)
-    return jnp.mean((out.last_hidden_state - target) ** 2) + jnp.mean(out.pooler_output ** 2)
+    return _hidden_state_loss(out, target)
   target = jax.random.normal(jax.random.key(2), (BATCH, SEQ, WIDTH))
   return loss_fn, _tokens() + (target,)
 
 
 def _vit_case(module):
   def loss_fn(variables, pixels, target):
-    out = module.apply(variables, pixels)
-    return jnp.mean((out.last_hidden_state - target) ** 2) + jnp.mean(out.pooler_output ** 2)
+    return _hidden_state_loss(module.apply(variables, pixels), target)
   pixels = _image()
   target = jax.random.normal(jax.random.key(2), (BATCH, (IMAGE // 8) ** 2 + 1, WIDTH))
   return loss_fn, (pixels, target)
@@ -173,6 +176,43 @@ def _whisper_case(module):
     return _next_token_loss(logits, ids)
   features = jax.random.normal(jax.random.key(3), (BATCH, 8, 2 * SEQ))
   return (loss_fn, (features,) + _tokens())
+
+
+def _nchw(pixels):
+  return jnp.transpose(pixels, (0, 3, 1, 2))  # Hugging Face's vision models take NCHW
+
+
+def _gpt2_hf_call(hf):
+  def loss_fn(variables, ids, mask, positions):
+    return _next_token_loss(hf(ids, mask, positions, params=variables['params']).logits, ids)
+  return loss_fn
+
+
+def _bert_hf_call(hf):
+  def loss_fn(variables, ids, mask, positions, target):
+    out = hf(ids, mask, jnp.zeros_like(ids), positions, params=variables['params'])
+    return _hidden_state_loss(out, target)
+  return loss_fn
+
+
+def _vit_hf_call(hf):
+  def loss_fn(variables, pixels, target):
+    return _hidden_state_loss(hf(_nchw(pixels), params=variables['params']), target)
+  return loss_fn
+
+
+def _resnet_train_hf_call(hf):
+  def loss_fn(variables, pixels, labels):
+    out, updates = hf(_nchw(pixels), params=variables, train=True)  # params and batch_stats
+    return optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean(), updates
+  return loss_fn
+
+
+# The CASES' losses as Hugging Face's example scripts write them: the HF model called with
+# the params, ``model(ids, params=variables['params'])``, which builds its variables itself
+# and applies its Linen module. ``hf -> loss_fn``, the same function as the case's loss.
+HF_CALL_LOSSES = {'gpt2': _gpt2_hf_call, 'bert': _bert_hf_call, 'vit': _vit_hf_call,
+                  'resnet_train': _resnet_train_hf_call}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +276,13 @@ CASES = {c.name: c for c in [
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-  """An HF model's Linen module, its variables and its config."""
+  """An HF model's Linen module, its variables and its config, and the HF model itself
+  (``model``: called as ``model(ids, params=variables['params'])`` it builds its variables
+  from the params and applies ``module``)."""
   module: Any
   variables: dict
   config: Any
+  model: Any
 
 
 def _initial_value(path: tuple, shape: tuple, rng: np.random.Generator) -> np.ndarray:
@@ -268,7 +311,7 @@ def hf_model(model: str) -> Built:
   """
   with next(c for c in CASES.values() if c.model == model).strictness():
     hf = BUILDERS[model]()
-  return Built(hf.module, filled_variables(hf), hf.config)
+  return Built(hf.module, filled_variables(hf), hf.config, hf)
 
 
 @functools.cache
@@ -286,7 +329,7 @@ def wav2vec2_ctc() -> Built:
                             feat_extract_norm='layer')
   with jax.numpy_rank_promotion('allow'):
     hf = T.FlaxWav2Vec2ForCTC(config, input_shape=(1, 100), _do_init=False)
-  return Built(hf.module, filled_variables(hf), hf.config)
+  return Built(hf.module, filled_variables(hf), hf.config, hf)
 
 
 # T5 in the names of its own config: the smallest model with every part of the real one (two
@@ -347,7 +390,7 @@ def t5(model: str = 'FlaxT5ForConditionalGeneration', gradient_checkpointing: bo
   with t5_numpy(), jax.numpy_rank_promotion('allow'):
     hf = getattr(T, model)(T.T5Config(**{**T5_CONFIG, **config}), _do_init=False,
                            gradient_checkpointing=gradient_checkpointing)
-  return Built(hf.module, filled_variables(hf), hf.config)
+  return Built(hf.module, filled_variables(hf), hf.config, hf)
 
 
 def filled_variables(hf) -> dict:

@@ -1,5 +1,5 @@
 """perturbkit.interpret on unmodified Hugging Face BERT, ViT, Llama, ResNet (eval mode), Whisper
-and CLIP.
+and CLIP (ViT also called as Hugging Face's scripts call it, ``model(pixels, params=...)``).
 
 Tiny configs built in code (``hf_models``); GPT-2 is covered in ``test_interpret.py``. Each
 model is checked against references that use no perturbkit code:
@@ -138,8 +138,20 @@ def _clip(hf):
               layers=('vision_model/encoder/layers/0', 'vision_model/encoder/layers/1'))
 
 
-MAKERS = {'bert': _bert, 'vit': _vit, 'llama': _llama, 'resnet_eval': _resnet,
-          'whisper': _whisper, 'clip': _clip}
+def _vit_hf_call(hf):
+  """ViT called as Hugging Face's example scripts call it, ``model(pixels, params=...)``: the
+  model builds its variables from the params. (Flax's ``capture_intermediates``, a reference,
+  runs through the Linen module.)"""
+  def forward(variables, pixels, **apply_kwargs):
+    if apply_kwargs:
+      return hf.module.apply(variables, pixels, **apply_kwargs)
+    return hf.model(jnp.transpose(pixels, (0, 3, 1, 2)), params=variables['params'])
+  return {**_vit(hf), 'forward': forward}
+
+
+MAKERS = {'bert': _bert, 'vit': _vit, 'vit_hf_call': _vit_hf_call, 'llama': _llama,
+          'resnet_eval': _resnet, 'whisper': _whisper, 'clip': _clip}
+CASE_OF = {'vit_hf_call': 'vit'}  # the model and settings of a maker named otherwise
 
 
 # --- The independent reference: an interceptor of this file -----------------------------
@@ -228,7 +240,7 @@ class Runs:
 
 @pytest.fixture(scope='module', params=sorted(MAKERS))
 def built(request) -> tuple[hf_models.Case, Problem, Runs]:
-  case = hf_models.CASES[request.param]
+  case = hf_models.CASES[CASE_OF.get(request.param, request.param)]
   hf = hf_models.hf_model(case.model)
   p = Problem(hf.variables, **MAKERS[request.param](hf))
   layers = filters.by_path(*p.layers)

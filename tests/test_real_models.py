@@ -147,7 +147,25 @@ def test_value_and_grad_equals_explicit_deltas_and_jax_grad(setup, reference):
   s, ref = setup, reference
   value, grads = jax.jit(perturbkit.value_and_grad(s.loss_fn, has_aux=s.case.has_aux))(
       s.variables, *s.batch)
+  _assert_equals_reference(value, grads, ref)
 
+
+@pytest.mark.parametrize('name', sorted(hf_models.HF_CALL_LOSSES))
+def test_hugging_face_call_equals_explicit_deltas_and_jax_grad(name):
+  """The loss calls the HF model as HF's example scripts do, ``model(ids, params=...)``: the
+  model builds its variables from the params, without the perturbations perturbkit hands the
+  loss (a PerturbationsNotAppliedError before). The reference is the module-call loss's."""
+  case = hf_models.CASES[name]
+  hf = hf_models.hf_model(case.model)
+  _, batch = case.make(hf.module)
+  loss_fn = hf_models.HF_CALL_LOSSES[name](hf.model)
+  with case.strictness():
+    value, grads = jax.jit(perturbkit.value_and_grad(loss_fn, has_aux=case.has_aux))(
+        hf.variables, *batch)
+  _assert_equals_reference(value, grads, reference_of(name))
+
+
+def _assert_equals_reference(value, grads, ref: Reference):
   chex.assert_trees_all_close(value, ref.value, **TOL)
   chex.assert_trees_all_close(grads['params'], ref.param_grads, **TOL)
   got = grads['perturbations']

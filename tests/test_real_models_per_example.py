@@ -382,17 +382,24 @@ def _init(module, batch):
 
 
 @pytest.mark.parametrize('problem', ['gpt2'], indirect=True)
-def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks(problem):
+@pytest.mark.parametrize('hf_call', [False, True], ids=['module_apply', 'hf_call'])
+def test_gpt2_with_dropout_in_training_mode_uses_the_batch_masks(problem, hf_call):
   """GPT-2 trained with its dropout on (``deterministic=False``): the norms are those of the
   batched pass's own masks, each example's row of the Jacobian of the per-example losses
-  (``vmap(grad)`` would draw other masks, one batch of one at a time)."""
+  (``vmap(grad)`` would draw other masks, one batch of one at a time). Also with the model
+  called as Hugging Face's ``run_clm_flax.py`` calls it, ``model(..., params=...,
+  dropout_rng=key, train=True)``, which builds its variables from the params."""
   hf = hf_models.hf_model('gpt2')
   ids, mask, positions = _ids(), jnp.ones((B, hf_models.SEQ), jnp.int32), _positions()
   key = jax.random.key(5)
 
   def terms(variables, ids, mask, positions, key):
-    logits = hf.module.apply(variables, ids, mask, positions, deterministic=False,
-                             rngs={'dropout': key}).logits
+    if hf_call:
+      logits = hf.model(ids, mask, positions, params=variables['params'], dropout_rng=key,
+                        train=True).logits
+    else:
+      logits = hf.module.apply(variables, ids, mask, positions, deterministic=False,
+                               rngs={'dropout': key}).logits
     return _token_losses(logits, ids)
 
   loss_fn = lambda *args: terms(*args).mean()

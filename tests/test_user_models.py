@@ -226,13 +226,17 @@ class _SharedEmbedding(nn.Module):
     return self.encoder
 
 
-def test_a_submodule_returned_by_a_root_method_runs_on_the_callers_variables():
+@pytest.mark.parametrize('own_variables', [False, True])
+def test_a_submodule_returned_by_a_root_method_runs_on_the_callers_variables(own_variables):
+  """Also where the apply gets variables the metric builds, ``{'params': ...}``, as Hugging
+  Face's ``model.encode(ids, params=...)`` builds them."""
   model = _SharedEmbedding()
   ids = jnp.array([[1, 2, 3]])
   variables = model.init(jax.random.key(0), ids)
 
   def metric(variables, ids):
-    return jnp.sin(model.apply(variables, ids, method=lambda m, ids: m.get_encoder()(ids))).sum()
+    given = {'params': variables['params']} if own_variables else variables
+    return jnp.sin(model.apply(given, ids, method=lambda m, ids: m.get_encoder()(ids))).sum()
 
   def by_hand(delta):  # the same run with an explicit delta at the encoder's Dense
     def interceptor(next_fun, args, kwargs, context):

@@ -168,6 +168,24 @@ def test_shared_module_entries_sum_to_single_perturbation():
   assert float(jnp.abs(got['__call__#1']).max()) > 1e-2
 
 
+@pytest.mark.parametrize('name', ['mlp', 'cnn_train', 'transformer_train', 'scan', 'remat'])
+def test_a_loss_building_its_own_variables_gets_every_point(name):
+  """A loss that hands ``apply`` only the collections it needs (``{'params': v['params'],
+  'batch_stats': ...}``), as Flax training code often writes it, drops the perturbations it
+  was given: each top-level ``apply`` gets them all the same (a PerturbationsNotAppliedError
+  before). Against the hand-written ``self.perturb`` twin."""
+  case, variables, x, key = _setup(name)
+  plain = models.loss_fn_for(case, case.model)
+  own = lambda v, x, key: plain({c: v[c] for c in ('params', *case.mutable)}, x, key)
+  (loss, updates), grads = perturbkit.value_and_grad(own, filter=case.filter, has_aux=True)(
+      variables, x, key)
+  (want_loss, want_updates), want = models.hand_value_and_grad(case, variables, x, key)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(updates, want_updates, **TOL)
+  chex.assert_trees_all_close(grads, want, **TOL)
+  assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads['perturbations'])) > 1e-2
+
+
 def test_model_run_twice_gets_distinct_points():
   case, variables, x, key = _setup('mlp')
   loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x))

@@ -399,8 +399,16 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
     stacking = stacked_axis(outputs_inside[path][0], leaf_shapes(find_in(perturbations, path))[0])
     return None if stacking is None else with_stacked_axis(shapes_inside[path], stacking)
 
+  def replayed(module):
+    # An apply given other variables than the loss function's (`{'params': v['params']}`,
+    # or Hugging Face's `model(ids, params=...)`, which builds them itself) is replayed with
+    # the perturbations.
+    return (lifted and (kinds or jitted)) or COLLECTION not in module.variables
+
   def on_root(module, method, run, a, kw):
     unbound, own = module.unbind()
+    if COLLECTION not in own:
+      own = {**own, COLLECTION: perturbations}
     mutable = _also_mutable(_also_mutable(module.scope.mutable, CAPTURES), JIT_CALLS)
     if per_iteration:
       mutable = _also_mutable(mutable, COLLECTION)
@@ -439,8 +447,7 @@ def perturbed_apply(loss_fn: Callable[..., Any], variables: Variables, perturbat
 
   handler = _point_handler(points, hooks, strict, on_point, edit)
   full = {**variables, COLLECTION: perturbations}
-  with intercept(_interception(points, hooks), handler,
-                 on_root if lifted and (kinds or jitted) else None,
+  with intercept(_interception(points, hooks), handler, on_root, takes_root=replayed,
                  outside_apply=True, nested_applies=nested_applies):
     out = loss_fn(full, *args, **kwargs)
   missing = sorted('/'.join(p) for p in expected - applied)
@@ -552,7 +559,7 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     NoPerturbationPointsError: the filter selects no call.
     NotAHookError: ``hooks`` holds something else than hooks.
     UnmatchedFilterError: a hook's filter selects no call.
-    PerturbationsNotAppliedError: ``loss_fn`` did not pass the variables on.
+    PerturbationsNotAppliedError: ``loss_fn`` made other calls in its second trace.
     BranchCallsMismatchError: the branches of an ``nn.cond``/``nn.switch``
       make different selected calls.
     BranchesUnseparatedError: two ``nn.switch`` in a row on one module, the
@@ -610,8 +617,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     guide's recipe) keep working, with or without the ``'perturbations'``
     collection from ``init`` in the variables, and their gradients are returned
     at the path where Flax puts them (``grads['perturbations']['x_hat']``), next
-    to the automatic ones. The loss must pass the variables it is given to
-    ``model.apply``; otherwise ``PerturbationsNotAppliedError``.
+    to the automatic ones.
+
+  Variables the loss builds itself:
+    The loss may hand ``model.apply`` other variables than it is given
+    (``{'params': variables['params']}``), or call a Hugging Face model its own
+    way, which builds them from the params (``model(ids,
+    params=variables['params'], dropout_rng=rng, train=True)``, as Hugging
+    Face's example scripts do): every call gets its point all the same.
 
   Lifted transforms:
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style

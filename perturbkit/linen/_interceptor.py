@@ -319,6 +319,7 @@ _LOCAL = _Local()
 @contextlib.contextmanager
 def intercept(filter: CallFilter, on_call: Handler,
               on_root: RootHandler | None = None, *,
+              takes_root: Callable[[nn.Module], bool] | None = None,
               transparent: bool = False, outside_apply: bool = False,
               nested_applies: bool = False) -> Iterator[None]:
   """Hands every selected submodule call inside the block to ``on_call``.
@@ -329,6 +330,8 @@ def intercept(filter: CallFilter, on_call: Handler,
     on_root: Optional ``(module, method, run, args, kwargs) -> output``,
       called for the root call of each top-level ``apply``/``init``;
       ``method`` is the called function (a method name where it is one).
+    takes_root: Optional ``module -> bool``: which root calls ``on_root`` takes
+      (default: all). The others run as they would without ``on_root``.
     transparent: The handler only wraps each call's output (a backward hook)
       and may see the same call again in a replay, so :func:`suspended`
       leaves this block active.
@@ -360,7 +363,7 @@ def intercept(filter: CallFilter, on_call: Handler,
       # by the function given to `apply`: a call of the model, as in that root method.
       _, root, fetch = state.returned[id(module)]
       replay = lambda r, *a, **kw: getattr(fetch(r), method_name)(*a, **kw)
-      return _root(root, replay, run, args, kwargs)
+      return _root(root, replay, run, args, kwargs, on_root)
     if not module.path:
       if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
         child = state.applied_child(module, method_name) if nested_applies else None
@@ -370,8 +373,9 @@ def intercept(filter: CallFilter, on_call: Handler,
         return nested()
       method = method_name if hasattr(type(module), method_name) else getattr(
           context.orig_method, 'func', context.orig_method)
-      out = _root(module, method, run, args, kwargs)
-      if on_root is not None and outside_apply:
+      handler = on_root if takes_root is None or takes_root(module) else None
+      out = _root(module, method, run, args, kwargs, handler)
+      if handler is not None and outside_apply:
         state.returned.update(returned_modules(module, method, out, args, kwargs))
       return out
     if state.roots_active and module.scope.parent is None:  # the top call of a lifted trace
@@ -384,12 +388,12 @@ def intercept(filter: CallFilter, on_call: Handler,
         return _call(module, method_name, run, args, kwargs)
     return _call(module, method_name, run, args, kwargs)
 
-  def _root(module, method, run, args, kwargs):
+  def _root(module, method, run, args, kwargs, handler):
     state.start_apply()
     state.roots_active += 1
     state.modules.append(module)
     try:
-      return run() if on_root is None else on_root(module, method, run, args, kwargs)
+      return run() if handler is None else handler(module, method, run, args, kwargs)
     finally:
       state.roots_active -= 1
       state.modules.pop()

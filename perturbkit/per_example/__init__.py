@@ -109,7 +109,10 @@ OPT, Whisper and Wav2Vec2 (through the apply's replay, above) against
 (``tests/test_real_models_per_example.py``, ``tests/test_per_example_lifted.py``).
 Pass ``position_ids`` as batched loss arguments to keep the fast paths; ids made
 inside the loss (not the model) from ``jnp.arange``/``zeros_like`` raise
-``AmbiguousInputError`` with what to pass. BatchNorm in train mode (ResNet)
+``AmbiguousInputError`` with what to pass. The model may be called through its
+Linen module or as Hugging Face's scripts call it, ``model(ids,
+params=variables['params'], dropout_rng=key, train=True)`` (tested on GPT-2
+with dropout). BatchNorm in train mode (ResNet)
 raises ``ExamplesMixedError``, and so does Hugging Face's CLIP contrastive loss
 (below).
 
