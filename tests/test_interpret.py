@@ -1003,6 +1003,54 @@ def test_gpt2_one_attention_head_ablated_through_a_view():
   assert float(jnp.abs(got - plain).max()) > 1e-4
 
 
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[0])
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[1])
+def test_gpt2_prefill_with_a_kv_cache_called_as_hugging_faces_generate_calls_it():
+  """A decoding step as Hugging Face's ``generate`` takes it: the model called with the params
+  and a KV cache, ``model(ids, past_key_values=cache, params=...)``, which builds its
+  variables (the cache a mutable collection among them) itself. ``run_with_cache`` returns
+  the plain call's logits and written cache, bit for bit, and the blocks' outputs equal
+  ``capture_intermediates`` on the module with the same cache; ``value_and_grad`` gives
+  ``jax.grad``'s param gradients and, at the LM head, d metric / d logits."""
+  hf = hf_models.hf_model('gpt2')
+  ids, _, positions = hf_models._tokens()
+  mask = jnp.ones((hf_models.BATCH, 2 * hf_models.SEQ), jnp.int32)  # the cache's length
+  blocks = filters.by_path('transformer/h/0', 'transformer/h/1')
+
+  def prefill(variables, ids, kv):
+    out = hf.model(ids, mask, positions, params=variables['params'], past_key_values=kv)
+    return out.logits, out.past_key_values
+
+  def prefill_intermediates(variables, ids, kv):
+    return hf.module.apply({**variables, 'cache': kv}, ids, mask, positions,
+                           capture_intermediates=True, mutable=['cache', 'intermediates'])
+
+  metric = lambda v, ids, kv: metric_of_logits(prefill(v, ids, kv)[0])
+  with jax.numpy_rank_promotion('allow'):
+    # HF's init_cache: zeros, shaped by an init on ids as long as the cache.
+    full = jnp.broadcast_to(jnp.arange(2 * hf_models.SEQ), mask.shape)
+    shapes = jax.eval_shape(lambda: hf.module.init(jax.random.key(0), full, mask, full,
+                                                   init_cache=True))['cache']
+    kv = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (logits, written), cache = jax.jit(perturbkit.run_with_cache(prefill, filter=blocks))(
+        hf.variables, ids, kv)
+    want_logits, want_written = jax.jit(prefill)(hf.variables, ids, kv)
+    _, state = jax.jit(prefill_intermediates)(hf.variables, ids, kv)
+    (value, grads) = jax.jit(perturbkit.value_and_grad(metric))(hf.variables, ids, kv)
+    want_value, want_grads = jax.jit(jax.value_and_grad(metric))(hf.variables, ids, kv)
+  np.testing.assert_array_equal(logits, want_logits)
+  chex.assert_trees_all_equal(written, want_written)
+  assert float(jnp.abs(written['transformer']['h']['1']['attn']['cached_key']).max()) > 0
+  for i in ('0', '1'):
+    chex.assert_trees_all_close(cache.outputs['transformer']['h'][i]['__call__'],
+                                state['intermediates']['transformer']['h'][i]['__call__'][0],
+                                **TOL)
+  chex.assert_trees_all_close(value, want_value, **TOL)
+  chex.assert_trees_all_close(grads['params'], want_grads['params'], **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['lm_head']['__call__'],
+                              jax.grad(metric_of_logits)(want_logits), **TOL)
+
+
 def metric_of_logits(logits):
   return jnp.mean(logits[:, -1, 5] - logits[:, -1, 6])
 
