@@ -145,7 +145,7 @@ def _vit_hf_call(hf):
   def forward(variables, pixels, **apply_kwargs):
     if apply_kwargs:
       return hf.module.apply(variables, pixels, **apply_kwargs)
-    return hf.model(jnp.transpose(pixels, (0, 3, 1, 2)), params=variables['params'])
+    return hf.model(hf_models._nchw(pixels), params=variables['params'])
   return {**_vit(hf), 'forward': forward}
 
 
