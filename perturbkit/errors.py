@@ -446,7 +446,9 @@ class CaptureInJaxTransformError(ActivationsUnavailableError):
         'directly in the function, and put the transform around the perturbkit function '
         'instead, e.g. `jax.jit(perturbkit.run_with_cache(model.apply))`, or '
         '`jax.vmap(perturbkit.run_with_cache(lambda v, x: model.apply(v, x[None])[0]), '
-        'in_axes=(None, 0))` for one example at a time. (run_with_edits and '
+        'in_axes=(None, 0))` for one example at a time. A loop the function cannot leave '
+        "(jax.lax.while_loop, as in Hugging Face's generate) needs its step read on its own: "
+        '`model(ids, params=variables["params"], past_key_values=cache)`. (run_with_edits and '
         'run_with_interventions work inside such transforms: they read nothing out.)')
 
 

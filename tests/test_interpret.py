@@ -1050,6 +1050,68 @@ def test_gpt2_prefill_with_a_kv_cache_called_as_hugging_faces_generate_calls_it(
   chex.assert_trees_all_close(grads['perturbations']['lm_head']['__call__'],
                               jax.grad(metric_of_logits)(want_logits), **TOL)
 
+  # The cache made inside the function with Hugging Face's own `init_cache` (a `module.init`
+  # on ones, as `generate` makes it): that init is no call of the model, so the prefill's calls
+  # keep the keys they had with the cache passed in.
+  def own_cache(variables, ids):
+    return prefill(variables, ids, hf.model.init_cache(hf_models.BATCH, 2 * hf_models.SEQ))
+
+  with jax.numpy_rank_promotion('allow'):
+    (own_logits, _), own = jax.jit(perturbkit.run_with_cache(own_cache, filter=blocks))(
+        hf.variables, ids)
+    own_grads = jax.jit(perturbkit.grad(lambda v, ids: metric_of_logits(own_cache(v, ids)[0])))(
+        hf.variables, ids)
+  np.testing.assert_array_equal(own_logits, want_logits)
+  chex.assert_trees_all_equal(own.outputs, cache.outputs)
+  chex.assert_trees_all_close(own_grads, grads, **TOL)
+
+
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[0])
+@pytest.mark.filterwarnings(hf_models.FILTER_DEPRECATION[1])
+def test_gpt2_generate_steered_at_the_prompt_and_at_each_new_token_equals_an_interceptor_by_hand():
+  """A steering vector added to block 0's output inside Hugging Face's greedy ``generate``.
+  ``generate`` makes its KV cache with a ``module.init`` (no call of the model), runs the
+  prompt (the block's ``'__call__'``), then each new token inside a ``lax.while_loop``
+  (``'__call__#1'``, one edit for every iteration). Each edit gives the tokens of plain Flax
+  ``generate`` under an interceptor that adds the vector to those calls' outputs by hand. A
+  cache of ``generate`` is a named error: the calls inside the loop cannot be read out."""
+  hf = hf_models.hf_model('gpt2')
+  prompt = hf_models._tokens()[0][:, :4]
+  steer = 20 * jax.random.normal(jax.random.key(3), (hf_models.WIDTH,))
+
+  def generate(variables, ids):
+    return hf.model.generate(ids, params=variables['params'], max_length=2 * hf_models.SEQ,
+                             do_sample=False, pad_token_id=0).sequences
+
+  def steered_by_hand(calls):  # the block's calls to steer, counted from 1, init's left out
+    counted = []
+
+    def add_steer(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      module = context.module
+      if (context.method_name == '__call__' and module.scope.path == ('transformer', 'h', '0')
+          and not module.is_initializing()):
+        counted.append(None)
+        if len(counted) in calls:
+          out = (out[0] + steer, *out[1:])
+      return out
+
+    with nn.intercept_methods(add_steer):
+      return generate(hf.variables, prompt)
+
+  edited = jax.jit(perturbkit.run_with_edits(generate))
+  with jax.numpy_rank_promotion('allow'):
+    plain = generate(hf.variables, prompt)
+    for keys, calls in ((['__call__'], {1}), (['__call__#1'], {2}), (['__call__', '__call__#1'], {1, 2})):
+      got = edited(hf.variables, {f'transformer/h/0/{k}': interpret.add(steer) for k in keys}, prompt)
+      want = steered_by_hand(calls)
+      np.testing.assert_array_equal(got, want, err_msg=str(keys))
+      assert not np.array_equal(want, plain), keys  # each edit changes the generated tokens
+    # The calls of the new tokens cannot leave the loop: a cache says so, naming the first.
+    with pytest.raises(perturbkit.CaptureInJaxTransformError,
+                       match=r"transformer/wte/__call__#1.*Hugging Face's generate"):
+      perturbkit.run_with_cache(generate)(hf.variables, prompt)
+
 
 def metric_of_logits(logits):
   return jnp.mean(logits[:, -1, 5] - logits[:, -1, 6])

@@ -140,6 +140,15 @@ Conventions
   an ``nnx.StateAxes`` that stacks ``nnx.Perturbation`` along another axis
   than the rest of the module's state) raise ``ActivationsUnavailableError``: leave them out
   with the filter, or run a copy of the model built without the transform.
+* Hugging Face's ``generate`` (``fn`` returning ``model.generate(ids,
+  params=variables['params'], ...).sequences``): the prompt's calls come first
+  (``'transformer/h/0/__call__'``), then the calls of the new tokens, inside
+  ``generate``'s ``lax.while_loop`` (``'transformer/h/0/__call__#1'``), whose
+  edit applies at every new token: a steering vector at both keys steers the
+  whole generation. The KV cache ``generate`` makes with ``module.init``
+  counts as no call (a model's ``init`` inside ``fn`` never does). The outputs
+  of calls inside the loop cannot be cached (``CaptureInJaxTransformError``):
+  cache a step of the model instead.
 
 Errors: ``UnknownEditPathError``, ``EditShapeError``, ``EditViewError``,
 ``PositionOutOfRangeError``, ``AxisLengthMismatchError``, ``NonScalarMetricError``,
@@ -151,8 +160,8 @@ Tested against (``tests/test_interpret.py``): Linen's ``capture_intermediates``
 ``jax.vjp`` (metric gradients, attribution) and with each edit written into it
 (edits, each patch of activation patching); an unchunked sweep (the chunked one);
 the NNX model against its Linen twin; a tiny Hugging Face GPT-2, whose blocks
-return tuples. ``tests/test_interpret_scan.py``: scanned models (and scans
-inside scans) against the same layers as a Python loop (edits written in, each patched run, ``jax.grad``
+return tuples, steered in ``generate`` as by an interceptor written by hand.
+``tests/test_interpret_scan.py``: scanned models (and scans inside scans) against the same layers as a Python loop (edits written in, each patched run, ``jax.grad``
 at explicit deltas), and a transformer scanned over ``remat`` against its
 layers unrolled, on both front ends. ``tests/test_interpret_attribution.py``: integrated gradients
 against completeness and ``jax.grad`` of the hand-written model at the same

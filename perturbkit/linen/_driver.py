@@ -624,7 +624,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     (``{'params': variables['params']}``), or call a Hugging Face model its own
     way, which builds them from the params (``model(ids,
     params=variables['params'], dropout_rng=rng, train=True)``, as Hugging
-    Face's example scripts do): every call gets its point all the same.
+    Face's example scripts do): every call gets its point all the same. A
+    ``model.init`` inside the loss (Hugging Face's ``init_cache``, which makes
+    a KV cache) is no call of the model: its calls get no points, and the
+    calls after it are keyed as if it had not run.
 
   Lifted transforms:
     ``nn.remat``, ``nn.jit``, ``nn.Sequential``, setup- and compact-style

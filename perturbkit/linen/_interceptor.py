@@ -321,7 +321,7 @@ def intercept(filter: CallFilter, on_call: Handler,
               on_root: RootHandler | None = None, *,
               takes_root: Callable[[nn.Module], bool] | None = None,
               transparent: bool = False, outside_apply: bool = False,
-              nested_applies: bool = False) -> Iterator[None]:
+              nested_applies: bool = False, initializing: bool = False) -> Iterator[None]:
   """Hands every selected submodule call inside the block to ``on_call``.
 
   Args:
@@ -342,6 +342,13 @@ def intercept(filter: CallFilter, on_call: Handler,
     nested_applies: A submodule's own ``apply`` made inside a call of the model
       (a tied output layer) is handed over as a call of that submodule;
       otherwise it runs unseen, and only the calls inside it are handed over.
+    initializing: The handler also takes the calls of a model's ``init`` made
+      inside the block (the perturbation points of ``wrap``'s own ``init``).
+      Otherwise such an ``init`` runs unseen, the calls inside it included, and
+      the calls after it are numbered as if it had not run: a model
+      initializing makes variables, not the outputs the function computes
+      (Hugging Face's ``generate`` makes its key-value cache with ``init``
+      before its first call of the model).
 
   Yields:
     Nothing; the interception ends with the block.
@@ -358,6 +365,12 @@ def intercept(filter: CallFilter, on_call: Handler,
       return state.run_function(module, getattr(context.orig_method, 'func', None), run)
     if state.suspended or not _is_method_call(module, method_name):
       return next_fun(*args, **kwargs)
+    if not module.path and not initializing and module.is_initializing():
+      state.suspended += 1
+      try:
+        return run()
+      finally:
+        state.suspended -= 1
     if not state.roots_active and state.returned.get(id(module), (None,))[0] is module:
       # A submodule a root method returned (Hugging Face's `_get_encoder_module()`), called
       # by the function given to `apply`: a call of the model, as in that root method.

@@ -41,7 +41,7 @@ def perturbing(filter: CallFilter, *, strict: bool, applied: set | None = None,
     if not was_applied and missed is not None and has_differentiable_leaf(output):
       missed.append(call.name)
     return out
-  return intercept(_filters.all_calls, handler)
+  return intercept(_filters.all_calls, handler, initializing=True)
 
 
 def _leaf_paths(tree, prefix=()) -> set:
