@@ -1083,30 +1083,36 @@ def test_gpt2_generate_steered_at_the_prompt_and_at_each_new_token_equals_an_int
     return hf.model.generate(ids, params=variables['params'], max_length=2 * hf_models.SEQ,
                              do_sample=False, pad_token_id=0).sequences
 
-  def steered_by_hand(calls):  # the block's calls to steer, counted from 1, init's left out
-    counted = []
+  def steered_by_hand(variables, ids, prompt_steer, token_steer):
+    steered = []  # the block's calls so far, init's left out
 
     def add_steer(next_fun, args, kwargs, context):
       out = next_fun(*args, **kwargs)
       module = context.module
       if (context.method_name == '__call__' and module.scope.path == ('transformer', 'h', '0')
           and not module.is_initializing()):
-        counted.append(None)
-        if len(counted) in calls:
-          out = (out[0] + steer, *out[1:])
+        out = (out[0] + (token_steer if steered else prompt_steer), *out[1:])
+        steered.append(None)
       return out
 
     with nn.intercept_methods(add_steer):
-      return generate(hf.variables, prompt)
+      return generate(variables, ids)
+
+  def edits(prompt_steer, token_steer):
+    return {'transformer/h/0/__call__': interpret.add(prompt_steer),
+            'transformer/h/0/__call__#1': interpret.add(token_steer)}
 
   edited = jax.jit(perturbkit.run_with_edits(generate))
+  by_hand = jax.jit(steered_by_hand)
+  zero = jnp.zeros_like(steer)
   with jax.numpy_rank_promotion('allow'):
-    plain = generate(hf.variables, prompt)
-    for keys, calls in ((['__call__'], {1}), (['__call__#1'], {2}), (['__call__', '__call__#1'], {1, 2})):
-      got = edited(hf.variables, {f'transformer/h/0/{k}': interpret.add(steer) for k in keys}, prompt)
-      want = steered_by_hand(calls)
-      np.testing.assert_array_equal(got, want, err_msg=str(keys))
-      assert not np.array_equal(want, plain), keys  # each edit changes the generated tokens
+    plain = by_hand(hf.variables, prompt, zero, zero)  # x + 0 is x: the unsteered tokens
+    np.testing.assert_array_equal(edited(hf.variables, edits(zero, zero), prompt), plain)
+    for steers in ((steer, zero), (zero, steer), (steer, steer)):
+      got = edited(hf.variables, edits(*steers), prompt)
+      want = by_hand(hf.variables, prompt, *steers)
+      np.testing.assert_array_equal(got, want)
+      assert not np.array_equal(want, plain)  # each edit changes the generated tokens
     # The calls of the new tokens cannot leave the loop: a cache says so, naming the first.
     with pytest.raises(perturbkit.CaptureInJaxTransformError,
                        match=r"transformer/wte/__call__#1.*Hugging Face's generate"):
