@@ -1126,9 +1126,15 @@ class UnknownEditPathError(PerturbkitError, KeyError):
     scanned = (f' {path} runs once per iteration of a scan (nn.scan, nnx.scan): edit one '
                f'iteration of it, {iterations[0]!r} to {iterations[-1]!r} (the cache holds '
                'its outputs stacked along the scan axis).') if iterations else ''
+    module = str(path).rpartition('/')[0]
+    own = [k for k in known if str(k).rpartition('/')[0] == module]
+    # A module's calls, where the edit names one it does not make (a third call of a module
+    # called twice; Hugging Face's generate: the prompt's call, then one inside its loop).
+    calls = (f' The selected calls of {module} are {_listed(own, 12)}.'
+             if module and own and not iterations else '')
     super().__init__(
-        f'There is an edit at {path!r}, but no selected call has that path.{scanned} The '
-        f'calls with points are: {_listed(known, 12)}. Key an edit by the call\'s path and '
+        f'There is an edit at {path!r}, but no selected call has that path.{scanned}{calls} '
+        f'The calls with points are: {_listed(known, 12)}. Key an edit by the call\'s path and '
         "point key as in run_with_cache's outputs ({'Dense_0': {'__call__': edit}} or "
         "{'Dense_0/__call__': edit}), or widen the filter to select that call.")
 

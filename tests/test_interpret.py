@@ -1131,9 +1131,15 @@ def test_edit_at_an_unknown_path(mlp):
   edited = perturbkit.run_with_edits(model.apply)
   with pytest.raises(perturbkit.UnknownEditPathError, match=r"'Dense_9/__call__'.*Dense_0/__call__"):
     edited(variables, {'Dense_9': {'__call__': interpret.zero_ablate()}}, x)
+  # A second call of a module called once: the message lists that module's calls first.
+  with pytest.raises(perturbkit.UnknownEditPathError,
+                     match=r"'Dense_0/__call__#1'.*The selected calls of Dense_0 are "
+                           r"Dense_0/__call__\. The calls with points"):
+    edited(variables, {'Dense_0/__call__#1': interpret.zero_ablate()}, x)
   edited = perturbkit.run_with_edits(model.apply, filter=filters.by_path('Dense_2'))
-  with pytest.raises(perturbkit.UnknownEditPathError, match='widen the filter'):
+  with pytest.raises(perturbkit.UnknownEditPathError, match='widen the filter') as raised:
     edited(variables, {'Dense_0/__call__': interpret.zero_ablate()}, x)
+  assert 'The selected calls of' not in str(raised.value)  # Dense_0 has no selected call
 
 
 def test_edit_of_another_shape(mlp):
