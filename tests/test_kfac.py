@@ -263,11 +263,15 @@ def test_conv_patches_times_kernel_is_the_conv(kwargs):
   conv = nn.Conv(**kwargs)
   shape = (2,) + (6, 5, 4)[:len(kwargs['kernel_size'])] + (3,)
   x = jax.random.normal(jax.random.key(0), shape)
-  variables, _, layers = setup(nn.Sequential([conv]), x)
+  model = nn.Sequential([conv])
+  # The layers are found by tracing: the variables' shapes are all it reads.
+  layers = perturbkit.kfac_layers(lambda v, x: model.apply(v, x),
+                                  jax.eval_shape(model.init, jax.random.key(0), x), x)
   info = layers.layers['layers_0']
 
-  @jax.jit  # one compile for the patches, their product and the conv, not one per op
-  def patches_times_kernel_and_conv(params, x):
+  @jax.jit  # one compile for the params, the patches, their product and the conv
+  def patches_times_kernel_and_conv(x):
+    params = model.init(jax.random.key(0), x)['params']['layers_0']
     kernel = params['kernel']
     out = jnp.einsum('...k,kf->...f', conv_patches(info.conv, x),
                      kernel.reshape(-1, kernel.shape[-1]), precision='highest')
@@ -275,7 +279,7 @@ def test_conv_patches_times_kernel_is_the_conv(kwargs):
       out = bias(out, params['bias'])
     return out, conv.apply({'params': params}, x)
 
-  out, want = patches_times_kernel_and_conv(variables['params']['layers_0'], x)
+  out, want = patches_times_kernel_and_conv(x)
   np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
@@ -312,9 +316,10 @@ def test_batchnorm_in_train_mode_with_has_aux():
   layers = perturbkit.kfac_layers(train, variables, x)
   assert sorted(layers.layers) == ['Dense_0', 'Dense_1']
   assert layers.skipped == {'BatchNorm_0': 'BatchNorm has no K-FAC rule'}
+  # Refused while tracing: under jax.jit, so that the ops before the refusal compile once.
   with pytest.raises(perturbkit.KFACOutputError, match='has_aux=True'):
-    perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers)(variables, x, y,
-                                                                      jax.random.key(2))
+    jax.jit(perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers))(
+        variables, x, y, jax.random.key(2))
   estimate = perturbkit.kfac_estimator(train, 'softmax_cross_entropy', layers,
                                        fisher='empirical', has_aux=True)
   loss, grads, stats, updates = jax.jit(estimate)(variables, x, y)
@@ -322,10 +327,15 @@ def test_batchnorm_in_train_mode_with_has_aux():
                                       lambda logits: y, [(8, 6), (8, 4)])
   for i, name in enumerate(['Dense_0', 'Dense_1']):
     assert_factors(stats, name, *dense_reference(inputs[i], output_grads[i], 8))
-  logits, want_updates = jax.jit(train)(variables, x)
+
+  @jax.jit  # the reference loss and updates in one compile
+  def reference(v):
+    logits, want_updates = train(v, x)
+    return want_updates, optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  want_updates, want_loss = reference(variables)
   chex.assert_trees_all_close(updates, want_updates, rtol=1e-6)
-  np.testing.assert_allclose(loss, optax.softmax_cross_entropy_with_integer_labels(
-      logits, y).mean(), rtol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   # Without the statistics (a traced flag): the same loss, gradient and updates.
   plain = jax.jit(lambda v: estimate(v, x, y, with_stats=jnp.zeros((), bool)))(variables)
   chex.assert_trees_all_close((plain[0], plain[1], plain[3]), (loss, grads, updates),
@@ -385,7 +395,7 @@ def test_exact_categorical_g_is_the_expectation_over_labels():
   _, _, stats = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                                   fisher='exact'))(
                                                       variables, x, jnp.zeros(5, jnp.int32))
-  p = np.asarray(jax.nn.softmax(model.apply(variables, x)), np.float64)
+  p = np.asarray(jax.jit(lambda v: jax.nn.softmax(model.apply(v, x)))(variables), np.float64)
   # E_y[(p - e_y)(p - e_y)ᵀ] = diag(p) - p pᵀ, averaged over the examples.
   expected = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
   np.testing.assert_allclose(stats['layers_0'].g, expected, rtol=1e-5, atol=1e-6)
@@ -440,8 +450,8 @@ def test_float64_loss_gradient_factors_and_step_are_the_textbook_ones_in_float64
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.key(1), (6, 3), jnp.float64)
     y = jnp.arange(6) % 4
-    variables = jax.tree.map(lambda v: v.astype(jnp.float64),
-                             jax.jit(MLP().init)(jax.random.key(0), x))
+    variables = jax.jit(lambda k, x: jax.tree.map(lambda v: v.astype(jnp.float64),
+                                                  MLP().init(k, x)))(jax.random.key(0), x)
     predict = lambda v, inputs: MLP().apply(v, inputs)
     layers = perturbkit.kfac_layers(predict, variables, x)
     estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
@@ -455,7 +465,7 @@ def test_float64_loss_gradient_factors_and_step_are_the_textbook_ones_in_float64
       return loss, grads, stats, updates, state
 
     loss, grads, stats, updates, state = step(variables['params'],
-                                              tx.init(variables['params']))
+                                              jax.jit(tx.init)(variables['params']))
     loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
         predict({'params': p}, x), y).mean()
     want_loss, want_grads = jax.jit(jax.value_and_grad(loss_fn))(variables['params'])
@@ -509,7 +519,8 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
   hand = {}
   for name in ('Conv_0', 'Dense_0'):
     kernel = np.asarray(grads[name]['kernel'])
-    theta = np.concatenate([kernel.reshape(-1, kernel.shape[-1]), grads[name]['bias'][None]])
+    theta = np.concatenate([kernel.reshape(-1, kernel.shape[-1]),
+                            np.asarray(grads[name]['bias'])[None]])
     expected = hand_precondition(theta, stats[name].a, stats[name].g, damping)
     hand[name] = {'kernel': expected[:-1].reshape(kernel.shape), 'bias': expected[-1]}
   hand['Embed_0'] = {'embedding': hand_precondition(grads['Embed_0']['embedding'],
@@ -519,7 +530,8 @@ def test_preconditioned_gradient_is_damped_inverse_sandwich():
     for leaf, expected in leaves.items():
       np.testing.assert_allclose(updates[name][leaf], expected, rtol=1e-4, atol=1e-6)
   chex.assert_trees_all_close(updates['GroupNorm_0'],
-                              jax.tree.map(lambda g: -3.0 * g, grads['GroupNorm_0']), rtol=1e-6)
+                              jax.tree.map(lambda g: -3.0 * np.asarray(g), grads['GroupNorm_0']),
+                              rtol=1e-6)
   assert int(state.count) == 1
 
   # norm_constraint=c scales the layers' v by sqrt(c / <v, g>) where <v, g> > c (here
@@ -571,11 +583,19 @@ def test_a_layer_on_flattened_rows_has_the_batchs_examples(fisher):
   np.testing.assert_allclose(stats[1]['Dense_0'].a, rows.T @ rows / 4, rtol=1e-5)
 
 
-def test_running_average_and_inverse_refresh():
+@functools.cache
+def mlp_problem():
+  """``(x, y, variables, predict, layers, estimate, jitted_estimate)``: the MLP on a batch of 8
+  and its sampled-Fisher estimator, compiled once for the tests below."""
   x = jax.random.normal(jax.random.key(1), (8, 3))
   y = jnp.arange(8) % 4
   variables, predict, layers = setup(MLP(), x)
-  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers))
+  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  return x, y, variables, predict, layers, estimate, jax.jit(estimate)
+
+
+def test_running_average_and_inverse_refresh():
+  x, y, variables, _, layers, _, estimate = mlp_problem()
   params = variables['params']
   tx = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2,
                                       stats_every=1)
@@ -587,6 +607,7 @@ def test_running_average_and_inverse_refresh():
   _, state2 = update(grads, state1, params, kfac_stats=stats[1])
   out3, state3 = update(grads, state2, params, kfac_stats=stats[2])
   a1, a2, a3 = (s['Dense_1'].a for s in stats)
+  a1, a2, a3 = (np.asarray(a) for a in (a1, a2, a3))  # the averages in numpy, not compiled
   np.testing.assert_allclose(state2.factors['Dense_1'].a, 0.8 * a1 + 0.2 * a2, rtol=1e-5)
   ema3 = 0.8 * (0.8 * a1 + 0.2 * a2) + 0.2 * a3
   np.testing.assert_allclose(state3.factors['Dense_1'].a, ema3, rtol=1e-5)
@@ -604,10 +625,7 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
   steps 0, 3, 6 and a plain gradient otherwise; the factors and inverses are those
   of the every-step preconditioner fed only the batches of those steps, and every
   update is the damped sandwich with the inverses of the last refresh."""
-  x = jax.random.normal(jax.random.key(1), (8, 3))
-  y = jnp.arange(8) % 4
-  variables, predict, layers = setup(MLP(), x)
-  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  x, y, variables, _, layers, estimate, jitted_estimate = mlp_problem()
   params = variables['params']
   batches = [(x * (1 + 0.1 * i), jax.random.key(i)) for i in range(7)]
   every = perturbkit.kfac_preconditioner(layers, damping=0.1, decay=0.8, inverse_every=2,
@@ -627,7 +645,7 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
   for i, (xi, key) in enumerate(batches):
     assert bool(state.stats_due) == (i % 3 == 0)
     grads, stats, updates, state = amortised_step(state, xi, key)
-    _, full_grads, full_stats = jax.jit(estimate)(variables, xi, y, key)
+    _, full_grads, full_stats = jitted_estimate(variables, xi, y, key)
     chex.assert_trees_all_close(grads, full_grads, rtol=1e-5, atol=1e-6)
     if i % 3 == 0:
       chex.assert_trees_all_close(stats, full_stats, rtol=1e-5, atol=1e-6)
@@ -641,7 +659,8 @@ def test_amortised_statistics_equal_the_every_step_path_on_their_steps():
     if i in (0, 6):
       chex.assert_trees_all_close(state.inverses, reference.inverses, rtol=1e-4, atol=1e-5)
     for name in layers.layers:
-      theta = np.concatenate([np.asarray(grads[name]['kernel']), grads[name]['bias'][None]])
+      theta = np.concatenate([np.asarray(grads[name]['kernel']),
+                              np.asarray(grads[name]['bias'])[None]])
       inverses = state.inverses[name]
       expected = np.asarray(inverses.a, np.float64) @ theta @ np.asarray(inverses.g, np.float64)
       np.testing.assert_allclose(updates[name]['kernel'], expected[:-1], rtol=1e-4, atol=1e-6)
@@ -652,10 +671,7 @@ def test_two_jitted_steps_picked_in_python_equal_the_traced_flag():
   """The host switch (one jitted step with statistics, one without, picked with
   ``bool(state.stats_due)``) gives the traced-flag path's updates and states; a
   step without statistics where they were due turns the factors NaN, not zero."""
-  x = jax.random.normal(jax.random.key(1), (8, 3))
-  y = jnp.arange(8) % 4
-  variables, predict, layers = setup(MLP(), x)
-  estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
+  x, y, variables, _, layers, estimate, _ = mlp_problem()
   params = variables['params']
   tx = perturbkit.kfac_preconditioner(layers, damping=0.1, inverse_every=3)
 
@@ -895,11 +911,12 @@ def test_misused_estimator_options_are_named_errors():
   with pytest.raises(perturbkit.InvalidOptionError, match="fisher='fast'.*'empirical'"):
     perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='fast')
   exact = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers, fisher='exact')
+  # Refused while tracing: under jax.jit, so that the ops before the refusals compile once.
   with pytest.raises(perturbkit.KFACExactFisherError, match=r"\(2, 5, 4\).*fisher='sampled'"):
-    exact(variables, x, jnp.zeros((2, 5), jnp.int32))
+    jax.jit(exact)(variables, x, jnp.zeros((2, 5), jnp.int32))
   sampled = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
   with pytest.raises(perturbkit.PRNGKeyError, match=r'jax\.random\.key\(seed\)'):
-    sampled(variables, x, jnp.zeros((2, 5), jnp.int32))
+    jax.jit(sampled)(variables, x, jnp.zeros((2, 5), jnp.int32))
 
 
 def test_arguments_of_the_wrong_kind_are_named_errors_where_given():

@@ -72,6 +72,27 @@ def problem():
   return variables, predict, x, y
 
 
+@pytest.fixture(scope='module')
+def layers(problem):
+  """The K-FAC layers ``kfac_layers`` finds in ``NormNet``: traced once for the tests."""
+  variables, predict, x, _ = problem
+  return perturbkit.kfac_layers(predict, variables, x)
+
+
+@pytest.fixture(scope='module')
+def empirical(problem, layers):
+  """``(loss, grads, stats)`` of the jitted empirical-Fisher estimator: compiled once."""
+  variables, predict, x, y = problem
+  return jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                           fisher='empirical'))(variables, x, y)
+
+
+@pytest.fixture(scope='module')
+def norm_grads(problem):
+  """The reference's per-example gradients of the norms' params: compiled once."""
+  return per_example_norm_grads(*problem)
+
+
 def per_example_norm_grads(variables, predict, x, y):
   """``{norm: {param: (N, d)}}``: each example's gradient of its own loss."""
   def loss(params, xi, yi):
@@ -80,6 +101,12 @@ def per_example_norm_grads(variables, predict, x, y):
 
   grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))(variables['params'], x, y)
   return {name: grads[name] for name in NORMS}
+
+
+def mean_square(g):
+  """The mean over the examples (axis 0) of the square, in numpy float64."""
+  g = np.asarray(g, np.float64)
+  return np.mean(g * g, axis=0)
 
 
 def exact_fisher_diagonals(variables, predict, x):
@@ -93,7 +120,7 @@ def exact_fisher_diagonals(variables, predict, x):
     hessian = jnp.diag(p) - jnp.outer(p, p)
     return jax.tree.map(lambda j: jnp.einsum('i...,ij,j...->...', j, hessian, j), jac)
 
-  diagonals = jax.tree.map(lambda d: jnp.mean(d, axis=0), jax.jit(jax.vmap(one))(x))
+  diagonals = jax.jit(lambda x: jax.tree.map(lambda d: jnp.mean(d, axis=0), jax.vmap(one)(x)))(x)
   return {name: diagonals[name] for name in NORMS}
 
 
@@ -110,9 +137,7 @@ def assert_factors(stats, expected):
     np.testing.assert_allclose(stats[name].g, g, **TOL, err_msg=f'{name}.g')
 
 
-def test_the_norms_are_layers_with_their_params(problem):
-  variables, predict, x, _ = problem
-  layers = perturbkit.kfac_layers(predict, variables, x)
+def test_the_norms_are_layers_with_their_params(layers):
   assert layers.skipped == {}
   got = {name: (info.kind, info.param, info.kernel_shape, info.use_bias, info.calls)
          for name, info in layers.layers.items() if info.kind == 'norm'}
@@ -123,47 +148,43 @@ def test_the_norms_are_layers_with_their_params(problem):
 
 
 @pytest.mark.parametrize('fisher', ['empirical', 'exact'])
-def test_factors_are_the_diagonal_fisher(problem, fisher):
+def test_factors_are_the_diagonal_fisher(problem, layers, fisher, request):
   variables, predict, x, y = problem
-  layers = perturbkit.kfac_layers(predict, variables, x)
-  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                               fisher=fisher))
-  _, _, stats = estimate(variables, x, y)
   if fisher == 'empirical':
-    grads = per_example_norm_grads(variables, predict, x, y)
-    diagonals = jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)
+    _, _, stats = request.getfixturevalue('empirical')
+    diagonals = jax.tree.map(mean_square, request.getfixturevalue('norm_grads'))
   else:
+    estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
+                                                 fisher=fisher))
+    _, _, stats = estimate(variables, x, y)
     diagonals = exact_fisher_diagonals(variables, predict, x)
   assert_factors(stats, expected_factors(diagonals))
 
 
-def test_nnx_twin_gets_the_same_factors(problem):
-  variables, predict, x, y = problem
-  model = NNXNormNet(nnx.Rngs(0))
+def test_nnx_twin_gets_the_same_factors(problem, layers, norm_grads):
+  variables, _, x, y = problem
+  model = nnx.jit(lambda: NNXNormNet(nnx.Rngs(0)))()  # one compile, not one per eager op
   params = variables['params']
   for name in ('embed', 'mix', 'head', *NORMS):
     layer = getattr(model, name)
     for leaf, value in params[name].items():
       getattr(layer, leaf).set_value(value)
-  layers = perturbkit.nnx.kfac_layers(model, x)
-  assert {n: i.kind for n, i in layers.layers.items()} == {
+  nnx_layers = perturbkit.nnx.kfac_layers(model, x)
+  assert {n: i.kind for n, i in nnx_layers.layers.items()} == {
       'embed': 'dense', 'ln': 'norm', 'mix': 'dense', 'rms': 'norm', 'shift': 'norm',
       'head': 'dense'}
-  linen_layers = perturbkit.kfac_layers(predict, variables, x)
   for name in NORMS:
-    assert layers.layers[name]._replace(path=()) == linen_layers.layers[name]._replace(path=())
-  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', layers, fisher='empirical')
+    assert nnx_layers.layers[name]._replace(path=()) == layers.layers[name]._replace(path=())
+  estimate = perturbkit.nnx.kfac_estimator('softmax_cross_entropy', nnx_layers,
+                                           fisher='empirical')
   _, _, stats = nnx.jit(estimate)(model, x, y)
-  grads = per_example_norm_grads(variables, predict, x, y)
-  assert_factors(stats, expected_factors(jax.tree.map(lambda g: jnp.mean(g * g, axis=0), grads)))
+  assert_factors(stats, expected_factors(jax.tree.map(mean_square, norm_grads)))
 
 
-def test_preconditioned_update_is_the_gradient_over_the_damped_diagonal(problem):
-  variables, predict, x, y = problem
-  layers = perturbkit.kfac_layers(predict, variables, x)
-  estimate = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                               fisher='empirical'))
-  _, grads, stats = estimate(variables, x, y)
+def test_preconditioned_update_is_the_gradient_over_the_damped_diagonal(problem, layers,
+                                                                         empirical):
+  variables = problem[0]
+  _, grads, stats = empirical
   damping = 0.05
   tx = perturbkit.kfac_preconditioner(layers, damping=damping)
   params = variables['params']
@@ -228,14 +249,14 @@ def test_a_norm_called_with_a_mask_is_refused_by_the_estimator():
   assert layers.layers['ln'].kind == 'norm'
   estimate = perturbkit.kfac_estimator(lambda v, x: Masked().apply(v, x),
                                        'softmax_cross_entropy', layers, fisher='empirical')
+  # Refused while tracing: under jax.jit, so that the ops before the refusal compile once.
   with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='ln.*called with a mask'):
-    estimate(variables, x, jnp.zeros((4,), jnp.int32))
+    jax.jit(estimate)(variables, x, jnp.zeros((4,), jnp.int32))
 
 
-def test_kfac_of_a_layer_normed_mlp_lowers_the_loss(problem):
+def test_kfac_of_a_layer_normed_mlp_lowers_the_loss(problem, layers):
   """Three steps of whole-model K-FAC with every layer preconditioned, the norms included."""
   variables, predict, x, y = problem
-  layers = perturbkit.kfac_layers(predict, variables, x)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
                                        fisher='empirical')
   tx = optax.chain(perturbkit.kfac_preconditioner(layers, damping=0.1, inverse_every=1),
@@ -256,9 +277,8 @@ def test_kfac_of_a_layer_normed_mlp_lowers_the_loss(problem):
   chex.assert_tree_all_finite(params)
 
 
-def test_a_norm_layer_built_by_hand_without_its_geometry_is_refused(problem):
-  variables, predict, x, y = problem
-  layers = perturbkit.kfac_layers(predict, variables, x)
+def test_a_norm_layer_built_by_hand_without_its_geometry_is_refused(problem, layers):
+  predict = problem[1]
   by_hand = layers._replace(layers={**layers.layers, 'ln': layers.layers['ln']._replace(norm=None)})
   with pytest.raises(perturbkit.KFACLayerInfoError, match="'ln'.*LayerInfo.norm"):
     perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', by_hand, fisher='empirical')
@@ -288,10 +308,15 @@ def test_nnx_norm_segments_equal_the_linen_twin(propagate):
   import nnx_models
   import test_kfac_segment as seg
 
-  model = NNXNormMLP(nnx.Rngs(0))
-  # Scales and biases away from 1 and 0, the same in both twins.
-  for norm in (model.LayerNorm_0, model.RMSNorm_0):
-    norm.scale.set_value(1.0 + 0.3 * jax.random.normal(jax.random.key(5), norm.scale.shape))
+  @nnx.jit  # one compile, not one per eager op
+  def build():
+    model = NNXNormMLP(nnx.Rngs(0))
+    # Scales and biases away from 1 and 0, the same in both twins.
+    for norm in (model.LayerNorm_0, model.RMSNorm_0):
+      norm.scale.set_value(1.0 + 0.3 * jax.random.normal(jax.random.key(5), norm.scale.shape))
+    return model
+
+  model = build()
   variables = nnx_models.linen_variables(model)
   predict, loss_fn, _, xs, ys = seg.problem(2, seg.NormMLP())
   layers = perturbkit.nnx.kfac_layers(model, xs[0])
@@ -353,9 +378,16 @@ def _hf_causal_lm(family):
                                                 _do_init=False)}[family]()
   variables = hf_models.filled_variables(hf)
   flat = flax.traverse_util.flatten_dict(variables['params'])
-  keys = iter(jax.random.split(jax.random.key(3), len(flat)))
-  flat = {k: v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
-          for k, v in flat.items()}
+
+  names = list(flat)
+
+  @jax.jit  # one compile for all the weights, not one per shape
+  def moved(values):
+    keys = iter(jax.random.split(jax.random.key(3), len(values)))
+    return [v + 0.5 * jax.random.normal(next(keys), v.shape) if k[-1] == 'weight' else v
+            for k, v in zip(names, values)]
+
+  flat = dict(zip(names, moved([flat[k] for k in names])))
   ids = jax.random.randint(jax.random.key(4), (3, 6), 0, 64)
   return hf.module, {'params': flax.traverse_util.unflatten_dict(flat)}, ids
 
@@ -391,6 +423,6 @@ def test_hf_rms_norms_get_the_diagonal_of_their_weight(family):
     g = grads
     for k in name.split('/'):
       g = g[k]
-    np.testing.assert_allclose(stats[name].a, jnp.mean(g['weight'] ** 2, axis=0), rtol=2e-4,
+    np.testing.assert_allclose(stats[name].a, mean_square(g['weight']), rtol=2e-4,
                                atol=1e-9, err_msg=name)
     assert stats[name].g.shape == (0,)

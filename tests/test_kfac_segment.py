@@ -43,12 +43,19 @@ class NormMLP(nn.Module):
     return nn.Dense(4, name='Dense_2')(x)
 
 
+@functools.cache
+def initial_variables(model_type, shape):
+  """``model_type()``'s variables for inputs of ``shape`` (they depend on the shape alone):
+  compiled once per model and shape for the tests."""
+  return jax.jit(model_type().init)(jax.random.key(0), jnp.zeros(shape))
+
+
 def problem(steps, model=None):
   model = MLP() if model is None else model
   shape = (7, 7, 2) if isinstance(model, CNN) else (3,)
   xs = jax.random.normal(jax.random.key(1), (steps, 8) + shape)
   ys = jnp.arange(steps * 8).reshape(steps, 8) % 4
-  variables = jax.jit(model.init)(jax.random.key(0), xs[0])
+  variables = initial_variables(type(model), xs.shape[1:])
   predict = lambda v, x: model.apply(v, x)
   loss_fn = lambda v, x, y: optax.softmax_cross_entropy_with_integer_labels(
       predict(v, x), y).mean()
@@ -183,10 +190,15 @@ def test_float64_segment_factors_and_step_are_float64():
   layer = perturbkit.LayerInfo('dense', ('Dense_0',), 'kernel', (3, 2), True, ('__call__',))
   tx = perturbkit.kfac_segment(layer, damping=DAMPING)
   with jax.enable_x64(True):
-    x, cotangent, kernel = (jax.random.normal(jax.random.key(i), shape, jnp.float64)
-                            for i, shape in enumerate([(5, 3), (5, 2), (3, 2)]))
-    params = {'kernel': kernel, 'bias': jnp.zeros(2, jnp.float64)}
-    grads = {'kernel': x.T @ cotangent, 'bias': cotangent.sum(0)}
+    @jax.jit  # the inputs in one compile, not one per op
+    def inputs():
+      x, cotangent, kernel = (jax.random.normal(jax.random.key(i), shape, jnp.float64)
+                              for i, shape in enumerate([(5, 3), (5, 2), (3, 2)]))
+      params = {'kernel': kernel, 'bias': jnp.zeros(2, jnp.float64)}
+      grads = {'kernel': x.T @ cotangent, 'bias': cotangent.sum(0)}
+      return x, cotangent, params, grads
+
+    x, cotangent, params, grads = inputs()
     update = jax.jit(functools.partial(tx.update, segment_examples=5))
     updates, state = update(grads, tx.init(params), params, segment_inputs=(x,),
                             segment_output_grad=cotangent)
@@ -251,13 +263,22 @@ def hand_updated_sweep(params, x, y, factors, decay):
   return new, new_factors
 
 
-def test_updated_equals_a_hand_sweep():
-  predict, loss_fn, variables, xs, ys = problem(2)
+@functools.cache
+def updated_mlp_segments():
+  """``(layers, tx, step)``: the MLP's K-FAC segments with ``propagate='updated'`` (the
+  default; damping ``DAMPING``, decay 0.5, inverses every step) and its jitted step, compiled
+  once for ``test_updated_equals_a_hand_sweep`` and ``test_nnx_segments_equal_the_linen_twin``."""
+  predict, loss_fn, variables, xs, _ = problem(2)
   layers = perturbkit.kfac_layers(predict, variables, xs[0])
   tx = perturbkit.interleaved(
       loss_fn, segment_optimizer(layers, damping=DAMPING, decay=0.5, inverse_every=1))
+  return layers, tx, jax.jit(tx.step)
+
+
+def test_updated_equals_a_hand_sweep():
+  predict, _, variables, xs, ys = problem(2)
+  layers, tx, step = updated_mlp_segments()
   state = tx.init(variables, xs[0], ys[0])
-  step = jax.jit(tx.step)
   params, factors = variables['params'], [None] * 3
   for x, y in zip(xs, ys):
     state, _ = step(state, x, y)
@@ -325,16 +346,20 @@ def test_shard_map_segment_factors_and_steps_equal_one_device():
 
 
 def stepped_twins(model, nnx_layers, variables, loss_fn, linen_layers, xs, ys, propagate,
-                  **kfac):
+                  linen=None, **kfac):
   """An NNX model and its Linen twin stepped on ``xs, ys`` by K-FAC segments (and SGD), their
-  losses equal at every step: ``(NNX state, Linen state)``."""
+  losses equal at every step: ``(NNX state, Linen state)``. ``linen``: the Linen twin's
+  ``(interleaved, jitted step)`` with these options, when already made."""
   nnx_loss = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
   nnx_tx = perturbkit.nnx.interleaved(nnx_loss, segment_optimizer(nnx_layers, **kfac),
                                       propagate=propagate)
-  linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
-                                    propagate=propagate)
+  if linen is None:
+    linen_tx = perturbkit.interleaved(loss_fn, segment_optimizer(linen_layers, **kfac),
+                                      propagate=propagate)
+    linen = linen_tx, jax.jit(linen_tx.step)
+  linen_tx, linen_step = linen
   s_nnx, s_linen = nnx_tx.init(model, xs[0], ys[0]), linen_tx.init(variables, xs[0], ys[0])
-  nnx_step, linen_step = jax.jit(nnx_tx.step), jax.jit(linen_tx.step)
+  nnx_step = jax.jit(nnx_tx.step)
   for x, y in zip(xs, ys):
     s_nnx, m_nnx = nnx_step(s_nnx, x, y)
     s_linen, m_linen = linen_step(s_linen, x, y)
@@ -350,7 +375,7 @@ def test_nnx_segments_equal_the_linen_twin():
   import nnx_models
   from test_nnx_kfac import NNXMLP  # test_kfac's MLP written in NNX
 
-  model = NNXMLP(nnx.Rngs(0))
+  model = nnx.jit(lambda: NNXMLP(nnx.Rngs(0)))()  # one compile, not one per eager op
   variables = nnx_models.linen_variables(model)
   predict, loss_fn, _, xs, ys = problem(2)
   linen_layers = perturbkit.kfac_layers(predict, variables, xs[0])
@@ -363,9 +388,12 @@ def test_nnx_segments_equal_the_linen_twin():
   # The NNX front end finds the same layers, and its kfac_segment is the same rule.
   assert perturbkit.nnx.kfac_layers(model, xs[0]).layers == hand_layers.layers
   assert perturbkit.nnx.kfac_segment is perturbkit.kfac_segment
+  shared_layers, *updated = updated_mlp_segments()  # the same layers, options and step
+  assert shared_layers == linen_layers
   for propagate in ('updated', 'original'):
     s_nnx, s_linen = stepped_twins(model, hand_layers, variables, loss_fn, linen_layers, xs, ys,
-                                   propagate, damping=DAMPING, decay=0.5, inverse_every=1)
+                                   propagate, linen=updated if propagate == 'updated' else None,
+                                   damping=DAMPING, decay=0.5, inverse_every=1)
     chex.assert_trees_all_close(nnx_models.pure(nnx.state(s_nnx.model(), nnx.Param)),
                                 s_linen.params, rtol=1e-5, atol=1e-6)
     for name in hand_layers.layers:
