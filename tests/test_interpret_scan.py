@@ -42,7 +42,7 @@ class Case(NamedTuple):
 def _linen() -> Case:
   model = models.Scanned(length=3)
   clean = jax.random.normal(jax.random.key(1), (3, 3))
-  variables = model.init(jax.random.key(0), clean)
+  variables = jax.jit(model.init)(jax.random.key(0), clean)  # eagerly: a compile per op
   p = variables['params']
 
   def loop(x, at):
@@ -102,7 +102,7 @@ class _Nested(nn.Module):
 def _linen_nested() -> Case:
   model = _Nested()
   clean = jax.random.normal(jax.random.key(1), (3, 4))
-  variables = model.init(jax.random.key(0), clean)
+  variables = jax.jit(model.init)(jax.random.key(0), clean)  # eagerly: a compile per op
   dense = variables['params']['outer']['inner']['d']
 
   def loop(x, at):
@@ -228,9 +228,11 @@ def test_edits_at_one_iteration_equal_the_loop_with_the_edit_written_in(case):
   assert not np.allclose(got, _run(case, case.clean)[0], **TOL)
 
   deltas = jnp.array([-1.0, 0.5, 2.0])
-  stack = jax.vmap(lambda d: {name: interpret.add(d, positions=[0], axis=1)})(deltas)
-  got = jax.vmap(case.api.run_with_edits(case.metric), in_axes=(None, 0, None))(
-      case.model, stack, case.clean)
+  # jax.vmap inside one jax.jit: run eagerly, each batched op compiled a program of its own.
+  got = jax.jit(lambda deltas: jax.vmap(case.api.run_with_edits(case.metric),
+                                        in_axes=(None, 0, None))(
+      case.model, jax.vmap(lambda d: {name: interpret.add(d, positions=[0], axis=1)})(deltas),
+      case.clean))(deltas)
   for d, g in zip(deltas, got):
     np.testing.assert_allclose(g, _run(case, case.clean, {name: lambda a: a.at[:, 0].add(d)})[0],
                                **TOL)
@@ -462,12 +464,14 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
       return jnp.mean(logits[:, -1, 3] - logits[:, -1, 5])
     return metric
 
+  # The models are made, and the plain metrics compared, in jitted programs: run eagerly,
+  # each op of the scanned, rematerialized init and apply compiled a program of its own.
   if api == 'linen':
     scanned = _LinenTransformer()
-    variables = scanned.init(jax.random.key(1), tokens)
+    variables = jax.jit(scanned.init)(jax.random.key(1), tokens)
     params = dict(variables['params'])
     layers = params.pop('layers')
-    params.update({f'layers_{i}': jax.tree.map(lambda a, i=i: a[i], layers)
+    params.update({f'layers_{i}': jax.tree.map(lambda a, i=i: np.asarray(a)[i], layers)
                    for i in range(_DEPTH)})
     fn, model = perturbkit, variables
     twin, twin_model = _LinenTransformer(scan=False), {'params': params}
@@ -476,14 +480,16 @@ def test_scanned_remat_transformer_equals_its_layers_unrolled(api):
         'layers_?', 'layers_?/attn')
     unrolled = lambda path, i: path.replace('layers/', f'layers_{i}/', 1)
   else:
-    model = _NNXTransformer(nnx.Rngs(0))
+    model = nnx.jit(lambda: _NNXTransformer(nnx.Rngs(0)))()
     fn, twin_model = perturbkit.nnx, _NNXUnrolled(model)
     metric = twin_metric = metric_of(lambda m, t: m(t))
     calls = filters.by_path('layers', 'layers/attn')
     twin_calls = filters.by_path('layers/?', 'layers/?/attn')
     unrolled = lambda path, i: path.replace('layers/', f'layers/{i}/', 1)
 
-  np.testing.assert_allclose(metric(model, tokens), twin_metric(twin_model, tokens), **TOL)
+  plain = nnx.jit(lambda model, twin_model: (metric(model, tokens),
+                                               twin_metric(twin_model, tokens)))
+  np.testing.assert_allclose(*plain(model, twin_model), **TOL)
   integrated = lambda metric, filter, axis: fn.layer_integrated_gradients(
       metric, filter=filter, axis=axis, steps=4)
   for function, args in ((fn.activation_patching, (tokens, corrupted)),
@@ -519,7 +525,7 @@ def test_linen_scan_stacking_along_axis_1_of_outputs_as_long_as_the_scan():
   cache holds iteration ``i`` at ``[:, i]``."""
   model = _ScannedAlongAxis1()
   x = jax.random.normal(jax.random.key(1), (3, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)  # eagerly: a compile per op
   p = variables['params']
   value = jnp.full((3, 4), 0.5)
 
