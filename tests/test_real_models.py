@@ -74,7 +74,12 @@ def reference_points(s: Setup) -> dict:
 
 
 def _max_abs(tree) -> float:
-  return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
+  # In numpy: an eager jnp.max per leaf shape would compile a program of its own.
+  return max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(tree))
+
+
+def _max_abs_diff(a, b) -> float:
+  return _max_abs(jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b))
 
 
 # --- value_and_grad --------------------------------------------------------------------------
@@ -87,6 +92,7 @@ class Reference:
   act_grads: dict       # {point: [d loss / d delta per float leaf]}
   direction: dict       # {point: [array]} for the two probed points (JVP_CASES only)
   derivative: Any       # jax.jvp of the loss along `direction` (None: not probed)
+  sgd_params: Any       # the params after one optax.sgd(LR) step with `param_grads`
 
 
 # The forward-mode check costs a compile of its own; two models of different kinds carry it.
@@ -112,12 +118,13 @@ def reference_of(name: str) -> Reference:
     # Two points for the forward-mode check: the first call (an embedding or stem) and one in
     # the middle of the network; random directions there, zero elsewhere.
     probed = [names[0], names[len(names) // 2]] if s.case.name in JVP_CASES else []
-    keys = iter(jax.random.split(jax.random.key(5), 64))
-    direction = {n: [jax.random.normal(next(keys), x.shape, x.dtype) for x in points[n]]
-                 for n in probed}
 
     @jax.jit
     def run(variables, *batch):
+      # The directions are drawn in this program too (eagerly, each shape compiled its own).
+      keys = iter(jax.random.split(jax.random.key(5), 64))
+      direction = {n: [jax.random.normal(next(keys), x.shape, x.dtype) for x in points[n]]
+                   for n in probed}
       def loss(params, deltas):
         with explicit_deltas(deltas=deltas):
           out = s.loss_fn({**variables, 'params': params}, *batch)
@@ -126,10 +133,15 @@ def reference_of(name: str) -> Reference:
       # At zero deltas the loss is the plain loss: one backward pass gives jax.grad's
       # parameter gradients and the gradient with respect to every call's delta.
       at_zero = zeros(points)
+      params = variables['params']
       (_, value), (param_grads, act_grads) = jax.value_and_grad(
-          loss, argnums=(0, 1), has_aux=True)(variables['params'], at_zero)
+          loss, argnums=(0, 1), has_aux=True)(params, at_zero)
+      # One optax SGD step with jax.grad's gradients, in the same program.
+      sgd = optax.sgd(LR)
+      updates, _ = sgd.update(param_grads, sgd.init(params), params)
+      sgd_params = optax.apply_updates(params, updates)
       if not direction:
-        return value, param_grads, act_grads, None
+        return value, param_grads, act_grads, {}, None, sgd_params
 
       def along(t):
         deltas = {n: [t * d for d in direction[n]] if n in direction else z
@@ -137,10 +149,10 @@ def reference_of(name: str) -> Reference:
         return loss(variables['params'], deltas)[0]
 
       _, derivative = jax.jvp(along, (jnp.float32(0.0),), (jnp.float32(1.0),))
-      return value, param_grads, act_grads, derivative
+      return value, param_grads, act_grads, direction, derivative, sgd_params
 
-    value, param_grads, act_grads, derivative = run(s.variables, *s.batch)
-    return Reference(points, value, param_grads, act_grads, direction, derivative)
+    value, param_grads, act_grads, direction, derivative, sgd_params = run(s.variables, *s.batch)
+    return Reference(points, value, param_grads, act_grads, direction, derivative, sgd_params)
 
 
 def test_value_and_grad_equals_explicit_deltas_and_jax_grad(setup, reference):
@@ -181,7 +193,9 @@ def _assert_equals_reference(value, grads, ref: Reference):
   assert _max_abs(ref.act_grads) > 1e-3
   if not ref.direction:
     return
-  predicted = sum(jnp.vdot(g, d) for n in ref.direction
+  # In numpy (float64): eager vdots would compile a program per leaf shape.
+  predicted = sum(np.vdot(np.asarray(g, np.float64), np.asarray(d, np.float64))
+                  for n in ref.direction
                   for g, d in zip(jax.tree.leaves(at(got, n)), ref.direction[n]))
   np.testing.assert_allclose(predicted, ref.derivative, rtol=1e-3, atol=1e-6)
   assert abs(float(ref.derivative)) > 1e-4
@@ -204,19 +218,16 @@ def test_interleaved_original_equals_jax_grad_and_optax(setup, reference):
   new_state, metrics = jax.jit(tx.step)(state, *s.batch)
 
   params = s.variables['params']
-  sgd = optax.sgd(LR)
-  updates, _ = sgd.update(ref.param_grads, sgd.init(params), params)
-  want_params = optax.apply_updates(params, updates)
+  want_params = ref.sgd_params  # jax.grad + optax.sgd(LR), in the reference's program
   value = ref.value
   if s.case.has_aux:
     value, mutated = value
     chex.assert_trees_all_close(new_state.variables['batch_stats'], mutated['batch_stats'],
                                 **TOL)
-    assert _max_abs(jax.tree.map(jnp.subtract, mutated['batch_stats'],
-                                 s.variables['batch_stats'])) > 1e-3
+    assert _max_abs_diff(mutated['batch_stats'], s.variables['batch_stats']) > 1e-3
   chex.assert_trees_all_close(metrics['loss'], value, **TOL)
   chex.assert_trees_all_close(new_state.params, want_params, **TOL)
-  assert _max_abs(jax.tree.map(jnp.subtract, want_params, params)) > 1e-3
+  assert _max_abs_diff(want_params, params) > 1e-3
 
 
 def _call_order(points: dict) -> list[str]:
@@ -579,6 +590,7 @@ def test_wav2vec2_default_segments_updated_equals_a_reference_written_per_segmen
   chex.assert_trees_all_close(metrics['loss'], loss, **TOL)
   chex.assert_trees_all_close(state.params, params, **TOL)
   # Not the ordinary step: the layers below the head took their gradient through new weights.
-  _, grads = value_and_grad(variables['params'], *batch)
-  plain = jax.tree.map(lambda a, b: a - lr * b, variables['params'], grads)
-  assert _max_abs(jax.tree.map(jnp.subtract, plain, params)) > 1e-3
+  plain = jax.jit(lambda p, *b: jax.tree.map(lambda a, g: a - lr * g, p,
+                                             value_and_grad(p, *b)[1]))(variables['params'],
+                                                                        *batch)
+  assert _max_abs_diff(plain, params) > 1e-3
