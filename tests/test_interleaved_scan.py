@@ -67,11 +67,22 @@ X = jax.random.normal(jax.random.key(0), (8, 5))
 Y = jax.random.normal(jax.random.key(1), (8, 2))
 
 
+def _slice(tree, i):
+  """``tree``'s leaves at index ``i`` of their leading axis, sliced in numpy (an eager
+  ``a[i]`` compiles a program per leaf shape) and put back on the device."""
+  return jax.tree.map(lambda a: jax.device_put(np.asarray(a)[i]), tree)
+
+
+def _max_abs_diff(a, b):
+  """``max |a - b|`` per leaf, in numpy."""
+  return jax.tree.map(lambda x, y: np.max(np.abs(np.asarray(x) - np.asarray(y))), a, b)
+
+
 def unrolled(tree):
   """The scanned model's params (or any tree shaped like them) for the unrolled twin."""
   tree = dict(tree)
   blocks = tree.pop('blocks')
-  return {**tree, **{f'block{i}': jax.tree.map(lambda a: a[i], blocks) for i in range(L)}}
+  return {**tree, **{f'block{i}': _slice(blocks, i) for i in range(L)}}
 
 
 def mse(model, **kwargs):
@@ -123,12 +134,12 @@ def test_each_iteration_steps_as_its_unrolled_block(variables, propagate, optimi
   twin_state, twin_metrics = _train(twin, {'params': unrolled(variables['params'])})
   chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
   for path, leaf in jax.tree_util.tree_leaves_with_path(
-      jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), state.params, variables['params'])):
+      _max_abs_diff(state.params, variables['params'])):
     assert leaf > 1e-3, jax.tree_util.keystr(path)  # every leaf moved
   for layer in ('norm', 'up', 'down'):
     # One optimizer state per iteration, equal to each unrolled block's own.
     for i in range(L):
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], state.opt_state[f'blocks/{layer}']),
+      chex.assert_trees_all_close(_slice(state.opt_state[f'blocks/{layer}'], i),
                                   twin_state.opt_state[f'block{i}/{layer}'], **TOL)
     np.testing.assert_allclose(
         metrics['activation_grad_norm'][f'blocks/{layer}'],
@@ -157,14 +168,21 @@ def test_original_equals_jax_grad_and_optax_on_the_scanned_model(variables):
                          atol=1e-5)
 
 
-def test_whole_blocks_as_segments_step_iteration_by_iteration(variables):
+@pytest.fixture(scope='module')
+def whole_blocks(variables):
+  """``(tx, state, metrics)``: the scanned model with ``segments=1``, Adam, after 3 steps
+  (one compile, shared by the two tests below)."""
+  tx = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=1)
+  return (tx, *_train(tx, variables))
+
+
+def test_whole_blocks_as_segments_step_iteration_by_iteration(variables, whole_blocks):
   """``segments=1``: the scan module's call is each iteration's whole block."""
-  scanned = perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=1)
+  scanned, state, metrics = whole_blocks
   twin = perturbkit.interleaved(mse(Net(scan=False)), optax.adam(1e-2), segments=1)
   listing = scanned.segments(variables, X, Y)
   assert listing.segments == ('embed', 'blocks', 'head')
   assert dict(listing.iterations) == {'blocks': L}
-  state, metrics = _train(scanned, variables)
   twin_state, twin_metrics = _train(twin, {'params': unrolled(variables['params'])})
   chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
   np.testing.assert_allclose(metrics['activation_grad_norm']['blocks'],
@@ -251,9 +269,14 @@ def test_dropout_and_batch_norm_inside_a_scan_over_remat_step_as_the_model_runs(
   assert dict(tx.segments(variables, X, Y).iterations) == {
       'blocks/norm': L, 'blocks/up': L, 'blocks/down': L}
   state, _ = jax.jit(tx.step)(tx.init(variables, X, Y), X, Y)
-  grads, mutated = jax.jit(jax.grad(lambda p: loss_fn({**variables, 'params': p}, X, Y),
-                                    has_aux=True))(variables['params'])
-  want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
+
+  @jax.jit
+  def sgd_step(params):  # jax.grad and the SGD step in one program
+    grads, mutated = jax.grad(lambda p: loss_fn({**variables, 'params': p}, X, Y),
+                              has_aux=True)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), grads, mutated
+
+  want, grads, mutated = sgd_step(variables['params'])
   chex.assert_trees_all_close(state.params, want, **TOL)
   chex.assert_trees_all_close(state.variables['batch_stats'], mutated['batch_stats'], **TOL)
   assert not np.allclose(mutated['batch_stats']['blocks']['norm']['mean'],
@@ -267,8 +290,9 @@ def test_dropout_and_batch_norm_inside_a_scan_over_remat_step_as_the_model_runs(
   updated = perturbkit.interleaved(lambda v, x, y: loss_fn(v, x, y)[0], optax.sgd(0.1))
   state, metrics = jax.jit(updated.step)(updated.init(variables, X, Y), X, Y)
   assert metrics['activation_grad_norm']['blocks/up'].shape == (L,)
-  assert np.all(np.abs(state.params['blocks']['up']['kernel']
-                       - variables['params']['blocks']['up']['kernel']).max(axis=(1, 2)) > 0)
+  assert np.all(np.abs(np.asarray(state.params['blocks']['up']['kernel'])
+                       - np.asarray(variables['params']['blocks']['up']['kernel'])).max(
+                           axis=(1, 2)) > 0)
 
 
 def test_an_optimizer_state_not_made_per_iteration_is_refused(variables):
@@ -298,15 +322,16 @@ def test_kfac_segments_precondition_each_iteration_as_its_unrolled_block(variabl
   factors = state.opt_state['blocks/up'][0].factors['segment']
   assert factors.a.shape == (L, 7, 7) and factors.g.shape == (L, 8, 8)
   for i in range(L):
-    np.testing.assert_allclose(factors.a[i],
+    np.testing.assert_allclose(np.asarray(factors.a)[i],
                                twin_state.opt_state[f'block{i}/up'][0].factors['segment'].a,
                                rtol=1e-4, atol=1e-7)
 
 
-def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables):
+def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables, whole_blocks):
   """A hook on every ``up`` Dense halves the gradient it passes down, in the forward replay of
   each block segment and in the replay at the updated weights (inside the scan's backward
-  pass). (Hooks on layer segments outside a scan: ``tests/test_interleaved.py``.)"""
+  pass); without the hook (the same model's 3 steps as above) the params are others. (Hooks
+  on layer segments outside a scan: ``tests/test_interleaved.py``.)"""
   segments = 1
   hook = perturbkit.backward_hook(lambda g: 0.5 * g,
                                   lambda module, method: module.name == 'up')
@@ -314,11 +339,10 @@ def test_backward_hooks_inside_the_scan_act_as_on_the_unrolled_blocks(variables)
                                    hooks=[hook])
   twin = perturbkit.interleaved(mse(Net(scan=False)), optax.adam(1e-2), segments=segments,
                                 hooks=[hook])
-  state, _ = _train(scanned, variables, steps=2)
-  twin_state, _ = _train(twin, {'params': unrolled(variables['params'])}, steps=2)
+  state, _ = _train(scanned, variables)
+  twin_state, _ = _train(twin, {'params': unrolled(variables['params'])})
   chex.assert_trees_all_close(unrolled(state.params), twin_state.params, **TOL)
-  unhooked, _ = _train(perturbkit.interleaved(mse(Net()), optax.adam(1e-2), segments=segments),
-                       variables, steps=2)
+  _, unhooked, _ = whole_blocks
   assert not np.allclose(unhooked.params['blocks']['norm']['scale'],
                          state.params['blocks']['norm']['scale'], atol=1e-6)
 
@@ -343,16 +367,14 @@ def test_an_ensemble_in_nn_vmap_steps_each_member_as_its_own_model():
       return ys.mean(0)
 
   variables = Ensemble().init(jax.random.key(2), X)
-  members = {f'member{i}': jax.tree.map(lambda a, i=i: a[i], variables['params']['members'])
-             for i in range(L)}
+  members = {f'member{i}': _slice(variables['params']['members'], i) for i in range(L)}
   mapped = perturbkit.interleaved(mse(Ensemble()), optax.adam(1e-2))
   assert dict(mapped.segments(variables, X, Y).iterations) == {
       'members/hidden': L, 'members/out': L}
   state, _ = _train(mapped, variables)
   twin_state, _ = _train(perturbkit.interleaved(mse(Ensemble(mapped=False)), optax.adam(1e-2)),
                          {'params': members})
-  got = {f'member{i}': jax.tree.map(lambda a, i=i: a[i], state.params['members'])
-         for i in range(L)}
+  got = {f'member{i}': _slice(state.params['members'], i) for i in range(L)}
   chex.assert_trees_all_close(got, twin_state.params, **TOL)
 
 
@@ -413,7 +435,7 @@ def nnx_unrolled(state):
   """The scanned model's ``nnx.Param`` state as the unrolled twin's."""
   pure = nnx.to_pure_dict(state)
   blocks = pure.pop('blocks')
-  return {**pure, 'blocks': {i: jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(L)}}
+  return {**pure, 'blocks': {i: _slice(blocks, i) for i in range(L)}}
 
 
 # 'original' on a scanned NNX model is checked against nnx.grad and optax in
@@ -435,8 +457,7 @@ def test_nnx_each_iteration_steps_as_its_unrolled_block(propagate, optimizer):
   got = nnx_unrolled(nnx.state(state.model(), nnx.Param))
   chex.assert_trees_all_close(got, nnx.to_pure_dict(nnx.state(twin_state.model(), nnx.Param)),
                               **TOL)
-  moved = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), nnx.state(state.model(), nnx.Param),
-                       nnx.state(model, nnx.Param))
+  moved = _max_abs_diff(nnx.state(state.model(), nnx.Param), nnx.state(model, nnx.Param))
   assert min(jax.tree.leaves(moved)) > 1e-3
   np.testing.assert_allclose(metrics['activation_grad_norm']['blocks/up'],
                              [twin_metrics['activation_grad_norm'][f'blocks/{i}/up']
@@ -544,6 +565,6 @@ def test_layers_in_a_scan_broadcasting_their_params_go_to_the_rest_with_the_reas
   assert set(segmentation.rest) == {f'GRUCell_0/{n}' for n in ('hn', 'hr', 'hz', 'in', 'ir', 'iz')}
   assert all('broadcast to every iteration' in r for r in segmentation.rest.values())
   state, _ = jax.jit(tx.step)(tx.init(variables, x), x)
-  want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'],
-                      jax.jit(jax.grad(loss_fn))(variables, x)['params'])
+  want = jax.jit(lambda v: jax.tree.map(lambda p, g: p - 0.1 * g, v['params'],
+                                        jax.grad(loss_fn)(v, x)['params']))(variables)
   chex.assert_trees_all_close(state.variables['params'], want, **TOL)
