@@ -205,6 +205,12 @@ def _iterations(case: Case) -> list[str]:
   return [_at(name, index) for name in case.stacked for index in _indices(case)]
 
 
+def _index(tree, i):
+  """``tree``'s leaves at index ``i`` (a tuple) of their leading axes, sliced in numpy and put
+  back on the device: an eager ``a[i]`` compiles a program per leaf shape and index."""
+  return jax.tree.map(lambda a: jax.device_put(np.asarray(a)[i]), tree)
+
+
 def _leaves(value):
   """The first (carry) leaf of a tuple output; the array itself otherwise."""
   return value[0] if isinstance(value, tuple) else value
@@ -248,9 +254,8 @@ def test_the_cache_is_stacked_and_patching_it_back_changes_nothing(case):
   for name in case.stacked:
     stacked = flat[name]
     for i in _indices(case):
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], stacked), seen[_at(name, i)],
-                                  **TOL)
-      patch[_at(name, i)] = interpret.replace(jax.tree.map(lambda a: a[i], stacked))
+      chex.assert_trees_all_close(_index(stacked, i), seen[_at(name, i)], **TOL)
+      patch[_at(name, i)] = interpret.replace(_index(stacked, i))
   np.testing.assert_array_equal(
       case.api.run_with_edits(case.metric)(case.model, patch, case.clean), out)
   # value_and_grad returns the same activations, stacked the same way.
@@ -308,9 +313,9 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
     edits = {n: (lambda a, n=n: jax.tree.map(jnp.add, a, deltas[n])) for n in names}
     return _run(case, case.corrupted, edits)[0]
 
-  grads = jax.grad(with_deltas)(zeros)
+  grads = jax.jit(jax.grad(with_deltas))(zeros)  # one program, not one per op
   for r, name in enumerate(result.paths):
-    want = sum(jnp.sum((c - a) * g, axis=0) for c, a, g in zip(
+    want = sum(np.sum((np.asarray(c) - np.asarray(a)) * np.asarray(g), axis=0) for c, a, g in zip(
         jax.tree.leaves(clean[name]), jax.tree.leaves(corrupted[name]),
         jax.tree.leaves(grads[name])))
     np.testing.assert_allclose(result.effects[r], want, **TOL)
@@ -320,7 +325,7 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
       case.model, case.corrupted)
   assert times.paths == result.paths
   for r, name in enumerate(times.paths):
-    want = sum(jnp.sum(a * g, axis=0) for a, g in zip(
+    want = sum(np.sum(np.asarray(a) * np.asarray(g), axis=0) for a, g in zip(
         jax.tree.leaves(corrupted[name]), jax.tree.leaves(grads[name])))
     np.testing.assert_allclose(times.effects[r], want, **TOL)
   # The cache's gradients are the same gradients, stacked per iteration.
@@ -328,8 +333,7 @@ def test_attribution_patching_equals_the_gradient_of_the_loop(case):
   flat = models.unnest(cache.grads)
   for name in case.stacked:
     for i in _indices(case):
-      chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], flat[name]),
-                                  grads[_at(name, i)], **TOL)
+      chex.assert_trees_all_close(_index(flat[name], i), grads[_at(name, i)], **TOL)
 
 
 def test_a_steering_vector_at_one_iteration_is_trained_with_optax(case):
