@@ -12,6 +12,8 @@ takes it with the params; the rest (norms) holds arrays in dicts. On NNX, where 
 is the variables' metadata, ``InterleavedOptimizer``'s moments carry their params' as
 ``nnx.Optimizer``'s do.
 """
+import functools
+
 import chex
 import flax
 import flax.linen as nn
@@ -47,7 +49,7 @@ class ShardedMLP(nn.Module):
 MODEL = ShardedMLP()
 X = jax.random.normal(jax.random.key(0), (4, 5))
 Y = jnp.arange(4) % 3
-VARIABLES = MODEL.init(jax.random.key(1), X)
+VARIABLES = jax.jit(MODEL.init)(jax.random.key(1), X)  # one compile, not one per initializer
 UNBOXED = nn.meta.unbox(VARIABLES)
 GIVEN = {'boxed': VARIABLES, 'frozen': flax.core.freeze(VARIABLES)}
 
@@ -60,9 +62,12 @@ def predict(variables, x):
   return MODEL.apply(variables, x)
 
 
+@functools.cache
 def per_example_grads():
+  """Each example's gradient, by ``jax.vmap(jax.grad)`` on the unboxed variables (jitted, and
+  computed once for every test that compares with it)."""
   one = lambda x, y: jax.grad(loss_fn)(UNBOXED, x[None], y[None])['params']
-  return jax.vmap(one)(X, Y)
+  return jax.jit(jax.vmap(one))(X, Y)
 
 
 def specs(tree):
@@ -129,6 +134,13 @@ def kfac_step(variables):
   return layers, grads, updates, state
 
 
+@functools.cache
+def plain_kfac_step():
+  """:func:`kfac_step` on the unboxed variables, and ``jax.grad`` of the loss on them: computed
+  once, for both containers."""
+  return kfac_step(UNBOXED), jax.jit(jax.grad(loss_fn))(UNBOXED, X, Y)['params']
+
+
 def unpacked(tree):
   return flax.core.unfreeze(nn.meta.unbox(tree))
 
@@ -136,7 +148,7 @@ def unpacked(tree):
 @pytest.mark.parametrize('given', GIVEN)
 def test_kfac_step_equals_the_plain_step_and_keeps_the_containers(given):
   layers, grads, updates, state = kfac_step(GIVEN[given])
-  plain_layers, plain_grads, plain_updates, plain_state = kfac_step(UNBOXED)
+  (plain_layers, plain_grads, plain_updates, plain_state), want_grads = plain_kfac_step()
   assert layers.layers == plain_layers.layers and layers.skipped == plain_layers.skipped
   assert set(layers.layers) == {'Dense_0', 'LayerNorm_0', 'Dense_1'}
   params_structure = jax.tree.structure(GIVEN[given]['params'])
@@ -146,8 +158,7 @@ def test_kfac_step_equals_the_plain_step_and_keeps_the_containers(given):
   chex.assert_trees_all_close(unpacked(updates), plain_updates, rtol=1e-5, atol=1e-7)
   chex.assert_trees_all_close(unpacked(state), plain_state, rtol=1e-5, atol=1e-7)
   # The gradient itself is jax.grad's.
-  chex.assert_trees_all_close(unpacked(grads), jax.grad(loss_fn)(UNBOXED, X, Y)['params'],
-                              rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(unpacked(grads), want_grads, rtol=1e-5, atol=1e-7)
 
 
 class _Block(nn.Module):
