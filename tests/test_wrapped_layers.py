@@ -63,7 +63,7 @@ Y = jnp.array([0, 2, 1])
 @pytest.fixture(scope='module', params=WRAPPERS)
 def case(request):
   model = Model(request.param)
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.jit(model.init)(jax.random.key(0), X)  # one compile, not one per op
 
   def loss(variables, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply(variables, x), y).mean()
@@ -80,16 +80,16 @@ def _quiet(wrapper):
 
 def test_activation_grads_equal_explicit_deltas(case):
   wrapper, _, variables, loss = case
-  with _quiet(wrapper):
-    value, grads = perturbkit.value_and_grad(loss)(variables, X, Y)
+  with _quiet(wrapper):  # jitted: one compile instead of one per op (the warning is a trace's)
+    value, grads = jax.jit(perturbkit.value_and_grad(loss))(variables, X, Y)
   shapes = points_of(loss, variables, X, Y)
 
   def with_deltas(params, deltas):
     with explicit_deltas(deltas=deltas):
       return loss({**variables, 'params': params}, X, Y)
 
-  want_value, (want_params, want_points) = jax.value_and_grad(with_deltas, argnums=(0, 1))(
-      variables['params'], zeros(shapes))
+  want_value, (want_params, want_points) = jax.jit(
+      jax.value_and_grad(with_deltas, argnums=(0, 1)))(variables['params'], zeros(shapes))
   np.testing.assert_allclose(value, want_value, **TOL)
   for got, want in zip(jax.tree.leaves(grads['params']), jax.tree.leaves(want_params)):
     np.testing.assert_allclose(got, want, **TOL)
@@ -106,9 +106,10 @@ def test_activation_grads_equal_explicit_deltas(case):
 
 def test_per_example_norms_equal_vmap_of_grad(case):
   _, _, variables, loss = case
-  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss))(variables, X, Y)
   one = lambda x, y: optax.tree.norm(jax.grad(loss)(variables, x[None], y[None]))
-  np.testing.assert_allclose(norms.total, jax.vmap(one)(X, Y), **TOL)
+  (_, norms), want = jax.jit(lambda v, x, y: (  # one compile for both sides
+      perturbkit.per_example_grad_norms(loss)(v, x, y), jax.vmap(one)(x, y)))(variables, X, Y)
+  np.testing.assert_allclose(norms.total, want, **TOL)
 
 
 def test_interleaved_original_step_equals_jax_grad_and_sgd(case):
@@ -116,7 +117,7 @@ def test_interleaved_original_step_equals_jax_grad_and_sgd(case):
   tx = perturbkit.interleaved(loss, optax.sgd(0.1), propagate='original')
   state = tx.init(variables, X, Y)
   state, _ = jax.jit(tx.step)(state, X, Y)
-  grads = jax.grad(loss)(variables, X, Y)['params']
+  grads = jax.jit(jax.grad(loss))(variables, X, Y)['params']
   want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'], grads)
   for got, w in zip(jax.tree.leaves(state.variables['params']), jax.tree.leaves(want)):
     np.testing.assert_allclose(got, w, **TOL)
@@ -135,24 +136,31 @@ def test_kfac_leaves_out_a_layer_whose_weights_are_mapped(case):
 
 def test_spectral_norm_in_training_updates_its_stats_as_the_model_does():
   model = Model('spectral_norm')
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.jit(model.init)(jax.random.key(0), X)
 
   def loss(variables, x, y):
     logits, updates = model.apply(variables, x, train=True, mutable=['batch_stats'])
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
 
-  with _quiet('spectral_norm'):
-    (value, updates), grads = perturbkit.value_and_grad(loss, has_aux=True)(variables, X, Y)
-  (want_value, want_updates), want = jax.value_and_grad(loss, has_aux=True)(variables, X, Y)
+  with _quiet('spectral_norm'):  # jitted: one compile instead of one per op
+    (value, updates), grads = jax.jit(perturbkit.value_and_grad(loss, has_aux=True))(
+        variables, X, Y)
+
+  @jax.jit  # the references in one compile
+  def reference(variables):
+    (want_value, want_updates), want = jax.value_and_grad(loss, has_aux=True)(variables, X, Y)
+    # The wrapper's output: the gradient of the loss with respect to the normalized layer's.
+    h = model.apply(variables, X, train=True, mutable=['batch_stats'],
+                    capture_intermediates=lambda m, _: isinstance(m, nn.SpectralNorm))[1]
+    out = h['intermediates']['SpectralNorm_0']['__call__'][0]
+    head = lambda h: optax.softmax_cross_entropy_with_integer_labels(
+        nn.Dense(3).apply({'params': variables['params']['head']}, nn.relu(h)), Y).mean()
+    return want_value, want_updates, want, jax.grad(head)(out)
+
+  want_value, want_updates, want, want_point = reference(variables)
   np.testing.assert_allclose(value, want_value, **TOL)
   for got, w in zip(jax.tree.leaves((updates, grads['params'])),
                     jax.tree.leaves((want_updates, want['params']))):
     np.testing.assert_allclose(got, w, **TOL)
-  # The wrapper's output: the gradient of the loss with respect to the normalized layer's.
-  h = model.apply(variables, X, train=True, mutable=['batch_stats'],
-                  capture_intermediates=lambda m, _: isinstance(m, nn.SpectralNorm))[1]
-  out = h['intermediates']['SpectralNorm_0']['__call__'][0]
-  head = lambda h: optax.softmax_cross_entropy_with_integer_labels(
-      nn.Dense(3).apply({'params': variables['params']['head']}, nn.relu(h)), Y).mean()
-  np.testing.assert_allclose(grads['perturbations']['SpectralNorm_0']['__call__'],
-                             jax.grad(head)(out), **TOL)
+  np.testing.assert_allclose(grads['perturbations']['SpectralNorm_0']['__call__'], want_point,
+                             **TOL)
