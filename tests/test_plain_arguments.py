@@ -40,7 +40,7 @@ def _reduce(r, mode):
 
 
 MODEL = Linen()
-VARIABLES = MODEL.init(jax.random.key(0), X, False)
+VARIABLES = jax.jit(MODEL.init, static_argnums=2)(jax.random.key(0), X, False)  # one compile
 
 
 def linen_loss(variables, x, y, train, mode):
@@ -53,7 +53,7 @@ def nnx_loss(model, x, y, train, mode):
 
 def test_linen_value_and_grad_and_interleaved():
   args = (X, Y, True, 'sum')
-  want_loss, want = jax.value_and_grad(linen_loss)(VARIABLES, *args)
+  want_loss, want = jax.jit(lambda v: jax.value_and_grad(linen_loss)(v, *args))(VARIABLES)
   loss, grads = perturbkit.value_and_grad(linen_loss)(VARIABLES, *args)
   chex.assert_trees_all_close((loss, grads['params']), (want_loss, want['params']), **TOL)
   tx = perturbkit.interleaved(linen_loss, optax.sgd(0.1), propagate='original')
@@ -81,13 +81,14 @@ def test_per_example_norms_linen_and_nnx():
     return jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
 
   one = lambda i: (X[i:i + 1], Y[i:i + 1], True, 'sum')
-  want = jnp.stack([norms_of(jax.grad(linen_loss)(VARIABLES, *one(i))['params'])
-                    for i in range(3)])
+  want = jax.jit(lambda v: jnp.stack([norms_of(jax.grad(linen_loss)(v, *one(i))['params'])
+                                      for i in range(3)]))(VARIABLES)  # one compile
   _, norms = perturbkit.per_example_grad_norms(linen_loss, reduction='sum')(
       VARIABLES, X, Y, True, 'sum')
   chex.assert_trees_all_close(norms.total, want, **TOL)
   model = NNX(nnx.Rngs(0))
-  want = jnp.stack([norms_of(nnx.grad(nnx_loss)(model, *one(i))) for i in range(3)])
+  want = nnx.jit(lambda m: jnp.stack([norms_of(nnx.grad(nnx_loss)(m, *one(i)))
+                                      for i in range(3)]))(model)  # one compile
   _, norms = perturbkit.nnx.per_example_grad_norms(nnx_loss, reduction='sum')(
       model, X, Y, True, 'sum')
   chex.assert_trees_all_close(norms.total, want, **TOL)
@@ -113,7 +114,7 @@ def test_linen_interleaved_keyword_arguments():
   """``init``/``step``/``segments`` hand keyword arguments to the loss, as ``jax.grad`` does
   (they raised a raw TypeError): a flag and a mode string as they are, an array traced."""
   kwargs = dict(y=Y, train=True, mode='sum')
-  want = jax.grad(linen_loss)(VARIABLES, X, **kwargs)['params']
+  want = jax.jit(lambda v: jax.grad(linen_loss)(v, X, **kwargs))(VARIABLES)['params']
   tx = perturbkit.interleaved(linen_loss, optax.sgd(0.1), propagate='original')
   assert tx.segments(VARIABLES, X, **kwargs).segments == ('Dense_0', 'Dense_1')
   state, _ = tx.step(tx.init(VARIABLES, X, **kwargs), X, **kwargs)
@@ -174,21 +175,28 @@ def test_numpy_batches_give_the_per_example_results_of_vmap_grad():
   weights = jnp.array([1., 2., -1., .5])
   clip = 1.0
   linen = _LinenScaled()
-  variables = linen.init(jax.random.key(0), x, weights)
+  variables = jax.jit(linen.init)(jax.random.key(0), x, weights)
   linen_fn = lambda v, x, w: jnp.sum((linen.apply(v, x, w) - 1.) ** 2)
   nnx_model = _NnxScaled(nnx.Rngs(0))
   nnx_fn = lambda m, x, w: jnp.sum((m(x, w) - 1.) ** 2)
+  kept = (0, 2, 3)
+
+  def reference(grad_of):
+    """The kept examples' gradients, each of its example alone, and their norms (jitted
+    below: one compile)."""
+    grads = [grad_of(x[i:i + 1], weights[i:i + 1]) for i in kept]
+    return grads, [optax.tree.norm(g) for g in grads]
+
   cases = (
-      (linen_fn, variables, perturbkit,
-       lambda i: jax.grad(linen_fn)(variables, x[i:i + 1], weights[i:i + 1])['params']),
-      (nnx_fn, nnx_model, perturbkit.nnx,
-       lambda i: nnx.grad(nnx_fn)(nnx_model, x[i:i + 1], weights[i:i + 1])),
+      (linen_fn, variables, perturbkit, jax.jit(lambda v: reference(
+          lambda *example: jax.grad(linen_fn)(v, *example)['params']))),
+      (nnx_fn, nnx_model, perturbkit.nnx, nnx.jit(lambda m: reference(
+          lambda *example: nnx.grad(nnx_fn)(m, *example)))),
   )
-  for loss_fn, model, front_end, one_grad in cases:
-    grads = [one_grad(i) for i in (0, 2, 3)]
-    norms = [optax.tree.norm(g) for g in grads]
+  for loss_fn, model, front_end, reference_of in cases:
+    grads, norms = jax.device_get(reference_of(model))  # NumPy: the clipped sum runs no op
     _, got = front_end.per_example_grad_norms(loss_fn, reduction='sum')(model, x, weights)
-    chex.assert_trees_all_close(got.total[jnp.array([0, 2, 3])], jnp.stack(norms), **TOL)
+    chex.assert_trees_all_close(np.asarray(got.total)[list(kept)], np.stack(norms), **TOL)
     summed, metrics = front_end.private_grad(
         loss_fn, clip_norm=clip, noise_multiplier=0., reduction='sum')(
             model, jax.random.key(0), x, weights)
@@ -267,12 +275,17 @@ def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
   custom-VJP TypeError. Two Adam steps, the second from the restored state, are those of
   ``jax.grad`` and optax."""
   adam = optax.adam(0.1)
-  want = VARIABLES['params']
-  opt_state = adam.init(want)
-  for _ in range(2):
-    updates, opt_state = adam.update(jax.grad(linen_loss)(
-        {'params': want}, X, Y, True, 'sum')['params'], opt_state)
-    want = optax.apply_updates(want, updates)
+
+  @jax.jit  # the reference's two steps in one compile
+  def reference(want):
+    opt_state = adam.init(want)
+    for _ in range(2):
+      updates, opt_state = adam.update(jax.grad(linen_loss)(
+          {'params': want}, X, Y, True, 'sum')['params'], opt_state)
+      want = optax.apply_updates(want, updates)
+    return want
+
+  want = reference(VARIABLES['params'])
   tx = perturbkit.interleaved(linen_loss, adam, propagate='original')
   state, _ = tx.step(tx.init(VARIABLES, X, Y, True, 'sum'), X, Y, True, 'sum')
   restored = flax.serialization.from_bytes(state, flax.serialization.to_bytes(state))
@@ -281,8 +294,13 @@ def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
   chex.assert_trees_all_close(state.params, want, **TOL)
   model, reference = NNX(nnx.Rngs(0)), NNX(nnx.Rngs(0))
   reference_opt = nnx.Optimizer(reference, adam, wrt=nnx.Param)
-  for _ in range(2):
-    reference_opt.update(reference, nnx.grad(nnx_loss)(reference, X, Y, True, 'sum'))
+
+  @nnx.jit  # the reference's two steps in one compile
+  def reference_steps(reference, reference_opt):
+    for _ in range(2):
+      reference_opt.update(reference, nnx.grad(nnx_loss)(reference, X, Y, True, 'sum'))
+
+  reference_steps(reference, reference_opt)
   tx = perturbkit.nnx.interleaved(nnx_loss, adam, propagate='original')
   state, _ = tx.step(tx.init(model, X, Y, True, 'sum'), X, Y, True, 'sum')
   state, _ = tx.step(state._replace(opt_state=jax.tree.map(np.asarray, state.opt_state)),
@@ -300,11 +318,16 @@ def test_an_interleaved_step_takes_a_learning_rate_set_by_hand_as_a_python_float
   want, opt_state = VARIABLES['params'], adamw.init(VARIABLES['params'])
   tx = perturbkit.interleaved(linen_loss, adamw, propagate='original')
   state = tx.init(VARIABLES, X, Y, True, 'sum')
-  for rate in (0.1, 0.05):
-    opt_state.hyperparams['learning_rate'] = rate
+
+  @jax.jit  # one compile for both of the reference's steps
+  def reference_step(want, opt_state):
     updates, opt_state = adamw.update(jax.grad(linen_loss)(
         {'params': want}, X, Y, True, 'sum')['params'], opt_state, want)
-    want = optax.apply_updates(want, updates)
+    return optax.apply_updates(want, updates), opt_state
+
+  for rate in (0.1, 0.05):
+    opt_state.hyperparams['learning_rate'] = rate
+    want, opt_state = reference_step(want, opt_state)
     for segment_state in state.opt_state.values():
       segment_state.hyperparams['learning_rate'] = rate
     state, _ = tx.step(state, X, Y, True, 'sum')
