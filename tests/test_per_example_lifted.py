@@ -156,7 +156,7 @@ def assert_matches_vmap_grad(loss_fn, variables, *args):
 
 def test_nested_apply_inside_its_owners_call_counts_once():
   model = WithWeightNorm()
-  variables = model.init(jax.random.key(2), X)
+  variables = jax.jit(model.init)(jax.random.key(2), X)  # one compile, not one per op
   norms, by_param = assert_matches_vmap_grad(_loss(model), variables, X)
   assert float(jnp.max(by_param['WeightNormDense_0']['v'])) > 1e-3  # not vacuous
   np.testing.assert_allclose(norms.by_layer['WeightNormDense_0'],
@@ -165,14 +165,14 @@ def test_nested_apply_inside_its_owners_call_counts_once():
 
 def test_nested_apply_on_per_example_params_inside_its_owners_call():
   model = WithHyper()
-  variables = model.init(jax.random.key(2), X)
+  variables = jax.jit(model.init)(jax.random.key(2), X)  # one compile, not one per op
   assert_matches_vmap_grad(_loss(model), variables, X)
 
 
 @pytest.mark.parametrize('model', [Remat(), Scan(), SharedAcross(), OnlyRemat()],
                          ids=['remat_and_checkpoint', 'scan', 'shared_across_remat', 'only_remat'])
 def test_lifted_transforms_equal_vmap_grad(model):
-  variables = model.init(jax.random.key(2), X)
+  variables = jax.jit(model.init)(jax.random.key(2), X)  # one compile, not one per op
   assert_matches_vmap_grad(_loss(model), variables, X)
 
 
@@ -183,7 +183,7 @@ def test_branches_of_a_cond_on_the_root_are_part_of_its_apply():
   model = models.BranchesAround()
   loss = lambda v, x: jnp.mean(jnp.sum(jnp.sin(
       model.apply(v, x, jnp.array(False), [x * 0.0] * 4)), axis=-1))
-  variables = model.init(jax.random.key(2), X, jnp.array(True), [X] * 4)
+  variables = jax.jit(model.init)(jax.random.key(2), X, jnp.array(True), [X] * 4)
   _, norms = perturbkit.per_example_grad_norms(loss)(variables, X)
   assert_norms_equal(norms, reference_grads(loss, variables, X), TOL)
 
@@ -229,7 +229,7 @@ def test_the_root_method_under_a_lifted_transform_is_refused_by_name():
   """Flax hands over the root's copy inside the transform, whose params are the transform's:
   a named error that says where the decorator can go (it said the params were unused)."""
   model, x = _CheckpointedRoot(), jax.random.normal(jax.random.key(1), (3, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)  # only traced below
   loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
   with pytest.raises(perturbkit.PerExampleError, match=r'Root\.__call__ runs inside a lifted'):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn), variables, x)
