@@ -1,5 +1,6 @@
 """Interception state is per thread, nested perturbkit calls compose, failures leave nothing behind."""
 import concurrent.futures
+import functools
 
 import chex
 import flax.linen as nn
@@ -27,25 +28,38 @@ X = jax.random.normal(jax.random.key(1), (5, 3))
 Y = jnp.cos(X[:, :1])
 
 
+@functools.cache
+def _init(width):
+  """``MLP(width)``'s variables, initialized once (one compile) for every test and thread."""
+  return jax.jit(MLP(width).init)(jax.random.key(width), X)
+
+
 def _problem(width):
   model = MLP(width)
-  variables = model.init(jax.random.key(width), X)
+  variables = _init(width)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
   return model, variables, loss_fn
 
 
+def _one_step(tx, variables):
+  """``tx``'s first step from ``variables``, jitted (one compile instead of one per op)."""
+  return jax.jit(lambda v: tx.step(tx.init(v, X, Y), X, Y))(variables)
+
+
 def _run_all(width):
-  """Every entry point, traced afresh (no jit cache shared between threads)."""
+  """Every entry point, traced afresh (no jit cache shared between threads): each under a
+  ``jax.jit`` of its own, made here (one compile each instead of one per eager op)."""
   model, variables, loss_fn = _problem(width)
   hook = perturbkit.backward_hook(lambda g: 0.5 * g, perturbkit.filters.by_path('Dense_1'))
   out = {}
-  out['value_and_grad'] = perturbkit.value_and_grad(loss_fn, hooks=[hook])(variables, X, Y)
-  out['with_hooks'] = jax.grad(perturbkit.with_hooks(loss_fn, hook))(variables, X, Y)
+  out['value_and_grad'] = jax.jit(perturbkit.value_and_grad(loss_fn, hooks=[hook]))(
+      variables, X, Y)
+  out['with_hooks'] = jax.jit(jax.grad(perturbkit.with_hooks(loss_fn, hook)))(variables, X, Y)
   wrapped = perturbkit.wrap(model)
-  wv = wrapped.init(jax.random.key(width), X)
-  out['wrap'] = jax.grad(lambda v: jnp.sum(wrapped.apply(v, X) ** 2))(wv)
+  wv = jax.jit(wrapped.init)(jax.random.key(width), X)
+  out['wrap'] = jax.jit(jax.grad(lambda v: jnp.sum(wrapped.apply(v, X) ** 2)))(wv)
   tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
-  out['interleaved'] = tx.step(tx.init(variables, X, Y), X, Y)
+  out['interleaved'] = _one_step(tx, variables)
   return out
 
 
@@ -67,7 +81,7 @@ def test_value_and_grad_inside_value_and_grad():
     stepped = jax.tree.map(lambda w, g: w - 0.1 * g, v['params'], inner_grads['params'])
     return loss_fn({**v, 'params': stepped}, x, y) + 0.0 * inner_loss
 
-  loss, grads = perturbkit.value_and_grad(outer)(variables, X, Y)
+  loss, grads = jax.jit(perturbkit.value_and_grad(outer))(variables, X, Y)  # one compile
   # Reference: the same loss with jax.grad for the inner step, and explicit
   # perturbation arguments on the outer call only.
   def reference(params, eps):
@@ -76,8 +90,8 @@ def test_value_and_grad_inside_value_and_grad():
     wrapped = perturbkit.wrap(model)
     return jnp.mean((wrapped.apply({'params': stepped, 'perturbations': eps}, X) - Y) ** 2)
 
-  eps = perturbkit.wrap(model).init(jax.random.key(0), X)['perturbations']
-  want_params, want_eps = jax.grad(reference, argnums=(0, 1))(variables['params'], eps)
+  eps = jax.jit(perturbkit.wrap(model).init)(jax.random.key(0), X)['perturbations']
+  want_params, want_eps = jax.jit(jax.grad(reference, argnums=(0, 1)))(variables['params'], eps)
   chex.assert_trees_all_close(grads['params'], want_params, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(grads['perturbations'], want_eps, rtol=1e-5, atol=1e-6)
   assert sorted(grads['perturbations']) == ['Dense_0', 'Dense_1', 'Dense_2', 'Dense_3']
@@ -89,11 +103,11 @@ def test_hooks_inside_an_interleaved_loss_apply():
   zero = perturbkit.backward_hook(lambda g: 0 * g, perturbkit.filters.by_path('Dense_1'))
   tx = perturbkit.interleaved(perturbkit.with_hooks(loss_fn, zero), optax.sgd(0.1),
                               propagate='original')
-  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
+  state, _ = _one_step(tx, variables)
   # Nothing flows below Dense_1, so Dense_0 keeps its weights; the rest moves.
   chex.assert_trees_all_equal(state.params['Dense_0'], variables['params']['Dense_0'])
-  grads = jax.grad(lambda p: perturbkit.with_hooks(loss_fn, zero)({'params': p}, X, Y))(
-      variables['params'])
+  hooked = perturbkit.with_hooks(loss_fn, zero)
+  grads = jax.jit(jax.grad(lambda p: hooked({'params': p}, X, Y)))(variables['params'])
   want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
 
@@ -113,8 +127,9 @@ def test_interleaved_step_inside_jax_grad_of_the_loss_after_it():
     return loss_fn({'params': jax.tree.map(lambda w, d: w - 0.1 * d, variables['params'], g)},
                    X, Y)
 
-  chex.assert_trees_all_close(jax.grad(after_step)(X), jax.grad(reference)(X),
-                              rtol=1e-5, atol=1e-6)
+  # Both sides in one compile (eagerly, one compile per op).
+  got, want = jax.jit(lambda x: (jax.grad(after_step)(x), jax.grad(reference)(x)))(X)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 class _Boom(Exception):
@@ -123,7 +138,7 @@ class _Boom(Exception):
 
 def test_an_exception_in_the_loss_leaves_no_state_behind():
   _, variables, loss_fn = _problem(6)
-  want = perturbkit.value_and_grad(loss_fn)(variables, X, Y)
+  want = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X, Y)  # one compile
   calls = {'n': 0}
 
   def failing(v, x, y):
@@ -138,9 +153,10 @@ def test_an_exception_in_the_loss_leaves_no_state_behind():
   with pytest.raises(_Boom):  # the same while tracing under jit
     jax.jit(perturbkit.value_and_grad(failing))(variables, X, Y)
   assert _interceptor._LOCAL.states == []
-  chex.assert_trees_all_equal(perturbkit.value_and_grad(loss_fn)(variables, X, Y), want)
-  tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1))
-  tx.step(tx.init(variables, X, Y), X, Y)
+  # Traced afresh after the failures (jitted: one compile each instead of one per op).
+  chex.assert_trees_all_equal(jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X, Y),
+                              want)
+  _one_step(perturbkit.interleaved(loss_fn, optax.sgd(0.1)), variables)
 
 
 class _Interrupting(nn.Module):
@@ -152,14 +168,17 @@ class _Interrupting(nn.Module):
 
 def test_an_interrupt_during_discovery_leaves_no_state_behind():
   model, variables, loss_fn = _problem(8)
-  want = perturbkit.value_and_grad(loss_fn)(variables, X, Y)
+  want = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X, Y)  # one compile
   bad = _Interrupting()
   bad_params = {'params': {'Dense_0': {'kernel': jnp.ones((3, 2)), 'bias': jnp.zeros(2)}}}
   with pytest.raises(KeyboardInterrupt):
     perturbkit.value_and_grad(lambda v, x: jnp.sum(bad.apply(v, x)))(bad_params, X)
   assert _interceptor._LOCAL.states == []
-  chex.assert_trees_all_equal(perturbkit.value_and_grad(loss_fn)(variables, X, Y), want)
-  chex.assert_trees_all_equal(jax.grad(loss_fn)(variables, X, Y)['params'], want[1]['params'])
+  # Traced afresh after the interrupt (jitted: one compile each instead of one per op).
+  chex.assert_trees_all_equal(jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X, Y),
+                              want)
+  chex.assert_trees_all_equal(jax.jit(jax.grad(loss_fn))(variables, X, Y)['params'],
+                              want[1]['params'])
 
 
 def test_nested_hooks_on_a_segment_apply_in_the_order_of_a_plain_call():
@@ -170,8 +189,8 @@ def test_nested_hooks_on_a_segment_apply_in_the_order_of_a_plain_call():
   times = perturbkit.backward_hook(lambda g: 3.0 * g, on_dense_1)
   hooked = perturbkit.with_hooks(perturbkit.with_hooks(loss_fn, plus), times)
   tx = perturbkit.interleaved(hooked, optax.sgd(0.1), propagate='original')
-  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
-  grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
+  state, _ = _one_step(tx, variables)
+  grads = jax.jit(jax.grad(lambda p: hooked({'params': p}, X, Y)))(variables['params'])
   want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
 
@@ -214,7 +233,7 @@ _HOOK_SETS = {
 
 def _outer_problem(hooks):
   model = _Outer()
-  variables = model.init(jax.random.key(2), X)
+  variables = jax.jit(model.init)(jax.random.key(2), X)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x) - y) ** 2)
   hook_list = [perturbkit.backward_hook(fn, perturbkit.filters.by_path(path))
                for path, fn in hooks.items()]
@@ -225,8 +244,8 @@ def _outer_problem(hooks):
 def test_hooks_by_path_inside_a_segment_see_full_paths_with_original(hooks):
   variables, hooked, _, _ = _outer_problem(_HOOK_SETS[hooks])
   tx = perturbkit.interleaved(hooked, optax.sgd(0.1), segments=1, propagate='original')
-  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
-  grads = jax.grad(lambda p: hooked({'params': p}, X, Y))(variables['params'])
+  state, _ = _one_step(tx, variables)
+  grads = jax.jit(jax.grad(lambda p: hooked({'params': p}, X, Y)))(variables['params'])
   want = jax.tree.map(lambda w, g: w - 0.1 * g, variables['params'], grads)
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
 
@@ -274,6 +293,6 @@ def test_hooks_by_path_inside_a_segment_see_full_paths_with_updated(hooks, route
   else:
     tx = perturbkit.interleaved(loss_fn, optax.sgd(0.1), segments=1, propagate='updated',
                                 hooks=hook_list)
-  state, _ = tx.step(tx.init(variables, X, Y), X, Y)
-  want = _updated_step(variables['params'], 0.1, _HOOK_SETS[hooks])
+  state, _ = _one_step(tx, variables)
+  want = jax.jit(lambda p: _updated_step(p, 0.1, _HOOK_SETS[hooks]))(variables['params'])
   chex.assert_trees_all_close(state.params, want, rtol=1e-5, atol=1e-6)
