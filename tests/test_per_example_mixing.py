@@ -17,7 +17,7 @@ import pytest
 
 import perturbkit
 from test_per_example import (TOL, assert_norms_match, cross_entropy, norms_of,
-                              reference_grads)
+                              per_example_grads)
 
 
 class Towers(nn.Module):
@@ -32,7 +32,7 @@ class Towers(nn.Module):
 MODEL = Towers()
 X = jax.random.normal(jax.random.key(0), (6, 3))
 Y = jax.random.normal(jax.random.key(1), (6, 5))
-VARIABLES = MODEL.init(jax.random.key(2), X, Y)
+VARIABLES = jax.jit(MODEL.init)(jax.random.key(2), X, Y)  # one compile, not one per op
 
 
 def contrastive(v, x, y):
@@ -121,7 +121,7 @@ def test_token_count_normalization_is_per_example():
 
 
 def test_a_stop_gradient_batch_statistic_is_per_example():
-  a_all, _ = MODEL.apply(VARIABLES, X, Y)
+  a_all, _ = jax.jit(MODEL.apply)(VARIABLES, X, Y)
   fixed = a_all.mean(axis=0, keepdims=True)
 
   def loss_fn(v, x, y):
@@ -137,7 +137,7 @@ def test_a_stop_gradient_batch_statistic_is_per_example():
 
 def test_pairing_with_a_stop_gradient_side_keeps_the_live_examples():
   """``a @ stop_gradient(b).T`` summed over the data side: each row is one example's term."""
-  _, b_all = MODEL.apply(VARIABLES, X, Y)
+  _, b_all = jax.jit(MODEL.apply)(VARIABLES, X, Y)
 
   def loss_fn(v, x, y):
     a, b = MODEL.apply(v, x, y)
@@ -187,7 +187,7 @@ VOCAB = 5
 LM = TinyLM()
 TOKENS = jax.random.normal(jax.random.key(3), (4, 3, 2))  # 4 examples of 3 positions
 LABELS = jax.random.randint(jax.random.key(4), (4, 3), 0, VOCAB)
-LM_VARIABLES = LM.init(jax.random.key(5), TOKENS)
+LM_VARIABLES = jax.jit(LM.init)(jax.random.key(5), TOKENS)
 MIXER = jax.random.normal(jax.random.key(6), (VOCAB, VOCAB))
 
 
@@ -497,13 +497,19 @@ def test_dp_sensitivity_of_a_per_example_token_mean():
   at most ``clip_norm``: the bound the noise is calibrated to, computed here by ``jax.grad``
   of each example alone."""
   clip = 0.05
-  private = jax.jit(perturbkit.private_grad(per_example_token_mean, clip_norm=clip,
-                                            noise_multiplier=0.0))
-  full, _ = private(VARIABLES, jax.random.key(0), X, Y)
-  fewer, _ = private(VARIABLES, jax.random.key(0), X[1:], Y[1:])
-  change = jax.tree.map(lambda f, g: len(X) * f - (len(X) - 1) * g, full, fewer)
-  alone = reference_grads(per_example_token_mean, VARIABLES, X[:1], Y[:1])
-  _, norm = norms_of(alone)
-  want = jax.tree.map(lambda g: g[0] * jnp.minimum(1.0, clip / norm[0]), alone)
+  private = perturbkit.private_grad(per_example_token_mean, clip_norm=clip,
+                                    noise_multiplier=0.0)
+
+  @jax.jit  # both batches and the reference in one compile
+  def run(variables, x, y):
+    full, _ = private(variables, jax.random.key(0), x, y)
+    fewer, _ = private(variables, jax.random.key(0), x[1:], y[1:])
+    change = jax.tree.map(lambda f, g: len(x) * f - (len(x) - 1) * g, full, fewer)
+    alone = per_example_grads(per_example_token_mean, variables, x[:1], y[:1])
+    _, norm = norms_of(alone)
+    want = jax.tree.map(lambda g: g[0] * jnp.minimum(1.0, clip / norm[0]), alone)
+    return change, want, norm
+
+  change, want, norm = run(VARIABLES, X, Y)
   chex.assert_trees_all_close(change, want, **TOL)
   assert float(norm[0]) > clip  # the first example is clipped

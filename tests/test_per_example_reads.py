@@ -108,7 +108,7 @@ def _loss(model, penalty=None):
      'Embed_0', 'transpose'),
 ], ids=['weight_penalty', 'inline_in_the_loss'])
 def test_reads_outside_the_apply_are_refused(model, inputs, penalty, layer, primitive):
-  variables = model.init(jax.random.key(2), inputs)
+  variables = jax.eval_shape(model.init, jax.random.key(2), inputs)  # only traced below
   loss_fn = _loss(model, penalty)
   match = f'{layer} \\(read by [a-z_, ]*{primitive}'
   with pytest.raises(perturbkit.ParamsReadOutsideError, match=match):
@@ -125,7 +125,7 @@ def test_reads_outside_the_apply_are_refused(model, inputs, penalty, layer, prim
     ids=['nested_tied_head', 'shared_attend_child', 'stop_gradient', 'transpose_stop_gradient',
          'inline_tied', 'reused_kernel', 'nested_and_inline'])
 def test_covered_reads_give_the_norms_of_vmap_grad(model, inputs):
-  variables = model.init(jax.random.key(2), inputs)
+  variables = jax.jit(model.init)(jax.random.key(2), inputs)
   loss_fn = _loss(model)
 
   @jax.jit  # one compile for both sides
@@ -188,7 +188,7 @@ def test_every_nested_apply_counts_after_the_first(applies):
   tied head's part of the embedding's gradient, which per-example norms built from the
   embedding's own calls would miss."""
   model = TwoNestedApplies()
-  variables = model.init(jax.random.key(2), IDS)
+  variables = jax.jit(model.init)(jax.random.key(2), IDS)
 
   def loss_fn(variables, ids):
     out = jnp.mean(model.apply(variables, ids) ** 2)
@@ -253,7 +253,7 @@ def _tied_lm_problem(head):
   # the head (and between lookups) are all exercised.
   ids = jax.random.randint(jax.random.key(4), (4, 6), 0, 7)
   model = TiedLM(head)
-  variables = model.init(jax.random.key(5), ids)
+  variables = jax.jit(model.init)(jax.random.key(5), ids)
   loss_fn = _lm_loss(model)
   return variables, ids, loss_fn, _per_example_reference(loss_fn, variables, ids)
 
@@ -284,7 +284,7 @@ def test_tied_head_norms_never_form_per_example_embedding_gradients():
   # (examples x vocabulary x features) are the largest arrays the direct path has.
   ids = jax.random.randint(jax.random.key(4), (8, 4), 0, 2048)
   model = TiedLM('nested', vocab=2048, width=64)
-  variables = model.init(jax.random.key(5), ids)
+  variables = jax.jit(model.init)(jax.random.key(5), ids)
   per_example_bytes = 8 * 2048 * 64 * 4
 
   def temp_bytes(dense_method):
@@ -315,7 +315,7 @@ def test_a_tied_heads_params_cost_no_trace_of_the_loss():
   were computed by running the loss again.)"""
   traces = {}
   for name, model in (('tied', NestedTied()), ('untied', UntiedTwin())):
-    variables = model.init(jax.random.key(2), IDS)
+    variables = jax.eval_shape(model.init, jax.random.key(2), IDS)  # only traced below
     count = [0]
 
     def loss_fn(variables, ids, model=model, count=count):
@@ -345,7 +345,7 @@ class _Penalized(nn.Module):
 def test_a_penalty_the_model_computes_on_no_example_is_refused_with_the_way_out():
   """The penalty's call of ``first`` sees no example: its gradient belongs to none of them."""
   model = _Penalized()
-  variables = model.init(jax.random.key(2), X)
+  variables = jax.eval_shape(model.init, jax.random.key(2), X)  # only traced below
 
   def loss_fn(variables, x):
     penalty = model.apply(variables, method='penalty')
