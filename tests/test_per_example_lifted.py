@@ -193,9 +193,10 @@ def test_wav2vec2_weight_norm_positional_conv():
   code: the positional conv's ``weight_v``/``weight_g`` are read through a nested apply
   inside the conv's own call."""
   import transformers as T
+  # One conv layer in the feature extractor: the check is on the positional conv.
   config = T.Wav2Vec2Config(
       vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-      intermediate_size=32, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
+      intermediate_size=32, conv_dim=(8,), conv_stride=(4,), conv_kernel=(8,),
       num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
       do_stable_layer_norm=True, feat_extract_norm='layer')
   with jax.numpy_rank_promotion('allow'):
