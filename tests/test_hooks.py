@@ -382,12 +382,11 @@ def test_hook_on_hugging_face_gpt2_attention_acts_once_at_its_output():
     def reference(v):
       with nn.intercept_methods(_hooked_at(GPT2_ATTN, scale)):
         return loss_fn(v)
-    want = jax.jit(jax.grad(reference))(variables)
-    got = jax.jit(jax.grad(perturbkit.with_hooks(loss_fn, hook)))(variables)
+    want, got, (_, vg), plain = jax.jit(lambda v: (  # one compile for all four
+        jax.grad(reference)(v), jax.grad(perturbkit.with_hooks(loss_fn, hook))(v),
+        perturbkit.value_and_grad(loss_fn, hooks=[hook])(v), jax.grad(loss_fn)(v)))(variables)
     chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-7)
-    _, vg = jax.jit(perturbkit.value_and_grad(loss_fn, hooks=[hook]))(variables)
     chex.assert_trees_all_close(vg['params'], want['params'], rtol=1e-4, atol=1e-7)
-    plain = jax.jit(jax.grad(loss_fn))(variables)
     assert not np.allclose(plain['params']['transformer']['wte']['embedding'],
                            want['params']['transformer']['wte']['embedding'])
 
