@@ -277,7 +277,7 @@ def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
   adam = optax.adam(0.1)
 
   @jax.jit  # the reference's two steps in one compile
-  def reference(want):
+  def linen_reference(want):
     opt_state = adam.init(want)
     for _ in range(2):
       updates, opt_state = adam.update(jax.grad(linen_loss)(
@@ -285,7 +285,7 @@ def test_interleaved_steps_take_optimizer_states_restored_as_numpy():
       want = optax.apply_updates(want, updates)
     return want
 
-  want = reference(VARIABLES['params'])
+  want = linen_reference(VARIABLES['params'])
   tx = perturbkit.interleaved(linen_loss, adam, propagate='original')
   state, _ = tx.step(tx.init(VARIABLES, X, Y, True, 'sum'), X, Y, True, 'sum')
   restored = flax.serialization.from_bytes(state, flax.serialization.to_bytes(state))

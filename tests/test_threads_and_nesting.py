@@ -127,7 +127,7 @@ def test_interleaved_step_inside_jax_grad_of_the_loss_after_it():
     return loss_fn({'params': jax.tree.map(lambda w, d: w - 0.1 * d, variables['params'], g)},
                    X, Y)
 
-  # Both sides in one compile (eagerly, one compile per op).
+  # Both sides under one jax.jit: one compile (run eagerly, every op compiled its own).
   got, want = jax.jit(lambda x: (jax.grad(after_step)(x), jax.grad(reference)(x)))(X)
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
