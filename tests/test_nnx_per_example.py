@@ -238,25 +238,29 @@ def test_named_errors():
     perturbkit.per_example_grad_norms(squared_error)(model, x)
   with pytest.raises(WrongFrontEndError):
     perturbkit.check_per_example(squared_error, model, x)
+  # The refusals are made while tracing: an abstract run (eval_shape) raises them without
+  # compiling the eager ops of each model.
   with pytest.raises(ReductionMismatchError):
-    perturbkit.nnx.per_example_grad_norms(
-        functools.partial(squared_error, reduction='sum'))(model, x)
+    jax.eval_shape(perturbkit.nnx.per_example_grad_norms(
+        functools.partial(squared_error, reduction='sum')), model, x)
   training = M.CNN(rngs=nnx.Rngs(0))  # BatchNorm in training mode
   cnn_loss = lambda m, x: jnp.mean(m(x) ** 2)
   with pytest.raises(ExamplesMixedError, match='BatchNorm'):
-    perturbkit.nnx.per_example_grad_norms(cnn_loss)(training, M.random_batch((4, 6, 6, 1)))
+    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(cnn_loss), training,
+                   M.random_batch((4, 6, 6, 1)))
   with pytest.raises(ExamplesMixedError):
     perturbkit.nnx.check_per_example(cnn_loss, training, M.random_batch((4, 6, 6, 1)))
   with pytest.raises(ParamsReadOutsideError, match='<root>'):  # read outside the model call
-    perturbkit.nnx.private_grad(lambda m, x: squared_error(m, x) + jnp.sum(m.scale[...]),
-                                clip_norm=1.0, noise_multiplier=0.0)(
-        RootScale(nnx.Rngs(0)), jax.random.key(0), x)
+    jax.eval_shape(perturbkit.nnx.private_grad(
+        lambda m, x: squared_error(m, x) + jnp.sum(m.scale[...]), clip_norm=1.0,
+        noise_multiplier=0.0), RootScale(nnx.Rngs(0)), jax.random.key(0), x)
   # A call the loss makes itself on an input made from no batched argument: the message
   # speaks of the model call, which it is outside of, not of Linen's model.apply.
   tied = TiedLM(nnx.Rngs(0))
   outside = lambda m, tokens: next_token_loss(m, tokens) + jnp.sum(m.hidden(jnp.ones((1, 6))))
   with pytest.raises(perturbkit.SharedCallError, match='outside any call of the model') as error:
-    perturbkit.nnx.per_example_grad_norms(outside)(tied, jnp.ones((3, 5), jnp.int32))
+    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(outside), tied,
+                   jnp.ones((3, 5), jnp.int32))
   assert 'model.apply' not in str(error.value)
   perturbkit.nnx.check_per_example(squared_error, model, x)
 
@@ -301,10 +305,12 @@ def test_tied_head_norms_equal_vmap_of_nnx_grad(reduction):
 def test_an_rnn_drawing_its_initial_carry_is_refused_by_its_stream():
   """``nnx.RNN`` draws a key from its own stream for the initial carry, in the call that the
   per-example replay runs again: the refusal names that stream, not only the replayed call."""
-  model, x = M.Recurrent(rngs=nnx.Rngs(0)), M.random_batch((2, 5, 3))
+  # An abstract model and batch (the refusal is made while tracing, values play no part).
+  model = nnx.eval_shape(lambda: M.Recurrent(rngs=nnx.Rngs(0)))
+  x = jax.ShapeDtypeStruct((2, 5, 3), jnp.float32)
   loss_fn = lambda m, x: jnp.mean(jnp.sum(jnp.tanh(m(x)) ** 2, axis=(1, 2)))
   with pytest.raises(perturbkit.RandomCallError, match=r'stream rnn\.rngs .*initial carry'):
-    perturbkit.nnx.per_example_grad_norms(loss_fn)(model, x)
+    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(loss_fn), model, x)  # while tracing
 
 
 def test_a_replayed_call_drawing_from_an_nnx_rngs_argument_is_refused():
@@ -329,8 +335,8 @@ def test_a_replayed_call_drawing_from_an_nnx_rngs_argument_is_refused():
 
   loss_fn = lambda m, x, rngs: jnp.mean(jnp.sum(m(x, rngs) ** 2, axis=1))
   with pytest.raises(perturbkit.RandomCallError, match=r'owner/__call__'):
-    perturbkit.nnx.per_example_grad_norms(loss_fn, batch_axes=(0, None))(
-        Net(nnx.Rngs(0)), M.random_batch((3, 3)), nnx.Rngs(dropout=1))
+    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(loss_fn, batch_axes=(0, None)),
+                   Net(nnx.Rngs(0)), M.random_batch((3, 3)), nnx.Rngs(dropout=1))
 
 
 # -- one Variable in two modules that own params of their own ----------------------------------
