@@ -63,7 +63,7 @@ def test_updated_matches_hand_coded_backward():
   for name, g in [('dense_2', dw2), ('dense_1', dw1), ('dense_0', dw0)]:
     np.testing.assert_allclose(metrics['grad_norm'][name], optax.tree.norm(g), **TOL)
   # The schedule really differs from a plain step (the comparison is not vacuous).
-  plain = sgd_step(p['dense_0'], params_of(nnx.grad(mse)(model, x, y))['dense_0'], lr)
+  plain = sgd_step(p['dense_0'], params_of(nnx.jit(nnx.grad(mse))(model, x, y))['dense_0'], lr)
   assert not np.allclose(plain['kernel'], w0['kernel'], **TOL)
 
 
@@ -144,15 +144,20 @@ def test_dropout_inside_a_segment_uses_one_mask_for_all_replays():
   p = params_of(model)
   key = model.block.dropout.rngs()  # the key the step's dropout will draw (count 0)
   model.block.dropout.rngs.count[...] = 0
-  mask = jax.random.bernoulli(key, 0.5, (16, 8)) / 0.5
-  block = lambda w, a: dense(w['out'], mask * jax.nn.relu(dense(w['dense'], a)))
-  a = dense(p['first'], x)
-  out = block(p['block'], a)
-  g_out = 2 * (out - y) / out.size
-  dw = jax.vjp(block, p['block'], a)[1](g_out)[0]
-  w_block = sgd_step(p['block'], dw, lr)
-  g_a = jax.vjp(lambda a: block(w_block, a), a)[1](g_out)[0]
-  w_first = sgd_step(p['first'], jax.vjp(dense, p['first'], x)[1](g_a)[0], lr)
+
+  @jax.jit  # the hand-coded backward, one compile
+  def by_hand(p, key):
+    mask = jax.random.bernoulli(key, 0.5, (16, 8)) / 0.5
+    block = lambda w, a: dense(w['out'], mask * jax.nn.relu(dense(w['dense'], a)))
+    a = dense(p['first'], x)
+    out = block(p['block'], a)
+    g_out = 2 * (out - y) / out.size
+    dw = jax.vjp(block, p['block'], a)[1](g_out)[0]
+    w_block = sgd_step(p['block'], dw, lr)
+    g_a = jax.vjp(lambda a: block(w_block, a), a)[1](g_out)[0]
+    return sgd_step(p['first'], jax.vjp(dense, p['first'], x)[1](g_a)[0], lr), w_block
+
+  w_first, w_block = by_hand(p, key)
 
   tx = perturbkit.nnx.interleaved(mse, optax.sgd(lr), segments=perturbkit.nnx.filters.by_path(
       'first', 'block'))
@@ -610,12 +615,9 @@ def pair_with_hook(w, a):
   return dense(w['inner_1'], jnp.tanh(with_affine_grad(dense(w['inner_0'], a))))
 
 
-@pytest.mark.parametrize('where', ['with_hooks', 'hooks='])
-def test_hooks_on_calls_inside_a_segment_updated_match_hand_coded_backward(where):
-  """propagate='updated': the hook acts in the segment's dw and in its replay at the new weights."""
-  model, lr = PairNet(nnx.Rngs(0)), 0.1
-  x, y = batch()
-  p = params_of(model)
+@jax.jit  # one compile, shared by the two cases below
+def pair_net_updated_step(p, x, y, lr):
+  """PairNet's 'updated' sgd step with the hook in the pair, by hand: (dense_in, pair, head)."""
   h0 = jnp.tanh(dense(p['dense_in'], x))
   h1 = pair_with_hook(p['pair'], h0)
   t1 = jnp.tanh(h1)
@@ -628,7 +630,15 @@ def test_hooks_on_calls_inside_a_segment_updated_match_hand_coded_backward(where
   w_pair = sgd_step(p['pair'], dw_pair, lr)
   g_h0 = jax.vjp(lambda a: pair_with_hook(w_pair, a), h0)[1](g_h1)[0]
   dw_in = jax.vjp(dense, p['dense_in'], x)[1](g_h0 * (1 - h0 ** 2))[0]
-  w_in = sgd_step(p['dense_in'], dw_in, lr)
+  return sgd_step(p['dense_in'], dw_in, lr), w_pair, w_head
+
+
+@pytest.mark.parametrize('where', ['with_hooks', 'hooks='])
+def test_hooks_on_calls_inside_a_segment_updated_match_hand_coded_backward(where):
+  """propagate='updated': the hook acts in the segment's dw and in its replay at the new weights."""
+  model, lr = PairNet(nnx.Rngs(0)), 0.1
+  x, y = batch()
+  w_in, w_pair, w_head = pair_net_updated_step(params_of(model), x, y, lr)
 
   hook = perturbkit.backward_hook(affine_grad, perturbkit.nnx.filters.by_path('pair/inner_0'))
   loss_fn, hooks = ((perturbkit.nnx.with_hooks(mse, hook), ()) if where == 'with_hooks'
@@ -916,7 +926,7 @@ def test_a_linear_subclass_calling_its_own_method_is_one_segment_original_equals
 def test_a_linear_subclass_calling_its_own_method_updated_matches_hand_coded_backward():
   x, y = lora_batch()
   model = nnx_models.LoRANet(rngs=nnx.Rngs(0))
-  expected = hand_lora.updated_sgd_step(params_of(model), x, y, 0.5)
+  expected = jax.jit(hand_lora.updated_sgd_step)(params_of(model), x, y, 0.5)
   interleaved_step(model, perturbkit.nnx.InterleavedOptimizer(model, optax.sgd(0.5), mse, x, y),
                    x, y)
   chex.assert_trees_all_close(params_of(model), expected, **TOL)
@@ -1077,32 +1087,37 @@ def test_a_variable_held_by_two_owners_updated_matches_hand_coded_backward():
   lr = 0.1
   p = params_of(model)
   kernel = p['a']['kernel']
-  z1 = dense(p['a'], x)
-  h1 = jnp.tanh(z1)
-  z2 = h1 @ kernel + p['b']['bias'][None]
-  h2 = jnp.tanh(z2)
-  out = dense(p['head'], h2)
-  g_out = 2 * (out - y) / out.size
-  dw_head = jax.vjp(dense, p['head'], h2)[1](g_out)[0]
-  head = sgd_step(p['head'], dw_head, lr)
-  g_z2 = jax.vjp(lambda a: dense(head, a), h2)[1](g_out)[0] * (1 - h2 ** 2)
-  b_call = lambda bias, h, k: h @ k + bias[None]
-  d_bias_b, g_h1, dk_b = jax.vjp(b_call, p['b']['bias'], h1, kernel)[1](g_z2)
-  g_z1 = g_h1 * (1 - h1 ** 2)
-  dw_a = jax.vjp(dense, p['a'], x)[1](g_z1)[0]
-  dw_a = {'bias': dw_a['bias'], 'kernel': dw_a['kernel'] + dk_b}
-  want = {'a': sgd_step(p['a'], dw_a, lr), 'b': {'bias': p['b']['bias'] - lr * d_bias_b},
-          'head': head}
+
+  @jax.jit  # the hand-coded backward, one compile
+  def by_hand(p):
+    z1 = dense(p['a'], x)
+    h1 = jnp.tanh(z1)
+    z2 = h1 @ kernel + p['b']['bias'][None]
+    h2 = jnp.tanh(z2)
+    out = dense(p['head'], h2)
+    g_out = 2 * (out - y) / out.size
+    dw_head = jax.vjp(dense, p['head'], h2)[1](g_out)[0]
+    head = sgd_step(p['head'], dw_head, lr)
+    g_z2 = jax.vjp(lambda a: dense(head, a), h2)[1](g_out)[0] * (1 - h2 ** 2)
+    b_call = lambda bias, h, k: h @ k + bias[None]
+    d_bias_b, g_h1, dk_b = jax.vjp(b_call, p['b']['bias'], h1, kernel)[1](g_z2)
+    g_z1 = g_h1 * (1 - h1 ** 2)
+    dw_a = jax.vjp(dense, p['a'], x)[1](g_z1)[0]
+    dw_a = {'bias': dw_a['bias'], 'kernel': dw_a['kernel'] + dk_b}
+    return {'a': sgd_step(p['a'], dw_a, lr), 'b': {'bias': p['b']['bias'] - lr * d_bias_b},
+            'head': head}, jnp.linalg.norm(d_bias_b)
+
+  want, d_bias_b_norm = by_hand(p)
 
   tx = perturbkit.nnx.interleaved(mse, optax.sgd(lr))
   assert tx.segments(model, x, y).segments == ('b', 'head')
   state, metrics = jax.jit(tx.step)(tx.init(model, x, y), x, y)
   chex.assert_trees_all_close(nnx_models.pure(state.variables), want, **TOL)
-  np.testing.assert_allclose(metrics['grad_norm']['b'], jnp.linalg.norm(d_bias_b), **TOL)
+  np.testing.assert_allclose(metrics['grad_norm']['b'], d_bias_b_norm, **TOL)
   trained = state.model()
   assert trained.a.kernel is trained.b.kernel
   # The schedule really differs from a plain step (the comparison is not vacuous).
-  plain = params_of(nnx.grad(mse)(model, x, y))['a']['kernel']
+  plain = params_of(nnx.jit(nnx.grad(mse))(model, x, y))['a']['kernel']
   assert not np.allclose(kernel - lr * plain, want['a']['kernel'], **TOL)
 
 
