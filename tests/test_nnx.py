@@ -102,12 +102,14 @@ def test_equals_hand_placed_perturb_and_nnx_grad(name):
   filter = filters.top_level  # the hand twins perturb their direct children only
   model, hand, plain = make(False), make(True), make(False)
   loss, grads = perturbkit.nnx.value_and_grad(loss_fn, filter=filter)(model, *args)
-  want_loss, want_params, want_points = M.hand_value_and_grad(loss_fn, hand, *args)
+  # The references compiled whole (nnx.jit keeps their state updates), not op by op.
+  want_loss, want_params, want_points = nnx.jit(
+      lambda hand, *args: M.hand_value_and_grad(loss_fn, hand, *args))(hand, *args)
   chex.assert_trees_all_close(loss, want_loss, **TOL)
   chex.assert_trees_all_close(grads['perturbations'], want_points, **TOL)
   chex.assert_trees_all_close(M.pure(grads['params']), M.pure(want_params), **TOL)
-  chex.assert_trees_all_close(M.pure(grads['params']), M.pure(nnx.grad(loss_fn)(plain, *args)),
-                              **TOL)
+  chex.assert_trees_all_close(M.pure(grads['params']),
+                              M.pure(nnx.jit(nnx.grad(loss_fn))(plain, *args)), **TOL)
   # The state updates (batch statistics, dropout RNG counts) are the ones
   # nnx.value_and_grad makes.
   chex.assert_trees_all_close(M.pure(nnx.state(model)), M.pure(nnx.state(plain)), **TOL)
@@ -115,10 +117,11 @@ def test_equals_hand_placed_perturb_and_nnx_grad(name):
 
 
 def test_equals_explicit_perturbation_arguments():
-  model, x = M.MLP(rngs=nnx.Rngs(1)), M.random_batch((5, 3), seed=1)
+  # The batch shape of the other MLP tests (their eager ops are compiled already).
+  model, x = M.MLP(rngs=nnx.Rngs(1)), M.random_batch((4, 3), seed=1)
   _, grads = perturbkit.nnx.value_and_grad(M.mse)(model, x)
   zeros = jax.tree.map(jnp.zeros_like, grads['perturbations'])
-  want = jax.grad(lambda d: jnp.mean(M.mlp_explicit(model, x, d) ** 2))(zeros)
+  want = jax.jit(jax.grad(lambda d: jnp.mean(M.mlp_explicit(model, x, d) ** 2)))(zeros)
   chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
   _not_vacuous(want)
 
@@ -129,8 +132,9 @@ def test_directional_derivative_matches_jvp(name):
   model, hand = make(False), make(True)
   _, grads = perturbkit.nnx.value_and_grad(loss_fn, filter=filters.top_level)(model, *args)
   leaves, treedef = jax.tree.flatten(grads['perturbations'])
-  keys = jax.random.split(jax.random.key(3), len(leaves))
-  direction = [jax.random.normal(k, g.shape) for k, g in zip(keys, leaves)]
+  # The direction, the JVP and the prediction each compiled whole, not op by op.
+  direction = jax.jit(lambda: [jax.random.normal(k, g.shape) for k, g in zip(
+      jax.random.split(jax.random.key(3), len(leaves)), leaves)])()
   _, zeros = nnx.capture(loss_fn, nnx.Perturbation)(nnx.clone(hand), *args)
   graphdef, state = nnx.split(hand)
 
@@ -140,8 +144,8 @@ def test_directional_derivative_matches_jvp(name):
     assert jax.tree.structure(nnx.to_pure_dict(zeros)) == treedef
     return nnx.capture(loss_fn, init=init)(nnx.merge(graphdef, state), *args)
 
-  _, derivative = jax.jvp(along, (0.0,), (1.0,))
-  predicted = sum(jnp.vdot(g, v) for g, v in zip(leaves, direction))
+  _, derivative = jax.jit(lambda: jax.jvp(along, (0.0,), (1.0,)))()
+  predicted = jax.jit(lambda: sum(jnp.vdot(g, v) for g, v in zip(leaves, direction)))()
   np.testing.assert_allclose(derivative, predicted, rtol=1e-4, atol=1e-5)
 
 
@@ -185,7 +189,9 @@ def test_points_inside_an_inner_gradient_step():
     step(model, lambda m: M.mse(m, x))
     return M.mse(model, x)
 
-  _, grads = perturbkit.nnx.value_and_grad(loss_fn)(nnx.clone(model), x)
+  # Everything compiled whole (nnx.jit, jax.jit): the gradient of a gradient step run op by op
+  # compiles dozens of small programs.
+  _, grads = nnx.jit(perturbkit.nnx.value_and_grad(loss_fn))(nnx.clone(model), x)
   points = grads['perturbations']
   assert set(points['dense_1']) == {'__call__', '__call__#1', '__call__#2', '__call__#3'}
 
@@ -200,11 +206,11 @@ def test_points_inside_an_inner_gradient_step():
     step(m, lambda m: jnp.mean(M.mlp_explicit(m, x, at((0, 0))) ** 2))
     return jnp.mean(M.mlp_explicit(m, x, at((1, 2))) ** 2)
 
-  want = jax.grad(explicit)(jax.tree.map(jnp.zeros_like, points))
+  want = jax.jit(jax.grad(explicit))(jax.tree.map(jnp.zeros_like, points))
   chex.assert_trees_all_close(points, want, **TOL)
   _not_vacuous(points['dense_0']['__call__'])
   chex.assert_trees_all_close(M.pure(grads['params']),
-                              M.pure(nnx.grad(loss_fn)(nnx.clone(model), x)), **TOL)
+                              M.pure(nnx.jit(nnx.grad(loss_fn))(nnx.clone(model), x)), **TOL)
 
 
 # --- Transforms inside the model ----------------------------------------------------
@@ -225,7 +231,7 @@ def test_scan_gives_per_iteration_gradients_like_an_unrolled_loop():
   points = grads['perturbations']
   zeros = {'linear': jnp.zeros((3, 2, 4)), 'block': jnp.zeros((3, 2, 4)),
            'head': jnp.zeros((2, 2))}
-  want = jax.grad(unrolled)(zeros)
+  want = jax.jit(jax.grad(unrolled))(zeros)  # one compile, not one per op of the loop
   chex.assert_trees_all_close(points['blocks']['linear']['__call__'], want['linear'], **TOL)
   chex.assert_trees_all_close(points['blocks']['__call__'], want['block'], **TOL)
   chex.assert_trees_all_close(points['head']['__call__'], want['head'], **TOL)
@@ -235,17 +241,22 @@ def test_scan_gives_per_iteration_gradients_like_an_unrolled_loop():
   _, same, acts, inputs = perturbkit.nnx.value_and_grad(
       M.mse, return_activations=True, return_inputs=True)(model, x)
   chex.assert_trees_all_close(same, grads, **TOL)
-  hidden, linear_in, linear_out = x, [], []
-  for i in range(model.depth):
-    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
-    linear_in.append(hidden)
-    linear_out.append(block.linear(hidden))
-    hidden = jnp.tanh(linear_out[-1])
-  chex.assert_trees_all_close(acts['blocks']['linear']['__call__'], jnp.stack(linear_out), **TOL)
-  chex.assert_trees_all_close(acts['blocks']['__call__'], jnp.tanh(jnp.stack(linear_out)), **TOL)
-  chex.assert_trees_all_close(inputs['blocks']['linear']['__call__'],
-                              ((jnp.stack(linear_in),), {}), **TOL)
-  chex.assert_trees_all_close(acts['head']['__call__'], model.head(hidden), **TOL)
+
+  @jax.jit
+  def by_hand():
+    hidden, linear_in, linear_out = x, [], []
+    for i in range(model.depth):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+      linear_in.append(hidden)
+      linear_out.append(block.linear(hidden))
+      hidden = jnp.tanh(linear_out[-1])
+    return jnp.stack(linear_in), jnp.stack(linear_out), model.head(hidden)
+
+  linear_in, linear_out, head_out = by_hand()
+  chex.assert_trees_all_close(acts['blocks']['linear']['__call__'], linear_out, **TOL)
+  chex.assert_trees_all_close(acts['blocks']['__call__'], jnp.tanh(linear_out), **TOL)
+  chex.assert_trees_all_close(inputs['blocks']['linear']['__call__'], ((linear_in,), {}), **TOL)
+  chex.assert_trees_all_close(acts['head']['__call__'], head_out, **TOL)
   # The cache, edits and patching per iteration: tests/test_interpret_scan.py.
 
 
@@ -338,11 +349,12 @@ def test_calls_in_branches_get_one_point_per_call_like_explicit_deltas(switch, i
     warnings.simplefilter('error', perturbkit.UnperturbedCallsWarning)
     _, grads = perturbkit.nnx.value_and_grad(loss)(model, x, index)
   zeros = jax.tree.map(jnp.zeros_like, grads['perturbations'])
-  want = nnx.grad(lambda m, d: jnp.sum(m(x, index, d) ** 2), argnums=1)(model, zeros)
+  # The references compiled whole (nnx.jit), not op by op.
+  want = nnx.jit(nnx.grad(lambda m, d: jnp.sum(m(x, index, d) ** 2), argnums=1))(model, zeros)
   assert set(want['a']) == {'__call__', '__call__#1', '__call__#2', '__call__#3'}
   _not_vacuous(want)
   chex.assert_trees_all_close(grads['perturbations'], want, **TOL)
-  chex.assert_trees_all_close(grads['params'], nnx.grad(loss)(model, x, index), **TOL)
+  chex.assert_trees_all_close(grads['params'], nnx.jit(nnx.grad(loss))(model, x, index), **TOL)
 
 
 def test_branches_calling_different_submodules_are_a_named_error():
@@ -415,21 +427,26 @@ def test_linen_module_through_the_bridge():
   model, x = M.Bridged(rngs=nnx.Rngs(0)), M.random_batch((3, 4))
   bridge.lazy_init(model, x)
   loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
-  loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
-  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
-  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
-  h = model.linen(x)
-  rest = lambda h: jnp.sum(jnp.tanh(model.head(nnx.relu(h))))
-  chex.assert_trees_all_close(grads['perturbations']['linen']['__call__'], jax.grad(rest)(h),
-                              **TOL)
-  assert float(jnp.abs(jax.grad(rest)(h)).max()) > 1e-2
+  corrupted = 2 * x
+
+  @nnx.jit  # the references by hand, compiled whole
+  def by_hand(model, x, corrupted):
+    rest = lambda h: jnp.sum(jnp.tanh(model.head(nnx.relu(h))))
+    h, h_corrupted = model.linen(x), model.linen(corrupted)
+    patched = jnp.sum((h - h_corrupted) * jax.grad(rest)(h_corrupted), axis=1)
+    return loss_fn(model, x), nnx.grad(loss_fn)(model, x), h, jax.grad(rest)(h), patched
+
+  want_loss, want_params, h, at_h, want = by_hand(model, x, corrupted)
+  loss, grads = nnx.jit(perturbkit.nnx.value_and_grad(loss_fn))(model, x)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['linen']['__call__'], at_h, **TOL)
+  assert float(jnp.abs(at_h).max()) > 1e-2
   assert not {'_perturbkit_sites', '__captures__'} & set(vars(model.linen))  # left as it was
 
-  _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+  _, cache = nnx.jit(perturbkit.nnx.run_with_cache(lambda m, x: m(x)))(model, x)
   chex.assert_trees_all_close(cache.outputs['linen']['__call__'], h, **TOL)
-  corrupted = 2 * x
-  got = perturbkit.nnx.attribution_patching(loss_fn, axis=0)(model, x, corrupted)
-  want = jnp.sum((h - model.linen(corrupted)) * jax.grad(rest)(model.linen(corrupted)), axis=1)
+  got = nnx.jit(perturbkit.nnx.attribution_patching(loss_fn, axis=0))(model, x, corrupted)
   chex.assert_trees_all_close(got.effects[got.paths.index('linen/__call__')], want, **TOL)
 
 
@@ -444,22 +461,28 @@ def test_rnn_cell_calls_are_reported_and_the_rest_equal_jax_grad():
   loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
   with pytest.warns(perturbkit.UnperturbedCallsWarning,
                     match=r'carries the module from step to step.*rnn/cell/__call__'):
-    loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
-  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
-  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
+    loss, grads = nnx.jit(perturbkit.nnx.value_and_grad(loss_fn))(model, x)
+
+  @nnx.jit  # the references by hand, compiled whole
+  def by_hand(model, x):
+    embedded = model.embed(x)
+    hidden = model.rnn(embedded)
+    after_rnn = lambda h: jnp.sum(jnp.tanh(model.head(h)))
+    # The RNN draws its initial carry from the model's RNG streams: nnx.grad keeps that state.
+    at_embed = nnx.grad(lambda m, e: after_rnn(m.rnn(e)), argnums=1)(model, embedded)
+    return (loss_fn(model, x), nnx.grad(loss_fn)(model, x), hidden, jax.grad(after_rnn)(hidden),
+            at_embed)
+
+  want_loss, want_params, hidden, at_rnn, at_embed = by_hand(model, x)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
   assert {'embed', 'rnn', 'head'} <= set(grads['perturbations'])
   assert '__call__' not in grads['perturbations']['rnn'].get('cell', {})
-  embedded = model.embed(x)
-  hidden = model.rnn(embedded)
-  after_rnn = lambda h: jnp.sum(jnp.tanh(model.head(h)))
-  # The RNN draws its initial carry from the model's RNG streams: nnx.grad keeps that state.
-  at_embed = nnx.grad(lambda m, e: after_rnn(m.rnn(e)), argnums=1)(model, embedded)
-  chex.assert_trees_all_close(grads['perturbations']['rnn']['__call__'],
-                              jax.grad(after_rnn)(hidden), **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['rnn']['__call__'], at_rnn, **TOL)
   chex.assert_trees_all_close(grads['perturbations']['embed']['__call__'], at_embed, **TOL)
   assert float(jnp.abs(at_embed).max()) > 1e-3
   with pytest.warns(perturbkit.UnperturbedCallsWarning):
-    _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, x)
+    _, cache = nnx.jit(perturbkit.nnx.run_with_cache(lambda m, x: m(x)))(model, x)
   chex.assert_trees_all_close(cache.outputs['rnn']['__call__'], hidden, **TOL)
 
 
@@ -472,16 +495,22 @@ def test_bidirectional_rnn_cells_of_both_directions_are_reported():
   loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
   with pytest.warns(perturbkit.UnperturbedCallsWarning, match=r'^12 selected call\(s\).*rnn/backward_rnn/cell/__call__.*'
                     r'rnn/forward_rnn/cell/__call__'):
-    loss, grads = perturbkit.nnx.value_and_grad(loss_fn)(model, x)
-  chex.assert_trees_all_close(loss, loss_fn(model, x), **TOL)
-  chex.assert_trees_all_close(grads['params'], nnx.grad(loss_fn)(model, x), **TOL)
-  embedded = model.embed(x)
-  forward = model.rnn.forward_rnn(embedded)
-  backward = model.rnn.backward_rnn(embedded, reverse=True, keep_order=True)
-  chex.assert_trees_all_close(jnp.concatenate([forward, backward], -1), model.rnn(embedded),
+    loss, grads = nnx.jit(perturbkit.nnx.value_and_grad(loss_fn))(model, x)
+
+  @nnx.jit  # the references by hand, compiled whole
+  def by_hand(model, x):
+    embedded = model.embed(x)
+    forward = model.rnn.forward_rnn(embedded)
+    backward = model.rnn.backward_rnn(embedded, reverse=True, keep_order=True)
+    rest = lambda f, b: jnp.sum(jnp.tanh(model.head(jnp.concatenate([f, b], -1))))
+    return (loss_fn(model, x), nnx.grad(loss_fn)(model, x), forward, backward,
+            model.rnn(embedded), jax.grad(rest, argnums=(0, 1))(forward, backward))
+
+  want_loss, want_params, forward, backward, bidirectional, want = by_hand(model, x)
+  chex.assert_trees_all_close(loss, want_loss, **TOL)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
+  chex.assert_trees_all_close(jnp.concatenate([forward, backward], -1), bidirectional,
                               **TOL)  # what Bidirectional computes, by hand
-  rest = lambda f, b: jnp.sum(jnp.tanh(model.head(jnp.concatenate([f, b], -1))))
-  want = jax.grad(rest, argnums=(0, 1))(forward, backward)
   points = grads['perturbations']['rnn']
   # Each direction returns (final carry, outputs) to Bidirectional, which keeps the outputs.
   (forward_carry, at_forward), (backward_carry, at_backward) = (
