@@ -47,7 +47,7 @@ def _mlp():
   model = models.MLP()
   clean = jax.random.normal(jax.random.key(1), SHAPE)
   corrupted = jax.random.normal(jax.random.key(2), SHAPE)
-  variables = model.init(jax.random.key(0), clean)
+  variables = jax.jit(model.init)(jax.random.key(0), clean)
   metric = lambda v, x: metric_of(model.apply(v, x))
   return model, variables, clean, corrupted, metric
 
@@ -76,17 +76,18 @@ def per_token(values):
 def test_cache_equals_capture_intermediates_and_grads_equal_vjp(mlp):
   model, variables, x, _, metric = mlp
   out, cache = jax.jit(perturbkit.run_with_cache(model.apply, return_inputs=True))(variables, x)
-  _, state = model.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  plain, state = jax.jit(functools.partial(model.apply, capture_intermediates=True,
+                                           mutable=['intermediates']))(variables, x)
   want = {f'{k}/__call__': v['__call__'][0] for k, v in state['intermediates'].items()
           if k != '__call__'}
   chex.assert_trees_all_close(flat(cache.outputs), want, **TOL)
-  chex.assert_trees_all_close(out, model.apply(variables, x), **TOL)
+  chex.assert_trees_all_close(out, plain, **TOL)
   (h,), kwargs = cache.inputs['Dense_1']['__call__']
   chex.assert_trees_all_close(h, nn.relu(want['Dense_0/__call__']), **TOL)
   assert kwargs == {} and cache.grads is None
 
   value, cache = jax.jit(perturbkit.run_with_cache(metric, grads=True))(variables, x)
-  want_value, want_grads = by_hand_grads(variables['params'], x)
+  want_value, want_grads = jax.jit(by_hand_grads)(variables['params'], x)
   chex.assert_trees_all_close(value, want_value, **TOL)
   chex.assert_trees_all_close(flat(cache.grads), want_grads, **TOL)
   chex.assert_trees_all_close(flat(cache.outputs), want, **TOL)
@@ -469,8 +470,9 @@ def test_effects_per_example_under_vmap_and_one_bar_per_run(mlp, monkeypatch):
 
   weights = jax.random.normal(jax.random.key(4), patched.shape)
   loss = lambda effects: jnp.sum(weights * effects + effects ** 2)
-  want = jax.jit(jax.grad(lambda v: loss(jnp.stack([
-      patching_by_hand(v, clean[i:i + 1], corrupted[i:i + 1]) for i in examples]))))(variables)
+  # Each example's patches by hand, batched with jax.vmap (one example traced, not two).
+  want = jax.jit(jax.grad(lambda v: loss(jax.vmap(
+      lambda c, x: patching_by_hand(v, c[None], x[None]))(clean, corrupted))))(variables)
   got = jax.jit(jax.grad(lambda v: loss(per_example(v, clean, corrupted).effects)))(variables)
   chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
   nested = jax.jit(jax.vmap(per_example, in_axes=(None, 0, 0)))(
@@ -610,7 +612,7 @@ def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(
   the finite entries."""
   _, _, clean, corrupted, _ = mlp
   model = MaskedAttention()
-  variables = model.init(jax.random.key(0), clean)
+  variables = jax.jit(model.init)(jax.random.key(0), clean)
   params = variables['params']
   names = ('Dense_0/__call__', 'MaskedScores_0/__call__', 'Dense_1/__call__')
 
@@ -626,23 +628,32 @@ def test_attributions_of_a_model_with_infinite_outputs_are_finite_where_defined(
     return [h, scores, by_hand(x, [0.0] * 3)]
 
   metric = lambda v, x: metric_of(model.apply(v, x))
-  a_clean, a_corrupted = outputs(clean), outputs(corrupted)
-  zeros = [jnp.zeros_like(a) for a in a_corrupted]
-  grads = jax.grad(lambda d: metric_of(by_hand(corrupted, d)))(zeros)
-  finite = [jnp.isfinite(a) for a in a_corrupted]
-  want = jnp.stack([jnp.einsum('bt...->t', jnp.where(f, (a - b) * g, 0.0))
-                    for a, b, g, f in zip(a_clean, a_corrupted, grads, finite)])
-  assert not bool(finite[1].all()) and bool(jnp.isfinite(jnp.stack(grads[1])).all())
-  result = perturbkit.attribution_patching(metric, axis=1)(variables, clean, corrupted)
+
+  @jax.jit
+  def references(clean, corrupted):
+    """The formulas by hand, compiled once."""
+    a_clean, a_corrupted = outputs(clean), outputs(corrupted)
+    zeros = [jnp.zeros_like(a) for a in a_corrupted]
+    grads = jax.grad(lambda d: metric_of(by_hand(corrupted, d)))(zeros)
+    finite = [jnp.isfinite(a) for a in a_corrupted]
+    want = jnp.stack([jnp.einsum('bt...->t', jnp.where(f, (a - b) * g, 0.0))
+                      for a, b, g, f in zip(a_clean, a_corrupted, grads, finite)])
+    want_gxa = [per_token(jnp.where(finite[i], a_corrupted[i] * grads[i], 0.0))
+                for i in range(3)]
+    return (want, want_gxa, metric_of(a_corrupted[2]), finite[1].all(),
+            jnp.isfinite(jnp.stack(grads[1])).all())
+
+  want, want_gxa, corrupted_metric, all_finite, grads_finite = references(clean, corrupted)
+  assert not bool(all_finite) and bool(grads_finite)
+  result = jax.jit(perturbkit.attribution_patching(metric, axis=1))(variables, clean, corrupted)
   assert result.paths == names
   chex.assert_trees_all_close(result.effects, want, **TOL)
-  chex.assert_trees_all_close(result.corrupted_metric, metric_of(a_corrupted[2]), **TOL)
+  chex.assert_trees_all_close(result.corrupted_metric, corrupted_metric, **TOL)
 
-  gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
-  chex.assert_trees_all_close(gxa.clean_metric, metric_of(a_corrupted[2]), **TOL)
+  gxa = jax.jit(perturbkit.grad_times_activation(metric, axis=1))(variables, corrupted)
+  chex.assert_trees_all_close(gxa.clean_metric, corrupted_metric, **TOL)
   for i in range(3):  # the masked scores (gradient exactly 0) contribute 0, no 0 * inf
-    chex.assert_trees_all_close(gxa.effects[i], per_token(jnp.where(
-        finite[i], a_corrupted[i] * grads[i], 0.0)), **TOL)
+    chex.assert_trees_all_close(gxa.effects[i], want_gxa[i], **TOL)
 
 
 def test_integrated_gradients_through_masked_infinite_scores(mlp):
@@ -654,7 +665,7 @@ def test_integrated_gradients_through_masked_infinite_scores(mlp):
   are NaN, never a number."""
   _, _, x, _, _ = mlp
   model = MaskedAttention()
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   params = variables['params']
 
   def by_hand(scores_of=lambda s: s, delta=0.0):
@@ -692,7 +703,7 @@ def test_edits_and_patching_of_a_model_with_infinite_outputs_are_exact(mlp):
   patched run written by hand (the clean value put in at one token)."""
   _, _, clean, corrupted, _ = mlp
   model = MaskedAttention()
-  variables = model.init(jax.random.key(0), clean)
+  variables = jax.jit(model.init)(jax.random.key(0), clean)
   params = variables['params']
   names = ('Dense_0/__call__', 'MaskedScores_0/__call__', 'Dense_1/__call__')
 
@@ -780,34 +791,50 @@ def test_nnx_equals_its_linen_twin(twins):
   nnx_metric = lambda m, x: metric_of(m(x))
   linen_metric = lambda v, x: metric_of(linen.apply(v, x))
 
-  got = perturbkit.nnx.run_with_cache(nnx_metric, grads=True, return_inputs=True)(model, clean)
-  want = perturbkit.run_with_cache(linen_metric, grads=True, return_inputs=True)(variables, clean)
-  assert set(got[1].outputs['dense_1']) == {'__call__', '__call__#1'}
-  chex.assert_trees_all_close(got, want, **TOL)
-
-  _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(model, clean)
-  back = {'dense_1/__call__#1': interpret.replace(cache.outputs['dense_1']['__call__#1'])}
-  np.testing.assert_array_equal(
-      perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, back, clean), model(clean))
   edits = {'dense_1': {'__call__': interpret.zero_ablate(positions=[1], axis=1)},
            'dense_2/__call__': interpret.add(jnp.ones(2)),
            'dense_0/__call__': interpret.scale(-1.0, positions=[0], axis=2,
                                                view=(-1, SHAPE[1], 2, 3))}
-  chex.assert_trees_all_close(
-      perturbkit.nnx.run_with_edits(lambda m, x: m(x))(model, edits, clean),
-      perturbkit.run_with_edits(linen.apply)(variables, edits, clean), **TOL)
+  heads = dict(axis=2, view=(-1, SHAPE[1], 2, 3))  # dense_0 and dense_1: 2 heads of 3
+  sweeps = ('activation_patching', 'attribution_patching')
 
-  for name in ('activation_patching', 'attribution_patching'):
-    got = getattr(perturbkit.nnx, name)(nnx_metric, axis=1)(model, clean, corrupted)
-    want = getattr(perturbkit, name)(linen_metric, axis=1)(variables, clean, corrupted)
+  def everything(api, metric, apply):
+    """Each function below on one front end (``perturbkit`` or ``perturbkit.nnx``), compiled
+    together: one compile per front end."""
+    def run(model, clean, corrupted):
+      results = {'cache': api.run_with_cache(metric, grads=True, return_inputs=True)(
+          model, clean), 'edits': api.run_with_edits(apply)(model, edits, clean)}
+      for name in sweeps:
+        results[name] = getattr(api, name)(metric, axis=1)(model, clean, corrupted)
+        results[f'{name} per head'] = getattr(api, name)(
+            metric, filter=filters.by_path('dense_0'), **heads)(model, clean, corrupted)
+      return results
+    return run
+
+  got_all = nnx.jit(everything(perturbkit.nnx, nnx_metric, lambda m, x: m(x)))(
+      model, clean, corrupted)
+  want_all = jax.jit(everything(perturbkit, linen_metric, linen.apply))(
+      variables, clean, corrupted)
+  got, want = got_all['cache'], want_all['cache']
+  assert set(got[1].outputs['dense_1']) == {'__call__', '__call__#1'}
+  chex.assert_trees_all_close(got, want, **TOL)
+
+  def back(m, x):
+    """The NNX model's cached output of dense_1's second call patched back in."""
+    _, cache = perturbkit.nnx.run_with_cache(lambda m, x: m(x))(m, x)
+    back = {'dense_1/__call__#1': interpret.replace(cache.outputs['dense_1']['__call__#1'])}
+    return perturbkit.nnx.run_with_edits(lambda m, x: m(x))(m, back, x), m(x)
+
+  patched_back, plain = nnx.jit(back)(model, clean)
+  np.testing.assert_array_equal(patched_back, plain)
+  chex.assert_trees_all_close(got_all['edits'], want_all['edits'], **TOL)
+
+  for name in sweeps:
+    got, want = got_all[name], want_all[name]
     assert got.paths == want.paths == ('dense_0/__call__', 'dense_1/__call__',
                                        'dense_1/__call__#1', 'dense_2/__call__')
     chex.assert_trees_all_close(got, want, **TOL)
-    heads = dict(axis=2, view=(-1, SHAPE[1], 2, 3))  # dense_0 and dense_1: 2 heads of 3
-    got = getattr(perturbkit.nnx, name)(nnx_metric, filter=filters.by_path('dense_0'), **heads)(
-        model, clean, corrupted)
-    want = getattr(perturbkit, name)(linen_metric, filter=filters.by_path('dense_0'), **heads)(
-        variables, clean, corrupted)
+    got, want = got_all[f'{name} per head'], want_all[f'{name} per head']
     assert got.effects.shape == (1, 2)
     chex.assert_trees_all_close(got, want, **TOL)
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
@@ -847,14 +874,16 @@ def test_nested_calls_are_listed_in_the_same_order_by_both_apis():
   front ends: the rows of a result line up between a model and its twin."""
   x = jax.random.normal(jax.random.key(0), (2, 3))
   linen = _NestedNet()
-  variables = linen.init(jax.random.key(1), x)
+  variables = jax.jit(linen.init)(jax.random.key(1), x)
   model = _NNXNestedNet(nnx.Rngs(1))
   want = tuple(f'{block}/{call}__call__' for block in ('block0', 'block1')
                for call in ('', 'attn/', 'mlp/')) + ('head/__call__',)
   for name in ('activation_patching', 'attribution_patching'):
-    got = getattr(perturbkit.nnx, name)(lambda m, x: jnp.sum(m(x)))(model, x, -x)
+    # Traced only: the paths are known before anything runs.
+    got = nnx.eval_shape(getattr(perturbkit.nnx, name)(lambda m, x: jnp.sum(m(x))), model, x, -x)
     assert got.paths == want, (name, got.paths)
-    got = getattr(perturbkit, name)(lambda v, x: jnp.sum(linen.apply(v, x)))(variables, x, -x)
+    got = jax.eval_shape(getattr(perturbkit, name)(lambda v, x: jnp.sum(linen.apply(v, x))),
+                         variables, x, -x)
     assert got.paths == want, (name, got.paths)
 
 
@@ -918,15 +947,15 @@ def test_nnx_batchnorm_in_training_mode_gives_grads_and_keeps_the_model():
   x = jax.random.normal(jax.random.key(3), (5, 3))
   before = nnx_models.pure(nnx.state(model))
   fn = lambda m, x: jnp.sum(m(x)[:, 0] ** 2)
-  value, cache = perturbkit.nnx.run_with_cache(fn, grads=True)(model, x)
+  value, cache = nnx.jit(perturbkit.nnx.run_with_cache(fn, grads=True))(model, x)
   graphdef, state = nnx.split(model)
-  want_value, want_grad = jax.value_and_grad(
-      lambda d: fn(lambda x: nnx.merge(graphdef, state, copy=True)(x, d), x))(
+  want_value, want_grad = jax.jit(jax.value_and_grad(
+      lambda d: fn(lambda x: nnx.merge(graphdef, state, copy=True)(x, d), x)))(
           jnp.zeros((5, 4)))
   np.testing.assert_allclose(value, want_value, **TOL)
   np.testing.assert_allclose(cache.grads['norm']['__call__'], want_grad, **TOL)
   assert float(jnp.abs(want_grad).max()) > 1e-3
-  attributions = perturbkit.nnx.grad_times_activation(fn)(model, x)
+  attributions = nnx.jit(perturbkit.nnx.grad_times_activation(fn))(model, x)
   assert 'norm/__call__' in attributions.paths
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(model)), before, rtol=0, atol=0)
 
@@ -960,12 +989,14 @@ def test_gpt2_blocks_cache_and_patching():
         hf.variables, ids, corrupted)
     assert result.paths == ('transformer/h/0/__call__', 'transformer/h/1/__call__')
     assert result.effects.shape == (2, hf_models.SEQ)
-    for i, token in ((0, 2), (1, 5)):
-      value = cache.outputs['transformer']['h'][str(i)]['__call__']
-      patch = {f'transformer/h/{i}/__call__': interpret.replace(value, positions=[token], axis=1)}
-      by_hand = jax.jit(lambda v, ids: metric_of_logits(edited(v, patch, ids))
-                        - metric_of_logits(logits(v, ids)))
-      want = by_hand(hf.variables, corrupted)
+    patches = [({f'transformer/h/{i}/__call__': interpret.replace(
+        cache.outputs['transformer']['h'][str(i)]['__call__'], positions=[token], axis=1)},
+                i, token) for i, token in ((0, 2), (1, 5))]
+    # Both patched runs by hand, compiled together.
+    by_hand = jax.jit(lambda v, ids: [metric_of_logits(edited(v, patch, ids))
+                                      - metric_of_logits(logits(v, ids))
+                                      for patch, _, _ in patches])
+    for want, (_, i, token) in zip(by_hand(hf.variables, corrupted), patches):
       chex.assert_trees_all_close(result.effects[i, token], want, rtol=1e-4, atol=1e-6)
     # Before the corrupted token nothing changes; block 1's last token carries it all.
     chex.assert_trees_all_close(result.effects[:, :2], jnp.zeros((2, 2)), atol=1e-6)
@@ -1113,10 +1144,11 @@ def test_gpt2_generate_steered_at_the_prompt_and_at_each_new_token_equals_an_int
       want = by_hand(hf.variables, prompt, *steers)
       np.testing.assert_array_equal(got, want)
       assert not np.array_equal(want, plain)  # each edit changes the generated tokens
-    # The calls of the new tokens cannot leave the loop: a cache says so, naming the first.
+    # The calls of the new tokens cannot leave the loop: a cache says so, naming the first
+    # (while it is traced: under jax.jit, nothing runs op by op before the error).
     with pytest.raises(perturbkit.CaptureInJaxTransformError,
                        match=r"transformer/wte/__call__#1.*Hugging Face's generate"):
-      perturbkit.run_with_cache(generate)(hf.variables, prompt)
+      jax.jit(perturbkit.run_with_cache(generate))(hf.variables, prompt)
 
 
 def metric_of_logits(logits):
@@ -1195,7 +1227,7 @@ def test_one_array_for_a_call_returning_arrays_of_different_shapes():
   also be added to the weights; it is refused by name, and a value per array is the fix (for
   steering vectors and gates, ``leaves=0``). Their gradient is the hand-written one's."""
   model, x = _Attends(), jax.random.normal(jax.random.key(1), (2, 4, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   delta = jnp.arange(4.0)
   edited = perturbkit.run_with_edits(model.apply)
   with pytest.raises(perturbkit.AmbiguousEditError, match=r'shift of shape \(4,\).*\(2, 1, 4, 4\)'):
@@ -1204,8 +1236,9 @@ def test_one_array_for_a_call_returning_arrays_of_different_shapes():
   steered = perturbkit.run_with_interventions(model.apply, steer)
   with pytest.raises(perturbkit.AmbiguousEditError):
     steered(variables, interpret.init_interventions(steer), x)
-  got = edited(variables, {'attn/__call__': interpret.add((delta, 0.0))}, x)
-  out, _ = _WithWeights().apply({'params': variables['params']['attn']}, x)
+  got = jax.jit(lambda v, x: edited(v, {'attn/__call__': interpret.add((delta, 0.0))}, x))(
+      variables, x)
+  out, _ = jax.jit(_WithWeights().apply)({'params': variables['params']['attn']}, x)
   chex.assert_trees_all_close(got, jnp.sum((out + delta[None, None]) ** 2), **TOL)
 
   logits = jnp.linspace(-2.0, 2.0, 4)
@@ -1215,8 +1248,8 @@ def test_one_array_for_a_call_returning_arrays_of_different_shapes():
       ('steer', interpret.steering_vector('attn/__call__', (4,), leaves=0), delta),
       ('gate', interpret.gates('attn/__call__', (4,), leaves=[0]), logits)):
     run = jax.jit(perturbkit.run_with_interventions(model.apply, {name: intervention}))
-    value, grads = jax.value_and_grad(lambda p: run(variables, {name: p}, x))(params)
-    want, want_grads = jax.value_and_grad(by_hand[name])(params)
+    value, grads = jax.jit(jax.value_and_grad(lambda p: run(variables, {name: p}, x)))(params)
+    want, want_grads = jax.jit(jax.value_and_grad(by_hand[name]))(params)
     chex.assert_trees_all_close((value, grads), (want, want_grads), **TOL)
   beyond = interpret.steering_vector('attn/__call__', (4,), leaves=2)
   with pytest.raises(perturbkit.InvalidOptionError, match=r'attn/__call__ returns, but it returns 2'):
@@ -1257,7 +1290,7 @@ def test_edit_values_of_another_structure_than_the_output():
   missing a key or with an extra one: named errors showing both structures; a value in the
   cache's structure is the fix, against the model with the edit written by hand."""
   model, x = _StructuredNet(), jax.random.normal(jax.random.key(1), (2, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   edited = perturbkit.run_with_edits(model.apply)
   _, cache = perturbkit.run_with_cache(model.apply)(variables, x)
   assert isinstance(cache.outputs['head']['__call__'], tuple)
@@ -1633,7 +1666,7 @@ def test_reading_calls_of_a_lifted_transform_inside_jax_jit_of_fn_is_a_named_err
   that leave the lifted transform through a collection are still the jit's tracers."""
   model = models.Lifted(transform='remat')
   x = jax.random.normal(jax.random.key(1), (2, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   fn = JAX_TRANSFORMS_IN_FN['jit'](model.apply)
   with pytest.raises(perturbkit.CaptureInJaxTransformError, match='block/Dense_0/__call__'):
     perturbkit.run_with_cache(fn, filter=filters.by_path('block/Dense_0'))(variables, x)
@@ -1719,18 +1752,24 @@ def test_calls_inside_remat_with_batch_statistics_equal_the_model_without_the_tr
   transform."""
   model, twin = models.RematNorm(), models.RematNorm(remat=False)
   x = jax.random.normal(jax.random.key(1), (5, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   run = lambda m: lambda v, x: m.apply(v, x, mutable=['batch_stats'])
+  metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(run(m)(v, x)[0]))
+
+  @jax.jit
+  def references(variables, x):
+    """The model run without perturbkit, and the twin's cache and attributions."""
+    return (run(model)(variables, x), perturbkit.run_with_cache(run(twin))(variables, x)[1],
+            perturbkit.attribution_patching(metric(twin), axis=0)(variables, x, 2 * x))
+
+  plain, twin_cache, want = references(variables, x)
   (out, updates), cache = jax.jit(perturbkit.run_with_cache(run(model)))(variables, x)
-  chex.assert_trees_all_close((out, updates), run(model)(variables, x), **TOL)
+  chex.assert_trees_all_close((out, updates), plain, **TOL)
   assert not np.allclose(updates['batch_stats']['block']['BatchNorm_0']['mean'],
                          variables['batch_stats']['block']['BatchNorm_0']['mean'])
   assert 'BatchNorm_0' in cache.outputs['block']
-  chex.assert_trees_all_close(cache, perturbkit.run_with_cache(run(twin))(variables, x)[1],
-                              **TOL)
-  metric = lambda m: lambda v, x: jnp.sum(jnp.tanh(run(m)(v, x)[0]))
+  chex.assert_trees_all_close(cache, twin_cache, **TOL)
   got = jax.jit(perturbkit.attribution_patching(metric(model), axis=0))(variables, x, 2 * x)
-  want = perturbkit.attribution_patching(metric(twin), axis=0)(variables, x, 2 * x)
   chex.assert_trees_all_close(got, want, **TOL)
 
 
@@ -1791,25 +1830,34 @@ def test_calls_inside_mapping_transforms_are_points_per_member_or_named_errors()
   with the function, the call and the fix."""
   mapped = models.MappedDense()
   x = jax.random.normal(jax.random.key(1), (5, 2, 3))
-  variables = mapped.init(jax.random.key(0), x)
+  variables = jax.jit(mapped.init)(jax.random.key(0), x)
   dense = variables['params']['dense']
   by_hand = jnp.einsum('mbi,mio->mbo', x, dense['kernel']) + dense['bias'][:, None]
-  _, grads, acts = perturbkit.value_and_grad(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
-                                             return_activations=True)(variables, x)
+  metric = lambda v, x: jnp.sum(mapped.apply(v, x) ** 2)
+
+  @jax.jit
+  def everything(variables, x):
+    """The four functions below, compiled together (one compile)."""
+    return {'value_and_grad': perturbkit.value_and_grad(metric, return_activations=True)(
+                variables, x),
+            'cache': perturbkit.run_with_cache(metric, grads=True)(variables, x),
+            'edited': perturbkit.run_with_edits(mapped.apply)(
+                variables, {'dense/__call__[1]': interpret.scale(3.0, positions=[0], axis=1)},
+                x),
+            'attribution': perturbkit.attribution_patching(metric)(variables, x, -x)}
+
+  got = everything(variables, x)
+  _, grads, acts = got['value_and_grad']
   chex.assert_trees_all_close(acts['dense']['__call__'], by_hand, **TOL)
   chex.assert_trees_all_close(grads['perturbations']['dense']['__call__'], 2 * by_hand, **TOL)
-  _, cache = perturbkit.run_with_cache(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2),
-                                       grads=True)(variables, x)
+  _, cache = got['cache']
   chex.assert_trees_all_close(cache.outputs['dense']['__call__'], by_hand, **TOL)
   chex.assert_trees_all_close(cache.grads['dense']['__call__'], 2 * by_hand, **TOL)
-  edited = perturbkit.run_with_edits(mapped.apply)(
-      variables, {'dense/__call__[1]': interpret.scale(3.0, positions=[0], axis=1)}, x)
-  chex.assert_trees_all_close(edited, by_hand.at[1, :, 0].multiply(3.0), **TOL)
-  result = perturbkit.attribution_patching(lambda v, x: jnp.sum(mapped.apply(v, x) ** 2))(
-      variables, x, -x)
+  chex.assert_trees_all_close(got['edited'], by_hand.at[1, :, 0].multiply(3.0), **TOL)
+  result = got['attribution']
   assert result.paths == tuple(f'dense/__call__[{m}]' for m in range(5))
   corrupted = -by_hand + 2 * dense['bias'][:, None]  # the outputs of -x
-  want = [jnp.sum((by_hand[m] - corrupted[m]) * 2 * corrupted[m]) for m in range(5)]
+  want = jnp.sum((by_hand - corrupted) * 2 * corrupted, axis=(1, 2))  # one sum per member
   np.testing.assert_allclose(result.effects[:, 0], want, **TOL)
 
   with pytest.raises(perturbkit.ActivationsUnavailableError,
@@ -1828,7 +1876,7 @@ def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_
   branches are cached, equal to the model written by hand."""
   model = models.BranchedDense(switch=switch)
   x = jax.random.normal(jax.random.key(1), (2, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   metric = lambda v, x: model.apply(v, x).mean()
   transform = 'nn.switch' if switch else 'nn.cond'
   calls = [lambda: perturbkit.run_with_cache(model.apply)(variables, x),
@@ -1852,7 +1900,7 @@ def test_cond_with_another_submodule_per_branch_is_a_named_error_and_the_filter_
 
 
 _INNER = nn.Sequential([nn.Dense(4), jnp.tanh, nn.Dense(4)])
-_INNER_VARIABLES = _INNER.init(jax.random.key(5), jnp.ones((1, 4)))
+_INNER_VARIABLES = jax.jit(_INNER.init)(jax.random.key(5), jnp.ones((1, 4)))
 
 
 class _AppliesAnother(nn.Module):
@@ -1868,7 +1916,7 @@ def test_calls_of_an_apply_nested_on_other_variables_warn_with_that_reason():
   says so and lists them, not a lifted transform; the model's own calls are cached as the
   model written out by hand computes them."""
   model, x = _AppliesAnother(), jax.random.normal(jax.random.key(1), (2, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   for run in (lambda: perturbkit.run_with_cache(model.apply)(variables, x),
               lambda: perturbkit.value_and_grad(lambda v, x: model.apply(v, x).sum())(
                   variables, x)):
@@ -1906,7 +1954,7 @@ def test_calls_inside_a_while_loop_get_no_point_and_the_others_are_cached():
 
   x = jax.random.normal(jax.random.key(1), (2, 3))
   model = Looped()
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   with pytest.warns(perturbkit.UnperturbedCallsWarning,
                     match=r'nn.while_loop, whose iterations.*a/__call__#1.*Python `for` loop'):
     out, cache = perturbkit.run_with_cache(model.apply)(variables, x)

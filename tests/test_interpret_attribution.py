@@ -49,7 +49,7 @@ def _smooth():
   model = models.SmoothMLP()
   x = jax.random.normal(jax.random.key(1), SHAPE)
   baseline = jax.random.normal(jax.random.key(2), SHAPE)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   metric = lambda v, x: metric_of(model.apply(v, x))
   return variables, x, baseline, metric
 
@@ -265,7 +265,7 @@ def test_grad_cam_equals_the_definition_with_vjp_gradients():
   model = SmallCNN()
   images = jax.random.uniform(jax.random.key(1), (3, 8, 8, 1))
   labels = jnp.array([1, 4, 7])
-  variables = model.init(jax.random.key(0), images)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
   score = lambda logits: jnp.sum(jnp.take_along_axis(logits, labels[:, None], axis=1))
   metric, maps = jax.jit(perturbkit.grad_cam(lambda v, x: score(model.apply(v, x))))(
       variables, images)
@@ -302,10 +302,10 @@ def test_grad_cam_equals_the_definition_with_vjp_gradients():
   pixels = jnp.transpose(images, (0, 3, 1, 2))
   channels_first = lambda v, x: score(model.apply(v, jnp.transpose(x, (0, 2, 3, 1))))
   with pytest.raises(perturbkit.ImageLayoutError, match=r'Conv_1/__call__ makes a \(4, 4\) map'):
-    perturbkit.grad_cam(channels_first, upsample=True, filter=filters.by_path('Conv_1'))(
+    jax.jit(perturbkit.grad_cam(channels_first, upsample=True, filter=filters.by_path('Conv_1')))(
         variables, pixels)
-  _, sized = perturbkit.grad_cam(channels_first, upsample=(8, 8),
-                                 filter=filters.by_path('Conv_1'))(variables, pixels)
+  _, sized = jax.jit(perturbkit.grad_cam(channels_first, upsample=(8, 8),
+                                         filter=filters.by_path('Conv_1')))(variables, pixels)
   chex.assert_trees_all_close(sized, upsampled, **TOL)
 
 
@@ -325,15 +325,19 @@ def test_grad_cam_of_nnx_equals_its_linen_twin():
 def test_grad_cam_at_a_call_that_is_not_a_feature_map():
   model = SmallCNN()
   images = jnp.ones((2, 8, 8, 1))
-  variables = model.init(jax.random.key(0), images)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
   metric = lambda v, x: model.apply(v, x)[:, 0].sum()
+  # The errors are raised while the function is traced (under jax.jit: nothing runs op by op).
   with pytest.raises(perturbkit.FeatureMapShapeError, match=r'Dense_0/__call__ returns \(2, 64\)'):
-    perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1', 'Dense_0'))(variables, images)
+    jax.jit(perturbkit.grad_cam(metric, filter=filters.by_path('Conv_1', 'Dense_0')))(
+        variables, images)
   with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
-    perturbkit.grad_cam(lambda v, x: metric(v, x[0]), upsample=True)(variables, images[None])
+    jax.jit(perturbkit.grad_cam(lambda v, x: metric(v, x[0]), upsample=True))(
+        variables, images[None])
   # Several inputs (images and labels): upsample=True cannot tell the images; a size can.
   with pytest.raises(perturbkit.InvalidOptionError, match='upsample.*structure'):
-    perturbkit.grad_cam(lambda v, xy: metric(v, xy[0]), upsample=True)(variables, (images, 0))
+    jax.jit(perturbkit.grad_cam(lambda v, xy: metric(v, xy[0]), upsample=True))(
+        variables, (images, 0))
   for wrong in ('yes', (8,), (8, 0), (True, True), 8):
     with pytest.raises(perturbkit.InvalidOptionError, match='upsample'):
       perturbkit.grad_cam(metric, upsample=wrong)
@@ -355,7 +359,7 @@ def test_grad_cam_at_a_call_that_is_not_a_feature_map():
 def _mlp():
   model = models.MLP()
   x = jax.random.normal(jax.random.key(1), SHAPE)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   return model, variables, x
 
 
@@ -391,7 +395,7 @@ def test_steering_vector_gradient_equals_the_vector_as_an_explicit_parameter(mlp
   chex.assert_trees_all_close(jax.jit(jax.value_and_grad(loss))(params),
                               jax.jit(jax.value_and_grad(by_hand))(params), **TOL)
   # The model's variables are frozen: no gradient reaches them.
-  frozen = jax.grad(lambda v: target_loss(run(v, params, x)))(variables)
+  frozen = jax.jit(jax.grad(lambda v: target_loss(run(v, params, x))))(variables)
   assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(frozen))
 
 
@@ -429,9 +433,9 @@ def test_gate_penalty_of_float16_logits_is_summed_past_float16s_range():
 def test_gates_at_one_are_the_unedited_run_and_nnx_equals_its_linen_twin(mlp):
   model, variables, x = mlp
   gate = {'gate': interpret.gates('Dense_1/__call__', (8,), init_logit=30.0)}
-  run = perturbkit.run_with_interventions(model.apply, gate)
+  run = jax.jit(perturbkit.run_with_interventions(model.apply, gate))
   chex.assert_trees_all_close(run(variables, interpret.init_interventions(gate), x),
-                              model.apply(variables, x), **TOL)
+                              jax.jit(model.apply)(variables, x), **TOL)
 
   nnx_model = nnx_models.MLP(rngs=nnx.Rngs(0))
   linen_variables = nnx_models.linen_variables(nnx_model)
@@ -442,10 +446,11 @@ def test_gates_at_one_are_the_unedited_run_and_nnx_equals_its_linen_twin(mlp):
   params = interpret.init_interventions(interventions)
   params['steer'] = jnp.linspace(-1.0, 1.0, 6)
   before = nnx_models.pure(nnx.state(nnx_model))
-  got = jax.value_and_grad(lambda p: target_loss(perturbkit.nnx.run_with_interventions(
-      lambda m, x: m(x), interventions)(nnx_model, p, x)))(params)
-  want = jax.value_and_grad(lambda p: target_loss(perturbkit.run_with_interventions(
-      linen.apply, interventions)(linen_variables, p, x)))(params)
+  got = nnx.jit(lambda m, p: jax.value_and_grad(lambda p: target_loss(
+      perturbkit.nnx.run_with_interventions(lambda m, x: m(x), interventions)(m, p, x)))(p))(
+          nnx_model, params)
+  want = jax.jit(jax.value_and_grad(lambda p: target_loss(perturbkit.run_with_interventions(
+      linen.apply, interventions)(linen_variables, p, x))))(params)
   chex.assert_trees_all_close(got, want, **TOL)
   assert float(jnp.abs(got[1]['steer']).max()) > 0 and float(jnp.abs(got[1]['gate']).max()) > 0
   chex.assert_trees_all_close(nnx_models.pure(nnx.state(nnx_model)), before, rtol=0, atol=0)
@@ -534,7 +539,7 @@ def bf16_problem(conv):
   shape = (6, 5, 5, 3) if conv else (16, 12, 24)
   x = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
   corrupted = (x + 0.2 * jax.random.normal(jax.random.key(2), shape)).astype(jnp.bfloat16)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   names = [f'{"Conv" if conv else "Dense"}_{i}/__call__' for i in range(3)]
   zeros = {n: jnp.zeros(shape[:-1] + (w,), jnp.bfloat16) for n, w in zip(names, (32, 32, 16))}
 
@@ -568,7 +573,9 @@ def test_bf16_attributions_are_summed_in_float32_without_rounding_the_difference
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=0,
                                atol=1e-6 * np.abs(expected).max())
 
-  ig = perturbkit.layer_integrated_gradients(metric, axis=1, steps=4)(variables, corrupted)
+  # Its dtype only: traced, not run.
+  ig = jax.eval_shape(perturbkit.layer_integrated_gradients(metric, axis=1, steps=4),
+                      variables, corrupted)
   assert ig.effects.dtype == jnp.float32
 
 
@@ -636,22 +643,32 @@ def test_attributions_at_a_complex_output_are_real_derivatives_along_a_real_step
   model = ComplexNet(linear)
   x = jax.random.normal(jax.random.key(1), (2, 4))
   corrupted = jax.random.normal(jax.random.key(2), (2, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   w = variables['params']['c']['w']
   out = lambda x: x.astype(jnp.complex64) @ w
   along = lambda o, d: jax.grad(lambda eps: complex_metric(o + eps * d, linear))(0.0)
   metric = model.apply
-  want_patched = along(out(corrupted), out(x) - out(corrupted))
-  want_gxa = along(out(x), out(x))
-  patched = perturbkit.attribution_patching(metric)(variables, x, corrupted)
-  gxa = perturbkit.grad_times_activation(metric)(variables, x)
+
+  @jax.jit
+  def by_hand(x, corrupted):
+    """The references, compiled together."""
+    change = complex_metric(out(x), True) - complex_metric(jnp.zeros_like(out(x)), True)
+    return along(out(corrupted), out(x) - out(corrupted)), along(out(x), out(x)), change
+
+  @jax.jit
+  def everything(variables, x, corrupted):
+    """The functions, compiled together (activation patching for the linear metric only)."""
+    return (perturbkit.attribution_patching(metric)(variables, x, corrupted),
+            perturbkit.grad_times_activation(metric)(variables, x),
+            perturbkit.layer_integrated_gradients(metric, steps=4)(variables, x),
+            perturbkit.activation_patching(metric)(variables, x, corrupted) if linear else None)
+
+  want_patched, want_gxa, change = by_hand(x, corrupted)
+  patched, gxa, ig, patching = everything(variables, x, corrupted)
   for got, want in ((patched.effects, want_patched), (gxa.effects, want_gxa)):
     assert got.dtype == jnp.float32 and got.shape == (1, 1)
     np.testing.assert_allclose(np.asarray(got)[0, 0], want, rtol=1e-5, atol=1e-5)
-  ig = perturbkit.layer_integrated_gradients(metric, steps=4)(variables, x)
   assert ig.effects.dtype == jnp.float32
   if linear:
-    patching = perturbkit.activation_patching(metric)(variables, x, corrupted)
     np.testing.assert_allclose(patched.effects, patching.effects, rtol=1e-5, atol=1e-5)
-    change = complex_metric(out(x), True) - complex_metric(jnp.zeros_like(out(x)), True)
     np.testing.assert_allclose(np.asarray(ig.effects)[0, 0], change, rtol=1e-5, atol=1e-5)
