@@ -218,6 +218,8 @@ class Runs:
     grads: d metric / d hidden state of each layer on the corrupted inputs, from ``reference``.
     activation: ``activation_patching`` of the two layers, jitted with ``run_with_cache``.
     attribution: ``attribution_patching`` of the two layers, jitted with it too.
+    patched_back: ``run_with_edits`` on the clean inputs with every cached call's output put
+      back in (``interpret.replace``), jitted with them too.
   """
   output: jax.Array
   cached: dict[str, Any]
@@ -229,41 +231,58 @@ class Runs:
   grads: dict[str, jax.Array]
   activation: Any
   attribution: Any
+  patched_back: jax.Array
 
   def nothing_replaced(self, p: Problem) -> dict[str, tuple[jax.Array, jax.Array]]:
-    return {layer: (jnp.asarray(False), jnp.zeros(())) for layer in p.layers}
+    """A mask False everywhere and a zero value, of the shapes a replaced position has (so
+    ``reference`` runs on them and on one replaced position with one compile)."""
+    out = {}
+    for layer in p.layers:
+      h = hidden(self.corrupted[f'{layer}/__call__'])
+      out[layer] = (jnp.zeros_like(at_position(p, h.shape, 0)), jnp.zeros_like(h))
+    return out
 
   def zero_deltas(self, p: Problem) -> dict[str, jax.Array]:
     return {layer: jnp.zeros_like(hidden(self.corrupted[f'{layer}/__call__']))
             for layer in p.layers}
 
 
-@pytest.fixture(scope='module', params=sorted(MAKERS))
-def built(request) -> tuple[hf_models.Case, Problem, Runs]:
-  case = hf_models.CASES[CASE_OF.get(request.param, request.param)]
+@functools.cache
+def build(name: str) -> tuple[hf_models.Case, Problem, Runs]:
+  """A model's :class:`Problem` and :class:`Runs`, once per process (the module's tests and
+  Grad-CAM's read the same compiled runs)."""
+  case = hf_models.CASES[CASE_OF.get(name, name)]
   hf = hf_models.hf_model(case.model)
-  p = Problem(hf.variables, **MAKERS[request.param](hf))
+  p = Problem(hf.variables, **MAKERS[name](hf))
   layers = filters.by_path(*p.layers)
   sweep = dict(filter=layers, axis=p.axis, positions=p.positions)
 
   def under_test(variables, clean, corrupted):
     """The functions under test, compiled together (one compile per model)."""
-    return (perturbkit.run_with_cache(p.run)(variables, clean),
+    output, cache = perturbkit.run_with_cache(p.run)(variables, clean)
+    back = {name: interpret.replace(value) for name, value in flat(cache.outputs).items()}
+    return ((output, cache),
             perturbkit.activation_patching(p.metric, **sweep)(variables, clean, corrupted),
-            perturbkit.attribution_patching(p.metric, **sweep)(variables, clean, corrupted))
+            perturbkit.attribution_patching(p.metric, **sweep)(variables, clean, corrupted),
+            perturbkit.run_with_edits(p.run)(variables, back, clean))
 
   with case.strictness():
-    (output, cache), activation, attribution = jax.jit(under_test)(
+    (output, cache), activation, attribution, patched_back = jax.jit(under_test)(
         p.variables, p.clean, p.corrupted)
     captured = jax.jit(p.intermediates)
     captured_output, clean = captured(p.variables, p.clean)
     _, corrupted = captured(p.variables, p.corrupted)
     reference = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))
     partial = Runs(output, flat(cache.outputs), captured_output, clean, corrupted, reference,
-                   None, None, activation, attribution)
+                   None, None, activation, attribution, patched_back)
     value, grads = reference(p.variables, p.corrupted, partial.zero_deltas(p),
                              partial.nothing_replaced(p))
   return case, p, dataclasses.replace(partial, corrupted_metric=value, grads=grads)
+
+
+@pytest.fixture(scope='module', params=sorted(MAKERS))
+def built(request) -> tuple[hf_models.Case, Problem, Runs]:
+  return build(request.param)
 
 
 @pytest.fixture
@@ -286,9 +305,7 @@ def test_cache_patch_back_and_capture_intermediates(problem):
   chex.assert_trees_all_close(runs.output, runs.captured_output, **TOL)
 
   # (a) Every call's cached output put back: the unedited output, bit for bit.
-  back = {name: interpret.replace(value) for name, value in runs.cached.items()}
-  edited = jax.jit(perturbkit.run_with_edits(p.run))(p.variables, back, p.clean)
-  np.testing.assert_array_equal(edited, runs.output)
+  np.testing.assert_array_equal(runs.patched_back, runs.output)
 
   # (b) Flax's capture_intermediates: every module's __call__, the layers among them. A tied
   # output layer runs as its own apply, which Flax does not capture: its output is the logits.
@@ -363,17 +380,15 @@ def test_grad_cam_of_resnet_stages_equals_the_formula_by_hand():
   """Grad-CAM of the unmodified Hugging Face ResNet's two stages, whose outputs are feature
   maps ``(batch, height, width, channels)``: ``relu(sum_c mean_hw(G)_c A_c)`` per example, with
   ``A`` from ``capture_intermediates`` and ``G`` from ``jax.grad`` of the interceptor's deltas."""
-  case = hf_models.CASES['resnet_eval']
-  p = Problem(hf_models.hf_model(case.model).variables,
-              **MAKERS['resnet_eval'](hf_models.hf_model(case.model)))
+  # The model's activations and the reference's gradients come from the runs the tests above
+  # read (compiled once per process): the reference run here on the clean inputs.
+  case, p, runs = build('resnet_eval')
   with case.strictness():
     value, maps = jax.jit(perturbkit.grad_cam(p.metric, filter=filters.by_path(*p.layers)))(
         p.variables, p.clean)
-    _, captured = jax.jit(p.intermediates)(p.variables, p.clean)
-    feature_maps = {layer: hidden(captured[f'{layer}/__call__']) for layer in p.layers}
-    nothing = {layer: (jnp.asarray(False), jnp.zeros(())) for layer in p.layers}
-    want_value, grads = jax.jit(jax.value_and_grad(by_hand(p), argnums=2))(
-        p.variables, p.clean, jax.tree.map(jnp.zeros_like, feature_maps), nothing)
+    feature_maps = {layer: hidden(runs.clean[f'{layer}/__call__']) for layer in p.layers}
+    want_value, grads = runs.reference(p.variables, p.clean, runs.zero_deltas(p),
+                                       runs.nothing_replaced(p))
   want = {f'{layer}/__call__': jax.nn.relu(jnp.einsum(
       'bhwc,bc->bhw', feature_maps[layer], grads[layer].mean(axis=(1, 2)))) for layer in p.layers}
   assert all(m.ndim == 4 for m in feature_maps.values())
@@ -388,10 +403,10 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
   against the references above). With dropout on, the cached run is the model's own run: the
   same output as ``apply`` with the same dropout key. ``value_and_grad``'s activations equal
   the plain model's."""
-  import transformers as T
   case = hf_models.CASES['bert']
   plain = hf_models.hf_model(case.model)
-  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
+  # What `enable_gradient_checkpointing()` builds: the same module with its layers in nn.remat.
+  checkpointed = dataclasses.replace(plain, module=plain.module.clone(gradient_checkpointing=True))
   p, twin = (Problem(plain.variables, **_bert(hf)) for hf in (checkpointed, plain))
   # Every call but the pooler's, whose (batch, features) outputs have no token axis.
   every_call = filters.negate(filters.by_path('pooler*'))
@@ -427,8 +442,10 @@ def test_bert_with_gradient_checkpointing_equals_the_plain_model():
 
     rngs = {'dropout': jax.random.key(3)}
     dropped = lambda v, ids: p.head(p.forward(v, ids, deterministic=False, rngs=rngs))
-    out, _ = jax.jit(perturbkit.run_with_cache(dropped))(p.variables, p.clean)
-    np.testing.assert_array_equal(out, jax.jit(dropped)(p.variables, p.clean))
+    # The cached run and the model's own, compiled together.
+    (out, _), own = jax.jit(lambda v, ids: (perturbkit.run_with_cache(dropped)(v, ids),
+                                            dropped(v, ids)))(p.variables, p.clean)
+    np.testing.assert_array_equal(out, own)
     assert not np.allclose(out, plain_output)
 
 
@@ -439,10 +456,10 @@ def test_checkpointed_whisper_encoder_through_a_returned_submodule_equals_the_pl
   model, and ``run_with_edits`` equals the plain model with the same delta added by an
   ``nn.intercept_methods`` interceptor."""
   with hf_models.CASES['whisper'].strictness():
-    plain = hf_models._whisper()
+    plain = hf_models.hf_model('whisper')
     # What `enable_gradient_checkpointing()` builds.
     checkpointed = plain.module.clone(gradient_checkpointing=True)
-    variables = hf_models.filled_variables(plain)
+    variables = plain.variables
     features = jax.random.normal(jax.random.key(3), (2, 8, 16))
     encoder = lambda m, f: m._get_encoder_module()(f).last_hidden_state
     encode = lambda v, f: checkpointed.apply(v, f, method=encoder)
