@@ -203,24 +203,6 @@ def _called(module: nn.Module, method_name: str) -> bool:
   return module.scope is not None and bool(module.path) and method_name.isidentifier()
 
 
-def module_tree(s: Setup) -> dict[str, tuple[nn.Module, set]]:
-  """``{path: (a bound module, {method names called})}`` of every submodule call."""
-  seen: dict = {}
-
-  def interceptor(next_fun, args, kwargs, context):
-    if _called(context.module, context.method_name) and context.method_name != 'setup':
-      name = '/'.join(context.module.path)
-      seen.setdefault(name, (context.module, set()))[1].add(context.method_name)
-    return next_fun(*args, **kwargs)
-
-  def run(variables, inputs):
-    with nn.intercept_methods(interceptor):
-      return s.predict(variables, inputs)
-
-  jax.eval_shape(run, s.variables, s.inputs)
-  return seen
-
-
 def _logits(s: Setup, out):
   return out[0] if s.case.has_aux else out
 
@@ -237,6 +219,7 @@ class Reference:
   g_true: dict       # {path: d(sum of per-example losses at the labels)/d delta}
   g_sampled: dict    # the same at labels drawn from the model with KEY
   param_grads: Any   # jax.grad of the mean loss
+  tree: dict         # {path: (a bound module, {method names called})} of every submodule call
 
 
 KEY = jax.random.key(11)
@@ -246,12 +229,15 @@ def reference(s: Setup) -> Reference:
   """Inputs, outputs and per-example output gradients of the checked calls, without perturbkit."""
   checked = {tuple(p.split('/')) for p in s.case.checked}
   modules: dict = {}
+  tree: dict = {}
 
   def forward(variables, deltas):
     inputs, outputs = {}, {}
 
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
+      if _called(module, context.method_name) and context.method_name != 'setup':
+        tree.setdefault('/'.join(module.path), (module, set()))[1].add(context.method_name)
       path = tuple(module.path) if module.scope is not None else None
       if context.method_name != '__call__' or path not in checked:
         return next_fun(*args, **kwargs)
@@ -288,7 +274,7 @@ def reference(s: Setup) -> Reference:
     return inputs, outputs, g_true, g_sampled, param_grads
 
   inputs, outputs, g_true, g_sampled, param_grads = run(s.variables, s.labels)
-  return Reference(inputs, outputs, modules, g_true, g_sampled, param_grads)
+  return Reference(inputs, outputs, modules, g_true, g_sampled, param_grads, tree)
 
 
 def _pairs(value, n):
@@ -376,9 +362,10 @@ def assert_close(got, want, what):
 
 # --- kfac_layers -------------------------------------------------------------------------------
 
-def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup):
+def test_layers_are_the_dense_conv_embed_calls_of_the_module_tree(setup, ref):
+  """``kfac_layers`` against the module tree the reference's interceptor saw."""
   s = setup
-  tree = module_tree(s)
+  tree = ref.tree
   owners = hf_models.direct_owners(s.variables['params'])
   expected_layers, expected_skipped = {}, {}
   for owner in owners:
@@ -410,11 +397,10 @@ def test_bert_with_gradient_checkpointing_gets_the_plain_models_layers_and_facto
   layers there are preconditioned like the plain model's (the same layers and skips), and the
   estimator's loss, gradients and factors equal the plain model's, whose factors the tests
   above check against the explicit-delta reference."""
-  import transformers as T
   s = build('bert')
   plain = hf_models.hf_model(s.hf.model)
-  checkpointed = T.FlaxBertModel(plain.config, _do_init=False, gradient_checkpointing=True)
-  predict = _bert_predict(checkpointed.module)
+  # What `enable_gradient_checkpointing()` builds: the same module with its layers in nn.remat.
+  predict = _bert_predict(plain.module.clone(gradient_checkpointing=True))
   with s.hf.strictness():
     layers = perturbkit.kfac_layers(predict, s.variables, s.inputs)
     assert layers == s.layers
@@ -422,11 +408,15 @@ def test_bert_with_gradient_checkpointing_gets_the_plain_models_layers_and_facto
     # The plain model's: its empirical estimate and the sampled one of its first K-FAC step
     # (the same estimator at KEY), computed once for this test and the factor tests below.
     plain = {'empirical': empirical_estimate('bert'), 'sampled': sampled_steps('bert')[0][:3]}
-    for fisher, key in (('empirical', None), ('sampled', KEY)):
-      got = jax.jit(perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers,
-                                              fisher=fisher))(s.variables, s.inputs,
-                                                              s.labels, key)
-      chex.assert_trees_all_close(got, plain[fisher], **TOL)
+    estimator = functools.partial(perturbkit.kfac_estimator, predict, 'softmax_cross_entropy',
+                                  layers)
+    # Both estimates of the checkpointed model, compiled together.
+    got = jax.jit(lambda variables, inputs, labels, key: {
+        'empirical': estimator(fisher='empirical')(variables, inputs, labels),
+        'sampled': estimator(fisher='sampled')(variables, inputs, labels, key)})(
+            s.variables, s.inputs, s.labels, KEY)
+    for fisher in ('empirical', 'sampled'):
+      chex.assert_trees_all_close(got[fisher], plain[fisher], **TOL)
 
 
 def test_gpt2_conv1d_layers_are_transposed_dense_and_the_tied_embedding_is_named():
@@ -514,12 +504,16 @@ def _tx(s: Setup):
 
 
 @functools.cache
-def sampled_steps(name: str) -> list:
+def estimates(name: str) -> tuple[list, tuple]:
   """Three calls of one jitted sampled-Fisher K-FAC step (two updates, then the loss): each
-  ``(loss, grads, stats, updates, opt_state, new variables)``, once per process."""
+  ``(loss, grads, stats, updates, opt_state, new variables)``; and the empirical-Fisher
+  estimate on the true labels at the model's variables, compiled in the same program (one
+  compile per model), from the first call. Once per process."""
   s = build(name)
   estimate = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
                                        has_aux=s.case.has_aux)
+  empirical = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
+                                        fisher='empirical', has_aux=s.case.has_aux)
   tx = _tx(s)
 
   @jax.jit
@@ -530,15 +524,23 @@ def sampled_steps(name: str) -> list:
     new = {**variables, 'params': optax.apply_updates(variables['params'], updates)}
     if s.case.has_aux:
       new.update(out[3])
-    return loss, grads, stats, updates, opt_state, new
+    return (loss, grads, stats, updates, opt_state, new), empirical(variables, s.inputs, s.labels)
 
   with s.hf.strictness():
-    variables, opt_state = s.variables, tx.init(s.variables['params'])
+    variables, opt_state = s.variables, jax.jit(tx.init)(s.variables['params'])
     results = []
     for _ in range(3):
-      results.append(step(variables, opt_state, KEY))
-      variables, opt_state = results[-1][5], results[-1][4]
-  return results
+      result, empirical_out = step(variables, opt_state, KEY)
+      results.append(result)
+      if len(results) == 1:
+        first_empirical = empirical_out
+      variables, opt_state = result[5], result[4]
+  return results, first_empirical
+
+
+def sampled_steps(name: str) -> list:
+  """The three sampled-Fisher steps of :func:`estimates`."""
+  return estimates(name)[0]
 
 
 @pytest.fixture(scope='module')
@@ -546,14 +548,9 @@ def steps(built: Setup):
   return sampled_steps(built.case.name)
 
 
-@functools.cache
 def empirical_estimate(name: str) -> tuple:
-  """The jitted empirical-Fisher estimate on the true labels, once per process."""
-  s = build(name)
-  estimate = perturbkit.kfac_estimator(s.predict, 'softmax_cross_entropy', s.layers,
-                                       fisher='empirical', has_aux=s.case.has_aux)
-  with s.hf.strictness():
-    return jax.jit(estimate)(s.variables, s.inputs, s.labels)
+  """The jitted empirical-Fisher estimate on the true labels (:func:`estimates`)."""
+  return estimates(name)[1]
 
 
 def test_sampled_factors_and_gradient_equal_the_explicit_delta_reference(setup, ref, steps):
