@@ -138,21 +138,32 @@ def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
     run, inputs = make(hf.module)
     loss_fn = lambda v, x: jnp.sum(jnp.tanh(run(v, x)) ** 2)
 
-    points = points_of(loss_fn, variables, inputs)
+    points = {}
 
     @jax.jit
-    def reference(variables, inputs):
+    def plain_run(variables, inputs):
+      """The plain model, its calls' float outputs recorded on the way (their shapes only, the
+      values left as they are) by the tests' interceptor: the points the reference adds its
+      deltas to."""
+      with explicit_deltas(shapes=points):
+        return run(variables, inputs)
+
+    plain = plain_run(variables, inputs)
+
+    @jax.jit
+    def gradients(variables, inputs):
+      """The reference and ``perturbkit.value_and_grad``, compiled together."""
       def loss(params, deltas):
         with explicit_deltas(deltas=deltas):
           return loss_fn({**variables, 'params': params}, inputs)
-      return jax.value_and_grad(loss, argnums=(0, 1))(variables['params'], zeros(points))
+      return (jax.value_and_grad(loss, argnums=(0, 1))(variables['params'], zeros(points)),
+              perturbkit.value_and_grad(loss_fn)(variables, inputs))
 
-    value, (param_grads, act_grads) = reference(variables, inputs)
-    got_value, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, inputs)
+    (value, (param_grads, act_grads)), (got_value, grads) = gradients(variables, inputs)
+    # The runs compared with the plain model bit for bit, each compiled on its own as it is.
     output, cache = jax.jit(perturbkit.run_with_cache(run))(variables, inputs)
     back = {'/'.join(point): interpret.replace(at(cache.outputs, point)) for point in points}
     patched = jax.jit(perturbkit.run_with_edits(run))(variables, back, inputs)
-    plain = jax.jit(run)(variables, inputs)
 
   chex.assert_trees_all_close(got_value, value, **TOL)
   chex.assert_trees_all_close(grads['params'], param_grads, **TOL)
@@ -195,9 +206,20 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
       perturbkit.attribution_patching(metric, axis=1, filter=flattened)(
           variables, ids, corrupted)
     view = dict(axis=1, view=(B, S, -1), filter=flattened)
-    got = jax.jit(perturbkit.attribution_patching(metric, **view))(variables, ids, corrupted)
+
+    @jax.jit
+    def under_test(variables, ids, corrupted):
+      """Attribution patching of every flattened call and activation patching of one token of
+      fc2, compiled together."""
+      return (perturbkit.attribution_patching(metric, **view)(variables, ids, corrupted),
+              perturbkit.activation_patching(
+                  metric, axis=1, view=(B, S, -1), positions=[token],
+                  filter=filters.by_path('model/decoder/layers/0/fc2'))(variables, ids, corrupted))
+
+    got, one_patch = under_test(variables, ids, corrupted)
 
     points = points_of(metric, variables, corrupted)
+    fc2 = ('model', 'decoder', 'layers', '0', 'fc2')
 
     @jax.jit
     def reference(variables):
@@ -207,26 +229,23 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
       capture = lambda x: hf.module.apply(
           variables, x, jnp.ones_like(x), _positions(), capture_intermediates=True,
           mutable=['intermediates'])[1]['intermediates']
-      return jax.grad(loss)(zeros(points)), capture(ids), capture(corrupted)
+      clean = capture(ids)
+      return jax.grad(loss)(zeros(points)), clean, capture(corrupted), effect(variables, clean)
 
-    grads, clean, dirty = reference(variables)
-    fc2 = ('model', 'decoder', 'layers', '0', 'fc2')
+    def effect(variables, clean):
+      """The metric with the token's clean rows of fc2 written in, less the corrupted one."""
+      def write_clean_rows(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if tuple(context.module.path) != fc2 or context.method_name != '__call__':
+          return out
+        rows = at(clean, fc2 + ('__call__',))[0].reshape(B, S, -1)
+        return out.reshape(B, S, -1).at[:, token].set(rows[:, token]).reshape(out.shape)
 
-    def write_clean_rows(next_fun, args, kwargs, context):
-      out = next_fun(*args, **kwargs)
-      if tuple(context.module.path) != fc2 or context.method_name != '__call__':
-        return out
-      rows = at(clean, fc2 + ('__call__',))[0].reshape(B, S, -1)
-      return out.reshape(B, S, -1).at[:, token].set(rows[:, token]).reshape(out.shape)
-
-    def patched(variables):
       with nn.intercept_methods(write_clean_rows):
-        return metric(variables, corrupted)
+        patched = metric(variables, corrupted)
+      return patched - metric(variables, corrupted)
 
-    want_effect = jax.jit(lambda v: patched(v) - metric(v, corrupted))(variables)
-    one_patch = jax.jit(perturbkit.activation_patching(
-        metric, axis=1, view=(B, S, -1), positions=[token],
-        filter=filters.by_path('model/decoder/layers/0/fc2')))(variables, ids, corrupted)
+    grads, clean, dirty, want_effect = reference(variables)
 
   assert len(got.paths) == 6 and got.positions == tuple(range(S))
   scale = float(jnp.abs(got.effects).max())  # the filled weights are small: so are the effects
