@@ -16,6 +16,7 @@ gives the model's output bit for bit. OPT's feed-forward calls, on ``(examples *
 features)``, are swept per token through a view.
 """
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,11 @@ def test_activation_gradients_and_cache_equal_the_model_run_by_hand(name):
     assert float(jnp.abs(act_grads[bias][1]).max()) > 0
   np.testing.assert_array_equal(output, plain)
   np.testing.assert_array_equal(patched, plain)
-  assert len(back) == len(points)
+  # The cache holds exactly the calls the interceptor by hand adds its deltas to: each entry
+  # is one of them (the call's path, then the keys of its output's structure, if any).
+  cached = [next((path[:i] for i in range(1, len(path) + 1) if path[:i] in points), path)
+            for path in flax.traverse_util.flatten_dict(cache.outputs)]
+  assert set(cached) == set(points), set(cached) ^ set(points)
 
 
 def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
