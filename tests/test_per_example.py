@@ -226,25 +226,38 @@ def _seq_problem(key, batch=5, length=4, vocab=11):
 # -- norms against vmap(grad) -------------------------------------------------------------
 
 
+@pytest.fixture(scope='module')
+def mlp_norms():
+  """For each reduction, the MLP's ``per_example_grad_norms`` ``(loss, norms)`` with that
+  reduction, the reference's norms ``(by_param, total)`` and the loss: jitted together, one
+  compile for both reductions and their references."""
+  model = models.MLP(out=3)
+  x = jax.random.normal(jax.random.key(0), (6, 5))
+  y = jnp.arange(6) % 3
+  variables = jax.jit(model.init)(jax.random.key(1), x)
+
+  @jax.jit
+  def run(variables, x, y):
+    out = {}
+    for reduction in ('mean', 'sum'):
+      loss_fn = classification_loss(model, reduction)
+      out[reduction] = (
+          perturbkit.per_example_grad_norms(loss_fn, reduction=reduction)(variables, x, y),
+          norms_of(per_example_grads(loss_fn, variables, x, y)), loss_fn(variables, x, y))
+    return out
+  return run(variables, x, y)
+
+
 @pytest.mark.parametrize('reduction', ['mean', 'sum'])
-def test_mlp(reduction):
-  model = models.MLP(out=3)
-  x = jax.random.normal(jax.random.key(0), (6, 5))
-  y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
-  assert_norms_match(classification_loss(model, reduction), variables, x, y, reduction=reduction)
+def test_mlp(reduction, mlp_norms):
+  (loss, norms), reference_norms, want_loss = mlp_norms[reduction]
+  assert_loss_and_norms_equal(loss, norms, reference_norms, want_loss)
 
 
-def test_mean_loss_scaled_to_each_term():
+def test_mean_loss_scaled_to_each_term(mlp_norms):
   """A mean loss's norms are the terms' norms: the same as the sum loss's, not 1/B of them."""
-  model = models.MLP(out=3)
-  x = jax.random.normal(jax.random.key(0), (6, 5))
-  y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
-  _, mean = jax.jit(perturbkit.per_example_grad_norms(classification_loss(model, 'mean')))(
-      variables, x, y)
-  _, summed = jax.jit(perturbkit.per_example_grad_norms(classification_loss(model, 'sum'),
-                                                        reduction='sum'))(variables, x, y)
+  (_, mean), _, _ = mlp_norms['mean']
+  (_, summed), _, _ = mlp_norms['sum']
   np.testing.assert_allclose(mean.total, summed.total, rtol=1e-5)
 
 
@@ -254,7 +267,7 @@ def cnn_norms():
   model = ConvNet()
   x = jax.random.normal(jax.random.key(0), (4, 9, 9, 2))
   y = jnp.arange(4) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   return norms_by_method(classification_loss(model), variables, ('ghost', 'direct'), x, y)
 
 
@@ -267,7 +280,7 @@ def test_conv_direct_paths():
   model = ConvKinds()
   x = jax.random.normal(jax.random.key(0), (3, 6, 5, 2))
   y = jnp.arange(3) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   norms_fn = perturbkit.per_example_grad_norms(loss_fn, dense_method='direct')
   # Each step jitted with its reference: one compile for both sides.
@@ -292,7 +305,7 @@ def transformer_norms():
   """:func:`norms_by_method` of ``SeqModel`` by each method."""
   model = SeqModel()
   ids, y = _seq_problem(jax.random.key(0))
-  variables = model.init(jax.random.key(1), ids)
+  variables = jax.jit(model.init)(jax.random.key(1), ids)
   return norms_by_method(classification_loss(model), variables, ('ghost', 'direct', 'auto'),
                          ids, y)
 
@@ -308,7 +321,7 @@ def test_shared_and_tied():
   """Uses of one module add up before the norm (the cross terms between uses count)."""
   model = Tied()
   ids, y = _seq_problem(jax.random.key(2), vocab=7)
-  variables = model.init(jax.random.key(1), ids)
+  variables = jax.jit(model.init)(jax.random.key(1), ids)
   results = norms_by_method(classification_loss(model), variables, ('ghost', 'direct'), ids, y)
   for method in ('ghost', 'direct'):
     assert_method_matches(results, method)
@@ -318,7 +331,7 @@ def test_shared_dense_cross_terms_matter():
   """The norm of the sum of two uses differs from the norms of the uses added in quadrature."""
   model = models.SharedDense()
   x = jax.random.normal(jax.random.key(0), (5, 4))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
   norms = assert_norms_match(loss_fn, variables, x)
   assert not np.allclose(norms.by_layer['shared'], 0.0)
@@ -328,7 +341,7 @@ def test_general_path():
   model = WithGated()
   x = jax.random.normal(jax.random.key(0), (5, 6))
   y = jnp.arange(5) % 2
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   assert_norms_match(classification_loss(model), variables, x, y)
 
 
@@ -376,7 +389,7 @@ def test_bf16_model_norms_are_summed_in_float32(method):
   to that rounding. Op by op (not jitted), so both sides round the model's values alike."""
   model = Bf16Net()
   ids = jax.random.randint(jax.random.key(0), (8, 16), 0, 50)
-  variables = model.init(jax.random.key(1), ids)
+  variables = jax.jit(model.init)(jax.random.key(1), ids)
   loss_fn = lambda v, ids: jnp.mean(model.apply(v, ids).astype(jnp.float32) ** 2)
   _, norms = perturbkit.per_example_grad_norms(loss_fn, dense_method=method)(variables, ids)
   assert all(n.dtype == jnp.float32 for n in jax.tree.leaves(norms))
@@ -401,7 +414,7 @@ def test_batch_axes_time_major_labels():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
   y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = lambda v, xt, y: classification_loss(model)(v, xt.T, y)
   _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, batch_axes=(1, 0)))(
       variables, x.T, y)
@@ -491,12 +504,14 @@ def test_private_grad_matches_vmap_grad(name):
   else:  # a shared Dense (fast path) and a tied embedding (general path)
     model, (x, _) = Tied(), _seq_problem(jax.random.key(0), batch=6, vocab=7)
   y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   key = jax.random.key(7)
-  per_example = reference_grads(loss_fn, variables, x, y)
-  _, total = norms_of(per_example)
-  clip = float(jnp.median(total))  # about half the examples are clipped
+  # The reference gradients and the median of their norms: one compile.
+  per_example, median = jax.jit(lambda v, x, y: (
+      (pe := per_example_grads(loss_fn, v, x, y)), jnp.median(norms_of(pe)[1])))(
+          variables, x, y)
+  clip = float(median)  # about half the examples are clipped
   dp = perturbkit.private_grad(loss_fn, clip_norm=clip, noise_multiplier=0.7)
   # One compile for both sides.
   (grads, metrics), (want, want_norms, want_clipped) = jax.jit(
@@ -513,7 +528,7 @@ def test_dp_sgd_step_is_optax_on_private_grad():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
   y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   tx = perturbkit.dp_sgd(loss_fn, optax.sgd(0.5), clip_norm=0.3, noise_multiplier=1.0)
   state = tx.init(variables)
@@ -521,10 +536,13 @@ def test_dp_sgd_step_is_optax_on_private_grad():
   key = jax.random.key(3)
   new_state, metrics = step(state, key, x, y)
   want, _, _ = reference_private_grad(loss_fn, variables, key, 0.3, 1.0, x, y)
-  expected = jax.tree.map(lambda p, g: p - 0.5 * g, variables['params'], want)
+  # The SGD step and the loss, jitted: one compile, not one per leaf and op.
+  expected, want_loss = jax.jit(lambda v, want, x, y: (
+      jax.tree.map(lambda p, g: p - 0.5 * g, v['params'], want), loss_fn(v, x, y)))(
+          variables, want, x, y)
   chex.assert_trees_all_close(new_state.variables['params'], expected, **TOL)
   assert int(new_state.step) == 1
-  np.testing.assert_allclose(metrics['loss'], loss_fn(variables, x, y), rtol=1e-6)
+  np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-6)
   step(new_state, jax.random.key(4), x, y)  # no retrace
 
 
@@ -536,15 +554,20 @@ def test_noise_has_the_right_scale():
   model = models.MLP(features=(384, 384), out=3)
   x = jax.random.normal(jax.random.key(0), (4, 96))
   y = jnp.arange(4) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   dp = perturbkit.private_grad(classification_loss(model), clip_norm=1e-6, noise_multiplier=2e5)
   grads, _ = jax.jit(dp)(variables, jax.random.key(0), x, y)
-  noise = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
-  np.testing.assert_allclose(jnp.std(noise), 2e5 * 1e-6 / 4, rtol=0.02)
-  np.testing.assert_allclose(jnp.mean(noise), 0.0, atol=0.02 * 2e5 * 1e-6 / 4)
-  rows = grads['Dense_0']['kernel'].reshape(2, -1)
-  np.testing.assert_allclose(jnp.std(rows, axis=1), 2e5 * 1e-6 / 4, rtol=0.03)
-  assert abs(float(jnp.corrcoef(rows)[0, 1])) < 0.03
+
+  @jax.jit  # the statistics in one compile, not one per op
+  def statistics(grads):
+    noise = jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+    rows = grads['Dense_0']['kernel'].reshape(2, -1)
+    return jnp.std(noise), jnp.mean(noise), jnp.std(rows, axis=1), jnp.corrcoef(rows)[0, 1]
+  std, mean, row_std, correlation = statistics(grads)
+  np.testing.assert_allclose(std, 2e5 * 1e-6 / 4, rtol=0.02)
+  np.testing.assert_allclose(mean, 0.0, atol=0.02 * 2e5 * 1e-6 / 4)
+  np.testing.assert_allclose(row_std, 2e5 * 1e-6 / 4, rtol=0.03)
+  assert abs(float(correlation)) < 0.03
 
 
 DP_OPTIONS = dict(clip_norm=0.2, noise_multiplier=1.5)
@@ -571,7 +594,7 @@ def test_shard_map_adds_noise_once(reduction):
   included (the loss the whole batch's: the devices' mean, or for a sum their sum)."""
   model = models.MLP(out=3)
   x, y, key = dp_batch()
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model, reduction)
   single, single_metrics = jax.jit(perturbkit.private_grad(loss_fn, reduction=reduction,
                                                            **DP_OPTIONS))(variables, key, x, y)
@@ -587,7 +610,7 @@ def test_shard_map_noise_comes_from_the_first_devices_key():
   every device: the replicated gradient is the one device's with that key."""
   model = models.MLP(out=3)
   x, y, key = dp_batch()
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   dp = perturbkit.private_grad(classification_loss(model), axis_name='data', **DP_OPTIONS)
 
   def per_device(v, k, x, y):  # every device's own result, stacked
@@ -633,7 +656,7 @@ def test_nnx_shard_map_adds_noise_once(kind):
 def test_batchnorm_in_training_mode_is_rejected():
   model = models.CNN(train=True)
   x = jax.random.normal(jax.random.key(0), (4, 6, 6, 2))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
 
   def loss_fn(v, x):
     out, _ = model.apply(v, x, mutable=['batch_stats'])
@@ -650,7 +673,7 @@ def test_batchnorm_in_training_mode_is_rejected():
 def test_batchnorm_with_running_averages_is_per_example():
   model = models.CNN(train=False)
   x = jax.random.normal(jax.random.key(0), (4, 6, 6, 2))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = lambda v, x: jnp.mean(jnp.sum(model.apply(v, x) ** 2, axis=-1))
   perturbkit.check_per_example(loss_fn, variables, x)
   assert_norms_match(loss_fn, variables, x)
@@ -659,7 +682,7 @@ def test_batchnorm_with_running_averages_is_per_example():
 def test_loss_over_batch_statistics_fails_the_value_check():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   centred = lambda v, x: jnp.mean((model.apply(v, x) - model.apply(v, x).mean(axis=0, keepdims=True)) ** 2)
   with pytest.raises(perturbkit.ExamplesMixedError, match='alone'):
     perturbkit.check_per_example(centred, variables, x)
@@ -675,7 +698,7 @@ def test_check_per_example_names_the_other_reduction_and_a_missing_axis():
   jax.vmap."""
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   mean = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
   total = lambda v, x: jnp.sum(model.apply(v, x) ** 2)
   with pytest.raises(perturbkit.ReductionMismatchError,
@@ -689,7 +712,7 @@ def test_check_per_example_names_the_other_reduction_and_a_missing_axis():
 def test_examples_axis_errors():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   norms = perturbkit.per_example_grad_norms(loss_fn)
   with pytest.raises(perturbkit.ExamplesAxisError, match='disagree'):
@@ -700,7 +723,7 @@ def test_examples_axis_errors():
 
   wrapped = nn.Sequential([nn.Dense(3)])
   features_first = lambda v, x: jnp.mean(wrapped.apply(v, x.T) ** 2)  # examples not on axis 0
-  v = wrapped.init(jax.random.key(0), x.T)
+  v = jax.jit(wrapped.init)(jax.random.key(0), x.T)
   with pytest.raises(perturbkit.ExamplesAxisError, match='axis 0'):
     jax.eval_shape(perturbkit.per_example_grad_norms(features_first), v, x)
 
@@ -712,7 +735,7 @@ def test_a_batch_of_nested_python_lists_is_refused_and_its_array_works():
   per-example norms of vmap(grad)."""
   model = nn.Dense(3)
   x = np.linspace(-1, 1, 10, dtype=np.float32).reshape(2, 5)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss_fn = lambda v, x: jnp.mean(model.apply(v, jnp.asarray(x)) ** 2)
   linear = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
   nnx_loss = lambda m, x: jnp.mean(m(jnp.asarray(x)) ** 2)
@@ -728,7 +751,8 @@ def test_a_batch_of_nested_python_lists_is_refused_and_its_array_works():
                          match=r'argument 0 of the loss is a Python (list|tuple) of numbers.*'
                                r'np\.asarray\(batch\)'):
         run(batch)
-  _, norms = perturbkit.per_example_grad_norms(loss_fn)(variables, np.asarray(x.tolist()))
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables,
+                                                                 np.asarray(x.tolist()))
   np.testing.assert_allclose(norms.total, norms_of(reference_grads(loss_fn, variables, x))[1],
                              **TOL)
 
@@ -740,7 +764,7 @@ def test_inputs_are_per_example_by_where_they_come_from_not_by_shape():
   x = jax.random.normal(jax.random.key(0), (batch, 3))
   table = jax.random.normal(jax.random.key(1), (batch, 5))  # rows == examples, shared
   y = jnp.arange(batch) % 3
-  variables = model.init(jax.random.key(2), x, table)
+  variables = jax.jit(model.init)(jax.random.key(2), x, table)
 
   def loss_fn(v, x, table, y):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply(v, x, table), y).mean()
@@ -772,7 +796,7 @@ def test_keyword_arguments_are_shared_and_flags_stay_static():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (6, 5))
   y = jnp.arange(6) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   weight = jnp.array([1.0, 2.0, 0.5])
 
   def loss_fn(v, x, y, *, weight, sharpen):
@@ -792,12 +816,12 @@ def test_calls_without_per_example_inputs_replay_their_apply(length):
   examples): the Embed's per-example gradients come from a per-example replay of the apply."""
   model = Positions()
   x = jax.random.normal(jax.random.key(0), (4, length, 2))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   assert_norms_match(lambda v, x: jnp.mean(model.apply(v, x) ** 2), variables, x)
   # Passed as a batched argument of the loss, the positions are per-example.
   given = Positions(given=True)
   positions = jnp.broadcast_to(jnp.arange(length), (4, length))
-  variables = given.init(jax.random.key(1), x, positions)
+  variables = jax.jit(given.init)(jax.random.key(1), x, positions)
   assert_norms_match(lambda v, x, p: jnp.mean(given.apply(v, x, p) ** 2), variables, x,
                      positions)
 
@@ -806,7 +830,7 @@ def test_root_params_replay_the_apply():
   """Params of the root module, read by its own code, from a per-example replay of the apply."""
   model = RootParam()
   x = jax.random.normal(jax.random.key(0), (3, 4))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   variables = {'params': {**variables['params'], 'scale': jnp.array([0.5, -2.0])}}
   loss_fn = lambda v, x: jnp.mean(jnp.tanh(model.apply(v, x)) ** 2)
   assert_norms_match(loss_fn, variables, x)
@@ -829,7 +853,7 @@ def test_root_params_of_an_apply_given_a_constant_name_the_input():
   (It was UncoveredParamsError, saying to leave out params the model uses.)"""
   model = RootBias()
   x = jax.random.normal(jax.random.key(0), (3, 4))
-  variables = model.init(jax.random.key(1), x, jnp.ones((3, 2)))
+  variables = jax.jit(model.init)(jax.random.key(1), x, jnp.ones((3, 2)))
   loss_fn = lambda v, x: jnp.mean(model.apply(v, x, jnp.ones((3, 2))) ** 2)
   with pytest.raises(perturbkit.AmbiguousInputError,
                      match=r'Input 1 of the call RootBias.__call__ \(the model.apply'):
@@ -839,7 +863,7 @@ def test_root_params_of_an_apply_given_a_constant_name_the_input():
 def test_params_of_a_module_never_called_are_rejected():
   model = models.MLP(out=3)
   x = jnp.ones((3, 5))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   variables = {'params': {**variables['params'], 'Unused': {'kernel': jnp.ones((2, 2))}}}
   with pytest.raises(perturbkit.UncoveredParamsError, match='Unused'):
     jax.eval_shape(perturbkit.per_example_grad_norms(lambda v, x: jnp.mean(model.apply(v, x))),
@@ -850,7 +874,7 @@ def test_interleaved_and_clipping_do_not_combine():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (4, 5))
   y = jnp.arange(4) % 3
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = classification_loss(model)
   private = perturbkit.dp_sgd(loss_fn, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0)
   with pytest.raises(perturbkit.InterleavedClippingError, match='interleaved'):
@@ -866,7 +890,7 @@ def test_interleaved_and_clipping_do_not_combine():
 def test_bad_options():
   model = models.MLP(out=3)
   x = jnp.ones((2, 5))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss_fn = lambda v, x: jnp.mean(model.apply(v, x))
   with pytest.raises(perturbkit.InvalidOptionError, match='dense_method'):
     jax.eval_shape(perturbkit.per_example_grad_norms(loss_fn, dense_method='fast'), variables, x)
