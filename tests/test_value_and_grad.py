@@ -16,11 +16,18 @@ import perturbkit
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+def _init(module, x, seed=0):
+  """``models.init``, jitted: one compile, not one per initializer op."""
+  keys = {'params': jax.random.key(seed), 'dropout': jax.random.key(seed + 1)}
+  return dict(jax.jit(module.init)(keys, x))
+
+
+@functools.cache
 def _setup(name, seed=0):
+  """A case, its variables, input and key: made once per module (the tests only read them)."""
   case = models.CASES[name]
   x = jax.random.normal(jax.random.key(100 + seed), case.x_shape)
-  variables = models.init(case, case.model, x, seed)
-  return case, variables, x, jax.random.key(7)
+  return case, _init(case.model, x, seed), x, jax.random.key(7)
 
 
 @functools.cache
@@ -125,7 +132,7 @@ def test_inside_outer_grad_matches_hand_hessian():
   activation gradient's own derivative along a direction equals a Hessian product."""
   case, variables, x, key = _setup('mlp')
   model, hand = case.model, case.hand
-  zeros = models.init(case, hand, x)['perturbations']
+  zeros = _init(hand, x)['perturbations']
 
   def hand_point_grads(x):
     return jax.grad(lambda eps: models.scalar(hand.apply({**variables, 'perturbations': eps}, x)))(
@@ -156,12 +163,12 @@ def test_inside_outer_grad_matches_hand_hessian():
 
 def test_shared_module_entries_sum_to_single_perturbation():
   case, variables, x, key = _setup('shared')
-  _, grads = perturbkit.value_and_grad(models.loss_fn_for(case, case.model), has_aux=True)(
-      variables, x, key)
+  _, grads = jax.jit(perturbkit.value_and_grad(models.loss_fn_for(case, case.model),
+                                                has_aux=True))(variables, x, key)
   single = models.SharedDense(hand=True, single=True)
-  zeros = models.init(case, single, x)['perturbations']
-  want = jax.grad(lambda eps: models.scalar(single.apply({**variables, 'perturbations': eps}, x)))(
-      zeros)
+  zeros = _init(single, x)['perturbations']
+  want = jax.jit(jax.grad(lambda eps: models.scalar(
+      single.apply({**variables, 'perturbations': eps}, x))))(zeros)
   got = grads['perturbations']['shared']
   np.testing.assert_allclose(got['__call__'] + got['__call__#1'], want['shared/__call__'], **TOL)
   # Each entry alone differs from the sum: the two calls really get separate points.
@@ -177,9 +184,10 @@ def test_a_loss_building_its_own_variables_gets_every_point(name):
   case, variables, x, key = _setup(name)
   plain = models.loss_fn_for(case, case.model)
   own = lambda v, x, key: plain({c: v[c] for c in ('params', *case.mutable)}, x, key)
-  (loss, updates), grads = perturbkit.value_and_grad(own, filter=case.filter, has_aux=True)(
+  (loss, updates), grads = jax.jit(perturbkit.value_and_grad(own, filter=case.filter,
+                                                              has_aux=True))(variables, x, key)
+  (want_loss, want_updates), want = jax.jit(functools.partial(models.hand_value_and_grad, case))(
       variables, x, key)
-  (want_loss, want_updates), want = models.hand_value_and_grad(case, variables, x, key)
   chex.assert_trees_all_close(loss, want_loss, **TOL)
   chex.assert_trees_all_close(updates, want_updates, **TOL)
   chex.assert_trees_all_close(grads, want, **TOL)
@@ -190,15 +198,15 @@ def test_model_run_twice_gets_distinct_points():
   case, variables, x, key = _setup('mlp')
   loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x))
                           + 3.0 * models.scalar(case.model.apply(v, jnp.flip(x, 0))))
-  _, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
-  zeros = models.init(case, case.hand, x)['perturbations']
+  _, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, x)
+  zeros = _init(case.hand, x)['perturbations']
 
   def hand_loss(e1, e2):
     return (models.scalar(case.hand.apply({**variables, 'perturbations': e1}, x))
             + 3.0 * models.scalar(case.hand.apply({**variables, 'perturbations': e2},
                                                   jnp.flip(x, 0))))
 
-  g1, g2 = jax.grad(hand_loss, argnums=(0, 1))(zeros, zeros)
+  g1, g2 = jax.jit(jax.grad(hand_loss, argnums=(0, 1)))(zeros, zeros)
   got = grads['perturbations']
   for layer in ('Dense_0', 'Dense_1', 'Dense_2'):
     np.testing.assert_allclose(got[layer]['__call__'], g1[f'{layer}/__call__'], **TOL)
@@ -208,12 +216,12 @@ def test_model_run_twice_gets_distinct_points():
 def test_method_argument():
   case, variables, x, key = _setup('setup_style')
   loss_fn = lambda v, x: models.scalar(case.model.apply(v, x, method='encode'))
-  loss, grads = perturbkit.value_and_grad(loss_fn)(variables, x)
-  zeros = models.AutoEncoder(hand=True).init(jax.random.key(0), x, method='encode')[
-      'perturbations']
+  loss, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, x)
+  zeros = jax.jit(functools.partial(models.AutoEncoder(hand=True).init, method='encode'))(
+      jax.random.key(0), x)['perturbations']
   hand_loss = lambda p, eps: models.scalar(models.AutoEncoder(hand=True).apply(
       {'params': p, 'perturbations': eps}, x, method='encode'))
-  want_loss, (g_params, g_points) = jax.value_and_grad(hand_loss, argnums=(0, 1))(
+  want_loss, (g_params, g_points) = jax.jit(jax.value_and_grad(hand_loss, argnums=(0, 1)))(
       variables['params'], zeros)
   np.testing.assert_allclose(loss, want_loss, **TOL)
   chex.assert_trees_all_close(grads, {'params': g_params, 'perturbations': models.nest(g_points)},
@@ -223,14 +231,16 @@ def test_method_argument():
 def test_grad_equals_value_and_grad_and_return_activations():
   case, variables, x, key = _setup('mlp')
   loss_fn = lambda v, x: models.scalar(case.model.apply(v, x))
-  loss, grads, acts = perturbkit.value_and_grad(loss_fn, return_activations=True)(variables, x)
-  chex.assert_trees_all_close(perturbkit.grad(loss_fn)(variables, x), grads, **TOL)
-  _, state = case.model.apply(variables, x, capture_intermediates=True, mutable=['intermediates'])
+  loss, grads, acts = jax.jit(perturbkit.value_and_grad(loss_fn, return_activations=True))(
+      variables, x)
+  chex.assert_trees_all_close(jax.jit(perturbkit.grad(loss_fn))(variables, x), grads, **TOL)
+  (want_loss, (_, state)) = jax.jit(lambda v, x: (loss_fn(v, x), case.model.apply(
+      v, x, capture_intermediates=True, mutable=['intermediates'])))(variables, x)
   captured = jax.tree.map(lambda t: t[0], state['intermediates'],
                           is_leaf=lambda t: isinstance(t, tuple))
   captured.pop('__call__')
   chex.assert_trees_all_close(acts, captured, **TOL)
-  np.testing.assert_allclose(loss, loss_fn(variables, x), **TOL)
+  np.testing.assert_allclose(loss, want_loss, **TOL)
 
 
 def test_scan_per_iteration_grads_equal_unrolled_loop():
@@ -272,15 +282,16 @@ def test_scan_per_iteration_grads_equal_unrolled_loop():
 def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():
   model = models.Scanned(map_perturbations=False)
   x = jax.random.normal(jax.random.key(1), (3, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   vg = perturbkit.value_and_grad(lambda v, x: models.scalar(model.apply(v, x)))
   with pytest.warns(perturbkit.UnperturbedCallsWarning, match='"perturbations": <axis>'):
-    _, grads = vg(variables, x)
+    _, grads = jax.jit(vg)(variables, x)
   got = grads['perturbations']
   assert 'scan' not in got
-  zeros = models.nest(models.Scanned(hand=True).init(jax.random.key(0), x)['perturbations'])
-  want_params, want_points = jax.grad(
-      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1))(
+  zeros = models.nest(
+      jax.jit(models.Scanned(hand=True).init)(jax.random.key(0), x)['perturbations'])
+  want_params, want_points = jax.jit(jax.grad(
+      lambda p, eps: models.scalar(models.scanned_unrolled(p, x, eps)), argnums=(0, 1)))(
           variables['params'], zeros)
   chex.assert_trees_all_close(got['Dense_0'], want_points['Dense_0'], **TOL)
   chex.assert_trees_all_close(got['Dense_1'], want_points['Dense_1'], **TOL)
@@ -290,7 +301,7 @@ def test_scan_without_mapped_perturbations_warns_and_keeps_other_points():
 def test_only_calls_in_an_unmapped_scan_names_variable_axes_once_each():
   model = models.Scanned(map_perturbations=False)
   x = jax.random.normal(jax.random.key(1), (3, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   vg = perturbkit.value_and_grad(lambda v, x: models.scalar(model.apply(v, x)),
                                  filter=perturbkit.filters.by_path('scan*'))
   with pytest.warns(perturbkit.UnperturbedCallsWarning):
@@ -303,9 +314,9 @@ def test_only_calls_in_an_unmapped_scan_names_variable_axes_once_each():
 def test_pytree_outputs_with_int_leaves_pass_through():
   case, variables, x, key = _setup('pytree_outputs')
   loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x)), case.model.apply(v, x)[1])
-  (loss, indices), grads = perturbkit.value_and_grad(loss_fn, filter=case.filter, has_aux=True)(
-      variables, x)
-  _, want_indices = case.model.apply(variables, x)
+  (loss, indices), grads = jax.jit(perturbkit.value_and_grad(loss_fn, filter=case.filter,
+                                                              has_aux=True))(variables, x)
+  _, want_indices = jax.jit(case.model.apply)(variables, x)
   chex.assert_trees_all_equal(indices, want_indices)
   assert all(i.dtype == jnp.int32 for i in jax.tree.leaves(indices))
   points = grads['perturbations']
@@ -325,20 +336,21 @@ def test_apply_with_every_collection_mutable_returns_only_the_callers_collection
   ``nn.remat``, where the apply is replayed to carry the captures out."""
   model = models.RematNorm(remat=remat)
   x = jax.random.normal(jax.random.key(1), (5, 3))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
 
   def loss_fn(variables, x):
     out, updates = model.apply(variables, x, mutable=True)
     return jnp.sum(out ** 2), updates
 
-  want = loss_fn(variables, x)
+  want = jax.jit(loss_fn)(variables, x)
   assert set(want[1]) == {'params', 'batch_stats'}
   got, grads = jax.jit(perturbkit.value_and_grad(loss_fn, has_aux=True))(variables, x)
   chex.assert_trees_all_close(got, want, **TOL)
   assert float(jnp.abs(grads['perturbations']['Dense_0']['__call__']).max()) > 1e-3
   (out, updates), _ = jax.jit(perturbkit.run_with_cache(
       lambda v, x: model.apply(v, x, mutable=True)))(variables, x)
-  chex.assert_trees_all_close((out, updates), model.apply(variables, x, mutable=True), **TOL)
+  chex.assert_trees_all_close((out, updates), jax.jit(functools.partial(
+      model.apply, mutable=True))(variables, x), **TOL)
 
 
 class TanhBlock(nn.Module):
@@ -365,7 +377,7 @@ def test_a_lifted_module_called_twice_gets_a_point_per_call(wrap):
   ``nn.jit``, reusing the first call's trace for the second, gave), and an edit of the second
   call's Dense edits that call alone."""
   x = jax.random.normal(jax.random.key(1), (3, 4))
-  variables = CalledTwice().init(jax.random.key(0), x)
+  variables = jax.jit(CalledTwice().init)(jax.random.key(0), x)
   loss_of = lambda model: lambda v, x: jnp.sum(jnp.sin(model.apply(v, x)))
   _, grads = jax.jit(perturbkit.value_and_grad(loss_of(CalledTwice(wrap))))(variables, x)
   shapes = points_of(loss_of(CalledTwice()), variables, x)
@@ -373,7 +385,7 @@ def test_a_lifted_module_called_twice_gets_a_point_per_call(wrap):
   def with_deltas(deltas):
     with explicit_deltas(deltas):
       return loss_of(CalledTwice())(variables, x)
-  want = jax.grad(with_deltas)(zeros(shapes))
+  want = jax.jit(jax.grad(with_deltas))(zeros(shapes))
   assert len(want) == 4  # block and its Dense, each called twice
   for name, (g,) in want.items():
     np.testing.assert_allclose(at(grads['perturbations'], name), g, **TOL)
@@ -395,7 +407,7 @@ def test_super_call_inside_a_dense_subclass_is_part_of_its_call():
   model = models.LoRANet()
   x = jax.random.normal(jax.random.key(1), (4, 3))
   y = jax.random.normal(jax.random.key(2), (4, 2))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss = lambda v, x: jnp.mean((model.apply(v, x) - y) ** 2)
   _, grads = jax.jit(perturbkit.value_and_grad(loss))(variables, x)
 
@@ -426,7 +438,7 @@ def test_calls_in_branches_get_one_point_per_call_of_the_model(switch, nested, r
   model = models.BranchesAround(switch=switch, nested=nested, remat=remat)
   x = jax.random.normal(jax.random.key(1), (2, 4))
   deltas = [jnp.zeros((2, 4))] * 4
-  variables = model.init(jax.random.key(0), x, jnp.array(True), deltas)
+  variables = jax.jit(model.init)(jax.random.key(0), x, jnp.array(True), deltas)
   params = variables['params']['block'] if nested else variables['params']
   dense = lambda h: nn.Dense(4).apply({'params': params['a']}, h)
   loss = lambda v, x, d, pred: jnp.sum(jnp.sin(model.apply(v, x, pred, d)))
@@ -468,13 +480,13 @@ def test_a_module_closed_over_by_both_branches_gets_a_point_per_branch():
 
   x = jax.random.normal(jax.random.key(1), (2, 3))
   model, zero = ClosedOver(), [jnp.zeros((2, 3))]
-  variables = model.init(jax.random.key(0), x, True, zero)
+  variables = jax.jit(model.init, static_argnums=2)(jax.random.key(0), x, True, zero)
   loss = lambda v, x, d: jnp.sum(jnp.sin(model.apply(v, x, jnp.array(True), d)))
-  _, grads = perturbkit.value_and_grad(loss)(variables, x, zero)
+  _, grads = jax.jit(perturbkit.value_and_grad(loss))(variables, x, zero)
   got = grads['perturbations']['d']
   assert list(got) == ['__call__', '__call__#1', '__call__#2']
-  np.testing.assert_allclose(got['__call__#1'], jax.grad(loss, argnums=2)(variables, x, zero)[0],
-                             **TOL)
+  np.testing.assert_allclose(got['__call__#1'],
+                             jax.jit(jax.grad(loss, argnums=2))(variables, x, zero)[0], **TOL)
   assert float(jnp.abs(got['__call__#1']).max()) > 1e-2
   np.testing.assert_array_equal(got['__call__#2'], 0.0)
   with pytest.raises(perturbkit.ActivationsUnavailableError, match=r'd/__call__#1.*nn.cond'):
@@ -503,7 +515,7 @@ def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error
       return x
 
   x = jax.random.normal(jax.random.key(1), (2, 3))
-  variables = Looped(between=True).init(jax.random.key(0), x, 0)
+  variables = jax.jit(Looped(between=True).init, static_argnums=2)(jax.random.key(0), x, 0)
   loss_of = lambda model: lambda v, x: jnp.sum(jnp.sin(model.apply(v, x, jnp.int32(1))))
   with pytest.raises(perturbkit.BranchesUnseparatedError,
                      match=r"a/__call__.*nn.switch.*same ones to every nn.switch.*by_path\('a'\)"):
