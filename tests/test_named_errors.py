@@ -22,10 +22,11 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 X = jax.random.normal(jax.random.key(1), (4, 3))
 
 
-@pytest.fixture(name='linen')
+@pytest.fixture(name='linen', scope='module')
 def _linen():
+  """The MLP and its variables, made once per module (the tests only read them)."""
   model = models.MLP()
-  return model, model.init(jax.random.key(0), X)
+  return model, jax.jit(model.init)(jax.random.key(0), X)
 
 
 @pytest.fixture(name='nnx_model')
@@ -55,9 +56,9 @@ def test_linen_aux_without_has_aux(linen, make):
                      match=r'returned a tuple of 2\. .*pass `has_aux=True`'):
     make(_linen_aux_loss(model))(variables, X)
   # The fix: has_aux=True gives the gradient of the loss alone.
-  (loss, aux), grads = perturbkit.value_and_grad(_linen_aux_loss(model), has_aux=True)(
+  (loss, aux), grads = jax.jit(perturbkit.value_and_grad(_linen_aux_loss(model), has_aux=True))(
       variables, X)
-  want_loss, want = jax.value_and_grad(_linen_loss(model))(variables, X)
+  want_loss, want = jax.jit(jax.value_and_grad(_linen_loss(model)))(variables, X)
   chex.assert_trees_all_close((loss, grads['params']), (want_loss, want['params']), **TOL)
   chex.assert_trees_all_close(aux['mean'], jnp.mean(X), **TOL)
 
@@ -84,8 +85,8 @@ def test_linen_interleaved_aux_without_has_aux(linen):
     trainer.step(trainer.init(variables, X), X)
   trainer = perturbkit.interleaved(_linen_aux_loss(model), optax.sgd(0.1), has_aux=True,
                                    propagate='original')
-  _, metrics = trainer.step(trainer.init(variables, X), X)
-  chex.assert_trees_all_close(metrics['loss'], _linen_loss(model)(variables, X), **TOL)
+  _, metrics = jax.jit(trainer.step)(trainer.init(variables, X), X)
+  chex.assert_trees_all_close(metrics['loss'], jax.jit(_linen_loss(model))(variables, X), **TOL)
   chex.assert_trees_all_close(metrics['aux']['mean'], jnp.mean(X), **TOL)
 
 
@@ -110,8 +111,8 @@ def test_linen_interleaved_loss_returning_every_collection(linen):
 
   trainer = perturbkit.interleaved(changed_collections, optax.sgd(0.1), has_aux=True,
                                    propagate='original')
-  state, _ = trainer.step(trainer.init(variables, X), X)
-  grads = jax.grad(_linen_loss(model))(variables, X)
+  state, _ = jax.jit(trainer.step)(trainer.init(variables, X), X)
+  grads = jax.jit(jax.grad(_linen_loss(model)))(variables, X)
   want = jax.tree.map(lambda p, g: p - 0.1 * g, variables['params'], grads['params'])
   chex.assert_trees_all_close(state.params, want, **TOL)
 
@@ -203,7 +204,7 @@ def test_linen_model_wrapped_in_the_nnx_bridge_to_nnx_functions():
 
   variables = {'params': nnx.to_pure_dict(nnx.state(wrapped, nnx.Param))}
   module = wrapped.to_nnx__module
-  _, grads = perturbkit.value_and_grad(lambda v, x: jnp.mean(module.apply(v, x) ** 2))(
+  _, grads = jax.jit(perturbkit.value_and_grad(lambda v, x: jnp.mean(module.apply(v, x) ** 2)))(
       variables, x)
   want = nnx.to_pure_dict(nnx.grad(loss_fn)(wrapped, x))
   chex.assert_trees_all_close(grads['params'], want, **TOL)
@@ -230,14 +231,14 @@ def test_submodule_called_outside_a_method_of_the_model():
   encoder by hand); interleaved training, which replays calls from the model's method calls,
   raises a named error with the fix, a method of the model."""
   model = _Encoder()
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.jit(model.init)(jax.random.key(0), X)
   chain = lambda m, x: m.head(m.encode(x))
   fixed = lambda v, x: jnp.sum(model.apply(v, x) ** 2)   # __call__ is the chain
-  want = perturbkit.value_and_grad(fixed)(variables, X)
-  h = model.apply(variables, X, method=lambda m, x: m.encoder(x))
+  want = jax.jit(perturbkit.value_and_grad(fixed))(variables, X)
+  h = jax.jit(lambda v, x: model.apply(v, x, method=lambda m, x: m.encoder(x)))(variables, X)
   rest = lambda e: jnp.sum(model.apply(variables, nn.relu(e), method=lambda m, h: m.head(h)) ** 2)
   chex.assert_trees_all_close(want[1]['perturbations']['encoder']['__call__'],
-                              jax.grad(rest)(h), **TOL)
+                              jax.jit(jax.grad(rest))(h), **TOL)
 
   def bound(v, x):
     return jnp.sum(chain(model.bind(v), x) ** 2)
@@ -247,24 +248,26 @@ def test_submodule_called_outside_a_method_of_the_model():
   for loss_fn in (bound, functional, lambda_method):
     got = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, X)
     chex.assert_trees_all_close(got, want, **TOL)
-    chex.assert_trees_all_close(got[1]['params'], jax.grad(loss_fn)(variables, X)['params'],
-                                **TOL)
+    chex.assert_trees_all_close(got[1]['params'],
+                                jax.jit(jax.grad(loss_fn))(variables, X)['params'], **TOL)
     with pytest.raises(perturbkit.OutsideApplyError,
                        match=r"head/__call__ ran outside a method.*method='encode'"):
       perturbkit.interleaved(loss_fn, optax.sgd(0.1)).init(variables, X)
 
   # Two bound trees in one loss are two applies: distinct points, as with two model.apply.
   twice = lambda v, x: functional(v, x) + functional(v, 2 * x)
-  chex.assert_trees_all_close(perturbkit.value_and_grad(twice)(variables, X),
-                              perturbkit.value_and_grad(lambda v, x: fixed(v, x) + fixed(v, 2 * x))(
-                                  variables, X), **TOL)
+  chex.assert_trees_all_close(
+      jax.jit(perturbkit.value_and_grad(twice))(variables, X),
+      jax.jit(perturbkit.value_and_grad(lambda v, x: fixed(v, x) + fixed(v, 2 * x)))(
+          variables, X), **TOL)
   metric = lambda run: lambda v, x: jnp.sum(run(v, x))
   chex.assert_trees_all_close(
-      perturbkit.attribution_patching(metric(lambda v, x: chain(model.bind(v), x)), axis=0)(
-          variables, X, 2 * X),
-      perturbkit.attribution_patching(metric(model.apply), axis=0)(variables, X, 2 * X), **TOL)
+      jax.jit(perturbkit.attribution_patching(
+          metric(lambda v, x: chain(model.bind(v), x)), axis=0))(variables, X, 2 * X),
+      jax.jit(perturbkit.attribution_patching(metric(model.apply), axis=0))(
+          variables, X, 2 * X), **TOL)
   zero = perturbkit.backward_hook(lambda g: 0 * g, perturbkit.filters.by_path('head'))
-  grads = jax.grad(perturbkit.with_hooks(bound, zero))(variables, X)
+  grads = jax.jit(jax.grad(perturbkit.with_hooks(bound, zero)))(variables, X)
   assert float(jnp.abs(grads['params']['encoder']['kernel']).max()) == 0.0
 
 
@@ -284,18 +287,19 @@ def test_map_variables_initializing_in_every_apply():
   """``nn.map_variables(..., init=True)`` initializes again in an apply with a mutable
   collection, which perturbkit's discovery has: a named error with the fix, whose result
   equals the explicit-delta twin written by hand."""
-  variables = _Doubled().init(jax.random.key(0), X)
+  variables = jax.jit(_Doubled().init)(jax.random.key(0), X)
   loss_of = lambda model: lambda v, x: jnp.sum(model.apply(v, x) ** 2)
   with pytest.raises(perturbkit.MapVariablesInitError, match=r'init=self.is_initializing\(\)'):
     perturbkit.value_and_grad(loss_of(_Doubled()))(variables, X)
-  _, grads = perturbkit.value_and_grad(loss_of(_Doubled(init_always=False)))(variables, X)
+  _, grads = jax.jit(perturbkit.value_and_grad(loss_of(_Doubled(init_always=False))))(
+      variables, X)
   params = variables['params']
 
   def twin(delta):
     h = nn.Dense(4).apply({'params': jax.tree.map(lambda w: 2.0 * w, params['dense'])}, X)
     return jnp.sum(nn.Dense(1).apply({'params': params['out']}, jnp.tanh(h + delta)) ** 2)
   chex.assert_trees_all_close(grads['perturbations']['dense']['__call__'],
-                              jax.grad(twin)(jnp.zeros((X.shape[0], 4))), **TOL)
+                              jax.jit(jax.grad(twin))(jnp.zeros((X.shape[0], 4))), **TOL)
 
 
 def test_not_variables(linen):
@@ -337,15 +341,16 @@ def test_targets_of_another_shape_to_gaussian_output():
 
 def test_one_hot_labels_to_kfac_estimator():
   model = nn.Sequential([nn.Dense(5)])
-  variables = model.init(jax.random.key(0), X)
+  variables = jax.jit(model.init)(jax.random.key(0), X)
   predict = lambda v, x: model.apply(v, x)
   layers = perturbkit.kfac_layers(predict, variables, X)
   estimate = perturbkit.kfac_estimator(predict, 'softmax_cross_entropy', layers)
   labels = jnp.array([0, 3, 1, 4])
   with pytest.raises(perturbkit.KFACTargetsError, match='argmax'):
     estimate(variables, X, jax.nn.one_hot(labels, 5), jax.random.key(1))
-  loss, _, _ = estimate(variables, X, labels, jax.random.key(1))
-  want = optax.softmax_cross_entropy_with_integer_labels(predict(variables, X), labels).mean()
+  loss, _, _ = jax.jit(estimate)(variables, X, labels, jax.random.key(1))
+  want = jax.jit(lambda v, x, labels: optax.softmax_cross_entropy_with_integer_labels(
+      predict(v, x), labels).mean())(variables, X, labels)
   chex.assert_trees_all_close(loss, want, **TOL)
 
 
@@ -360,7 +365,7 @@ def test_variables_to_linen_step(linen):
     trainer.step(variables, X)
   with pytest.raises(perturbkit.UninitializedStateError, match='trainer.init'):
     jax.jit(trainer.step)(variables, X)
-  state, _ = trainer.step(trainer.init(variables, X), X)
+  state, _ = jax.jit(trainer.step)(trainer.init(variables, X), X)
   assert int(state.step) == 1
 
 
@@ -369,7 +374,7 @@ def test_model_to_nnx_step(nnx_model):
   with pytest.raises(perturbkit.UninitializedStateError,
                      match=r'the model itself.*state = trainer\.init\(model, \*args\)'):
     trainer.step(nnx_model, X)
-  state, _ = trainer.step(trainer.init(nnx_model, X), X)
+  state, _ = jax.jit(trainer.step)(trainer.init(nnx_model, X), X)
   assert int(state.step) == 1
 
 
@@ -380,14 +385,14 @@ def test_variables_or_model_to_dp_sgd_step(linen, nnx_model):
                               noise_multiplier=0.0)
   with pytest.raises(perturbkit.UninitializedStateError, match=r'trainer\.init\(variables\)'):
     trainer.step(variables, key, X)
-  state, _ = trainer.step(trainer.init(variables), key, X)
+  state, _ = jax.jit(trainer.step)(trainer.init(variables), key, X)
   assert int(state.step) == 1
   nnx_trainer = perturbkit.nnx.dp_sgd(nnx_models.mse, optax.sgd(0.1), clip_norm=1.0,
                                       noise_multiplier=0.0)
   with pytest.raises(perturbkit.UninitializedStateError,
                      match=r'the model itself.*trainer\.init\(model\)'):
     nnx_trainer.step(nnx_model, key, X)
-  state, _ = nnx_trainer.step(nnx_trainer.init(nnx_model), key, X)
+  state, _ = jax.jit(nnx_trainer.step)(nnx_trainer.init(nnx_model), key, X)
   assert int(state.step) == 1
 
 
@@ -415,7 +420,7 @@ def test_linen_step_on_inputs_of_another_width(linen):
                            r'\(4, 5\).*a different batch size is fine'):
     trainer.step(state, jnp.ones((4, 5)))
   # Another batch size is not a mismatch.
-  trainer.step(state, jnp.ones((7, 3)))
+  jax.jit(trainer.step)(state, jnp.ones((7, 3)))
 
 
 def test_nnx_step_on_inputs_of_another_width(nnx_model):
@@ -425,7 +430,7 @@ def test_nnx_step_on_inputs_of_another_width(nnx_model):
                      match=r'argument 0 had shape \(4, 3\) \(float32\) at init, now shape '
                            r'\(4, 5\).*trainer\.init\(model, \*args\)'):
     jax.jit(trainer.step)(state, jnp.ones((4, 5)))
-  trainer.step(state, jnp.ones((7, 3)))
+  jax.jit(trainer.step)(state, jnp.ones((7, 3)))
 
 
 def test_nnx_optimizer_step_on_inputs_of_another_width(nnx_model):
@@ -525,7 +530,7 @@ def test_not_an_optimizer(linen):
     perturbkit.nnx.interleaved(nnx_models.mse, optax.sgd)
   trainer = perturbkit.interleaved(_linen_loss(model), lambda name: 0.1)
   with pytest.raises(perturbkit.NotAnOptimizerError, match='the function returned 0.1'):
-    trainer.init(model.init(jax.random.key(0), X), X)
+    trainer.init(jax.jit(model.init)(jax.random.key(0), X), X)
 
 
 def test_multisteps_points_to_its_gradient_transformation(linen):
@@ -582,15 +587,18 @@ def test_a_model_with_a_hard_coded_batch_size_fails_the_reduction_check_by_name(
       return nn.Dense(1)(nn.Dense(6)(x).reshape(rows, 2, 3).reshape(rows, 6))
 
   x = X
-  variables = Reshaping(None).init(jax.random.key(0), x)
+  variables = jax.jit(Reshaping(None).init)(jax.random.key(0), x)
   loss_for = lambda model: lambda v, x: jnp.mean(model.apply(v, x) ** 2)
   with pytest.raises(perturbkit.ReductionCheckError, match='hard-codes the batch size'):
     perturbkit.per_example_grad_norms(loss_for(Reshaping(x.shape[0])))(variables, x)
   loss_fn = loss_for(Reshaping(None))
-  _, norms = perturbkit.per_example_grad_norms(loss_fn)(variables, x)
-  grads = jax.vmap(jax.grad(lambda v, xi: loss_fn(v, xi[None])), (None, 0))(variables, x)
-  expected = jnp.sqrt(sum(jnp.sum(g.reshape(len(x), -1) ** 2, 1)
-                          for g in jax.tree.leaves(grads)))
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn))(variables, x)
+
+  @jax.jit
+  def reference(variables, x):
+    grads = jax.vmap(jax.grad(lambda v, xi: loss_fn(v, xi[None])), (None, 0))(variables, x)
+    return jnp.sqrt(sum(jnp.sum(g.reshape(len(x), -1) ** 2, 1) for g in jax.tree.leaves(grads)))
+  expected = reference(variables, x)
   np.testing.assert_allclose(norms.total, expected, **TOL)
 
 
@@ -617,10 +625,10 @@ def test_flags_that_are_no_bools_are_refused_where_given(linen, nnx_model):
                         ('strict', 'yes')):
       with pytest.raises(perturbkit.InvalidOptionError, match=f'{name}={value!r} .*True or False'):
         front.value_and_grad(loss, **{name: value})
-  value, grads = perturbkit.value_and_grad(_linen_loss(model), return_activations=False,
-                                           strict=None)(variables, X)
-  chex.assert_trees_all_close(grads['params'], jax.grad(_linen_loss(model))(variables, X)['params'],
-                              **TOL)
+  value, grads = jax.jit(perturbkit.value_and_grad(_linen_loss(model), return_activations=False,
+                                                   strict=None))(variables, X)
+  chex.assert_trees_all_close(grads['params'],
+                              jax.jit(jax.grad(_linen_loss(model)))(variables, X)['params'], **TOL)
 
 
 def test_lookahead_is_refused_by_the_trainers_holding_the_models_params(linen, nnx_model):
