@@ -23,7 +23,7 @@ def problem():
   model = models.MLP(out=3)
   x = jax.random.normal(jax.random.key(0), (BATCH, 4))
   y = jnp.arange(BATCH) % 3
-  return model, model.init(jax.random.key(1), x), x, y
+  return model, jax.jit(model.init)(jax.random.key(1), x), x, y
 
 
 def terms_of(model):
@@ -83,12 +83,12 @@ def test_bf16_sum_loss_with_mean_reduction_is_refused():
   model = nn.Dense(1, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                    kernel_init=nn.initializers.ones)
   x = jnp.array([[1.0078125], [1.0], [1.5], [2.0]], jnp.bfloat16)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss_fn = lambda v, x: jnp.sum(model.apply(v, x))
   assert loss_fn(variables, x[:2]) == 2.0  # not 2.0078125
   with pytest.raises(perturbkit.ReductionMismatchError, match="reduction='sum'"):
     perturbkit.per_example_grad_norms(loss_fn)(variables, x)
-  _, norms = perturbkit.per_example_grad_norms(loss_fn, reduction='sum')(variables, x)
+  _, norms = jax.jit(perturbkit.per_example_grad_norms(loss_fn, reduction='sum'))(variables, x)
   np.testing.assert_allclose(norms.total, x[:, 0].astype(jnp.float32), rtol=1e-6)
 
 
@@ -203,7 +203,7 @@ def test_a_nan_example_is_dropped_from_the_clipped_sum(where):
   model = models.MLP(out=1)
   x = jax.random.normal(jax.random.key(0), (BATCH, 4))
   y = jax.random.normal(jax.random.key(2), (BATCH, 1))
-  variables = model.init(jax.random.key(1), x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
   loss_fn = lambda v, x, y: jnp.mean(jnp.sum((model.apply(v, x) - y) ** 2, axis=-1))
   bad = 2
   if where == 'input':
@@ -279,18 +279,22 @@ def test_dp_sgd_takes_a_float16_step_whose_gradient_is_finite():
   model = nn.Sequential([nn.Dense(8, **low), nn.tanh, nn.Dense(1, **low)])
   x = (30 * jax.random.normal(jax.random.key(1), (BATCH, 3))).astype(jnp.float16)
   y = jnp.full((BATCH, 1), 300.0)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
-  grads = jax.grad(loss_fn)(variables, x, y)['params']
+  grads = jax.jit(jax.grad(loss_fn))(variables, x, y)['params']
+  # Op by op, so each square is rounded to float16 (a jitted sum may keep them in float32).
   assert not jnp.isfinite(optax.tree.norm(grads))  # in float16
   tx = perturbkit.dp_sgd(loss_fn, optax.sgd(1e-4), clip_norm=1e30, noise_multiplier=0.0)
   state, metrics = jax.jit(tx.step)(tx.init(variables), jax.random.key(0), x, y)
   assert not bool(metrics['skipped']) and int(metrics['dropped']) == 0
-  want = jax.tree.map(lambda p, g: p - 1e-4 * g, variables['params'], grads)
+  # The SGD step and whether each leaf moved, jitted: one compile, not one per leaf and op.
+  want, unmoved = jax.jit(lambda p, g, new: (
+      jax.tree.map(lambda p, g: p - 1e-4 * g, p, g),
+      jax.tree.map(lambda a, b: jnp.all(a == b), new, p)))(
+          variables['params'], grads, state.variables['params'])
   chex.assert_trees_all_equal_dtypes(state.variables['params'], variables['params'])
   chex.assert_trees_all_close(state.variables['params'], want, rtol=0, atol=1e-3)
-  assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)),
-                                       state.variables['params'], variables['params']))
+  assert not jax.tree.all(jax.tree.map(bool, unmoved))
 
 
 def test_float16_per_example_gradients_above_its_range_are_clipped_not_nan():
@@ -302,7 +306,7 @@ def test_float16_per_example_gradients_above_its_range_are_clipped_not_nan():
   model = nn.Sequential([nn.Dense(4, **low), nn.Dense(1, **low)])
   x = jax.random.normal(jax.random.key(1), (8, 3)).at[0].set(600.0)
   y = jnp.zeros((8, 1)).at[0].set(-400.0)
-  variables = model.init(jax.random.key(0), x.astype(jnp.float16))
+  variables = jax.jit(model.init)(jax.random.key(0), x.astype(jnp.float16))
   loss_fn = lambda v, x, y: jnp.mean((model.apply(v, x).astype(jnp.float32) - y) ** 2)
   grads, metrics = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1.0, noise_multiplier=0.0,
                                                    dense_method='direct'))(
