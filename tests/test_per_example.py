@@ -836,7 +836,7 @@ def test_root_params_replay_the_apply():
   assert_norms_match(loss_fn, variables, x)
   grads, _ = jax.jit(perturbkit.private_grad(loss_fn, clip_norm=1e6, noise_multiplier=0.0))(
       variables, jax.random.key(0), x)
-  chex.assert_trees_all_close(grads, jax.grad(lambda p: loss_fn({'params': p}, x))(
+  chex.assert_trees_all_close(grads, jax.jit(jax.grad(lambda p: loss_fn({'params': p}, x)))(
       variables['params']), **TOL)
 
 
