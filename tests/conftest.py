@@ -78,15 +78,16 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 # each, go one by one. Files start longest first (as measured with --durations), so that no
 # long file starts last while the other worker idles.
 LONGEST_FIRST = (
-    'test_real_models_per_example.py', 'test_interpret.py', 'test_interpret_scan.py',
-    'test_real_models.py', 'test_per_example.py', 'test_real_models_kfac.py',
-    'test_nnx_interleaved.py', 'test_nnx.py', 'test_kfac.py', 'test_real_models_more.py',
-    'test_interleaved_scan.py', 'test_interpret_real_models.py', 'test_nnx_kfac.py',
-    'test_kfac_scan.py', 'test_kfac_norms.py', 'test_interleaved.py',
-    'test_interpret_attribution.py', 'test_value_and_grad.py', 'test_per_example_lifted.py',
-    'test_dp_robustness.py', 'test_nnx_per_example.py', 'test_benchmarks.py',
-    'test_threads_and_nesting.py', 'test_notebooks.py', 'test_per_example_reads.py',
-    'test_kfac_segment.py', 'test_demo.py', 'test_shard_map_checked.py',
+    'test_real_models_per_example.py', 'test_interpret.py', 'test_real_models.py',
+    'test_per_example.py', 'test_interpret_scan.py', 'test_interpret_real_models.py',
+    'test_real_models_kfac.py', 'test_nnx_interleaved.py', 'test_real_models_more.py',
+    'test_nnx.py', 'test_interleaved_scan.py', 'test_shard_map_checked.py', 'test_kfac.py',
+    'test_nnx_kfac.py', 'test_interleaved.py', 'test_value_and_grad.py',
+    'test_interpret_attribution.py', 'test_dp_robustness.py', 'test_nnx_per_example.py',
+    'test_kfac_norms.py', 'test_benchmarks.py', 'test_kfac_segment.py',
+    'test_per_example_lifted.py', 'test_notebooks.py', 'test_kfac_scan.py',
+    'test_nnx_per_example_lifted.py', 'test_per_example_reads.py', 'test_readme.py',
+    'test_demo.py',
 )
 
 
