@@ -505,8 +505,10 @@ def loss_fn_for(case: Case, model: nn.Module):
 
 
 def init(case: Case, module: nn.Module, x: jax.Array, seed: int = 0) -> dict:
+  """``module``'s variables, initialized under ``jax.jit``: one compile, not one per
+  initializer and op."""
   keys = {'params': jax.random.key(seed), 'dropout': jax.random.key(seed + 1)}
-  return dict(module.init(keys, x))
+  return dict(jax.jit(module.init)(keys, x))
 
 
 def hand_value_and_grad(case: Case, variables: dict, x: jax.Array, key: jax.Array):

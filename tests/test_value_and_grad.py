@@ -16,18 +16,12 @@ import perturbkit
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _init(module, x, seed=0):
-  """``models.init``, jitted: one compile, not one per initializer op."""
-  keys = {'params': jax.random.key(seed), 'dropout': jax.random.key(seed + 1)}
-  return dict(jax.jit(module.init)(keys, x))
-
-
 @functools.cache
 def _setup(name, seed=0):
   """A case, its variables, input and key: made once per module (the tests only read them)."""
   case = models.CASES[name]
   x = jax.random.normal(jax.random.key(100 + seed), case.x_shape)
-  return case, _init(case.model, x, seed), x, jax.random.key(7)
+  return case, models.init(case, case.model, x, seed), x, jax.random.key(7)
 
 
 @functools.cache
@@ -132,7 +126,7 @@ def test_inside_outer_grad_matches_hand_hessian():
   activation gradient's own derivative along a direction equals a Hessian product."""
   case, variables, x, key = _setup('mlp')
   model, hand = case.model, case.hand
-  zeros = _init(hand, x)['perturbations']
+  zeros = models.init(case, hand, x)['perturbations']
 
   def hand_point_grads(x):
     return jax.grad(lambda eps: models.scalar(hand.apply({**variables, 'perturbations': eps}, x)))(
@@ -166,7 +160,7 @@ def test_shared_module_entries_sum_to_single_perturbation():
   _, grads = jax.jit(perturbkit.value_and_grad(models.loss_fn_for(case, case.model),
                                                 has_aux=True))(variables, x, key)
   single = models.SharedDense(hand=True, single=True)
-  zeros = _init(single, x)['perturbations']
+  zeros = models.init(case, single, x)['perturbations']
   want = jax.jit(jax.grad(lambda eps: models.scalar(
       single.apply({**variables, 'perturbations': eps}, x))))(zeros)
   got = grads['perturbations']['shared']
@@ -199,7 +193,7 @@ def test_model_run_twice_gets_distinct_points():
   loss_fn = lambda v, x: (models.scalar(case.model.apply(v, x))
                           + 3.0 * models.scalar(case.model.apply(v, jnp.flip(x, 0))))
   _, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, x)
-  zeros = _init(case.hand, x)['perturbations']
+  zeros = models.init(case, case.hand, x)['perturbations']
 
   def hand_loss(e1, e2):
     return (models.scalar(case.hand.apply({**variables, 'perturbations': e1}, x))
