@@ -493,8 +493,9 @@ def test_bidirectional_rnn_cells_of_both_directions_are_reported():
   model with respect to each direction's output, run by hand."""
   model, x = M.BiRecurrent(rngs=nnx.Rngs(0)), M.random_batch((2, 5, 3))
   loss_fn = lambda m, x: jnp.sum(jnp.tanh(m(x)))
-  with pytest.warns(perturbkit.UnperturbedCallsWarning, match=r'^12 selected call\(s\).*rnn/backward_rnn/cell/__call__.*'
-                    r'rnn/forward_rnn/cell/__call__'):
+  with pytest.warns(perturbkit.UnperturbedCallsWarning,
+                    match=r'^12 selected call\(s\).*rnn/backward_rnn/cell/__call__.*'
+                          r'rnn/forward_rnn/cell/__call__'):
     loss, grads = nnx.jit(perturbkit.nnx.value_and_grad(loss_fn))(model, x)
 
   @nnx.jit  # the references by hand, compiled whole

@@ -164,8 +164,9 @@ return tuples, steered in ``generate`` as by an interceptor written by hand.
 ``tests/test_interpret_scan.py``: scanned models (and scans inside scans)
 against the same layers as a Python loop (edits written in, each patched run,
 ``jax.grad`` at explicit deltas), and a transformer scanned over ``remat``
-against its layers unrolled, on both front ends. ``tests/test_interpret_attribution.py``: integrated gradients
-against completeness and ``jax.grad`` of the hand-written model at the same
+against its layers unrolled, on both front ends.
+``tests/test_interpret_attribution.py``: integrated gradients against
+completeness and ``jax.grad`` of the hand-written model at the same
 nodes; Grad-CAM against ``jax.vjp`` of the CNN written out; a steering vector's
 gradient against the model with the vector as an explicit parameter, and optax
 lowering a loss with it; gates at 1 against the unedited run; NNX against Linen.
