@@ -199,11 +199,24 @@ def test_preconditioned_update_is_the_gradient_over_the_damped_diagonal(problem,
 # ---------------------------------------------------------------- what has no rule
 
 class Masked(nn.Module):
+  masked: bool = True
+
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(4)(x)
-    mask = jnp.broadcast_to(jnp.arange(4) < 2, h.shape)
+    mask = jnp.broadcast_to(jnp.arange(4) < 2, h.shape) if self.masked else None
     return nn.Dense(2)(nn.LayerNorm(name='ln')(h, mask=mask))
+
+
+class NNXMasked(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(5, 4, rngs=rngs)
+    self.ln = nnx.LayerNorm(4, rngs=rngs)
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.embed(x)
+    return self.head(self.ln(h, mask=jnp.broadcast_to(jnp.arange(4) < 2, h.shape)))
 
 
 class OtherAxes(nn.Module):
@@ -243,9 +256,29 @@ def test_norms_the_rule_does_not_cover_are_skipped_with_the_reason():
                            filter=perturbkit.filters.by_type(nn.LayerNorm))
 
 
-def test_a_norm_called_with_a_mask_is_refused_by_the_estimator():
+def test_a_norm_called_with_a_mask_is_skipped_or_refused():
+  """Its rule normalises over every feature: kfac_layers skips it with the reason, and
+  refuses it where a filter selects it, on both front ends."""
   x = jnp.ones((4, 5))
-  variables, layers = _layers(Masked(), x)
+  variables, layers = _layers(Masked(), x, shapes_only=True)
+  assert 'ln' not in layers.layers and sorted(layers.layers) == ['Dense_0', 'Dense_1']
+  assert 'called with a mask' in layers.skipped['ln']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='ln.*called with a mask'):
+    perturbkit.kfac_layers(lambda v, x: Masked().apply(v, x), variables, x,
+                           filter=perturbkit.filters.by_type(nn.LayerNorm))
+  model = nnx.eval_shape(lambda: NNXMasked(nnx.Rngs(0)))
+  nnx_layers = perturbkit.nnx.kfac_layers(model, x)
+  assert sorted(nnx_layers.layers) == ['embed', 'head']
+  assert 'called with a mask' in nnx_layers.skipped['ln']
+  with pytest.raises(perturbkit.KFACUnsupportedLayerError, match='ln.*called with a mask'):
+    perturbkit.nnx.kfac_layers(model, x, filter=perturbkit.nnx.filters.by_type(nnx.LayerNorm))
+
+
+def test_a_norm_called_with_a_mask_is_refused_by_the_estimator():
+  """Layers built for the same model calling its norm without a mask list the norm; the
+  estimator checks each call and refuses the masked one."""
+  x = jnp.ones((4, 5))
+  variables, layers = _layers(Masked(masked=False), x)
   assert layers.layers['ln'].kind == 'norm'
   estimate = perturbkit.kfac_estimator(lambda v, x: Masked().apply(v, x),
                                        'softmax_cross_entropy', layers, fisher='empirical')

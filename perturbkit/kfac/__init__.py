@@ -39,7 +39,7 @@ over its rows.
 Which layers are skipped
 ------------------------
 Layers without a rule (BatchNorm, GroupNorm, a grouped or masked Conv, a norm over other axes than the
-last, a normalisation module a model defines itself, other than Hugging Face's
+last or called with a mask, a normalisation module a model defines itself, other than Hugging Face's
 Llama, Mistral and Gemma RMSNorms and T5's LayerNorm, a tied ``attend``, a layer run by ``nn.scan``
 whose params every iteration shares, see below) and layers whose weights are also read outside their calls (GPT-2's
 ``wte``, tied to the LM head: factors from its own calls would miss the head's
@@ -197,8 +197,9 @@ calls, ``x̂`` recomputed from the call's input in at least float32. The update 
 each of its two factors. ``LayerFactors.a`` is the scale's diagonal and ``.g``
 the bias's (the bias's in ``.a`` for a norm without a scale). The rule needs the
 examples on the first axis of the norm's input (a norm on ``(T, N, d)``
-activations is skipped, with the reason) and no ``mask`` (refused by the
-estimator).
+activations is skipped, with the reason) and no ``mask``: ``kfac_layers``
+skips a norm called with one, and the estimator refuses one given layers built
+for a model that calls it without.
 
 How it is tested
 ----------------

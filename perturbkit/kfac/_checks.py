@@ -14,7 +14,7 @@ import jax
 
 from perturbkit.errors import (KFACLayerInfoError, KFACLayersTypeError, KFACShapeError,
                                KFACUnsupportedLayerError)
-from perturbkit.kfac._examples import grouping_reason
+from perturbkit.kfac._examples import grouping_reason, mask_reason
 from perturbkit.kfac._layers import KFACLayers, outside_reason
 from perturbkit.kfac._rules import KINDS, LayerInfo
 
@@ -116,9 +116,6 @@ def check_norm_call(name: str, kwargs: dict, shape: tuple[int, ...], examples: i
   ``shape`` without the batch's ``examples`` on its first axis (``kfac_layers`` skips such a
   layer; layers built by hand or for another model may not)."""
   exclude = 'by leaving it out of the filter given to kfac_layers'
-  if kwargs.get('mask') is not None:
-    raise KFACUnsupportedLayerError(
-        name, 'it is called with a mask, and its rule normalises over every feature', exclude)
-  reason = grouping_reason(shape, examples)
+  reason = mask_reason(kwargs) or grouping_reason(shape, examples)
   if reason is not None:
     raise KFACUnsupportedLayerError(name, reason, exclude)

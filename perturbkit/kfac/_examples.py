@@ -31,9 +31,11 @@ must all have them there (``batch_examples``): an array every example shares (a
 
 A LayerNorm's diagonal Fisher squares each example's gradient, summed over its
 locations (``_scale_shift``), so its calls' inputs must have the examples on
-their first axis; one that does not is skipped with that reason.
+their first axis; one that does not is skipped with that reason. Its rule normalises
+over every feature, so a call given a ``mask`` (``nn.LayerNorm()(x, mask=m)``) is
+skipped too.
 """
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,14 @@ def grouping_reason(shape: tuple[int, ...], examples: int | None) -> str | None:
   return (f'its input (shape {tuple(shape)}) does not have the batch\'s {examples} examples '
           'on its first axis, and the diagonal Fisher of its scale and bias squares each '
           'example\'s gradient')
+
+
+def mask_reason(kwargs: dict) -> str | None:
+  """Why a norm's call with keyword arguments ``kwargs`` has no diagonal rule, or ``None``:
+  the rule normalises over every feature, which a ``mask`` would restrict."""
+  if kwargs.get('mask') is not None:
+    return 'it is called with a mask, and its rule normalises over every feature'
+  return None
 
 
 def input_reason(shape: tuple[int, ...], examples: int | None, grouped: bool,
@@ -112,8 +122,10 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
                          recorded: list[tuple[str, tuple]],
                          grouped: set[str] = frozenset(),
                          per_iteration: list[tuple[str, tuple]] = (),
-                         stacked: set[str] = frozenset()) -> dict[str, str]:
-  """``{layer: reason}`` for the layers with a call that does not see the examples.
+                         stacked: set[str] = frozenset(),
+                         masked: Mapping[str, str] | None = None) -> dict[str, str]:
+  """``{layer: reason}`` for the layers with a call that does not see the examples, or a
+  norm's call given a mask.
 
   Args:
     jaxpr: A closed jaxpr of ``(shared, inputs)`` whose outputs are the recorded
@@ -129,11 +141,12 @@ def shared_input_reasons(jaxpr: Any, shared: Any, inputs: Any,
       their shape alone.
     stacked: The layers of ``recorded`` stacked per iteration: each iteration's
       input must also have the examples on its first axis.
+    masked: ``{layer: mask_reason}`` of the norms with a call given a mask.
   """
   examples = num_examples(inputs)  # checked by batch_examples where the inputs were given
   batched = [False] * len(jax.tree.leaves(shared)) + [True] * len(jax.tree.leaves(inputs))
   from_batch = depends_on(jaxpr.jaxpr, batched)
-  reasons: dict[str, str] = {}
+  reasons: dict[str, str] = dict(masked or {})
   calls = [*zip(recorded, from_batch), *((call, None) for call in per_iteration)]
   for (name, shape), dependent in calls:
     reason = input_reason(shape, examples, name in grouped, dependent, name in stacked)

@@ -33,7 +33,7 @@ from perturbkit.core._trees import find_in
 from perturbkit.linen._driver import check_variables, discover, value_and_grad
 from perturbkit.linen._interceptor import suspended
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import batch_examples, shared_input_reasons
+from perturbkit.kfac._examples import batch_examples, mask_reason, shared_input_reasons
 from perturbkit.kfac._reads import outside_reads
 from perturbkit.kfac._rules import (LayerInfo, call_input, describe, unsupported_reason,
                                     weight_name)
@@ -272,6 +272,7 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
   grad_fn = value_and_grad(lambda v, x: _float_sum(predict_fn(v, x)), filter=select,
                            return_inputs=True)
   recorded: list[tuple[str, tuple]] = []
+  masked: dict[str, str] = {}
 
   def traced(variables, inputs):
     _, _, captured = grad_fn(variables, inputs)
@@ -280,6 +281,9 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
     for name, info in layers.items():
       calls = find_in(captured, info.path)
       for call in info.calls:
+        reason = mask_reason(calls[call][1]) if info.kind == 'norm' else None
+        if reason is not None:
+          masked.setdefault(name, reason)
         x = call_input(*calls[call])
         recorded.append((name, tuple(jnp.shape(x))[bool(info.iterations):]))
         calls_inputs.append(x)
@@ -288,4 +292,5 @@ def _shared_inputs(predict_fn: Callable[[Variables, Any], Any], variables: Varia
   jaxpr = jax.make_jaxpr(traced)(variables, inputs)
   return shared_input_reasons(jaxpr, variables, inputs, recorded,
                               {name for name, info in layers.items() if info.kind == 'norm'},
-                              stacked={name for name, info in layers.items() if info.iterations})
+                              stacked={name for name, info in layers.items() if info.iterations},
+                              masked=masked)

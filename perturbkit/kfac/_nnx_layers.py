@@ -33,7 +33,7 @@ from perturbkit.core._consumers import reads_outside
 from perturbkit.core._loss import check_loss_fn
 from perturbkit.core._segment_vjp import FORWARD_ONLY
 from perturbkit.errors import KFACUnsupportedLayerError
-from perturbkit.kfac._examples import batch_examples, shared_input_reasons
+from perturbkit.kfac._examples import batch_examples, mask_reason, shared_input_reasons
 from perturbkit.kfac._layers import (KFACLayers, outside_reason, root_reason, skip_layers,
                                     stacked_iterations)
 from perturbkit.kfac._rules import (MASKED_CONV, ConvGeometry, LayerInfo, as_tuple, call_input,
@@ -229,14 +229,19 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
   names = {info.path: name for name, info in layers.items()}
   stacked = {info.path for info in layers.values() if info.iterations}
   graphdef, template, others = nnx.split(model, nnx.Param, ...)
+  norms = {info.path for info in layers.values() if info.kind == 'norm'}
   recorded: list[tuple[str, tuple]] = []
   per_iteration: list[tuple[str, tuple]] = []
+  masked: dict[str, str] = {}
 
   def traced(params, inputs):
     copy = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     captured = []
 
     def on_call(call: Call, run: Callable[[], Any]) -> Any:
+      reason = mask_reason(call.kwargs) if call.path in norms else None
+      if call.method_name == '__call__' and reason is not None:
+        masked.setdefault(names[call.path], reason)
       if call.method_name == '__call__' and call.path in stacked:
         # Checked by its shape alone (_examples).
         per_iteration.append((names[call.path], tuple(jnp.shape(call_input(call.args,
@@ -261,7 +266,7 @@ def shared_inputs(model: nnx.Module, inputs: Any, predict: Callable[[nnx.Module,
   jaxpr = jax.make_jaxpr(traced)(params, inputs)
   return shared_input_reasons(jaxpr, params, inputs, recorded,
                               {name for name, info in layers.items() if info.kind == 'norm'},
-                              per_iteration)
+                              per_iteration, masked=masked)
 
 
 # nnx.state(model, nnx.Param) lists a Variable held by two modules once, under one of them.
