@@ -123,9 +123,9 @@ def transformed_layers(model: nnx.Module, inputs: Any,
   refused."""
   if not weights:
     return {}, set()
+  names = {layer_name(p) for p in weights}
   found = discover(predict, model, (inputs,), {}, strict=False, scalar=False,
-                   points=_filters.any_of(*(_filters.by_path(layer_name(p))
-                                            for p in weights)))
+                   points=lambda module, _: _filters.path_string(module) in names)
   counts: dict[NNXPath, set] = {path: set() for path in weights}
   for point in found.points:
     if point.path not in counts:
