@@ -194,6 +194,7 @@ from perturbkit.errors import BoundModuleError
 from perturbkit.errors import WrappedModelError
 from perturbkit.errors import FilterError
 from perturbkit.errors import TracedFilterError
+from perturbkit.errors import PathPatternError
 from perturbkit.errors import HookFunctionError
 from perturbkit.errors import HookOutputError
 from perturbkit.errors import KFACFactorShapeError
@@ -345,6 +346,7 @@ __all__ = [
     'WrappedModelError',
     'FilterError',
     'TracedFilterError',
+    'PathPatternError',
     'HookFunctionError',
     'HookOutputError',
     'KFACFactorShapeError',

@@ -26,7 +26,8 @@ acts per segment there.
 Activation gradients, hooks and interleaved training: ``NoPerturbationPointsError``,
 ``UnmatchedFilterError`` (a hook's or ``wrap``'s filter selects no call; the
 message lists the calls seen), ``FilterError`` (a filter of a type it cannot be;
-``TracedFilterError`` for one answering with a traced value),
+``TracedFilterError`` for one answering with a traced value, ``PathPatternError`` for
+a ``by_path`` pattern written as a regular expression),
 ``NoHooksError``, ``NotAHookError`` and ``HookFunctionError`` (``with_hooks`` without
 hooks; something else than a hook where hooks go; a hook that is not callable),
 ``HookOutputError`` (a hook returning another structure, shape or dtype than it got),
@@ -1477,6 +1478,17 @@ class FilterError(PerturbkitError, TypeError):
         f'{function} takes {want}, but it was given {got!r:.80}. Examples: '
         "`filters.by_type(nn.Dense, nn.Conv)`, `filters.by_path('encoder/*', 'Dense_0')`, "
         "`filter=['Dense_*']`, or a function `(module, method_name) -> bool`.")
+
+
+class PathPatternError(FilterError, ValueError):
+  """A ``filters.by_path`` pattern written as a regular expression, which selects nothing."""
+
+  def __init__(self, pattern: str, reason: str, suggestion: str):
+    super(FilterError, self).__init__(
+        f'filters.by_path takes shell-style patterns (fnmatch: `*` matches any characters, '
+        f'`?` one character, `[0-9]` one of a set), but {pattern!r} reads as a regular '
+        f'expression ({reason}); no module path contains that, so it would select no call. '
+        f'Write it as {suggestion}.')
 
 
 class TracedFilterError(FilterError):

@@ -1,4 +1,6 @@
 """Filters select exactly the expected points, whose gradients equal the hand twin's there."""
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -63,6 +65,24 @@ def test_filter_spellings():
     filters.by_depth(0)
   with pytest.raises(perturbkit.InvalidOptionError, match='1 <= min_depth <= max_depth'):
     filters.by_depth(2, min_depth=3)
+
+
+@pytest.mark.parametrize('regex', [r'^Dense_\d+$', r'^Dense_0$|^block$', r'^block/Dense_\d'])
+def test_a_path_written_as_a_regular_expression_is_refused_with_the_pattern_that_works(regex):
+  """``by_path`` takes shell-style patterns: a regular expression would select no call. The
+  error's suggestion, run, selects the calls whose paths the regular expression matches
+  (``re.fullmatch``, or ``re.match`` without ``$``) on a model with a nested Dense."""
+  for given in (lambda: filters.by_path(regex), lambda: filters.as_filter([regex])):
+    with pytest.raises(perturbkit.PathPatternError, match='regular expression') as error:
+      given()
+    assert isinstance(error.value, perturbkit.FilterError) and isinstance(error.value, ValueError)
+  suggestion = str(error.value).split('Write it as ')[1].split(' (`*`')[0].removesuffix('.')
+  suggested = eval(suggestion if suggestion.startswith('filters.') else f'filters.by_path({suggestion})',
+                   {'filters': filters})
+  got, _ = _grads('remat', suggested)
+  paths = ['Dense_0', 'block', 'block/Dense_0', 'Dense_1']
+  match = re.fullmatch if regex.endswith('$') else re.match
+  assert {p.rsplit('/', 1)[0] for p in got} == {p for p in paths if match(regex, p)}
 
 
 def test_a_module_class_or_a_bad_combinator_argument_is_refused_where_given():

@@ -31,7 +31,7 @@ import flax.linen as nn
 from perturbkit.core._callables import call_filter
 from perturbkit.core._types import CallFilter
 from perturbkit.core._validate import count
-from perturbkit.errors import FilterError, InvalidOptionError
+from perturbkit.errors import FilterError, InvalidOptionError, PathPatternError
 
 
 def all_calls(module: nn.Module, method_name: str) -> bool:
@@ -110,6 +110,36 @@ def path_string(module) -> str | None:
   return None if path is None else '/'.join(map(str, path))
 
 
+def _check_not_regex(pattern: str) -> None:
+  """Raises :class:`PathPatternError` for a pattern only a regular expression would have:
+  Flax and NNX module paths are names and indices joined by ``/``, never with these."""
+  reasons = [why for found, why in (('\\' in pattern, 'a backslash'),
+                                    (pattern.startswith('^'), '`^` first'),
+                                    (pattern.endswith('$'), '`$` last'),
+                                    ('|' in pattern, '`|`')) if found]
+  if not reasons:
+    return
+  parts = []
+  for part in pattern.split('|'):
+    part = part.removeprefix('^').removesuffix('$')
+    for regex, glob in ((r'\d+', '*'), (r'\d*', '*'), (r'\d', '[0-9]'), ('.*', '*'),
+                        ('.+', '*'), (r'\.', '.'), (r'\/', '/')):
+      part = part.replace(regex, glob)
+    parts += [part] if part else []
+  if not parts or any(c in part for part in parts for c in '\\()^$'):
+    suggestion = "a shell-style pattern, e.g. 'encoder/layers/*'"
+  elif len(parts) > 1:
+    suggestion = f'filters.by_path({", ".join(map(repr, parts))})'
+  elif pattern.endswith('$') and parts[0].endswith('*'):
+    # `*` also matches `/`: the regex's end says the submodules are not wanted.
+    suggestion = (f'filters.all_of(filters.by_path({parts[0]!r}), '
+                  f'filters.negate(filters.by_path({parts[0] + "/*"!r}))) (`*` also matches '
+                  f'`/`: the second pattern leaves out the submodules)')
+  else:
+    suggestion = repr(parts[0])
+  raise PathPatternError(pattern, ', '.join(reasons), suggestion)
+
+
 def by_path(*patterns: str) -> CallFilter:
   """Selects calls on modules whose path matches any shell-style pattern.
 
@@ -122,12 +152,20 @@ def by_path(*patterns: str) -> CallFilter:
   Returns:
     A call filter.
 
+  Raises:
+    FilterError: a pattern is not a string.
+    PathPatternError: a pattern reads as a regular expression
+      (``r'layers/\\d+$'``: a backslash, ``^`` first, ``$`` last or ``|``), which no
+      module path matches; the message gives the pattern to write.
+
   Example:
     >>> from perturbkit import filters
     >>> f = filters.by_path('encoder/*')
   """
   if not patterns or not all(isinstance(p, str) for p in patterns):
     raise FilterError('filters.by_path', 'string patterns', patterns)
+  for pattern in patterns:
+    _check_not_regex(pattern)
 
   def selected(module, method_name):
     path = path_string(module)
