@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from flax.nnx import bridge
 
 import hand_lora
 import hand_skip_mlp
@@ -132,6 +134,43 @@ def test_residual_blocks_match_hand_coded_backward():
   dloss = lambda out: 2 * (out - y) / out.size
   new = hand_chain(layers, glues, [p[n] for n in names], x, dloss, lr)
   tx = perturbkit.interleaved(mse(model), optax.sgd(lr), segments=1)
+  state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
+  chex.assert_trees_all_close(state.params, dict(zip(names, new)), **TOL)
+
+
+class NNXBlock(nnx.Module):
+  def __init__(self, width: int, rngs: nnx.Rngs):
+    self.a = nnx.Linear(width, width, rngs=rngs)
+    self.b = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jnp.tanh(self.a(x)))
+
+
+class WithNNXBlock(nn.Module):
+  """A Linen model running an NNX block through ``nnx.bridge.ToLinen``: Linen sees the
+  block's call, not the calls of its ``nnx.Linear`` layers, which own its params."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = bridge.ToLinen(NNXBlock, args=(4,))(nn.Dense(4)(x))
+    return nn.Dense(2)(h)
+
+
+def test_an_nnx_block_through_the_bridge_is_one_default_segment_matching_hand_coded_backward():
+  model, lr = WithNNXBlock(), 0.1
+  x = jax.random.normal(jax.random.key(6), (5, 3))
+  y = jax.random.normal(jax.random.key(7), (5, 2))
+  v = jax.jit(model.init)(jax.random.key(0), x)
+  tx = perturbkit.interleaved(mse(model), optax.sgd(lr))
+  chosen = tx.segments(v, x, y)
+  assert chosen.segments == ('Dense_0', 'ToLinen_0', 'Dense_1') and chosen.rest == {}
+  p = v['params']
+  block = lambda w, a: bridge.ToLinen(NNXBlock, args=(4,)).apply({'params': w}, a)
+  names = ['Dense_0', 'ToLinen_0', 'Dense_1']
+  dloss = lambda out: 2 * (out - y) / out.size
+  new = hand_chain([dense, block, dense], [lambda z: z] * 3, [p[n] for n in names], x, dloss,
+                   lr)
   state, _ = jax.jit(tx.step)(tx.init(v, x, y), x, y)
   chex.assert_trees_all_close(state.params, dict(zip(names, new)), **TOL)
 

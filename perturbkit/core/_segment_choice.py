@@ -361,14 +361,21 @@ def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[P
   their own (ViT's embeddings: a class token around a patch convolution), is one
   segment with them. Own params the loss never reads (Wav2Vec2's
   ``masked_spec_embed`` without ``mask_time_indices``) do not make it one: they go
-  to ``REST`` with their zero gradient, and the modules inside are segments.
-  The modules left out map to ``(kind, reason)``.
+  to ``REST`` with their zero gradient, and the modules inside are segments. Modules
+  owning params that are never called themselves, inside a call none of whose
+  owners is called (an NNX module inside a Linen model through
+  ``nnx.bridge.ToLinen``), are that call's segment. The modules left out map to
+  ``(kind, reason)``.
   """
   chosen: set[Path] = set()
   rest: dict[str, tuple[str, str]] = {}
   cannot = lambda path: path in transformed or path in branched
   enclosing = {o[:n] for o in owners for n in range(1, len(o))} & set(owners)
   idle = unread() & enclosing if enclosing else set()
+  # Modules with a called owner at or below them: a call around owners none of which is
+  # called itself (an NNX module run by nnx.bridge.ToLinen, whose submodules the Linen
+  # front end does not see as calls) is their segment; one with called owners keeps them.
+  above_called = {o[:n] for o in owners if count[o] > 0 for n in range(len(o) + 1)}
   for owner in owners:
     if owner in idle:
       continue
@@ -377,6 +384,10 @@ def _layerwise(owners: list[Path], count: Mapping[Path, int], transformed: set[P
     # plain call takes them.
     while target and cannot(owner) and (cannot(target) or count[target] == 0):
       target = target[:-1]
+    if target and not cannot(owner) and count[owner] == 0:
+      while target and count[target] == 0:
+        target = target[:-1]
+      target = target if target not in above_called else ()
     if not target or count[target] == 0:
       rest[name_of(owner)] = (
           ('branch', f'it runs inside {branched[owner]}, where a segment cannot run, and no '

@@ -117,7 +117,9 @@ def interleaved(loss_fn: Callable[..., Any], optimizer: Optimizer, *,
       steps are taken in the sweep, where these are known.
     segments: ``None`` (default) for layer-wise segments: every call of a
       module that owns params directly (Dense, Conv, Embed, LayerNorm, ...),
-      also inside ``nn.scan`` (see "Blocks in ``nn.scan``"); params that
+      also inside ``nn.scan`` (see "Blocks in ``nn.scan``"), and the call of
+      an NNX module run through ``nnx.bridge.ToLinen`` (whose own layers are
+      no Linen calls); params that
       cannot be updated inside the sweep (a module called twice, tied weights
       read outside their call, params stacked other than along their first
       axis, a call running a module handed to it as an attribute, a call in
