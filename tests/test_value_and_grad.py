@@ -531,3 +531,36 @@ def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error
     np.testing.assert_allclose(grads['perturbations']['a']['__call__'], want[0], **TOL)
     np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)
 
+
+
+def test_an_nnx_block_through_the_bridge_is_one_call_with_its_gradient():
+  """``nnx.bridge.ToLinen`` runs an NNX block as one Linen call: its point's gradient equals
+  ``jax.grad`` at a ``+ delta`` written after the block in a twin of the model, and the params'
+  gradients equal ``jax.grad``'s. Flax warns that the block's scope holds a variable the NNX
+  block does not have (the point's zero, which ToLinen hands over with every collection)."""
+  from flax.nnx import bridge
+  from test_interleaved import NNXBlock, WithNNXBlock, mse
+
+  class Twin(nn.Module):
+    @nn.compact
+    def __call__(self, x, delta):
+      h = bridge.ToLinen(NNXBlock, args=(4,))(nn.Dense(4)(x)) + delta
+      return nn.Dense(2)(h)
+
+  model = WithNNXBlock()
+  x = jax.random.normal(jax.random.key(6), (5, 3))
+  y = jax.random.normal(jax.random.key(7), (5, 2))
+  v = jax.jit(model.init)(jax.random.key(0), x)
+
+  @jax.jit
+  def by_hand(v, x, y):
+    loss = lambda p, delta: jnp.mean((Twin().apply({'params': p}, x, delta) - y) ** 2)
+    return jax.grad(loss, argnums=(0, 1))(v['params'], jnp.zeros((5, 4)))
+
+  want_params, want_point = by_hand(v, x, y)
+  with pytest.warns(UserWarning, match='Found unknown module paths in incoming state'):
+    _, grads = jax.jit(perturbkit.value_and_grad(mse(model)))(v, x, y)
+  chex.assert_trees_all_close(grads['params'], want_params, **TOL)
+  chex.assert_trees_all_close(grads['perturbations']['ToLinen_0']['__call__'], want_point, **TOL)
+  assert float(jnp.abs(want_point).max()) > 1e-2
+  assert set(grads['perturbations']) == {'Dense_0', 'ToLinen_0', 'Dense_1'}

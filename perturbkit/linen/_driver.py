@@ -658,6 +658,14 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
     (its function may map the perturbations like the weights): the wrapper's
     own call has the same output and its point.
 
+  NNX modules inside the model:
+    An NNX module run through ``nnx.bridge.ToLinen`` is one call, with its
+    point on the bridge's output (its own NNX layers are no Linen calls).
+    Flax warns there ``Found unknown module paths in incoming state: __call__``:
+    ToLinen hands every collection of its scope to the NNX module, the point's
+    zero included, which that module has no variable for; the values are not
+    affected (``tests/test_value_and_grad.py``).
+
   Nested gradients (test-time training):
     A loss may contain its own ``jax.grad`` step: the points inside the inner
     step receive the derivative of the OUTER result through that step, the "add
