@@ -302,15 +302,46 @@ def test_tied_head_norms_equal_vmap_of_nnx_grad(reduction):
   chex.assert_trees_all_close(M.pure(grads), M.pure(want), **TOL)
 
 
+class NoisyCell(nnx.LSTMCell):
+  """An LSTM cell whose initial carry ``nnx.RNN`` draws at random from its stream."""
+
+  def initialize_carry(self, input_shape, rngs=None, carry_init=None):
+    return super().initialize_carry(input_shape, rngs, carry_init=nnx.initializers.normal())
+
+
+class RandomCarry(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.embed = nnx.Linear(3, 4, rngs=rngs)
+    self.rnn = nnx.RNN(NoisyCell(4, 4, rngs=rngs))
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.rnn(self.embed(x)))
+
+
+def test_a_draw_the_output_is_not_computed_from_is_replayed():
+  """``nnx.RNN`` draws a key from its stream for the initial carry in every call, which the
+  per-example replay of the whole model runs again; with the LSTM's default zero carry the
+  output is not computed from that key, so the replay is exact: the norms equal vmap(nnx.grad).
+  So do those of a Linen MLP inside the model through ``nnx.bridge.ToNNX``, which hands a key
+  of its stream to every Linen call."""
+  from flax.nnx import bridge
+  bridged, features = M.Bridged(rngs=nnx.Rngs(0)), M.random_batch((3, 4))
+  bridge.lazy_init(bridged, features)
+  sequences = M.random_batch((3, 5, 3))
+  for model, x in [(M.Recurrent(rngs=nnx.Rngs(0)), sequences), (bridged, features)]:
+    _, norms = jax.jit(perturbkit.nnx.per_example_grad_norms(squared_error))(model, x)
+    assert_norms_equal(norms, reference_grads(squared_error, model, x))
+
+
 def test_an_rnn_drawing_its_initial_carry_is_refused_by_its_stream():
-  """``nnx.RNN`` draws a key from its own stream for the initial carry, in the call that the
+  """An initial carry drawn at random from the RNN's own stream, in the call that the
   per-example replay runs again: the refusal names that stream, not only the replayed call."""
   # An abstract model and batch (the refusal is made while tracing, values play no part).
-  model = nnx.eval_shape(lambda: M.Recurrent(rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: RandomCarry(rngs=nnx.Rngs(0)))
   x = jax.ShapeDtypeStruct((2, 5, 3), jnp.float32)
-  loss_fn = lambda m, x: jnp.mean(jnp.sum(jnp.tanh(m(x)) ** 2, axis=(1, 2)))
   with pytest.raises(perturbkit.RandomCallError, match=r'stream rnn\.rngs .*initial carry'):
-    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(loss_fn), model, x)  # while tracing
+    nnx.eval_shape(perturbkit.nnx.per_example_grad_norms(squared_error), model, x)  # tracing
 
 
 def test_a_replayed_call_drawing_from_an_nnx_rngs_argument_is_refused():

@@ -191,7 +191,10 @@ Face's ``gradient_checkpointing=True``) are covered by a replay of the whole
 apply ("Replaying the whole apply"), so dropout (or any draw from a Flax RNG
 stream) anywhere in that apply raises ``RandomApplyReplayError``, a
 ``RandomCallError``; without gradient checkpointing, dropout between layers is
-recorded as above.
+recorded as above. On NNX, a draw from an ``nnx.Rngs`` stream that the replayed
+call's output is not computed from (read off its trace: ``nnx.RNN``'s key for a
+zero initial carry, the key ``nnx.bridge.ToNNX`` hands to its Linen module) changes
+nothing, and the replay goes ahead (``tests/test_nnx_per_example.py``).
 
 DP-SGD from one backward pass
 -----------------------------

@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 from flax.nnx.nn.linear import canonicalize_padding
 
+from perturbkit.core._dependence import depends_on
 from perturbkit.errors import RandomCallError
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
 from perturbkit.per_example._nnx_draws import watched_draws
@@ -49,6 +50,23 @@ def _rng_counts(module: nnx.Module) -> list[tuple[Any, Any]]:
           for path, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
 
 
+def _reads_keys(fn: Callable[[Any], Any], others: Any) -> bool:
+  """Whether ``fn(others)`` is computed from the PRNG keys among ``others``' leaves (one
+  more trace of ``fn``, with the keys as its only inputs)."""
+  leaves, tree = jax.tree.flatten(others)
+  is_key = [jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
+            for x in leaves]
+
+  def with_keys(keys):
+    given = iter(keys)
+    return fn(jax.tree.unflatten(tree, [next(given) if k else x
+                                        for x, k in zip(leaves, is_key)]))
+
+  keys = [x for x, k in zip(leaves, is_key) if k]
+  closed = jax.make_jaxpr(with_keys)(keys)
+  return any(depends_on(closed.jaxpr, [True] * len(closed.jaxpr.invars)))
+
+
 def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
                random_error: Callable[[str, str], RandomCallError] = RandomCallError) -> Replay:
   """The call of a module rebuilt from its plain ``graphdef``, given its params subtree.
@@ -57,17 +75,25 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
   the params come as nested dicts with string keys (``_segments.params_tree``),
   the other variables as the module's ``nnx.State`` other than params.
 
+  A draw whose keys the call's output is not computed from (``nnx.bridge.ToNNX``
+  hands a key to every Linen call, used or not) changes nothing and is allowed.
+
   Raises (from the replay):
     RandomCallError: (``random_error``) the call draws from an ``nnx.Rngs`` stream of
       the model (seen at the draw: a count that an NNX transform hands back unchanged
-      is no draw); a replay cannot draw the batched pass's numbers.
+      is no draw) and its output depends on the keys; a replay cannot draw the
+      batched pass's numbers.
   """
+  def call(params, others, args, kwargs):
+    module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
+    return getattr(module, method_name)(*args, **kwargs)
+
   def replay(params, others, args, kwargs):
     module = nnx.merge(graphdef, with_values(template, params), others, copy=True)
     before = _rng_counts(module)
     with watched_draws(module) as draws:
       out = getattr(module, method_name)(*args, **kwargs)
-    if draws:
+    if draws and _reads_keys(lambda others: call(params, others, args, kwargs), others):
       moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
                in zip(before, _rng_counts(module)) if a is not b]
       stream = f'the nnx.Rngs stream {moved[0]}' if moved else 'an nnx.Rngs stream'
