@@ -77,8 +77,9 @@ def test_a_path_written_as_a_regular_expression_is_refused_with_the_pattern_that
       given()
     assert isinstance(error.value, perturbkit.FilterError) and isinstance(error.value, ValueError)
   suggestion = str(error.value).split('Write it as ')[1].split(' (`*`')[0].removesuffix('.')
-  suggested = eval(suggestion if suggestion.startswith('filters.') else f'filters.by_path({suggestion})',
-                   {'filters': filters})
+  if not suggestion.startswith('filters.'):
+    suggestion = f'filters.by_path({suggestion})'
+  suggested = eval(suggestion, {'filters': filters})
   got, _ = _grads('remat', suggested)
   paths = ['Dense_0', 'block', 'block/Dense_0', 'Dense_1']
   match = re.fullmatch if regex.endswith('$') else re.match

@@ -38,13 +38,14 @@ over its rows.
 
 Which layers are skipped
 ------------------------
-Layers without a rule (BatchNorm, GroupNorm, a grouped or masked Conv, a norm over other axes than the
-last or called with a mask, a normalisation module a model defines itself, other than Hugging Face's
-Llama, Mistral and Gemma RMSNorms and T5's LayerNorm, a tied ``attend``, a layer run by ``nn.scan``
-whose params every iteration shares, see below) and layers whose weights are also read outside their calls (GPT-2's
-``wte``, tied to the LM head: factors from its own calls would miss the head's
-share of the gradient) are listed in ``layers.skipped`` with the reason and go to
-the fallback transform; selecting one explicitly raises
+Layers without a rule (BatchNorm, GroupNorm, a grouped or masked Conv, a norm
+over other axes than the last or called with a mask, a normalisation module a
+model defines itself, other than Hugging Face's Llama, Mistral and Gemma RMSNorms
+and T5's LayerNorm, a tied ``attend``, a layer run by ``nn.scan`` whose params
+every iteration shares, see below) and layers whose weights are also read outside
+their calls (GPT-2's ``wte``, tied to the LM head: factors from its own calls
+would miss the head's share of the gradient) are listed in ``layers.skipped``
+with the reason and go to the fallback transform; selecting one explicitly raises
 ``KFACUnsupportedLayerError``. A rule is the math of the library layer's own
 ``__call__``: a subclass of ``nn.Dense``, ``nn.Conv`` or ``nn.Embed`` (``nnx.Linear``,
 ``nnx.Conv``, ``nnx.Embed``) that keeps it is preconditioned like the layer, one that
