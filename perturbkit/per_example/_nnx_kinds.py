@@ -50,20 +50,21 @@ def _rng_counts(module: nnx.Module) -> list[tuple[Any, Any]]:
           for path, var in nnx.to_flat_state(nnx.state(module, nnx.RngCount))]
 
 
-def _reads_keys(fn: Callable[[Any], Any], others: Any) -> bool:
-  """Whether ``fn(others)`` is computed from the PRNG keys among ``others``' leaves (one
-  more trace of ``fn``, with the keys as its only inputs)."""
-  leaves, tree = jax.tree.flatten(others)
+def _reads_keys(fn: Callable[[Any], Any], given: Any) -> bool:
+  """Whether ``fn(given)`` is computed from the PRNG keys among ``given``'s leaves (one more
+  trace of ``fn``, with the keys as its only inputs); ``True`` if ``given`` holds none."""
+  leaves, tree = jax.tree.flatten(given)
   is_key = [jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
             for x in leaves]
+  if not any(is_key):
+    return True
 
   def with_keys(keys):
-    given = iter(keys)
-    return fn(jax.tree.unflatten(tree, [next(given) if k else x
+    keys = iter(keys)
+    return fn(jax.tree.unflatten(tree, [next(keys) if k else x
                                         for x, k in zip(leaves, is_key)]))
 
-  keys = [x for x, k in zip(leaves, is_key) if k]
-  closed = jax.make_jaxpr(with_keys)(keys)
+  closed = jax.make_jaxpr(with_keys)([x for x, k in zip(leaves, is_key) if k])
   return any(depends_on(closed.jaxpr, [True] * len(closed.jaxpr.invars)))
 
 
@@ -93,7 +94,7 @@ def nnx_replay(graphdef: Any, template: nnx.State, method_name: str, where: str,
     before = _rng_counts(module)
     with watched_draws(module) as draws:
       out = getattr(module, method_name)(*args, **kwargs)
-    if draws and _reads_keys(lambda others: call(params, others, args, kwargs), others):
+    if draws and _reads_keys(lambda given: call(params, *given), (others, args, kwargs)):
       moved = ['.'.join(map(str, path[:-1])) for (path, a), (_, b)
                in zip(before, _rng_counts(module)) if a is not b]
       stream = f'the nnx.Rngs stream {moved[0]}' if moved else 'an nnx.Rngs stream'
