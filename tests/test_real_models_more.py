@@ -267,3 +267,37 @@ def test_opt_feed_forward_calls_are_swept_per_token_through_a_view():
   np.testing.assert_allclose(one_patch.effects[0, 0], want_effect, rtol=1e-3,
                              atol=1e-5 * abs(float(want_effect)))
   assert abs(float(want_effect)) > 0.01 * scale
+
+
+def test_t5_encode_and_decode_as_hugging_face_calls_them_give_the_tied_head_its_point():
+  """Hugging Face's ``decode`` runs a function given to ``apply`` (``method=``): the decoder
+  it returns, then the LM head tied to the embedding, ``module.lm_head.apply({'params':
+  {'kernel': embedding.T}}, h)``. The head is a call with its point, whose gradient equals
+  ``jax.grad`` of the loss at the logits; the params' gradients equal ``jax.grad``'s."""
+  import transformers as T
+  with jax.numpy_rank_promotion('allow'), hf_models.t5_numpy():
+    hf = T.FlaxT5ForConditionalGeneration(
+        T.T5Config(**{**hf_models.T5_CONFIG, 'num_decoder_layers': 1}), _do_init=False)
+    variables = hf_models.filled_variables(hf)
+    ids = _ids()
+    decoder_ids = ids[:, ::-1][:, :5]
+
+    def logits_of(params, ids, decoder_ids):
+      mask, decoder_mask = jnp.ones_like(ids), jnp.ones_like(decoder_ids)
+      encoded = hf.encode(ids, attention_mask=mask, params=params)
+      return hf.decode(decoder_ids, encoded, encoder_attention_mask=mask,
+                       decoder_attention_mask=decoder_mask, params=params).logits
+
+    of_logits = lambda logits: jnp.mean(jnp.tanh(logits) ** 2)
+    loss_fn = lambda v, ids, decoder_ids: of_logits(logits_of(v['params'], ids, decoder_ids))
+
+    @jax.jit
+    def by_hand(variables, ids, decoder_ids):
+      logits = logits_of(variables['params'], ids, decoder_ids)
+      return jax.grad(loss_fn)(variables, ids, decoder_ids), jax.grad(of_logits)(logits)
+
+    want, at_logits = by_hand(variables, ids, decoder_ids)
+    _, grads = jax.jit(perturbkit.value_and_grad(loss_fn))(variables, ids, decoder_ids)
+  chex.assert_trees_all_close(grads['params'], want['params'], **TOL)
+  np.testing.assert_allclose(grads['perturbations']['lm_head']['__call__'], at_logits, **TOL)
+  assert float(jnp.abs(at_logits).max()) > 1e-4

@@ -607,7 +607,10 @@ def value_and_grad(loss_fn: Callable[..., Any], *, filter: CallFilter | bool | N
       ties an output layer to the input embedding
       (``self.lm_head.apply({'params': {'kernel': embedding.T}}, h)``), is a
       call of that submodule: GPT-2's ``grads['perturbations']['lm_head']``
-      holds dL/d(logits). The calls inside such an ``apply`` have no point.
+      holds dL/d(logits). So is one in a function given to ``apply(...,
+      method=fn)`` after it called a submodule a root method returned, as
+      Hugging Face's ``decode`` runs the decoder and then the tied head (T5,
+      BART, mBART, Marian). The calls inside such an ``apply`` have no point.
     * With ``return_activations``/``return_inputs`` the outputs and the
       ``(args, kwargs)`` inputs of the selected calls are at the same paths as
       their gradients.

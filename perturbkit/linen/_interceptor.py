@@ -275,6 +275,21 @@ class _State:
       return child
     return None
 
+  def holder_of(self, module: nn.Module, method_name: str) -> nn.Module | None:
+    """The root a returned submodule was called from (the latest first) that has a child
+    ``module`` is a copy of, made for its own ``apply`` with other variables and neither
+    mutable collections nor random numbers; None if there is none. The child must be an
+    attribute of the root (made in its ``setup``), so that a replay of the root finds it."""
+    if (module.name is None or not method_name.isidentifier() or module.scope.mutable
+        or module.scope.rngs):
+      return None
+    for _, root, _ in reversed(list(self.returned.values())):
+      child = root._state.children.get(module.name)
+      if (isinstance(child, nn.Module) and type(child) is type(module)
+          and getattr(root, module.name, None) is child):
+        return root
+    return None
+
 
 def returned_modules(root: nn.Module, method: Any, out: Any, args: tuple,
                      kwargs: dict) -> dict[int, tuple[nn.Module, nn.Module, Callable]]:
@@ -377,6 +392,23 @@ def intercept(filter: CallFilter, on_call: Handler,
       _, root, fetch = state.returned[id(module)]
       replay = lambda r, *a, **kw: getattr(fetch(r), method_name)(*a, **kw)
       return _root(root, replay, run, args, kwargs, on_root)
+    holder = (state.holder_of(module, method_name)
+              if nested_applies and not state.roots_active and not module.path else None)
+    if holder is not None:
+      # A submodule's own `apply` in a function given to the root's `apply`, after the call
+      # of a submodule a root method returned (Hugging Face's `decode`: the tied
+      # `module.lm_head.apply(...)` after the decoder): a call of that submodule, as in a
+      # method of the root.
+      given, name = module.variables, module.name
+
+      def replay(root, *a, **kw):
+        state.modules.append(root)  # the running call whose child the apply is
+        try:
+          return getattr(root, name).apply(given, *a, method=method_name, **kw)
+        finally:
+          state.modules.pop()
+
+      return _root(holder, replay, run, args, kwargs, on_root)
     if not module.path:
       if state.roots_active:  # a nested `apply` (or a lifted transform's wrapper)
         child = state.applied_child(module, method_name) if nested_applies else None
