@@ -532,7 +532,6 @@ def test_a_switch_right_after_another_with_new_branch_functions_is_a_named_error
     np.testing.assert_allclose(grads['perturbations']['a']['__call__#1'], want[1], **TOL)
 
 
-
 def test_an_nnx_block_through_the_bridge_is_one_call_with_its_gradient():
   """``nnx.bridge.ToLinen`` runs an NNX block as one Linen call: its point's gradient equals
   ``jax.grad`` at a ``+ delta`` written after the block in a twin of the model, and the params'
