@@ -19,6 +19,12 @@ def is_array(leaf: Any) -> bool:
   return isinstance(leaf, (jax.Array, np.ndarray))
 
 
+def is_typed_key(leaf: Any) -> bool:
+  """Whether ``leaf`` is an array of typed PRNG keys (``jax.random.key``); a raw ``uint32``
+  key cannot be told from data."""
+  return is_array(leaf) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
 def partition_values(tree: Any, keep: Callable[[Any], bool] = lambda leaf: False,
                      ) -> tuple[list, Callable[[list], Any]]:
   """``(arrays, rebuild)``: the array leaves of ``tree`` (and the nodes ``keep`` selects, left

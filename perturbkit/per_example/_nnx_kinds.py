@@ -14,6 +14,7 @@ from flax import nnx
 from flax.nnx.nn.linear import canonicalize_padding
 
 from perturbkit.core._dependence import depends_on
+from perturbkit.core._values import is_typed_key
 from perturbkit.errors import RandomCallError
 from perturbkit.per_example._kinds import GENERAL, LayerKind, Replay, conv_kind
 from perturbkit.per_example._nnx_draws import watched_draws
@@ -54,8 +55,7 @@ def _reads_keys(fn: Callable[[Any], Any], given: Any) -> bool:
   """Whether ``fn(given)`` is computed from the PRNG keys among ``given``'s leaves (one more
   trace of ``fn``, with the keys as its only inputs); ``True`` if ``given`` holds none."""
   leaves, tree = jax.tree.flatten(given)
-  is_key = [jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
-            for x in leaves]
+  is_key = [is_typed_key(x) for x in leaves]
   if not any(is_key):
     return True
 

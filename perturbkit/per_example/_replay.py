@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from perturbkit.core._values import is_array
+from perturbkit.core._values import is_array, is_typed_key
 from perturbkit.core._varying import vary_like
 from perturbkit.per_example._calls import Use, float_part
 from perturbkit.errors import RandomCallError
@@ -52,8 +52,7 @@ def call_output(pair: Pair, params: Any, args: tuple | None = None,
   args = pair.args if args is None else args
   kwargs = pair.kwargs if kwargs is None else kwargs
   where = '/'.join(pair.use.path + (pair.use.key,))
-  if any(hasattr(leaf, 'dtype') and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-         for leaf in jax.tree.leaves((args, kwargs))):
+  if any(is_typed_key(leaf) for leaf in jax.tree.leaves((args, kwargs))):
     raise RandomCallError(where, 'it is given a PRNG key')
   return float_part(pair.use.replay(params, pair.variables, args, kwargs))
 
