@@ -269,11 +269,8 @@ class _State:
     inside it, is a copy of (``self.lm_head.apply(...)``); None for any other ``apply``."""
     if not self.modules or module.name is None or not method_name.isidentifier():
       return None
-    child = self.modules[-1]._state.children.get(module.name)
-    if (isinstance(child, nn.Module) and type(child) is type(module)
-        and child.scope is not None and child.path):
-      return child
-    return None
+    child = _copied_child(self.modules[-1], module)
+    return child if child is not None and child.scope is not None and child.path else None
 
   def holder_of(self, module: nn.Module, method_name: str) -> nn.Module | None:
     """The root a returned submodule was called from (the latest first) that has a child
@@ -284,11 +281,17 @@ class _State:
         or module.scope.rngs):
       return None
     for _, root, _ in reversed(list(self.returned.values())):
-      child = root._state.children.get(module.name)
-      if (isinstance(child, nn.Module) and type(child) is type(module)
-          and getattr(root, module.name, None) is child):
+      child = _copied_child(root, module)
+      if child is not None and getattr(root, module.name, None) is child:
         return root
     return None
+
+
+def _copied_child(parent: nn.Module, module: nn.Module) -> nn.Module | None:
+  """The child of ``parent`` named as ``module`` and of its type (the submodule ``module``
+  may be a copy of, made for its own ``apply``), or None."""
+  child = parent._state.children.get(module.name)
+  return child if isinstance(child, nn.Module) and type(child) is type(module) else None
 
 
 def returned_modules(root: nn.Module, method: Any, out: Any, args: tuple,
