@@ -557,14 +557,16 @@ def test_bf16_attributions_are_summed_in_float32_without_rounding_the_difference
   """A bfloat16 model's outputs and gradients are exact in float64; the attributions (1000s of
   products per position) must equal their float64 sums to float32 precision, not bfloat16's.
 
-  Not jitted: op by op, both sides round the model's bfloat16 values alike (under ``jax.jit``
-  XLA may fuse bfloat16 ops and keep float32 between them, differently in each program)."""
+  Op by op (``jax.disable_jit``: called eagerly, the sweeps compile themselves), so that both
+  sides round the model's bfloat16 values alike (under ``jax.jit`` XLA may fuse bfloat16 ops
+  and keep float32 between them, differently in each program)."""
   model, variables, x, corrupted, names, outputs_and_grads = bf16_problem(conv=False)
   clean_out, _ = outputs_and_grads(x)
   out, grads = outputs_and_grads(corrupted)
   metric = lambda v, x: model.apply(v, x)
-  patched = perturbkit.attribution_patching(metric, axis=1)(variables, x, corrupted)
-  gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
+  with jax.disable_jit():
+    patched = perturbkit.attribution_patching(metric, axis=1)(variables, x, corrupted)
+    gxa = perturbkit.grad_times_activation(metric, axis=1)(variables, corrupted)
   assert patched.paths == gxa.paths == tuple(names)
   want = np.stack([np.sum((clean_out[n] - out[n]) * grads[n], axis=(0, 2)) for n in names])
   want_gxa = np.stack([np.sum(out[n] * grads[n], axis=(0, 2)) for n in names])
@@ -582,7 +584,8 @@ def test_bf16_attributions_are_summed_in_float32_without_rounding_the_difference
 def test_bf16_grad_cam_is_computed_in_float32():
   model, variables, images, _, names, outputs_and_grads = bf16_problem(conv=True)
   feature_maps, grads = outputs_and_grads(images)
-  _, maps = perturbkit.grad_cam(lambda v, x: model.apply(v, x))(variables, images)  # op by op
+  with jax.disable_jit():  # op by op, as the reference
+    _, maps = perturbkit.grad_cam(lambda v, x: model.apply(v, x))(variables, images)
   assert list(maps) == names
   for n in names:
     want = np.maximum(np.einsum('bhwc,bc->bhw', feature_maps[n], grads[n].mean(axis=(1, 2))), 0)
@@ -593,10 +596,12 @@ def test_bf16_grad_cam_is_computed_in_float32():
 
 def test_bf16_metric_patching_effects_are_exact_differences_in_float32():
   """Activation patching of a bfloat16 metric gives float32 effects, as attribution patching
-  does, so the two compare in one dtype; each is the exact difference of the two metrics."""
+  does, so the two compare in one dtype; each is the exact difference of the two metrics.
+  Op by op (``jax.disable_jit``), as the bfloat16 metrics by hand are rounded."""
   model, variables, x, corrupted, names, _ = bf16_problem(conv=False)
   metric = lambda v, x: model.apply(v, x).astype(jnp.bfloat16)
-  result = perturbkit.activation_patching(metric)(variables, x, corrupted)
+  with jax.disable_jit():
+    result = perturbkit.activation_patching(metric)(variables, x, corrupted)
   zeros = {n: 0 for n in names}
   _, clean_out = recorded(model, variables, x, zeros)
   base = np.float64(metric(variables, corrupted))

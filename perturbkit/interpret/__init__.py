@@ -108,6 +108,17 @@ Conventions
   ``effects`` array is float32.
 * Clean and corrupted inputs must make the same calls with outputs of the same
   shapes (``CallStructureMismatchError`` names the first call that differs).
+* Called outside any JAX transform (as in a notebook), the sweeps
+  (``activation_patching``, ``attribution_patching``, ``grad_times_activation``,
+  ``layer_integrated_gradients``, ``grad_cam``) compile themselves with
+  ``jax.jit`` on the first call and reuse the program while the arguments keep
+  their shapes: activation patching of a 2-layer GPT-2 took 13 s per call op by
+  op, its loops compiled anew each time, and takes 0.03 s compiled. So ``fn``'s
+  Python runs when the program is traced, not on every call. Python and NumPy
+  scalars and strings among the arguments are constants of the program (another
+  value compiles another); an NNX model's state is its input. ``jax.disable_jit()``
+  runs a sweep op by op. Under the caller's ``jax.jit``, ``jax.vmap`` or
+  ``jax.grad``, a sweep is part of the caller's computation.
 * NNX: the functions run a copy of the model merged in their own trace; the
   model's state (batch statistics, RNG counts) is not changed. With dropout
   on, every call therefore draws the same masks (those the model's next own

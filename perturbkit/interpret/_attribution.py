@@ -9,6 +9,7 @@ from perturbkit.core._precision import accumulation_dtype, widened
 from perturbkit.core._traced_points import PointEdit, TracedPoints, point_name
 from perturbkit.core._naming import named_after
 from perturbkit.core._varying import vary
+from perturbkit.interpret._compiled import compiled_when_eager
 from perturbkit.interpret._edits import checked_view, viewed, viewed_shape
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
@@ -175,7 +176,7 @@ def attribution_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
     return PatchingResult(tuple(map(point_name, corrupted_points.paths)), where, effects,
                           clean_metric, corrupted_metric)
 
-  return attribute
+  return compiled_when_eager(attribute)
 
 
 def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
@@ -197,4 +198,4 @@ def grad_times_activation(tracer: Tracer, fn: Callable[..., Any], *, filter: Any
                                           leaves=leaves)
     return PatchingResult(tuple(map(point_name, traced.paths)), where, effects, metric, metric)
 
-  return attribute
+  return compiled_when_eager(attribute)

@@ -17,6 +17,7 @@ from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import TracedPoints, point_name
 from perturbkit.errors import FeatureMapShapeError, ImageLayoutError, InvalidOptionError
 from perturbkit.interpret._cache import metric_and_grads
+from perturbkit.interpret._compiled import compiled_when_eager
 from perturbkit.interpret._points import Tracer, check_given, trace
 
 
@@ -118,4 +119,4 @@ def grad_cam(tracer: Tracer, fn: Callable[..., Any], *, filter: Any,
                                 if upsample else cam)
     return metric, maps
 
-  return cams
+  return compiled_when_eager(cams)

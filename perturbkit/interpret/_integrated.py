@@ -23,6 +23,7 @@ from perturbkit.core._validate import count, flag
 from perturbkit.core._naming import named_after
 from perturbkit.errors import InvalidOptionError
 from perturbkit.interpret._attribution import Direction, difference, first_order_effects
+from perturbkit.interpret._compiled import compiled_when_eager
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed_shape
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves, swept
 from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
@@ -189,4 +190,4 @@ def layer_integrated_gradients(tracer: Tracer, fn: Callable[..., Any], *, filter
     gap = effects.sum(axis=1) - (widened(metric) - widened(ends))
     return IntegratedGradientsResult(names, where, effects, metric, baseline_metric, ends, gap)
 
-  return attribute
+  return compiled_when_eager(attribute)

@@ -149,7 +149,9 @@ def activation_patching(fn: Callable[..., Any], *, filter: CallFilter | bool | N
   a causal model) is the corrupted run itself: its effect is exactly 0, and in
   batches it does not run (the needed runs go first, and the loop stops after
   the last of them). The compiled sweep holds the model after each group's
-  first call once per group. Jittable, and the effects are differentiable
+  first call once per group. Called outside ``jax.jit``, it compiles itself on
+  the first call and reuses the program (see ``help(perturbkit.interpret)``).
+  Jittable, and the effects are differentiable
   (``jax.grad``, ``jax.jvp``, under ``jax.jit`` too). Differentiated, every
   patched run runs, the skipped ones too: a patch that changes nothing at
   these inputs still has derivatives (moving the clean input changes what it

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from perturbkit.core._precision import widened
 from perturbkit.core._traced_points import point_name
 from perturbkit.core._naming import named_after
+from perturbkit.interpret._compiled import compiled_when_eager
 from perturbkit.interpret._edits import Edit, checked_view, edit_function, viewed
 from perturbkit.interpret._leaves import checked_leaves, chosen, on_leaves
 from perturbkit.interpret._points import Tracer, check_given, check_metric, trace
@@ -103,4 +104,4 @@ def activation_patching(tracer: Tracer, fn: Callable[..., Any], *, filter: Any, 
     return PatchingResult(tuple(map(point_name, paths)), where,
                           effects, clean_metric, corrupted_metric)
 
-  return patch
+  return compiled_when_eager(patch)
