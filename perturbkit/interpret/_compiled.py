@@ -3,7 +3,7 @@
 Op by op, a sweep would compile each of its operations on first use and its loops
 (``jax.lax.map``, ``fori_loop``) on every call, their bodies being new functions
 each time: 13 s per call of activation patching on a 2-layer GPT-2, against
-0.04 s for the compiled program. Called eagerly, the sweep therefore compiles
+0.03 s for the compiled program. Called eagerly, the sweep therefore compiles
 itself with ``jax.jit``, once per structure and shapes of its arguments, and
 runs the program. Under a transform (an argument is a tracer: inside the
 caller's ``jax.jit``, ``jax.vmap``, ``jax.grad``) it is traced as part of the
@@ -13,9 +13,9 @@ The arrays among the arguments are the program's inputs. An NNX module is split
 into its graph (fixed) and its state (inputs), and merged again inside; the
 sweeps never change the caller's module. Any other leaf (a Python or NumPy
 scalar, such as a flag the model branches on, a string) is fixed, each value
-(and type) its own program, as ``jax.jit`` with
-``static_argnums`` would have it. Arguments holding a leaf that is neither an
-array nor hashable are run op by op, as they are given.
+(and type) its own program, as ``jax.jit`` with ``static_argnums`` would have
+it. Arguments holding a leaf that is neither an array nor hashable are run op
+by op, as they are given.
 """
 import inspect
 from typing import Any, Callable, TypeVar
