@@ -5,6 +5,7 @@ The references of the interpret tests: every Dense call's output passes through
 against is written into the model explicitly, with no perturbkit code.
 """
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 NAMES = ('Dense_0/__call__', 'Dense_1/__call__', 'Dense_2/__call__')
@@ -33,3 +34,11 @@ def outputs_by_hand(params, x, *, activation=nn.relu) -> dict:
 def metric_of(out):
   """A nonlinear scalar of the output, the metric the tests patch and attribute."""
   return jnp.mean(jnp.tanh(out[..., 0]) + out[..., 1] ** 2)
+
+
+def problem(model: nn.Module) -> tuple:
+  """``(variables, x, other)``: ``model``'s variables (jitted init, key 0) and two inputs of
+  ``SHAPE`` (keys 1 and 2), the clean and corrupted (or baseline) inputs of the tests."""
+  x = jax.random.normal(jax.random.key(1), SHAPE)
+  other = jax.random.normal(jax.random.key(2), SHAPE)
+  return jax.jit(model.init)(jax.random.key(0), x), x, other

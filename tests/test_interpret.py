@@ -45,9 +45,7 @@ mlp_by_hand = hand_mlp.by_hand  # models.MLP
 @pytest.fixture(scope='module', name='mlp')
 def _mlp():
   model = models.MLP()
-  clean = jax.random.normal(jax.random.key(1), SHAPE)
-  corrupted = jax.random.normal(jax.random.key(2), SHAPE)
-  variables = jax.jit(model.init)(jax.random.key(0), clean)
+  variables, clean, corrupted = hand_mlp.problem(model)
   metric = lambda v, x: metric_of(model.apply(v, x))
   return model, variables, clean, corrupted, metric
 

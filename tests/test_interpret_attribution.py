@@ -47,9 +47,7 @@ def replaced(params, x, name, value):
 @pytest.fixture(scope='module', name='smooth')
 def _smooth():
   model = models.SmoothMLP()
-  x = jax.random.normal(jax.random.key(1), SHAPE)
-  baseline = jax.random.normal(jax.random.key(2), SHAPE)
-  variables = jax.jit(model.init)(jax.random.key(0), x)
+  variables, x, baseline = hand_mlp.problem(model)
   metric = lambda v, x: metric_of(model.apply(v, x))
   return variables, x, baseline, metric
 

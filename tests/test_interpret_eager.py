@@ -20,10 +20,7 @@ from hand_mlp import NAMES, SHAPE, metric_of
 @pytest.fixture(scope='module', name='mlp')
 def _mlp():
   model = models.MLP()
-  clean = jax.random.normal(jax.random.key(1), SHAPE)
-  corrupted = jax.random.normal(jax.random.key(2), SHAPE)
-  variables = jax.jit(model.init)(jax.random.key(0), clean)
-  return model, variables, clean, corrupted
+  return (model, *hand_mlp.problem(model))
 
 
 @jax.jit
