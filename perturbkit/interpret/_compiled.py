@@ -21,18 +21,14 @@ import inspect
 from typing import Any, Callable, TypeVar
 
 import jax
-import numpy as np
 from flax import nnx
 
 from perturbkit.core._naming import named_after
+from perturbkit.core._values import is_array
 
 F = TypeVar('F', bound=Callable)
 
 _ARRAY, _MODULE, _FIXED = 'array', 'module', 'fixed'
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray))
 
 
 def _parts(leaves: list) -> tuple[tuple, list] | None:
@@ -48,7 +44,7 @@ def _parts(leaves: list) -> tuple[tuple, list] | None:
       inputs.append(state)
     elif isinstance(leaf, jax.core.Tracer):
       return None
-    elif _is_array(leaf):
+    elif is_array(leaf):
       kinds.append((_ARRAY,))
       inputs.append(leaf)
     else:
